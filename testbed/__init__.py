@@ -1,0 +1,8 @@
+"""CPU testbed shared by tests and the demo: a tiny Qwen3 checkpoint and a real sglang CPU server.
+
+Modules:
+- ``testbed.tiny_qwen3``: build a tiny Qwen3 HF checkpoint + tokenizer offline; transformers'
+  greedy continuation for given weights (the reference the server must match).
+- ``testbed.sglang_cpu``: launch/stop ``python -m sglang.launch_server`` on the CPU, loopback only,
+  with this repo's sglang plugin installed and the CPU-test stand-ins on ``PYTHONPATH``.
+"""

@@ -1,0 +1,168 @@
+"""A tiny Qwen3 checkpoint built offline, and transformers' greedy output as the reference.
+
+Role: tests and the demo need a real HF checkpoint that sglang serves on the CPU in seconds.
+``make_tiny_qwen3`` writes one (bf16 safetensors, sharded with an index, plus a byte-level BPE
+tokenizer trained locally); ``greedy_token_ids`` computes what a correct server must generate
+greedily for the weights in a directory.
+
+Invariants:
+- No network: the tokenizer is trained from an in-code corpus, the model is randomly initialised.
+- Deterministic: the same ``seed`` gives the same bytes (weights and tokenizer).
+- The weights are initialised with a wide ``initializer_range`` so greedy next-token margins are
+  large compared to bf16 rounding; sglang's and transformers' greedy outputs then agree exactly.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+TINY_QWEN3_CONFIG = dict(
+    vocab_size=1024,
+    hidden_size=64,
+    intermediate_size=256,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=2048,
+    tie_word_embeddings=False,
+)
+TOKENIZER_VOCAB_SIZE = 1000
+EOS_TOKEN = "<|endoftext|>"
+# Wide init: logit margins >> bf16 error, so greedy decoding is stable across implementations.
+INITIALIZER_RANGE = 0.3
+# Small shards so even the tiny model is split over several files with an index.
+MAX_SHARD_SIZE = "200KB"
+
+_CORPUS_WORDS = (
+    "the quick brown fox jumps over the lazy dog while weights move from trainer to engine "
+    "every version of the model is published as a delta of changed bytes and pulled by each "
+    "rollout host which verifies checksums before the engine reloads its local checkpoint "
+    "reinforcement learning needs fresh policy weights on every inference server quickly "
+    "numbers 0 1 2 3 4 5 6 7 8 9 and punctuation , . ; : ! ? ( ) [ ] { } - + = / * "
+).split()
+
+
+def _training_corpus(seed: int, n_lines: int = 4000) -> list[str]:
+    import random
+
+    rng = random.Random(seed)
+    lines = []
+    for _ in range(n_lines):
+        n = rng.randint(4, 16)
+        lines.append(" ".join(rng.choice(_CORPUS_WORDS) for _ in range(n)))
+    return lines
+
+
+def make_tokenizer(out_dir: str | os.PathLike, seed: int = 0):
+    """Train a ~1000-token byte-level BPE offline and save it as a PreTrainedTokenizerFast."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=TOKENIZER_VOCAB_SIZE,
+        special_tokens=[EOS_TOKEN],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_training_corpus(seed), trainer=trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS_TOKEN, pad_token=EOS_TOKEN)
+    fast.save_pretrained(str(out_dir))
+    return fast
+
+
+def make_tiny_qwen3(dir: str | os.PathLike, seed: int = 0) -> str:
+    """Write a tiny random Qwen3 (bf16, sharded safetensors + index) and its tokenizer to ``dir``.
+
+    Returns ``dir`` as a string. The directory is created if needed; existing files are
+    overwritten.
+    """
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    out = Path(dir)
+    out.mkdir(parents=True, exist_ok=True)
+    for stale in list(out.glob("*.safetensors")) + list(out.glob("*.safetensors.index.json")):
+        stale.unlink()  # a shard count from an earlier layout must not linger beside the new one
+    tokenizer = make_tokenizer(out, seed=seed)
+    eos_id = tokenizer.convert_tokens_to_ids(EOS_TOKEN)
+
+    config = Qwen3Config(
+        **TINY_QWEN3_CONFIG,
+        initializer_range=INITIALIZER_RANGE,
+        bos_token_id=eos_id,
+        eos_token_id=eos_id,
+        pad_token_id=eos_id,
+    )
+    torch.manual_seed(seed)
+    model = Qwen3ForCausalLM(config).to(torch.bfloat16)
+    # RMSNorm weights initialise to exactly 1; nudge them so every tensor carries real bytes
+    # (a delta of a norm weight is then as observable as any other).
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.add_(torch.randn_like(param) * 0.05)
+    model.save_pretrained(str(out), max_shard_size=MAX_SHARD_SIZE, safe_serialization=True)
+    _ensure_index(out)
+    return str(out)
+
+
+def _ensure_index(out: Path) -> None:
+    """transformers writes an index only when it shards; make the sharded layout explicit."""
+    index = out / "model.safetensors.index.json"
+    if not index.exists():
+        raise RuntimeError(
+            f"expected a sharded checkpoint with {index.name} in {out}; "
+            f"lower MAX_SHARD_SIZE (now {MAX_SHARD_SIZE})"
+        )
+    json.loads(index.read_text())
+
+
+def load_model(model_dir: str | os.PathLike):
+    """Load ``model_dir`` with transformers on the CPU in bf16 (eval mode)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.bfloat16)
+    model.eval()
+    return model
+
+
+def greedy_token_ids(
+    model_dir: str | os.PathLike, prompt: str, max_new_tokens: int, *, model=None
+) -> list[int]:
+    """Transformers' greedy continuation (token ids) of ``prompt`` for the weights in ``model_dir``.
+
+    End-of-sequence does not stop decoding (the server side is asked with ``ignore_eos``), so
+    exactly ``max_new_tokens`` ids come back. Plain argmax over a full forward pass per step: no
+    KV-cache or generation-config logic that could differ from the server's.
+    """
+    import torch
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    model = model if model is not None else load_model(model_dir)
+    ids = tokenizer(prompt, return_tensors="pt").input_ids
+    out: list[int] = []
+    with torch.no_grad():
+        for _ in range(max_new_tokens):
+            logits = model(ids).logits[0, -1].float()
+            next_id = int(torch.argmax(logits))
+            out.append(next_id)
+            ids = torch.cat([ids, torch.tensor([[next_id]])], dim=1)
+    return out
+
+
+def read_state_dict(model_dir: str | os.PathLike) -> dict:
+    """All tensors of an HF safetensors checkpoint dir, by name (torch tensors, CPU)."""
+    from safetensors.torch import load_file
+
+    tensors = {}
+    for path in sorted(Path(model_dir).glob("*.safetensors")):
+        tensors.update(load_file(str(path)))
+    return tensors
