@@ -1,0 +1,198 @@
+"""Command-line arguments of the disk-delta weight sync, and their validation.
+
+Role: one argparse group a miles or slime trainer adds to its parser, plus one validation
+function it calls after parsing. Both spellings RL users know select the path:
+miles ``--update-weight-transfer-mode disk-delta`` and slime
+``--update-weight-mode delta --update-weight-transport disk``.
+
+Invariants:
+- Adding the group never clashes with flags the host trainer already defines (``--hf-checkpoint``,
+  ``--colocate``...): an option string already on the parser is left to its owner.
+- ``validate_update_weight_args`` refuses a configuration that cannot work before any rank
+  touches a GPU or a file, with a message that says which flag to change and how.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import dataclass
+
+ENCODINGS = ("sparse-v1", "xor", "overwrite")
+CHECKSUMS = ("xxh3-128", "blake3", "adler32")
+PAUSE_MODES = ("retract", "abort", "in_place")
+TRANSFER_MODE_DISK_DELTA = "disk-delta"
+
+
+class UpdateWeightArgsError(ValueError):
+    """A weight-sync flag combination that cannot work; the message names the fix."""
+
+
+@dataclass(frozen=True)
+class DiskDeltaConfig:
+    """The validated settings the updater runs with (one object instead of loose args)."""
+
+    source_dir: str
+    local_checkpoint_dir: str
+    hf_checkpoint: str
+    encoding: str = "sparse-v1"
+    checksum: str = "xxh3-128"
+    full_every: int = 0
+    fallback_fraction: float = 0.5
+    keep_versions: int | None = None
+    post_write_path: str | None = None
+    pause_mode: str = "retract"
+    engine_timeout_s: float = 120.0
+    pull_timeout_s: float = 1800.0
+    not_ready_retry_s: float = 60.0
+
+
+def _add(group, parser: argparse.ArgumentParser, flag: str, **kwargs) -> None:
+    # A host trainer (miles/slime) may already own this flag; its definition wins.
+    if flag in parser._option_string_actions:  # noqa: SLF001 - argparse has no public lookup
+        return
+    group.add_argument(flag, **kwargs)
+
+
+def add_update_weight_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add the disk-delta weight-sync flags to ``parser`` (skipping any it already has)."""
+    g = parser.add_argument_group("weight sync over a shared filesystem (disk-delta)")
+    _add(g, parser, "--update-weight-transfer-mode", type=str, default=None,
+         help="miles spelling: 'disk-delta' publishes each update as a version dir on "
+              "--update-weight-disk-dir and engines pull it to a host-local checkpoint.")
+    _add(g, parser, "--update-weight-mode", type=str, default=None, choices=("full", "delta"),
+         help="slime spelling: 'delta' (with --update-weight-transport disk) selects disk-delta.")
+    _add(g, parser, "--update-weight-transport", type=str, default=None,
+         help="slime spelling: 'disk' for the shared-filesystem path (the only one delta supports).")
+    _add(g, parser, "--update-weight-disk-dir", type=str, default=None,
+         help="Shared source dir every engine host can read; version dirs weight_vNNNNNN/ go here.")
+    _add(g, parser, "--update-weight-local-checkpoint-dir", type=str, default=None,
+         help="Host-local dir on each engine host that holds the engine's current checkpoint.")
+    _add(g, parser, "--update-weight-delta-encoding", type=str, default="sparse-v1", choices=ENCODINGS,
+         help="How changed bytes are encoded in a delta version.")
+    _add(g, parser, "--update-weight-delta-checksum", type=str, default="xxh3-128", choices=CHECKSUMS,
+         help="Checksum recorded per tensor and verified by every pull.")
+    _add(g, parser, "--update-weight-full-every", type=int, default=0,
+         help="Publish a full version every N versions (0: only when a delta would be too large).")
+    _add(g, parser, "--update-weight-fallback-fraction", type=float, default=0.5,
+         help="Publish a full version when the delta exceeds this fraction of a full one.")
+    _add(g, parser, "--update-weight-keep-versions", type=int, default=None,
+         help="Versions kept on the source dir after each publish (default: keep all).")
+    _add(g, parser, "--update-weight-pause-mode", type=str, default="retract", choices=PAUSE_MODES,
+         help="sglang pause_generation mode during the reload; 'in_place' keeps the KV cache "
+              "(no flush_cache).")
+    _add(g, parser, "--update-weight-engine-timeout-s", type=float, default=120.0,
+         help="HTTP timeout of pause/flush/reload/continue calls to an engine.")
+    _add(g, parser, "--update-weight-pull-timeout-s", type=float, default=1800.0,
+         help="HTTP timeout of one /pull_weights call.")
+    _add(g, parser, "--update-weight-not-ready-retry-s", type=float, default=60.0,
+         help="How long to retry an engine answering 'source not ready' (HTTP 404) with backoff.")
+    _add(g, parser, "--custom-update-weight-post-write-path", type=str, default=None,
+         help="Import path 'pkg.mod.fn' called as fn(args, version_dir, rollout_engines) after a "
+              "version is published and before engines pull it (e.g. to flush a cache tier).")
+    _add(g, parser, "--hf-checkpoint", type=str, default=None,
+         help="Local HF checkpoint dir the run starts from (the bytes of version 0).")
+    _add(g, parser, "--colocate", action="store_true", default=False,
+         help="Trainer and engines share GPUs.")
+    return parser
+
+
+def is_disk_delta(args: argparse.Namespace) -> bool:
+    """Whether the flags select the disk-delta path (either spelling)."""
+    return (getattr(args, "update_weight_transfer_mode", None) == TRANSFER_MODE_DISK_DELTA
+            or getattr(args, "update_weight_mode", None) == "delta")
+
+
+def validate_update_weight_args(args: argparse.Namespace) -> DiskDeltaConfig | None:
+    """Check the weight-sync flags; return the config, or None when disk-delta is not selected.
+
+    Raises:
+        UpdateWeightArgsError: the combination cannot work; the message names the flag to change.
+    """
+    if not is_disk_delta(args):
+        return None
+    g = lambda name, default=None: getattr(args, name, default)  # noqa: E731
+    transport = g("update_weight_transport")
+    if g("update_weight_mode") == "delta" and transport != "disk":
+        raise UpdateWeightArgsError(
+            f"--update-weight-mode delta needs --update-weight-transport disk, got "
+            f"--update-weight-transport {transport!r}: deltas travel only through the shared "
+            f"filesystem. Add '--update-weight-transport disk' or drop '--update-weight-mode delta'.")
+    mode = g("update_weight_transfer_mode")
+    if mode is not None and mode != TRANSFER_MODE_DISK_DELTA:
+        raise UpdateWeightArgsError(
+            f"--update-weight-mode delta conflicts with --update-weight-transfer-mode {mode!r}; "
+            f"use '--update-weight-transfer-mode disk-delta' or drop one of the two.")
+    if transport is not None and transport != "disk":
+        raise UpdateWeightArgsError(
+            f"--update-weight-transfer-mode disk-delta conflicts with --update-weight-transport "
+            f"{transport!r}; use '--update-weight-transport disk' or drop it.")
+    if g("colocate", False):
+        raise UpdateWeightArgsError(
+            "disk-delta weight sync does not support --colocate: colocated engines share the "
+            "trainer's GPUs and get weights through CUDA IPC, not files. Drop --colocate (separate "
+            "rollout GPUs) or drop the disk-delta flags.")
+    source_dir = g("update_weight_disk_dir")
+    if not source_dir:
+        raise UpdateWeightArgsError(
+            "disk-delta needs --update-weight-disk-dir: a shared directory the trainer writes "
+            "versions to and every engine host can read (e.g. an NFS or Lustre path).")
+    local_dir = g("update_weight_local_checkpoint_dir")
+    if not local_dir:
+        raise UpdateWeightArgsError(
+            "disk-delta needs --update-weight-local-checkpoint-dir: a host-local directory on each "
+            "engine host (e.g. /tmp/weight_sync/ckpt) where the engine's checkpoint is kept current.")
+    hf = g("hf_checkpoint")
+    if not hf:
+        raise UpdateWeightArgsError(
+            "disk-delta needs --hf-checkpoint: the local HF checkpoint dir of the starting weights "
+            "(version 0 of every delta chain).")
+    if not os.path.isdir(hf):
+        raise UpdateWeightArgsError(
+            f"--hf-checkpoint {hf!r} is not a local directory; disk-delta seeds every engine host "
+            f"from its files. Download it first (e.g. 'huggingface-cli download {hf} --local-dir "
+            f"/data/models/NAME') and pass that directory.")
+    if _same_path(hf, local_dir):
+        raise UpdateWeightArgsError(
+            f"--update-weight-local-checkpoint-dir {local_dir!r} is the --hf-checkpoint dir; pulls "
+            f"rewrite the local checkpoint in place and would destroy the seed. Pick another dir.")
+    if _same_path(source_dir, local_dir) or _same_path(source_dir, hf):
+        raise UpdateWeightArgsError(
+            f"--update-weight-disk-dir {source_dir!r} must differ from --hf-checkpoint and from "
+            f"--update-weight-local-checkpoint-dir.")
+    full_every = int(g("update_weight_full_every", 0) or 0)
+    if full_every < 0:
+        raise UpdateWeightArgsError(f"--update-weight-full-every must be >= 0, got {full_every}.")
+    fallback = float(g("update_weight_fallback_fraction", 0.5))
+    if not 0.0 <= fallback <= 1.0:
+        raise UpdateWeightArgsError(
+            f"--update-weight-fallback-fraction must be in [0, 1], got {fallback}.")
+    keep = g("update_weight_keep_versions")
+    if keep is not None and int(keep) < 2:
+        raise UpdateWeightArgsError(
+            f"--update-weight-keep-versions must be >= 2 (a delta needs the version before it "
+            f"reachable), got {keep}.")
+    post = g("custom_update_weight_post_write_path")
+    if post is not None and "." not in post:
+        raise UpdateWeightArgsError(
+            f"--custom-update-weight-post-write-path {post!r} is not an import path; expected "
+            f"'package.module.function'.")
+    return DiskDeltaConfig(
+        source_dir=source_dir,
+        local_checkpoint_dir=local_dir,
+        hf_checkpoint=hf,
+        encoding=g("update_weight_delta_encoding", "sparse-v1"),
+        checksum=g("update_weight_delta_checksum", "xxh3-128"),
+        full_every=full_every,
+        fallback_fraction=fallback,
+        keep_versions=None if keep is None else int(keep),
+        post_write_path=post,
+        pause_mode=g("update_weight_pause_mode", "retract"),
+        engine_timeout_s=float(g("update_weight_engine_timeout_s", 120.0)),
+        pull_timeout_s=float(g("update_weight_pull_timeout_s", 1800.0)),
+        not_ready_retry_s=float(g("update_weight_not_ready_retry_s", 60.0)),
+    )
+
+
+def _same_path(a: str, b: str) -> bool:
+    return os.path.realpath(a) == os.path.realpath(b)

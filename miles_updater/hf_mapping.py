@@ -1,0 +1,265 @@
+"""Megatron-core parameter names and layouts <-> Hugging Face Qwen3 / Llama (dense and MoE).
+
+Role: pure tensor bookkeeping, no collectives. ``to_hf`` turns one Megatron parameter, given as
+its list of tensor-parallel shards (rank order), into the HF tensors it stands for;
+``from_hf`` is the inverse used to load ``--hf-checkpoint`` into a Megatron model.
+
+Layouts (why the split works per shard, not on the concatenation):
+- ``linear_qkv`` holds, for each query group, its q heads then one k head then one v head
+  (``[g, q_per_group + 2, head_dim, hidden]``). Tensor parallelism splits whole groups, so each
+  shard splits the same way and the per-shard q/k/v pieces concatenate in rank order.
+- ``linear_fc1`` of a gated MLP holds ``[gate; up]`` *within each shard*; the full tensor is
+  ``[gate_0; up_0; gate_1; up_1; ...]``, so gate/up are split per shard before concatenating.
+- Row-parallel weights (``linear_proj``, ``linear_fc2``) concatenate along dim 1.
+- Vocab-parallel embeddings/output layers may carry padding rows; callers trim to the HF shape.
+
+Invariant: ``to_hf(from_hf(x)) == x`` bit for bit for every supported name.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import torch
+
+
+class MappingError(ValueError):
+    """A Megatron parameter has no known HF counterpart (or the shapes cannot match)."""
+
+
+@dataclass(frozen=True)
+class AttentionLayout:
+    """What splitting ``linear_qkv`` needs: heads per group and head size."""
+
+    num_attention_heads: int
+    num_query_groups: int
+    head_dim: int
+
+    @property
+    def q_per_group(self) -> int:
+        return self.num_attention_heads // self.num_query_groups
+
+    @classmethod
+    def from_megatron_config(cls, config) -> "AttentionLayout":
+        groups = config.num_query_groups or config.num_attention_heads
+        head_dim = config.kv_channels or config.hidden_size // config.num_attention_heads
+        return cls(config.num_attention_heads, groups, head_dim)
+
+
+_LAYER_RE = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+_LOCAL_EXPERT_RE = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(linear_fc1|linear_fc2)\.weight$")
+_GROUPED_EXPERT_RE = re.compile(r"^mlp\.experts\.(linear_fc1|linear_fc2)\.weight(\d+)$")
+
+# Names whose mapping is a plain rename (after tensor-parallel concatenation, if any).
+_LAYER_RENAMES = {
+    "input_layernorm.weight": "input_layernorm.weight",
+    "self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",  # TE fused norm
+    "self_attention.linear_proj.weight": "self_attn.o_proj.weight",
+    "self_attention.linear_proj.bias": "self_attn.o_proj.bias",
+    "self_attention.q_layernorm.weight": "self_attn.q_norm.weight",
+    "self_attention.k_layernorm.weight": "self_attn.k_norm.weight",
+    "pre_mlp_layernorm.weight": "post_attention_layernorm.weight",
+    "mlp.linear_fc1.layer_norm_weight": "post_attention_layernorm.weight",  # TE fused norm
+    "mlp.linear_fc2.weight": "mlp.down_proj.weight",
+    "mlp.router.weight": "mlp.gate.weight",
+    "mlp.shared_experts.linear_fc2.weight": "mlp.shared_expert.down_proj.weight",
+    "mlp.shared_experts.gate_weight": "mlp.shared_expert_gate.weight",
+}
+_GLOBAL_RENAMES = {
+    "embedding.word_embeddings.weight": "model.embed_tokens.weight",
+    "decoder.final_layernorm.weight": "model.norm.weight",
+    "output_layer.weight": "lm_head.weight",
+}
+
+
+def is_expert_param(local_name: str) -> bool:
+    """Expert weights are split over the expert-parallel and expert-tensor-parallel groups."""
+    return ".mlp.experts." in local_name
+
+
+def expert_local_index(local_name: str) -> int | None:
+    """The local expert number in a Megatron expert parameter name (None if not an expert)."""
+    m = _LAYER_RE.match(local_name)
+    if not m:
+        return None
+    rest = m.group(2)
+    for rx, idx in ((_LOCAL_EXPERT_RE, 1), (_GROUPED_EXPERT_RE, 2)):
+        e = rx.match(rest)
+        if e:
+            return int(e.group(idx))
+    return None
+
+
+def _cat(shards: list[torch.Tensor], dim: int) -> torch.Tensor:
+    return shards[0] if len(shards) == 1 else torch.cat(shards, dim=dim)
+
+
+def _split_qkv(shards: list[torch.Tensor], att: AttentionLayout) -> tuple[torch.Tensor, ...]:
+    qs, ks, vs = [], [], []
+    per = att.q_per_group + 2
+    for s in shards:
+        tail = tuple(s.shape[1:])  # (hidden,) for a weight, () for a bias
+        rows = s.shape[0]
+        if rows % (per * att.head_dim):
+            raise MappingError(
+                f"linear_qkv shard has {rows} rows, not a multiple of (q_per_group + 2) x head_dim "
+                f"= {per} x {att.head_dim}; the attention layout does not match the model")
+        g = s.reshape(rows // (per * att.head_dim), per, att.head_dim, *tail)
+        qs.append(g[:, : att.q_per_group].reshape(-1, *tail))
+        ks.append(g[:, att.q_per_group].reshape(-1, *tail))
+        vs.append(g[:, att.q_per_group + 1].reshape(-1, *tail))
+    return _cat(qs, 0), _cat(ks, 0), _cat(vs, 0)
+
+
+def _split_gate_up(shards: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    gates, ups = zip(*(s.chunk(2, dim=0) for s in shards))
+    return _cat(list(gates), 0), _cat(list(ups), 0)
+
+
+def to_hf(
+    name: str,
+    shards: list[torch.Tensor],
+    partition_dim: int | None,
+    att: AttentionLayout,
+    *,
+    global_layer: int | None = None,
+    global_expert: int | None = None,
+    tied_embeddings: bool = False,
+) -> list[tuple[str, torch.Tensor]]:
+    """HF (name, tensor) pairs for one Megatron parameter given as its TP shards in rank order.
+
+    Args:
+        name: the parameter name inside one model chunk (``module.`` prefixes removed), with
+            the chunk-local layer number.
+        shards: the tensor-parallel shards (one element when the parameter is not split).
+        partition_dim: the dimension the shards split (None when replicated).
+        att: the attention layout (for ``linear_qkv``).
+        global_layer: the global (0-based) layer number of this chunk-local layer.
+        global_expert: the global expert number of an expert parameter.
+        tied_embeddings: the model ties input and output embeddings (``output_layer`` then maps
+            to ``model.embed_tokens.weight``).
+
+    Raises:
+        MappingError: the name is not one this mapping knows.
+    """
+    if name in _GLOBAL_RENAMES:
+        hf = _GLOBAL_RENAMES[name]
+        if name == "output_layer.weight" and tied_embeddings:
+            hf = "model.embed_tokens.weight"
+        return [(hf, _cat(shards, partition_dim or 0))]
+    m = _LAYER_RE.match(name)
+    if not m:
+        raise MappingError(f"no HF name for Megatron parameter {name!r}")
+    layer = int(m.group(1)) if global_layer is None else global_layer
+    rest = m.group(2)
+    pre = f"model.layers.{layer}."
+    if rest in _LAYER_RENAMES:
+        joined = _cat(shards, partition_dim) if partition_dim is not None else shards[0]
+        return [(pre + _LAYER_RENAMES[rest], joined)]
+    if rest in ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias"):
+        kind = rest.rsplit(".", 1)[1]
+        q, k, v = _split_qkv(shards, att)
+        return [(pre + f"self_attn.{p}_proj.{kind}", t) for p, t in (("q", q), ("k", k), ("v", v))]
+    if rest == "mlp.linear_fc1.weight":
+        gate, up = _split_gate_up(shards)
+        return [(pre + "mlp.gate_proj.weight", gate), (pre + "mlp.up_proj.weight", up)]
+    if rest == "mlp.shared_experts.linear_fc1.weight":
+        gate, up = _split_gate_up(shards)
+        return [(pre + "mlp.shared_expert.gate_proj.weight", gate),
+                (pre + "mlp.shared_expert.up_proj.weight", up)]
+    for rx, which_group in ((_LOCAL_EXPERT_RE, 2), (_GROUPED_EXPERT_RE, 1)):
+        e = rx.match(rest)
+        if e:
+            fc = e.group(which_group)
+            local = int(e.group(3 - which_group))
+            expert = local if global_expert is None else global_expert
+            ep = pre + f"mlp.experts.{expert}."
+            if fc == "linear_fc1":
+                gate, up = _split_gate_up(shards)
+                return [(ep + "gate_proj.weight", gate), (ep + "up_proj.weight", up)]
+            return [(ep + "down_proj.weight", _cat(shards, 1))]
+    raise MappingError(f"no HF name for Megatron parameter {name!r} (layer part {rest!r})")
+
+
+def from_hf(
+    name: str,
+    hf: dict[str, torch.Tensor],
+    att: AttentionLayout,
+    *,
+    global_layer: int | None = None,
+    global_expert: int | None = None,
+    tied_embeddings: bool = False,
+) -> torch.Tensor:
+    """The full (unsplit) Megatron tensor for ``name`` from HF tensors (the inverse of ``to_hf``).
+
+    ``hf`` maps HF names to tensors (a lazy mapping works: only the needed keys are read).
+    For ``linear_fc1`` the result is the *TP=1* layout ``[gate; up]``; use
+    ``shard_for_rank`` to cut a rank's shard, which re-interleaves correctly.
+    """
+    outs = to_hf_names(name, att, global_layer=global_layer, global_expert=global_expert,
+                       tied_embeddings=tied_embeddings)
+    tensors = [hf[n] for n in outs]
+    m = _LAYER_RE.match(name)
+    rest = m.group(2) if m else ""
+    if rest.startswith("self_attention.linear_qkv.") and rest != "self_attention.linear_qkv.layer_norm_weight":
+        q, k, v = tensors
+        tail = tuple(q.shape[1:])
+        g = att.num_query_groups
+        qg = q.reshape(g, att.q_per_group, att.head_dim, *tail)
+        kg = k.reshape(g, 1, att.head_dim, *tail)
+        vg = v.reshape(g, 1, att.head_dim, *tail)
+        return torch.cat([qg, kg, vg], dim=1).reshape(-1, *tail)
+    if len(tensors) == 2:  # gate/up
+        return torch.cat(tensors, dim=0)
+    return tensors[0]
+
+
+def to_hf_names(
+    name: str,
+    att: AttentionLayout | None = None,
+    *,
+    global_layer: int | None = None,
+    global_expert: int | None = None,
+    tied_embeddings: bool = False,
+) -> list[str]:
+    """The HF names ``to_hf`` emits for ``name``, in the same order, without any tensor."""
+    if name in _GLOBAL_RENAMES:
+        if name == "output_layer.weight" and tied_embeddings:
+            return ["model.embed_tokens.weight"]
+        return [_GLOBAL_RENAMES[name]]
+    m = _LAYER_RE.match(name)
+    if not m:
+        raise MappingError(f"no HF name for Megatron parameter {name!r}")
+    layer = int(m.group(1)) if global_layer is None else global_layer
+    rest = m.group(2)
+    pre = f"model.layers.{layer}."
+    if rest in _LAYER_RENAMES:
+        return [pre + _LAYER_RENAMES[rest]]
+    if rest in ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias"):
+        kind = rest.rsplit(".", 1)[1]
+        return [pre + f"self_attn.{p}_proj.{kind}" for p in "qkv"]
+    if rest == "mlp.linear_fc1.weight":
+        return [pre + "mlp.gate_proj.weight", pre + "mlp.up_proj.weight"]
+    if rest == "mlp.shared_experts.linear_fc1.weight":
+        return [pre + "mlp.shared_expert.gate_proj.weight", pre + "mlp.shared_expert.up_proj.weight"]
+    for rx, which_group in ((_LOCAL_EXPERT_RE, 2), (_GROUPED_EXPERT_RE, 1)):
+        e = rx.match(rest)
+        if e:
+            fc = e.group(which_group)
+            expert = int(e.group(3 - which_group)) if global_expert is None else global_expert
+            ep = pre + f"mlp.experts.{expert}."
+            if fc == "linear_fc1":
+                return [ep + "gate_proj.weight", ep + "up_proj.weight"]
+            return [ep + "down_proj.weight"]
+    raise MappingError(f"no HF name for Megatron parameter {name!r} (layer part {rest!r})")
+
+
+def shard_for_rank(name: str, full: torch.Tensor, partition_dim: int | None, tp_rank: int, tp_size: int) -> torch.Tensor:
+    """Cut this rank's shard from a full TP=1 Megatron tensor (gate/up re-interleaved per shard)."""
+    if partition_dim is None or tp_size == 1:
+        return full
+    if name.endswith("linear_fc1.weight"):
+        gate, up = full.chunk(2, dim=0)
+        return torch.cat([gate.chunk(tp_size, 0)[tp_rank], up.chunk(tp_size, 0)[tp_rank]], dim=0)
+    return full.chunk(tp_size, dim=partition_dim)[tp_rank]

@@ -1,0 +1,29 @@
+"""weightsync: publish weight versions to a shared filesystem and pull them onto every host.
+
+The core of the project: the on-disk format (docs/FORMAT.md), codecs, checksums, publish, pull,
+the per-host lock, and the ``weightsync`` command. It imports none of torch, sglang, megatron
+or ray; the engine side (``sglang_patch``) and the trainer side (``miles_updater``) import it.
+"""
+
+from . import errors
+from .codecs import supported_encodings
+from .checksum import supported_checksums
+from .plan import PullPlan, plan_pull
+from .publish import DEFAULT_ENCODING, Publisher, PublishResult, RawTensor, read_checkpoint_tensors
+from .pull import PullResult, applied_version, pull
+
+__all__ = [
+    "errors",
+    "pull",
+    "PullResult",
+    "PullPlan",
+    "plan_pull",
+    "applied_version",
+    "Publisher",
+    "PublishResult",
+    "RawTensor",
+    "read_checkpoint_tensors",
+    "supported_encodings",
+    "supported_checksums",
+    "DEFAULT_ENCODING",
+]

@@ -1,0 +1,236 @@
+"""Apply a chain of deltas to the local checkpoint in place, through mmap, parallel over
+tensors, and verify every tensor.
+
+Order: load and check every delta of the chain (headers, names against the index, digests,
+frame sizes) -> check each tensor against the local checkpoint (exists, byte length) -> clear
+the marker -> apply -> verify -> flush pages to disk -> (caller) write the marker.
+
+Folding: each tensor's pending payloads are applied back to back (all xor: in one pass, chunk
+by chunk) and verified once, against the digest of the newest version that touched it. Strict
+mode (used after a reseed) verifies after every version so a failure names its version.
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from typing import Iterable
+
+import msgspec
+import numpy as np
+
+from .checksum import is_well_formed_digest, new_hasher
+from .codecs import SCRATCH, apply_xor_chain, get_codec
+from .errors import (
+    ChecksumMismatchError,
+    LocalTensorMismatchError,
+    MalformedHeaderError,
+    PayloadBoundError,
+    ShardMismatchError,
+    SourceNotReadyError,
+)
+from .layout import checked_join
+from .manifest import VersionIndex, checkpoint_weight_files
+from .safetensors_io import DTYPE_NBYTES, TensorEntry, local_tensor_table, read_header
+
+log = logging.getLogger(__name__)
+
+
+class DeltaTensor(msgspec.Struct):
+    name: str
+    payload: object  # memoryview into the shard's read-only mmap
+    digest: str
+
+
+class LoadedDelta(msgspec.Struct):
+    index: VersionIndex
+    tensors: dict[str, DeltaTensor]
+    nbytes: int
+
+
+class VerifyFailed(Exception):
+    """Digests did not match after a folded apply (the local state or the artifact is bad)."""
+
+    def __init__(self, mismatches: list[tuple[str, str, str]], version: int, checksum_format: str):
+        super().__init__(f"{len(mismatches)} mismatches")
+        self.mismatches = mismatches
+        self.version = version
+        self.checksum_format = checksum_format
+
+
+class _Maps:
+    """Open read/write mmaps of the local files; closed (and flushed) together."""
+
+    def __init__(self) -> None:
+        self._open: dict[str, tuple[object, mmap.mmap]] = {}
+        self._lock = threading.Lock()
+
+    def get(self, path: str) -> mmap.mmap:
+        with self._lock:
+            if path not in self._open:
+                fh = open(path, "r+b")
+                mm = mmap.mmap(fh.fileno(), 0)
+                try:
+                    mm.madvise(mmap.MADV_WILLNEED)
+                except (AttributeError, OSError, ValueError):
+                    pass
+                self._open[path] = (fh, mm)
+            return self._open[path][1]
+
+    def flush(self) -> None:
+        for fh, mm in self._open.values():
+            mm.flush()
+            os.fsync(fh.fileno())
+
+    def close(self) -> None:
+        for fh, mm in self._open.values():
+            try:
+                mm.close()
+            except BufferError:
+                pass  # a view is still alive (an exception in flight); the GC closes it later
+            fh.close()
+        self._open.clear()
+
+
+def load_delta(index: VersionIndex, keep: list) -> LoadedDelta:
+    """Open the shards the index names (never a listing) and check them without decompressing."""
+    tensors: dict[str, DeltaTensor] = {}
+    nbytes = 0
+    for fname, expected in sorted(index.shards().items()):
+        path = checked_join(index.path, fname, f"v{index.version} index")
+        try:
+            hdr = read_header(path, check_dtype_sizes=True)
+        except FileNotFoundError:
+            raise SourceNotReadyError(
+                f"v{index.version}: the index names shard {fname}, which is not in {index.path}. "
+                "The shared filesystem may not show it yet; retry later."
+            ) from None
+        actual = set(hdr.tensors)
+        if actual != expected:
+            raise ShardMismatchError(path, expected - actual, actual - expected)
+        fh = open(path, "rb")
+        keep.append(fh)
+        mm = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) if hdr.file_nbytes else b""
+        keep.append(mm)
+        view = memoryview(mm)
+        for name, entry in hdr.tensors.items():
+            if entry.dtype != "U8" or len(entry.shape) != 1:
+                raise MalformedHeaderError(path, f"delta tensor {name!r} must be 1-D U8, got {entry.dtype} {list(entry.shape)}")
+            want = hdr.metadata.get(name)
+            if not is_well_formed_digest(index.checksum_format or "", want):
+                raise MalformedHeaderError(
+                    path, f"__metadata__ has no well-formed {index.checksum_format} digest for {name!r} (got {want!r})"
+                )
+            tensors[name] = DeltaTensor(name, view[entry.offset : entry.offset + entry.nbytes], want)
+            nbytes += entry.nbytes
+    return LoadedDelta(index, tensors, nbytes)
+
+
+def local_table(local_checkpoint_dir: str) -> dict[str, tuple[str, TensorEntry]]:
+    try:
+        files = checkpoint_weight_files(local_checkpoint_dir)
+        return local_tensor_table(local_checkpoint_dir, files)
+    except (FileNotFoundError, MalformedHeaderError) as e:
+        raise LocalTensorMismatchError("<checkpoint>", f"the local checkpoint is unreadable: {e}") from None
+
+
+def check_against_local(deltas: Iterable[LoadedDelta], table: dict[str, tuple[str, TensorEntry]]) -> None:
+    for d in deltas:
+        codec = get_codec(d.index.delta_encoding or "")
+        for name, t in d.tensors.items():
+            if name not in table:
+                raise LocalTensorMismatchError(name, f"v{d.index.version} changes it, but the local checkpoint has no such tensor")
+            entry = table[name][1]
+            try:
+                codec.check(t.payload, entry.nbytes, DTYPE_NBYTES[entry.dtype], name)
+            except PayloadBoundError as e:
+                e.args = (f"v{d.index.version}: {e.args[0]}",)
+                raise
+
+
+class _Job(msgspec.Struct):
+    name: str
+    path: str
+    entry: TensorEntry
+    steps: list  # [(codec name, payload)]
+    digest: str
+    checksum_format: str
+    version: int
+
+
+def _jobs(deltas: list[LoadedDelta], table) -> list[_Job]:
+    jobs: dict[str, _Job] = {}
+    for d in deltas:
+        for name, t in d.tensors.items():
+            path, entry = table[name]
+            job = jobs.get(name)
+            if job is None:
+                job = jobs[name] = _Job(name, path, entry, [], t.digest, d.index.checksum_format or "", d.index.version)
+            job.steps.append((d.index.delta_encoding, t.payload))
+            job.digest, job.checksum_format, job.version = t.digest, d.index.checksum_format or "", d.index.version
+    return sorted(jobs.values(), key=lambda j: -j.entry.nbytes)
+
+
+def _run_job(job: _Job, maps: _Maps, chunk_nbytes: int) -> tuple[str, str, str] | None:
+    mm = maps.get(job.path)
+    region = np.ndarray((job.entry.nbytes,), dtype=np.uint8, buffer=mm, offset=job.entry.offset)
+    try:
+        hasher = new_hasher(job.checksum_format)
+        if all(enc == "xor" for enc, _ in job.steps):
+            apply_xor_chain(region, [p for _, p in job.steps], job.name, chunk_nbytes, hasher)
+        else:
+            itemsize = DTYPE_NBYTES[job.entry.dtype]
+            for enc, payload in job.steps:
+                get_codec(enc).apply(region, payload, itemsize, job.name, chunk_nbytes)
+            _hash_in_chunks(hasher, region, chunk_nbytes)
+        actual = hasher.hexdigest()
+    finally:
+        del region
+    return None if actual == job.digest else (job.name, job.digest, actual)
+
+
+def _hash_in_chunks(hasher, region: np.ndarray, chunk_nbytes: int) -> None:
+    for pos in range(0, region.nbytes, chunk_nbytes):
+        hasher.update(region[pos : pos + chunk_nbytes])
+
+
+def apply_chain(
+    local_checkpoint_dir: str,
+    deltas: list[LoadedDelta],
+    table,
+    *,
+    workers: int,
+    chunk_nbytes: int,
+    strict: bool,
+) -> None:
+    """Apply the loaded deltas in place and verify; the caller has cleared the marker."""
+    maps = _Maps()
+    try:
+        with ThreadPoolExecutor(workers, thread_name_prefix="weightsync-apply") as pool:
+            groups = [[d] for d in deltas] if strict else [deltas]
+            for group in groups:
+                jobs = _jobs(group, table)
+                results = list(pool.map(lambda j: _run_job(j, maps, chunk_nbytes), jobs))
+                bad = [r for r in results if r is not None]
+                if bad:
+                    last = group[-1].index
+                    if strict:
+                        raise ChecksumMismatchError(last.version, bad, last.checksum_format or "")
+                    versions = {j.name: j.version for j in jobs}
+                    raise VerifyFailed(bad, max(versions[n] for n, _, _ in bad), last.checksum_format or "")
+        maps.flush()
+    finally:
+        maps.close()
+    _ = SCRATCH
+
+
+def close_all(keep: list) -> None:
+    for obj in reversed(keep):
+        try:
+            obj.close()
+        except (BufferError, OSError):
+            pass
+    keep.clear()

@@ -1,0 +1,229 @@
+"""Delta encodings: a registry of codecs, each turning (old bytes, new bytes) into one payload
+and applying a payload to a region of the local checkpoint in place.
+
+- ``xor`` (upstream): payload = zstd(new XOR old) over the whole tensor; an involution.
+- ``overwrite`` (upstream): zstd(u32 count, count ascending u32 byte positions, count new bytes).
+- ``sparse-v1`` (ours, opt-in for upstream readers): see ``codec_sparse``.
+
+Codecs are byte-level. ``itemsize`` (the element width of the tensor's dtype) is passed so a
+codec may work on elements; xor and overwrite ignore it.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Protocol
+
+import numpy as np
+
+from .errors import OverwriteTooLargeError, PayloadBoundError, UnsupportedFormatError
+from .zstd_frames import ExactReader, check_frame, compress, decompress_exact
+
+UINT_OF_WIDTH = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
+
+
+class Encoded(tuple):
+    """(payload, changed_bytes, changed_elements)."""
+
+    __slots__ = ()
+
+    def __new__(cls, payload: bytes, changed_bytes: int, changed_elements: int):
+        return super().__new__(cls, (payload, changed_bytes, changed_elements))
+
+    payload = property(lambda self: self[0])
+    changed_bytes = property(lambda self: self[1])
+    changed_elements = property(lambda self: self[2])
+
+
+class Scratch(threading.local):
+    """Per-thread reusable buffers: a fresh large allocation per tensor costs page faults."""
+
+    def __init__(self) -> None:
+        self._bufs: dict[str, np.ndarray] = {}
+
+    def get(self, key: str, nbytes: int) -> np.ndarray:
+        buf = self._bufs.get(key)
+        if buf is None or buf.nbytes < nbytes:
+            buf = np.empty(max(nbytes, 1 << 16), dtype=np.uint8)
+            self._bufs[key] = buf
+        return buf[:nbytes]
+
+
+SCRATCH = Scratch()
+
+
+class Codec(Protocol):
+    name: str
+
+    def encode(self, old: np.ndarray, new: np.ndarray, itemsize: int, level: int, tensor: str) -> Encoded | None:
+        """The compressed payload and change counts, or None when nothing changed."""
+
+    def check(self, payload, nbytes: int, itemsize: int, tensor: str) -> None:
+        """Cheap bounds check before any write: sizes only, no bulk decompression."""
+
+    def apply(self, region: np.ndarray, payload, itemsize: int, tensor: str, chunk_nbytes: int) -> None:
+        """Apply one payload to ``region`` (a writable uint8 view of the tensor's bytes)."""
+
+
+def count_changed(old: np.ndarray, new: np.ndarray, itemsize: int, xor: np.ndarray | None = None) -> tuple[int, int]:
+    """(changed bytes, changed elements) between two equal-length uint8 arrays."""
+    x = xor if xor is not None else np.bitwise_xor(old, new)
+    changed_bytes = int(np.count_nonzero(x))
+    if itemsize == 1 or changed_bytes == 0:
+        return changed_bytes, changed_bytes
+    wide = UINT_OF_WIDTH.get(itemsize)
+    if wide is None or x.nbytes % itemsize:
+        return changed_bytes, changed_bytes
+    return changed_bytes, int(np.count_nonzero(x.view(wide)))
+
+
+class XorCodec:
+    name = "xor"
+
+    def encode(self, old, new, itemsize, level, tensor):
+        x = SCRATCH.get("xor", new.nbytes)
+        np.bitwise_xor(old, new, out=x)
+        changed_bytes, changed_elements = count_changed(old, new, itemsize, xor=x)
+        if changed_bytes == 0:
+            return None
+        return Encoded(compress(x, level), changed_bytes, changed_elements)
+
+    def check(self, payload, nbytes, itemsize, tensor):
+        check_frame(payload, nbytes, tensor)
+
+    def apply(self, region, payload, itemsize, tensor, chunk_nbytes):
+        apply_xor_chain(region, [payload], tensor, chunk_nbytes, hasher=None)
+
+
+def apply_xor_chain(region: np.ndarray, payloads: list, tensor: str, chunk_nbytes: int, hasher) -> None:
+    """XOR several payloads into region chunk by chunk: each byte of the tensor is read and
+    written once however long the chain, and hashed while the chunk is still in cache."""
+    nbytes = region.nbytes
+    readers = [ExactReader(p, nbytes, tensor) for p in payloads]
+    buf = SCRATCH.get("xor-apply", min(chunk_nbytes, max(nbytes, 1)))
+    pos = 0
+    while pos < nbytes:
+        k = min(buf.nbytes, nbytes - pos)
+        view = region[pos : pos + k]
+        chunk = buf[:k]
+        for r in readers:
+            r.readinto(memoryview(chunk))
+            np.bitwise_xor(view, chunk, out=view)
+        if hasher is not None:
+            hasher.update(view)
+        pos += k
+
+
+class OverwriteCodec:
+    name = "overwrite"
+    # Payloads up to this size are decompressed in one piece; larger ones are streamed
+    # through two readers (positions, then values) so memory stays bounded.
+    one_shot_nbytes = 32 << 20
+
+    def encode(self, old, new, itemsize, level, tensor):
+        if new.nbytes > 0xFFFFFFFF:
+            raise OverwriteTooLargeError(tensor, new.nbytes)
+        x = SCRATCH.get("xor", new.nbytes)
+        np.bitwise_xor(old, new, out=x)
+        positions = np.flatnonzero(x)
+        if positions.size == 0:
+            return None
+        _, changed_elements = count_changed(old, new, itemsize, xor=x)
+        body = np.empty(4 + 5 * positions.size, dtype=np.uint8)
+        body[:4] = np.frombuffer(np.uint32(positions.size).astype("<u4").tobytes(), np.uint8)
+        body[4 : 4 + 4 * positions.size] = positions.astype("<u4").view(np.uint8)
+        body[4 + 4 * positions.size :] = new[positions]
+        return Encoded(compress(body, level), int(positions.size), changed_elements)
+
+    def check(self, payload, nbytes, itemsize, tensor):
+        content = check_frame(payload, None, tensor)
+        if content < 4 or (content - 4) % 5:
+            raise PayloadBoundError(tensor, f"overwrite payload of {content} bytes is not 4 + 5 x count")
+        count = (content - 4) // 5
+        if count > nbytes:
+            raise PayloadBoundError(tensor, f"overwrite of {count} positions into a {nbytes}-byte tensor")
+
+    def apply(self, region, payload, itemsize, tensor, chunk_nbytes):
+        nbytes = region.nbytes
+        _, content = _frame_content(payload, tensor)
+        count = (content - 4) // 5
+        if content <= self.one_shot_nbytes:
+            body = np.frombuffer(decompress_exact(payload, content, tensor), np.uint8)
+            declared = int(body[:4].view("<u4")[0])
+            if declared != count:
+                raise PayloadBoundError(tensor, f"overwrite count {declared} disagrees with payload size ({count})")
+            positions = body[4 : 4 + 4 * count].view("<u4")
+            _check_positions(positions, -1, nbytes, tensor)
+            region[positions] = body[4 + 4 * count :]
+            return
+        pos_reader = ExactReader(payload, content, tensor)
+        val_reader = ExactReader(payload, content, tensor)
+        head = np.empty(4, np.uint8)
+        pos_reader.readinto(memoryview(head))
+        if int(head.view("<u4")[0]) != count:
+            raise PayloadBoundError(tensor, "overwrite count disagrees with payload size")
+        step = max(1, chunk_nbytes // 4)
+        val_reader.skip(4 + 4 * count, memoryview(SCRATCH.get("skip", min(chunk_nbytes, 4 + 4 * count))))
+        pbuf = SCRATCH.get("ow-pos", 4 * step).view("<u4")
+        vbuf = SCRATCH.get("ow-val", step)
+        last = -1
+        done = 0
+        while done < count:
+            k = min(step, count - done)
+            p, v = pbuf[:k], vbuf[:k]
+            pos_reader.readinto(memoryview(p).cast("B"))
+            val_reader.readinto(memoryview(v))
+            _check_positions(p, last, nbytes, tensor)
+            region[p] = v
+            last = int(p[-1])
+            done += k
+
+
+def _frame_content(payload, tensor):
+    from .zstd_frames import frame_nbytes
+
+    return frame_nbytes(payload, tensor)
+
+
+def _check_positions(positions: np.ndarray, previous: int, nbytes: int, tensor: str) -> None:
+    if positions.size == 0:
+        return
+    if int(positions[0]) <= previous or (positions.size > 1 and not bool(np.all(positions[1:] > positions[:-1]))):
+        raise PayloadBoundError(tensor, "overwrite positions are not strictly ascending")
+    if int(positions[-1]) >= nbytes:
+        raise PayloadBoundError(tensor, f"overwrite position {int(positions[-1])} is past the {nbytes}-byte tensor")
+
+
+_CODECS: dict[str, Codec] = {"xor": XorCodec(), "overwrite": OverwriteCodec()}
+UPSTREAM_ENCODINGS = ("xor", "overwrite")
+
+
+def register_codec(codec: Codec) -> None:
+    _CODECS[codec.name] = codec
+
+
+def supported_encodings() -> list[str]:
+    _load_optional_codecs()
+    return sorted(_CODECS)
+
+
+def get_codec(name: str) -> Codec:
+    _load_optional_codecs()
+    try:
+        return _CODECS[name]
+    except KeyError:
+        raise UnsupportedFormatError("delta_encoding", name, sorted(_CODECS)) from None
+
+
+_optional_loaded = False
+
+
+def _load_optional_codecs() -> None:
+    global _optional_loaded
+    if _optional_loaded:
+        return
+    _optional_loaded = True
+    try:
+        from . import codec_sparse  # noqa: F401  (registers itself)
+    except ImportError:
+        pass

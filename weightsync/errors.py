@@ -1,0 +1,278 @@
+"""Every error the core raises, in one place.
+
+Three families matter to a caller, because each asks for a different reaction:
+
+- ``SourceNotReadyError``: the published version is not there, or not complete yet. Retry
+  later; the local checkpoint was not touched.
+- ``LocalStateError``: the host-local checkpoint is torn or corrupt. ``pull`` reseeds once
+  and replays on its own; this surfaces only when that did not help.
+- ``CorruptArtifactError``: the published artifact itself is bad (checksum mismatch, broken
+  header, names that do not match the index). Retrying cannot help: fail loud.
+
+Each class subclasses the stdlib error it refines, carries its data as attributes, and has
+an ``error_type`` (a stable machine-readable name) and ``http_status`` (what an HTTP endpoint
+answers). Messages say what happened, expected vs actual, and what to do.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+__all__ = [
+    "WeightSyncError",
+    "InvalidRequestError",
+    "BackwardPullError",
+    "PathNotAllowedError",
+    "SourceNotReadyError",
+    "VersionMissingError",
+    "IndexMissingError",
+    "ChainBrokenError",
+    "CorruptArtifactError",
+    "ChecksumMismatchError",
+    "ShardMismatchError",
+    "MalformedHeaderError",
+    "UnsafeNameError",
+    "PayloadBoundError",
+    "UnsupportedFormatError",
+    "LocalStateError",
+    "LocalTensorMismatchError",
+    "ConflictError",
+    "LockTimeoutError",
+    "PublishError",
+    "OverwriteTooLargeError",
+    "ChecksumUnavailableError",
+    "error_types",
+]
+
+
+class WeightSyncError(Exception):
+    """Base class of every error raised by the core."""
+
+    error_type: str = "weight_sync_error"
+    http_status: int = 500
+    retryable: bool = False
+
+
+# --- the caller asked for something that cannot be done -------------------------------
+
+
+class InvalidRequestError(WeightSyncError, ValueError):
+    error_type = "bad_request"
+    http_status = 400
+
+
+class BackwardPullError(InvalidRequestError):
+    """Deltas only go forward; a lower target needs a reset to version 0 first."""
+
+    def __init__(self, target_version: int, applied_version: int):
+        self.target_version = target_version
+        self.applied_version = applied_version
+        super().__init__(
+            f"cannot pull backwards: the local checkpoint is at version {applied_version}, "
+            f"the request asks for {target_version}. Deltas only go forward; pull version 0 "
+            "to reset to the engine's own model, then pull forward again."
+        )
+
+
+class PathNotAllowedError(InvalidRequestError, PermissionError):
+    error_type = "forbidden"
+    http_status = 403
+
+    def __init__(self, path: str, allowed_roots: Sequence[str], why: str = ""):
+        self.path = path
+        self.allowed_roots = list(allowed_roots)
+        super().__init__(
+            f"path {path!r} is outside the allowed roots {self.allowed_roots}"
+            + (f" ({why})" if why else "")
+            + ". Ask the operator to add its root to the allowed roots, or use a path below one."
+        )
+
+
+# --- the source is not (yet) there: retry later, nothing local was touched -------------
+
+
+class SourceNotReadyError(WeightSyncError, FileNotFoundError):
+    error_type = "source_not_ready"
+    http_status = 404
+    retryable = True
+
+
+class VersionMissingError(SourceNotReadyError):
+    def __init__(self, version: int, path: str):
+        self.version = version
+        self.path = path
+        super().__init__(
+            f"version {version} is not published: {path} does not exist. "
+            "The trainer may not have written it yet; retry after it is published."
+        )
+
+
+class IndexMissingError(SourceNotReadyError):
+    def __init__(self, version: int, path: str, detail: str = ""):
+        self.version = version
+        self.path = path
+        super().__init__(
+            f"version {version} at {path} has no model.safetensors.index.json yet"
+            + (f" ({detail})" if detail else "")
+            + ". The index is written last, so the version is still being published (or the "
+            "shared filesystem has not shown it here yet); retry later."
+        )
+
+
+class ChainBrokenError(SourceNotReadyError):
+    def __init__(self, needed_version: int, target_version: int, path: str):
+        self.needed_version = needed_version
+        self.target_version = target_version
+        self.path = path
+        super().__init__(
+            f"reaching version {target_version} needs version {needed_version}, which is not "
+            f"at {path} (pruned, or not visible yet). Publish a full version at or below "
+            f"{target_version}, or keep more versions when pruning."
+        )
+
+
+# --- the published artifact is bad: fail loud, do not retry -----------------------------
+
+
+class CorruptArtifactError(WeightSyncError, ValueError):
+    error_type = "corrupt_artifact"
+    http_status = 422
+
+
+class ChecksumMismatchError(CorruptArtifactError):
+    """One or more tensors did not hash to the digest their version promised."""
+
+    def __init__(self, version: int, mismatches: Sequence[tuple[str, str, str]], checksum_format: str):
+        self.version = version
+        self.mismatches = list(mismatches)  # (tensor name, expected digest, actual digest)
+        self.checksum_format = checksum_format
+        shown = "; ".join(f"{n}: expected {e}, got {a}" for n, e, a in self.mismatches[:5])
+        more = f" (and {len(self.mismatches) - 5} more)" if len(self.mismatches) > 5 else ""
+        super().__init__(
+            f"version {version}: {len(self.mismatches)} tensor(s) failed {checksum_format} "
+            f"verification after a fresh seed: {shown}{more}. The published delta is corrupt; "
+            "republish this version (or publish a full version) and pull again."
+        )
+
+
+class ShardMismatchError(CorruptArtifactError):
+    def __init__(self, shard: str, missing: Sequence[str], unexpected: Sequence[str]):
+        self.shard = shard
+        self.missing = sorted(missing)
+        self.unexpected = sorted(unexpected)
+        super().__init__(
+            f"shard {shard} does not hold what the index maps to it: missing {self.missing[:5]}, "
+            f"unexpected {self.unexpected[:5]}. The version was written inconsistently; republish it."
+        )
+
+
+class MalformedHeaderError(CorruptArtifactError):
+    def __init__(self, path: str, detail: str):
+        self.path = path
+        self.detail = detail
+        super().__init__(f"{path}: malformed file: {detail}. Republish this version.")
+
+
+class UnsafeNameError(CorruptArtifactError):
+    def __init__(self, name: str, where: str):
+        self.name = name
+        self.where = where
+        super().__init__(
+            f"{where} names {name!r}, which is not a plain file name inside its directory "
+            "(absolute, '..', a separator or a control character). Refusing to touch it."
+        )
+
+
+class PayloadBoundError(CorruptArtifactError):
+    def __init__(self, tensor: str, detail: str):
+        self.tensor = tensor
+        self.detail = detail
+        super().__init__(f"tensor {tensor}: delta payload out of bounds: {detail}. Republish this version.")
+
+
+class UnsupportedFormatError(CorruptArtifactError, NotImplementedError):
+    error_type = "unsupported_format"
+
+    def __init__(self, field: str, value: object, supported: Sequence[str]):
+        self.field = field
+        self.value = value
+        self.supported = list(supported)
+        super().__init__(
+            f"unsupported {field} {value!r}; this reader supports {self.supported}. "
+            "Upgrade the reader, or publish with a supported setting."
+        )
+
+
+# --- the local checkpoint is bad: reseed once and replay, then fail loud -----------------
+
+
+class LocalStateError(WeightSyncError, RuntimeError):
+    error_type = "local_state_corrupt"
+    http_status = 500
+
+
+class LocalTensorMismatchError(LocalStateError):
+    def __init__(self, tensor: str, detail: str):
+        self.tensor = tensor
+        self.detail = detail
+        super().__init__(
+            f"local checkpoint cannot take the delta for {tensor}: {detail}. "
+            "The local checkpoint does not match the version the delta builds on."
+        )
+
+
+# --- concurrency --------------------------------------------------------------------------
+
+
+class ConflictError(WeightSyncError, RuntimeError):
+    error_type = "conflict"
+    http_status = 409
+    retryable = True
+
+
+class LockTimeoutError(ConflictError, TimeoutError):
+    def __init__(self, lock_path: str, timeout_s: float):
+        self.lock_path = lock_path
+        self.timeout_s = timeout_s
+        super().__init__(
+            f"another pull held {lock_path} for more than {timeout_s:.0f} s. Wait for it to "
+            "finish (or find the stuck process holding the lock) and retry."
+        )
+
+
+# --- publishing ----------------------------------------------------------------------------
+
+
+class PublishError(WeightSyncError, ValueError):
+    error_type = "publish_error"
+    http_status = 400
+
+
+class OverwriteTooLargeError(PublishError):
+    def __init__(self, tensor: str, nbytes: int):
+        self.tensor = tensor
+        self.nbytes = nbytes
+        super().__init__(
+            f"tensor {tensor} has {nbytes} bytes; the 'overwrite' encoding stores 32-bit "
+            "positions and cannot address past 4 GiB. Use the 'xor' or 'sparse-v1' encoding."
+        )
+
+
+class ChecksumUnavailableError(UnsupportedFormatError, ImportError):
+    def __init__(self, name: str, package: str):
+        self.package = package
+        super().__init__("checksum_format", name, [name])
+        self.args = (
+            f"checksum {name!r} needs the optional package {package!r}: pip install {package}",
+        )
+
+
+def error_types() -> dict[str, int]:
+    """error_type -> HTTP status of every concrete error class (for the endpoint's docs/tests)."""
+    out: dict[str, int] = {}
+    stack: list[type[WeightSyncError]] = [WeightSyncError]
+    while stack:
+        cls = stack.pop()
+        out[cls.error_type] = cls.http_status
+        stack.extend(cls.__subclasses__())
+    return out

@@ -1,0 +1,78 @@
+"""Durable file writes: temp name, fsync, rename, fsync the directory.
+
+Where the filesystem cannot rename (some object-store mounts), files are written once under
+their final name instead; the caller keeps the commit order (the index last) either way.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Iterable
+
+from .layout import tmp_name
+
+
+def fsync_dir(directory: str) -> None:
+    try:
+        fd = os.open(directory, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass  # some filesystems refuse fsync on a directory; the data itself was fsynced
+    finally:
+        os.close(fd)
+
+
+def write_file(path: str, chunks: Iterable[bytes | memoryview], *, atomic: bool = True) -> int:
+    """Write chunks to path durably; returns bytes written."""
+    target = tmp_name(path) if atomic else path
+    total = 0
+    try:
+        with open(target, "wb") as f:
+            for chunk in chunks:
+                f.write(chunk)
+                total += len(chunk) if not isinstance(chunk, memoryview) else chunk.nbytes
+            f.flush()
+            os.fsync(f.fileno())
+        if atomic:
+            os.replace(target, path)
+    except BaseException:
+        if atomic:
+            try:
+                os.unlink(target)
+            except OSError:
+                pass
+        raise
+    return total
+
+
+def write_bytes(path: str, data: bytes, *, atomic: bool = True) -> int:
+    return write_file(path, [data], atomic=atomic)
+
+
+def copy_file(src: str, dst: str) -> int:
+    """Copy with the kernel's copy path (copy_file_range/sendfile), fsync, return the size."""
+    import shutil
+
+    shutil.copyfile(src, dst)
+    with open(dst, "rb+") as f:
+        os.fsync(f.fileno())
+    return os.path.getsize(dst)
+
+
+def drop_page_cache(path: str) -> None:
+    """Evict a source file from the page cache so a seed copy does not push out hot data."""
+    if not hasattr(os, "posix_fadvise"):
+        return
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)

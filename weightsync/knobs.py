@@ -1,0 +1,45 @@
+"""Every tunable of the core, each with its environment override.
+
+Read once per call site through ``knobs.get(...)`` so tests can monkeypatch the environment.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Knob:
+    env: str
+    default: float
+    help: str
+
+    def get(self) -> float:
+        raw = os.environ.get(self.env)
+        if raw is None or raw == "":
+            return self.default
+        try:
+            return float(raw)
+        except ValueError:
+            raise ValueError(f"{self.env}={raw!r} is not a number ({self.help})") from None
+
+
+APPLY_WORKERS = Knob("WEIGHTSYNC_APPLY_WORKERS", 0, "threads applying deltas; 0 = one per core, at most 32")
+PUBLISH_WORKERS = Knob("WEIGHTSYNC_PUBLISH_WORKERS", 0, "threads encoding deltas; 0 = one per core, at most 32")
+CHUNK_NBYTES = Knob("WEIGHTSYNC_CHUNK_NBYTES", 2 << 20, "bytes a worker decompresses/applies at a time")
+LOCK_TIMEOUT_S = Knob("WEIGHTSYNC_LOCK_TIMEOUT_S", 600, "seconds a pull waits for the per-host lock")
+LOCK_LOG_EVERY_S = Knob("WEIGHTSYNC_LOCK_LOG_EVERY_S", 10, "seconds between 'still waiting for the lock' lines")
+MAX_HEADER_NBYTES = Knob("WEIGHTSYNC_MAX_HEADER_NBYTES", 100 << 20, "largest safetensors header accepted")
+MAX_INDEX_NBYTES = Knob("WEIGHTSYNC_MAX_INDEX_NBYTES", 64 << 20, "largest index json accepted")
+FULL_SHARD_NBYTES = Knob("WEIGHTSYNC_FULL_SHARD_NBYTES", 4 << 30, "bytes per shard of a full version")
+DELTA_SHARD_NBYTES = Knob("WEIGHTSYNC_DELTA_SHARD_NBYTES", 2 << 30, "payload bytes per shard of a delta version")
+ZSTD_LEVEL = Knob("WEIGHTSYNC_ZSTD_LEVEL", 1, "zstd level of delta payloads")
+FALLBACK_FRACTION = Knob("WEIGHTSYNC_FALLBACK_FRACTION", 0.5, "publish a full version when delta > this x full")
+
+
+def workers(knob: Knob, requested: int | None = None) -> int:
+    n = int(requested if requested else knob.get())
+    if n <= 0:
+        n = min(32, os.cpu_count() or 1)
+    return max(1, n)

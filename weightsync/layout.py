@@ -1,0 +1,112 @@
+"""The one module that spells paths: version dirs, index and shard names, the local sync dir.
+
+Nobody else formats ``weight_v{N:06d}``. Layout of a source dir and a local checkpoint dir::
+
+    source_dir/
+    ├── weight_v000001/                    a delta version
+    │   ├── model.safetensors.index.json   written last: the commit point
+    │   └── delta-r00000-00001.safetensors
+    └── weight_v000002/                    a full version (an ordinary HF checkpoint)
+        ├── config.json
+        ├── model.safetensors.index.json
+        └── model-r00000-00001.safetensors
+
+    local_checkpoint_dir/                  a complete HF checkpoint
+    ├── config.json, *.safetensors, ...
+    └── .weight_sync/
+        ├── lock                           per-host flock
+        └── state.json                     {"version": "000002"}: the applied-version marker
+"""
+
+from __future__ import annotations
+
+import os
+import re
+
+from .errors import UnsafeNameError
+
+INDEX_NAME = "model.safetensors.index.json"
+SINGLE_FILE_NAME = "model.safetensors"
+SYNC_DIR = ".weight_sync"
+LOCK_NAME = "lock"
+STATE_NAME = "state.json"
+VERSION_DIR_RE = re.compile(r"^weight_v(\d{6,})$")
+
+
+def version_dir_name(version: int) -> str:
+    return f"weight_v{version:06d}"
+
+
+def version_dir(source_dir: str, version: int) -> str:
+    return os.path.join(source_dir, version_dir_name(version))
+
+
+def index_path(directory: str) -> str:
+    return os.path.join(directory, INDEX_NAME)
+
+
+def format_version(version: int) -> str:
+    """Index and marker spelling: zero-padded to 6 digits."""
+    return f"{version:06d}"
+
+
+def parse_version_dir_name(name: str) -> int | None:
+    m = VERSION_DIR_RE.match(name)
+    return int(m.group(1)) if m else None
+
+
+def list_versions(source_dir: str) -> list[int]:
+    """Version numbers present as directories (for inspect/prune, never for pulling)."""
+    try:
+        names = os.listdir(source_dir)
+    except FileNotFoundError:
+        return []
+    return sorted(v for v in map(parse_version_dir_name, names) if v is not None)
+
+
+def delta_shard_name(rank: int, part: int) -> str:
+    """Deterministic per rank, so several ranks never race on a listing to number shards."""
+    return f"delta-r{rank:05d}-{part:05d}.safetensors"
+
+
+def full_shard_name(rank: int, part: int) -> str:
+    return f"model-r{rank:05d}-{part:05d}.safetensors"
+
+
+def sync_dir(local_checkpoint_dir: str) -> str:
+    return os.path.join(local_checkpoint_dir, SYNC_DIR)
+
+
+def lock_path(local_checkpoint_dir: str) -> str:
+    return os.path.join(local_checkpoint_dir, SYNC_DIR, LOCK_NAME)
+
+
+def state_path(local_checkpoint_dir: str) -> str:
+    return os.path.join(local_checkpoint_dir, SYNC_DIR, STATE_NAME)
+
+
+def tmp_name(path: str) -> str:
+    return f"{path}.tmp.{os.getpid()}"
+
+
+def is_weight_file(name: str) -> bool:
+    return name.endswith(".safetensors") or name == INDEX_NAME
+
+
+def checked_file_name(name: object, where: str) -> str:
+    """A plain file name that stays inside its directory, or UnsafeNameError."""
+    if (
+        not isinstance(name, str)
+        or not name
+        or name in (".", "..")
+        or "/" in name
+        or "\\" in name
+        or os.sep in name
+        or any(ord(c) < 32 for c in name)
+    ):
+        raise UnsafeNameError(str(name), where)
+    return name
+
+
+def checked_join(directory: str, name: object, where: str) -> str:
+    return os.path.join(directory, checked_file_name(name, where))

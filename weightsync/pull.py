@@ -1,0 +1,213 @@
+"""Pull: bring a host-local checkpoint to a target version.
+
+    pull(local_checkpoint_dir, seed_dir, source_dir, target_version, pre_read_hook)
+
+One pull per host at a time (a flock on host-local disk); a caller that finds the work done
+returns at once. The pre-read hook runs once per host, inside the lock, only when there is work.
+Faults are told apart (see ``errors``): a source that is not ready leaves the local state
+untouched; a torn or corrupt local state is reseeded once and the chain replayed (verifying each
+version); a bad artifact fails loud, naming tensors and digests. The applied-version marker
+never points at bytes that were not verified and flushed to disk.
+"""
+
+from __future__ import annotations
+
+import gc
+import importlib
+import logging
+import os
+import time
+from typing import Callable
+
+import msgspec
+
+from . import knobs
+from .apply import VerifyFailed, apply_chain, check_against_local, close_all, load_delta, local_table
+from .errors import CorruptArtifactError, InvalidRequestError, LocalStateError, LocalTensorMismatchError
+from .layout import state_path
+from .lock import host_lock
+from .plan import PullPlan, plan_pull, read_applied_version
+from .seed import invalidate_marker, seed_local_checkpoint, write_marker
+
+log = logging.getLogger(__name__)
+
+Hook = Callable[[str, int], None]
+
+
+class PullResult(msgspec.Struct):
+    applied_version: int
+    action: str
+    reason: str
+    deltas_applied: int = 0
+    seconds: float = 0.0
+    hook_ran: bool = False
+    nbytes_read: int = 0
+    seed_nbytes: int = 0
+    reseeded: bool = False
+    lock_wait_s: float = 0.0
+    seed_s: float = 0.0
+    apply_s: float = 0.0
+
+
+def load_hook(hook: "str | Hook | None") -> Hook | None:
+    if hook is None or callable(hook):
+        return hook
+    module, _, attr = str(hook).rpartition(".")
+    if not module:
+        raise InvalidRequestError(f"pre-read hook {hook!r} is not an import path like 'package.module.function'")
+    try:
+        return getattr(importlib.import_module(module), attr)
+    except (ImportError, AttributeError) as e:
+        raise InvalidRequestError(f"pre-read hook {hook!r} cannot be imported: {e}") from None
+
+
+def _check_dirs(local_checkpoint_dir: str, seed_dir: str, source_dir: str) -> None:
+    for label, value in (("local_checkpoint_dir", local_checkpoint_dir), ("seed_dir", seed_dir), ("source_dir", source_dir)):
+        if not isinstance(value, str) or not value:
+            raise InvalidRequestError(f"{label} must be a non-empty path, got {value!r}")
+    local_real, seed_real = os.path.realpath(local_checkpoint_dir), os.path.realpath(seed_dir)
+    if local_real == seed_real:
+        raise InvalidRequestError(
+            f"seed dir {seed_dir} is the local checkpoint dir itself; the seed dir must be the engine's "
+            "original model path (captured at start-up), never the dir being patched"
+        )
+    if os.path.realpath(source_dir) == local_real:
+        raise InvalidRequestError("source_dir and local_checkpoint_dir must be different directories")
+
+
+def pull(
+    local_checkpoint_dir: str,
+    seed_dir: str,
+    source_dir: str,
+    target_version: int,
+    pre_read_hook: "str | Hook | None" = None,
+    *,
+    lock_timeout_s: float | None = None,
+    workers: int | None = None,
+) -> PullResult:
+    """Bring ``local_checkpoint_dir`` to ``target_version``.
+
+    Args:
+        local_checkpoint_dir: host-local checkpoint to patch (created on first pull).
+        seed_dir: the engine's own model, i.e. version 0; never the local dir itself.
+        source_dir: the shared dir holding ``weight_vNNNNNN/``.
+        target_version: version to reach; 0 resets to the seed dir.
+        pre_read_hook: ``fn(source_dir, target_version)`` or its import path, run inside the
+            lock before reading the source when there is work to do.
+        lock_timeout_s: how long to wait for another pull on this host (0: fail at once).
+        workers: apply threads (default: one per core).
+
+    Returns:
+        PullResult with the plan's action and reason, and timings.
+
+    Raises:
+        InvalidRequestError, BackwardPullError: the request cannot be served.
+        SourceNotReadyError: the version (or one it needs) is not published yet; nothing changed.
+        CorruptArtifactError: the published artifact is bad (after one reseed and replay).
+        LocalStateError: the local checkpoint is broken in a way a reseed did not fix.
+        LockTimeoutError: another pull held the host lock too long.
+    """
+    t0 = time.perf_counter()
+    _check_dirs(local_checkpoint_dir, seed_dir, source_dir)
+    if isinstance(target_version, bool) or not isinstance(target_version, int) or target_version < 0:
+        raise InvalidRequestError(f"target_version must be an integer >= 0, got {target_version!r}")
+    hook = load_hook(pre_read_hook)
+    n_workers = knobs.workers(knobs.APPLY_WORKERS, workers)
+    chunk = int(knobs.CHUNK_NBYTES.get())
+    os.makedirs(local_checkpoint_dir, exist_ok=True)
+    with host_lock(local_checkpoint_dir, lock_timeout_s) as waited:
+        applied, _ = read_applied_version(local_checkpoint_dir, source_dir)
+        if applied == target_version:
+            result = PullResult(target_version, "noop", f"no-op: already at v{target_version}", lock_wait_s=waited)
+            result.seconds = time.perf_counter() - t0
+            log.info("pull v%d: %s", target_version, result.reason)
+            return result
+        hook_ran = False
+        if hook is not None and target_version > 0:
+            # Object-store-backed shared filesystems show the publisher's files only after an
+            # explicit refresh; the deployment supplies it as this hook.
+            hook(source_dir, target_version)
+            hook_ran = True
+        result = _pull_locked(local_checkpoint_dir, seed_dir, source_dir, target_version, n_workers, chunk)
+        result.hook_ran = hook_ran
+        result.lock_wait_s = waited
+    result.seconds = time.perf_counter() - t0
+    log.info(
+        "pull v%d done in %.3fs: %s%s", target_version, result.seconds, result.reason,
+        " (after a reseed)" if result.reseeded else "",
+    )
+    return result
+
+
+def _pull_locked(local: str, seed_dir: str, source_dir: str, target: int, workers: int, chunk: int) -> PullResult:
+    plan, indexes = plan_pull(local, seed_dir, source_dir, target)
+    log.info("pull plan for v%d: %s", target, plan.reason)
+    try:
+        return _execute(plan, indexes, local, seed_dir, source_dir, workers, chunk, strict=False)
+    except (LocalStateError, VerifyFailed) as first:
+        detail = (
+            f"{len(first.mismatches)} tensor(s) failed verification" if isinstance(first, VerifyFailed) else str(first)
+        )
+        log.warning("pull v%d: %s; reseeding once and replaying with per-version verification", target, detail)
+    plan, indexes = plan_pull(local, seed_dir, source_dir, target, force_reseed=True)
+    log.info("pull plan for v%d (retry): %s", target, plan.reason)
+    try:
+        result = _execute(plan, indexes, local, seed_dir, source_dir, workers, chunk, strict=True)
+    except LocalTensorMismatchError as e:
+        seed = plan.seed.path if plan.seed else seed_dir
+        raise CorruptArtifactError(
+            f"after a fresh seed from {seed}, the deltas up to v{target} still do not fit the checkpoint: {e}. "
+            "The published chain does not belong to this model; republish from a full version."
+        ) from e
+    result.reseeded = True
+    return result
+
+
+def _execute(
+    plan: PullPlan, indexes, local: str, seed_dir: str, source_dir: str, workers: int, chunk: int, *, strict: bool
+) -> PullResult:
+    if plan.action == "noop":
+        return PullResult(plan.target_version, "noop", plan.reason)
+    keep: list = []
+    loaded = []
+    try:
+        # Everything about the artifacts is checked before the first byte changes locally.
+        loaded = [load_delta(indexes[v], keep) for v in plan.deltas]
+        nbytes_read = sum(d.nbytes for d in loaded)
+        seed_nbytes, seed_s = 0, 0.0
+        source_real = os.path.realpath(source_dir)
+        if plan.seed is not None:
+            t = time.perf_counter()
+            shard_files = None
+            if plan.seed.kind == "full":
+                shard_files = sorted(set(indexes[plan.seed.version].weight_map.values()))
+            seed_nbytes = seed_local_checkpoint(
+                local, plan.seed, seed_dir, shard_files, source_real if plan.seed.kind == "full" else None
+            )
+            seed_s = time.perf_counter() - t
+        apply_s = 0.0
+        if loaded:
+            t = time.perf_counter()
+            table = local_table(local)
+            check_against_local(loaded, table)
+            invalidate_marker(local)
+            apply_chain(local, loaded, table, workers=workers, chunk_nbytes=chunk, strict=strict)
+            write_marker(local, plan.target_version, source_real)
+            apply_s = time.perf_counter() - t
+        return PullResult(
+            plan.target_version, plan.action, plan.reason, deltas_applied=len(loaded), nbytes_read=nbytes_read,
+            seed_nbytes=seed_nbytes, seed_s=seed_s, apply_s=apply_s,
+        )
+    finally:
+        loaded = []
+        gc.collect()
+        close_all(keep)
+
+
+def applied_version(local_checkpoint_dir: str) -> int | None:
+    """The version the local checkpoint holds (verified), or None when unknown."""
+    v, _ = read_applied_version(local_checkpoint_dir)
+    return v
+
+
+__all__ = ["pull", "PullResult", "applied_version", "state_path"]

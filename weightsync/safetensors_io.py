@@ -1,0 +1,160 @@
+"""Read and write safetensors files without the safetensors package, with bounds checked.
+
+Layout: little-endian u64 header length N, N bytes of JSON, then the data area. The JSON maps
+tensor name -> {dtype, shape, data_offsets: [begin, end]} (offsets relative to the data area)
+plus an optional ``__metadata__`` of str -> str. Readers here refuse a header larger than the
+knob allows, offsets past the end of the file, overlapping tensors, and a byte length that does
+not match dtype x shape.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import struct
+from typing import Iterable, Iterator, Mapping
+
+import msgspec
+
+from . import knobs
+from .errors import MalformedHeaderError
+
+DTYPE_NBYTES = {
+    "BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1, "F8_E4M3": 1, "F8_E8M0": 1,
+    "I16": 2, "U16": 2, "F16": 2, "BF16": 2,
+    "I32": 4, "U32": 4, "F32": 4,
+    "I64": 8, "U64": 8, "F64": 8,
+}
+METADATA_KEY = "__metadata__"
+_ALIGN = 8
+
+
+class TensorEntry(msgspec.Struct, frozen=True):
+    """Where one tensor's bytes live: ``offset`` is absolute within the file."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    offset: int
+    nbytes: int
+
+
+class SafetensorsHeader(msgspec.Struct, frozen=True):
+    path: str
+    header_nbytes: int
+    data_offset: int
+    file_nbytes: int
+    tensors: dict[str, TensorEntry]
+    metadata: dict[str, str]
+
+
+def read_header(path: str, *, check_dtype_sizes: bool = True) -> SafetensorsHeader:
+    """Parse and bound-check a safetensors header (reads only the header bytes)."""
+    try:
+        with open(path, "rb") as f:
+            file_nbytes = os.fstat(f.fileno()).st_size
+            head = f.read(8)
+            if len(head) != 8:
+                raise MalformedHeaderError(path, f"file is {file_nbytes} bytes, shorter than the 8-byte length prefix")
+            (n,) = struct.unpack("<Q", head)
+            limit = int(knobs.MAX_HEADER_NBYTES.get())
+            if n > limit:
+                raise MalformedHeaderError(path, f"header length {n} exceeds the limit {limit}")
+            if 8 + n > file_nbytes:
+                raise MalformedHeaderError(path, f"header length {n} runs past the end of the {file_nbytes}-byte file (truncated?)")
+            raw = f.read(n)
+    except FileNotFoundError:
+        raise
+    return parse_header(path, raw, file_nbytes, check_dtype_sizes=check_dtype_sizes)
+
+
+def parse_header(path: str, raw: bytes, file_nbytes: int, *, check_dtype_sizes: bool = True) -> SafetensorsHeader:
+    n = len(raw)
+    try:
+        obj = json.loads(raw)
+    except (UnicodeDecodeError, ValueError) as e:
+        raise MalformedHeaderError(path, f"header is not valid JSON ({e})") from None
+    if not isinstance(obj, dict):
+        raise MalformedHeaderError(path, "header is not a JSON object")
+    data_offset = 8 + n
+    data_nbytes = file_nbytes - data_offset
+    metadata = obj.pop(METADATA_KEY, None) or {}
+    if not isinstance(metadata, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
+        raise MalformedHeaderError(path, "__metadata__ must map strings to strings")
+    tensors: dict[str, TensorEntry] = {}
+    spans: list[tuple[int, int, str]] = []
+    for name, info in obj.items():
+        if not isinstance(info, dict):
+            raise MalformedHeaderError(path, f"entry {name!r} is not an object")
+        dtype = info.get("dtype")
+        shape = info.get("shape")
+        offsets = info.get("data_offsets")
+        if dtype not in DTYPE_NBYTES:
+            raise MalformedHeaderError(path, f"tensor {name!r} has unknown dtype {dtype!r}")
+        if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
+            raise MalformedHeaderError(path, f"tensor {name!r} has a bad shape {shape!r}")
+        if (
+            not isinstance(offsets, list)
+            or len(offsets) != 2
+            or not all(isinstance(o, int) and not isinstance(o, bool) for o in offsets)
+        ):
+            raise MalformedHeaderError(path, f"tensor {name!r} has bad data_offsets {offsets!r}")
+        begin, end = offsets
+        if not 0 <= begin <= end <= data_nbytes:
+            raise MalformedHeaderError(
+                path, f"tensor {name!r} spans [{begin}, {end}) outside the {data_nbytes}-byte data area (truncated?)"
+            )
+        nbytes = end - begin
+        if check_dtype_sizes:
+            expected = math.prod(shape) * DTYPE_NBYTES[dtype]
+            if nbytes != expected:
+                raise MalformedHeaderError(
+                    path, f"tensor {name!r} holds {nbytes} bytes, but {dtype} x {shape} needs {expected}"
+                )
+        tensors[name] = TensorEntry(name, dtype, tuple(shape), data_offset + begin, nbytes)
+        spans.append((begin, end, name))
+    spans.sort()
+    for (b0, e0, n0), (b1, e1, n1) in zip(spans, spans[1:]):
+        if b1 < e0 and e1 > b1 and e0 > b0:
+            raise MalformedHeaderError(path, f"tensors {n0!r} and {n1!r} overlap")
+    return SafetensorsHeader(path, n, data_offset, file_nbytes, tensors, dict(metadata))
+
+
+def build_header(entries: Iterable[tuple[str, str, tuple[int, ...], int]], metadata: Mapping[str, str] | None) -> tuple[bytes, list[int]]:
+    """Header bytes (length prefix included, padded to 8) and each entry's data-area offset."""
+    header: dict[str, object] = {}
+    if metadata:
+        header[METADATA_KEY] = dict(metadata)
+    offsets = []
+    pos = 0
+    for name, dtype, shape, nbytes in entries:
+        header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [pos, pos + nbytes]}
+        offsets.append(pos)
+        pos += nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % _ALIGN)
+    return struct.pack("<Q", len(raw)) + raw, offsets
+
+
+def iter_file_chunks(
+    entries: list[tuple[str, str, tuple[int, ...], object]], metadata: Mapping[str, str] | None
+) -> Iterator[bytes | memoryview]:
+    """Chunks of a safetensors file: header, then each entry's buffer in order."""
+    views = [memoryview(buf).cast("B") for _, _, _, buf in entries]
+    head, _ = build_header(((n, d, s, v.nbytes) for (n, d, s, _), v in zip(entries, views)), metadata)
+    yield head
+    yield from views
+
+
+def local_tensor_table(checkpoint_dir: str, weight_files: Iterable[str]) -> dict[str, tuple[str, TensorEntry]]:
+    """name -> (file path, entry) over the given files; a duplicate name is malformed."""
+    table: dict[str, tuple[str, TensorEntry]] = {}
+    for fname in weight_files:
+        path = os.path.join(checkpoint_dir, fname)
+        hdr = read_header(path)
+        for name, entry in hdr.tensors.items():
+            if name in table:
+                raise MalformedHeaderError(path, f"tensor {name!r} also appears in {table[name][0]}")
+            table[name] = (path, entry)
+    return table

@@ -1,0 +1,93 @@
+"""Seed the local checkpoint: make it an exact copy of a full checkpoint (the seed dir for
+version 0, or a published full version), then write the applied-version marker.
+
+The marker is cleared before the first byte is copied and written only after every file is
+copied, size-checked, header-checked and fsynced.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+from .errors import InvalidRequestError, LocalStateError, SourceNotReadyError
+from .fsio import copy_file, drop_page_cache, fsync_dir, write_bytes
+from .layout import INDEX_NAME, is_weight_file, state_path, sync_dir
+from .manifest import checkpoint_weight_files, encode_applied_state
+from .plan import SeedSource
+from .safetensors_io import read_header
+
+log = logging.getLogger(__name__)
+
+
+def invalidate_marker(local_checkpoint_dir: str) -> None:
+    """Clear the applied-version marker before the first in-place write."""
+    try:
+        os.unlink(state_path(local_checkpoint_dir))
+    except FileNotFoundError:
+        return
+    fsync_dir(sync_dir(local_checkpoint_dir))
+
+
+def write_marker(local_checkpoint_dir: str, version: int, source_dir: str | None) -> None:
+    os.makedirs(sync_dir(local_checkpoint_dir), exist_ok=True)
+    write_bytes(state_path(local_checkpoint_dir), encode_applied_state(version, source_dir))
+    fsync_dir(sync_dir(local_checkpoint_dir))
+
+
+def _top_level_files(directory: str) -> dict[str, str]:
+    return {
+        e.name: e.path
+        for e in os.scandir(directory)
+        if e.is_file(follow_symlinks=True) and not e.name.startswith(".")
+    }
+
+
+def files_to_seed(source: SeedSource, seed_dir: str, weight_map_files: list[str] | None) -> dict[str, str]:
+    """name -> source path. A full version brings its weight files and anything else it has;
+    the seed dir fills in the non-weight files (config, tokenizer) a full version may lack."""
+    if not os.path.isdir(seed_dir) and source.kind == "seed_dir":
+        raise InvalidRequestError(f"seed dir {seed_dir} (the engine's own model) is not a directory")
+    files: dict[str, str] = {}
+    if os.path.isdir(seed_dir):
+        files.update({n: p for n, p in _top_level_files(seed_dir).items() if source.kind == "seed_dir" or not is_weight_file(n)})
+    if source.kind == "full":
+        version_files = _top_level_files(source.path)
+        for n, p in version_files.items():
+            if not is_weight_file(n):
+                files[n] = p
+        for n in weight_map_files or []:
+            if n not in version_files:
+                raise SourceNotReadyError(f"full version v{source.version} names shard {n}, which is not in {source.path} yet")
+            files[n] = version_files[n]
+        if INDEX_NAME in version_files:
+            files[INDEX_NAME] = version_files[INDEX_NAME]
+    return files
+
+
+def seed_local_checkpoint(
+    local_checkpoint_dir: str, source: SeedSource, seed_dir: str, weight_map_files: list[str] | None, marker_source: str | None
+) -> int:
+    """Copy the seed into the local dir; returns bytes copied."""
+    files = files_to_seed(source, seed_dir, weight_map_files)
+    log.info("seeding %s from %s (v%d, %d files)", local_checkpoint_dir, source.path, source.version, len(files))
+    os.makedirs(local_checkpoint_dir, exist_ok=True)
+    invalidate_marker(local_checkpoint_dir)
+    copied = 0
+    for name, src in sorted(files.items()):
+        dst = os.path.join(local_checkpoint_dir, name)
+        want = os.path.getsize(src)
+        got = copy_file(src, dst)
+        drop_page_cache(src)
+        if got != want:
+            raise LocalStateError(f"copying {src} -> {dst} gave {got} bytes, expected {want} (disk full?)")
+        copied += got
+    for entry in os.scandir(local_checkpoint_dir):
+        if entry.is_file() and is_weight_file(entry.name) and entry.name not in files:
+            os.unlink(entry.path)
+    # A truncated copy (a mount that shows metadata before bytes) must fail here, not serve.
+    for fname in checkpoint_weight_files(local_checkpoint_dir):
+        read_header(os.path.join(local_checkpoint_dir, fname))
+    fsync_dir(local_checkpoint_dir)
+    write_marker(local_checkpoint_dir, source.version, marker_source)
+    return copied

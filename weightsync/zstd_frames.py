@@ -1,0 +1,122 @@
+"""zstd helpers that never trust a frame: exact content size, no trailing bytes, bounded output.
+
+python-zstandard's defaults accept trailing data and trust the declared content size; a
+payload here must be exactly one frame whose declared content size is what the reader expects.
+The frame walk reads only block headers (3 bytes per block), so checking every payload of a
+chain before the first write costs almost nothing.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import zstandard
+
+from .errors import PayloadBoundError
+
+_MAGIC = b"\x28\xb5\x2f\xfd"
+
+
+def frame_nbytes(payload, tensor: str) -> tuple[int, int]:
+    """(compressed size of the single frame, declared content size), or PayloadBoundError."""
+    mv = memoryview(payload).cast("B")
+    n = mv.nbytes
+    if n < 6 or bytes(mv[:4]) != _MAGIC:
+        raise PayloadBoundError(tensor, "payload is not a zstd frame")
+    try:
+        params = zstandard.get_frame_parameters(mv[:18])
+        pos = zstandard.frame_header_size(mv[:18])
+    except zstandard.ZstdError as e:
+        raise PayloadBoundError(tensor, f"bad zstd frame header ({e})") from None
+    if params.content_size == zstandard.CONTENTSIZE_UNKNOWN or params.content_size < 0:
+        raise PayloadBoundError(tensor, "zstd frame does not declare its content size")
+    while True:
+        if pos + 3 > n:
+            raise PayloadBoundError(tensor, f"zstd frame truncated at byte {pos} of {n}")
+        b = mv[pos] | (mv[pos + 1] << 8) | (mv[pos + 2] << 16)
+        last, btype, bsize = b & 1, (b >> 1) & 3, b >> 3
+        pos += 3
+        if btype == 3:
+            raise PayloadBoundError(tensor, "zstd block of reserved type")
+        pos += 1 if btype == 1 else bsize
+        if last:
+            break
+    if params.has_checksum:
+        pos += 4
+    if pos > n:
+        raise PayloadBoundError(tensor, f"zstd frame truncated: needs {pos} bytes, has {n}")
+    if pos != n:
+        raise PayloadBoundError(tensor, f"{n - pos} trailing bytes after the zstd frame")
+    return pos, params.content_size
+
+
+def check_frame(payload, expected_content_nbytes: int | None, tensor: str, *, max_content_nbytes: int | None = None) -> int:
+    _, content = frame_nbytes(payload, tensor)
+    if expected_content_nbytes is not None and content != expected_content_nbytes:
+        raise PayloadBoundError(tensor, f"zstd frame declares {content} bytes, expected {expected_content_nbytes}")
+    if max_content_nbytes is not None and content > max_content_nbytes:
+        raise PayloadBoundError(tensor, f"zstd frame declares {content} bytes, more than the bound {max_content_nbytes}")
+    return content
+
+
+class ThreadCodecs(threading.local):
+    """One compressor and one decompressor per thread: sharing one corrupts data."""
+
+    def __init__(self) -> None:
+        self.level = None
+        self.cctx: zstandard.ZstdCompressor | None = None
+        self.dctx = zstandard.ZstdDecompressor()
+
+    def compressor(self, level: int) -> zstandard.ZstdCompressor:
+        if self.cctx is None or self.level != level:
+            self.cctx = zstandard.ZstdCompressor(level=level, write_content_size=True, write_checksum=False)
+            self.level = level
+        return self.cctx
+
+
+_local = ThreadCodecs()
+
+
+def compress(data, level: int) -> bytes:
+    return _local.compressor(level).compress(data)
+
+
+def decompress_exact(payload, nbytes: int, tensor: str) -> bytes:
+    """Whole-frame decompression to exactly nbytes (the caller checked the frame first)."""
+    try:
+        out = _local.dctx.decompress(payload, max_output_size=nbytes)
+    except zstandard.ZstdError as e:
+        raise PayloadBoundError(tensor, f"zstd data is corrupt ({e})") from None
+    if len(out) != nbytes:
+        raise PayloadBoundError(tensor, f"zstd frame decompressed to {len(out)} bytes, expected {nbytes}")
+    return out
+
+
+class ExactReader:
+    """Streams exactly ``nbytes`` out of one frame into caller buffers (bounded memory)."""
+
+    def __init__(self, payload, nbytes: int, tensor: str):
+        self.tensor = tensor
+        self.remaining = nbytes
+        self._reader = _local.dctx.stream_reader(payload, read_across_frames=False)
+
+    def readinto(self, buf: memoryview) -> None:
+        want = buf.nbytes
+        if want > self.remaining:
+            raise PayloadBoundError(self.tensor, "read past the declared content size")
+        got = 0
+        try:
+            while got < want:
+                k = self._reader.readinto(buf[got:])
+                if not k:
+                    raise PayloadBoundError(self.tensor, f"zstd frame ended {want - got} bytes early")
+                got += k
+        except zstandard.ZstdError as e:
+            raise PayloadBoundError(self.tensor, f"zstd data is corrupt ({e})") from None
+        self.remaining -= want
+
+    def skip(self, nbytes: int, scratch: memoryview) -> None:
+        while nbytes:
+            k = min(nbytes, scratch.nbytes)
+            self.readinto(scratch[:k])
+            nbytes -= k
