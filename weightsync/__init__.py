@@ -10,7 +10,7 @@ from .codecs import supported_encodings
 from .checksum import supported_checksums
 from .plan import PullPlan, plan_pull
 from .publish import DEFAULT_ENCODING, Publisher, PublishResult, RawTensor, read_checkpoint_tensors
-from .pull import PullResult, applied_version, pull
+from .pull import PullResult, applied_version, pull, wait_until_durable
 
 __all__ = [
     "errors",
@@ -19,6 +19,7 @@ __all__ = [
     "PullPlan",
     "plan_pull",
     "applied_version",
+    "wait_until_durable",
     "Publisher",
     "PublishResult",
     "RawTensor",

@@ -23,7 +23,7 @@ import msgspec
 import numpy as np
 
 from .checksum import is_well_formed_digest, new_hasher
-from .codecs import SCRATCH, apply_xor_chain, get_codec
+from .codecs import apply_xor_chain, get_codec
 from .errors import (
     ChecksumMismatchError,
     LocalTensorMismatchError,
@@ -84,6 +84,9 @@ class _Maps:
         for fh, mm in self._open.values():
             mm.flush()
             os.fsync(fh.fileno())
+
+    def paths(self) -> list[str]:
+        return list(self._open)
 
     def close(self) -> None:
         for fh, mm in self._open.values():
@@ -205,8 +208,13 @@ def apply_chain(
     workers: int,
     chunk_nbytes: int,
     strict: bool,
-) -> None:
-    """Apply the loaded deltas in place and verify; the caller has cleared the marker."""
+    flush: bool = True,
+) -> list[str]:
+    """Apply the loaded deltas in place and verify; the caller has cleared the marker.
+
+    Returns the local files written. With ``flush=False`` their pages are left for the caller
+    to fsync (deferred durability): the marker must not be written before that.
+    """
     maps = _Maps()
     try:
         with ThreadPoolExecutor(workers, thread_name_prefix="weightsync-apply") as pool:
@@ -221,10 +229,21 @@ def apply_chain(
                         raise ChecksumMismatchError(last.version, bad, last.checksum_format or "")
                     versions = {j.name: j.version for j in jobs}
                     raise VerifyFailed(bad, max(versions[n] for n, _, _ in bad), last.checksum_format or "")
-        maps.flush()
+        if flush:
+            maps.flush()
+        return maps.paths()
     finally:
         maps.close()
-    _ = SCRATCH
+
+
+def fsync_files(paths: list[str]) -> None:
+    """Write back pages dirtied through (closed) mmaps: fsync covers them on Linux."""
+    for path in paths:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
 
 def close_all(keep: list) -> None:

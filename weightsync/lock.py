@@ -2,7 +2,8 @@
 
 The lock lives in the local checkpoint dir (host-local disk), never on the shared filesystem:
 flock silently succeeds on some NFS and Lustre mounts, which would let two pulls on one host
-patch the same bytes at once.
+patch the same bytes at once. A held lock can be handed to another thread (deferred
+durability: the flush and the marker finish after the pull has returned).
 """
 
 from __future__ import annotations
@@ -21,24 +22,36 @@ from .layout import lock_path, sync_dir
 log = logging.getLogger(__name__)
 
 
-@contextlib.contextmanager
-def host_lock(local_checkpoint_dir: str, timeout_s: float | None = None) -> Iterator[float]:
-    """Hold the host's pull lock; yields the seconds spent waiting for it.
+class HeldLock:
+    def __init__(self, fd: int, path: str, waited_s: float):
+        self.fd = fd
+        self.path = path
+        self.waited_s = waited_s
 
-    ``timeout_s=0`` tries once (a caller that wants "conflict" rather than a queue).
-    """
+    def release(self) -> None:
+        if self.fd < 0:
+            return
+        try:
+            fcntl.flock(self.fd, fcntl.LOCK_UN)
+        finally:
+            os.close(self.fd)
+            self.fd = -1
+
+
+def acquire_host_lock(local_checkpoint_dir: str, timeout_s: float | None = None) -> HeldLock:
+    """Take the host's pull lock, waiting up to ``timeout_s`` (0: try once)."""
     timeout = float(knobs.LOCK_TIMEOUT_S.get() if timeout_s is None else timeout_s)
     os.makedirs(sync_dir(local_checkpoint_dir), exist_ok=True)
     path = lock_path(local_checkpoint_dir)
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    start = time.monotonic()
+    next_log = start
+    log_every = knobs.LOCK_LOG_EVERY_S.get()
     try:
-        start = time.monotonic()
-        next_log = start
-        log_every = knobs.LOCK_LOG_EVERY_S.get()
         while True:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
+                return HeldLock(fd, path, time.monotonic() - start)
             except BlockingIOError:
                 now = time.monotonic()
                 if now - start >= timeout:
@@ -47,10 +60,16 @@ def host_lock(local_checkpoint_dir: str, timeout_s: float | None = None) -> Iter
                     log.info("waiting for the pull lock %s (held by another pull on this host)", path)
                     next_log = now + log_every
                 time.sleep(0.02)
-        waited = time.monotonic() - start
-        try:
-            yield waited
-        finally:
-            fcntl.flock(fd, fcntl.LOCK_UN)
-    finally:
+    except BaseException:
         os.close(fd)
+        raise
+
+
+@contextlib.contextmanager
+def host_lock(local_checkpoint_dir: str, timeout_s: float | None = None) -> Iterator[float]:
+    """Hold the host's pull lock for a block; yields the seconds spent waiting for it."""
+    held = acquire_host_lock(local_checkpoint_dir, timeout_s)
+    try:
+        yield held.waited_s
+    finally:
+        held.release()

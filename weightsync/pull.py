@@ -16,22 +16,23 @@ import gc
 import importlib
 import logging
 import os
+import threading
 import time
-from typing import Callable
+from typing import Callable, Literal
 
 import msgspec
 
 from . import knobs
-from .apply import VerifyFailed, apply_chain, check_against_local, close_all, load_delta, local_table
+from .apply import VerifyFailed, apply_chain, check_against_local, close_all, fsync_files, load_delta, local_table
 from .errors import CorruptArtifactError, InvalidRequestError, LocalStateError, LocalTensorMismatchError
-from .layout import state_path
-from .lock import host_lock
+from .lock import HeldLock, acquire_host_lock
 from .plan import PullPlan, plan_pull, read_applied_version
 from .seed import invalidate_marker, seed_local_checkpoint, write_marker
 
 log = logging.getLogger(__name__)
 
 Hook = Callable[[str, int], None]
+Durability = Literal["sync", "deferred"]
 
 
 class PullResult(msgspec.Struct):
@@ -47,6 +48,48 @@ class PullResult(msgspec.Struct):
     lock_wait_s: float = 0.0
     seed_s: float = 0.0
     apply_s: float = 0.0
+    durable: bool = True  # False: pages still being flushed; the marker follows (deferred)
+    flush_s: float = 0.0
+
+
+class _PendingFlush(msgspec.Struct):
+    paths: list[str]
+    version: int
+    source_dir: str
+
+
+_flushers: dict[str, threading.Thread] = {}
+_flushers_lock = threading.Lock()
+
+
+def wait_until_durable(local_checkpoint_dir: str, timeout_s: float | None = None) -> bool:
+    """Wait for a deferred flush of this local dir (in this process); True when none is pending."""
+    with _flushers_lock:
+        t = _flushers.get(os.path.realpath(local_checkpoint_dir))
+    if t is None:
+        return True
+    t.join(timeout_s)
+    return not t.is_alive()
+
+
+def _finish_in_background(local: str, pending: _PendingFlush, held: HeldLock) -> None:
+    def run() -> None:
+        try:
+            t = time.perf_counter()
+            fsync_files(pending.paths)
+            write_marker(local, pending.version, pending.source_dir)
+            log.info("v%d durable: %d file(s) flushed in %.3fs, marker written", pending.version, len(pending.paths), time.perf_counter() - t)
+        except Exception:
+            # No marker: the next pull reseeds and replays rather than trusting these bytes.
+            log.exception("deferred flush of %s failed; the next pull will reseed", local)
+        finally:
+            held.release()
+
+    key = os.path.realpath(local)
+    thread = threading.Thread(target=run, name="weightsync-flush", daemon=False)
+    with _flushers_lock:
+        _flushers[key] = thread
+    thread.start()
 
 
 def load_hook(hook: "str | Hook | None") -> Hook | None:
@@ -84,6 +127,7 @@ def pull(
     *,
     lock_timeout_s: float | None = None,
     workers: int | None = None,
+    durability: Durability = "sync",
 ) -> PullResult:
     """Bring ``local_checkpoint_dir`` to ``target_version``.
 
@@ -96,6 +140,11 @@ def pull(
             lock before reading the source when there is work to do.
         lock_timeout_s: how long to wait for another pull on this host (0: fail at once).
         workers: apply threads (default: one per core).
+        durability: ``"sync"`` returns once the bytes are on disk and the marker written;
+            ``"deferred"`` returns once every tensor is applied and verified (in the page cache,
+            so an engine may reload at once) and flushes in a background thread that writes the
+            marker and releases the host lock afterwards. A crash before that leaves no marker:
+            the next pull reseeds. Later pulls on the host wait for the flush.
 
     Returns:
         PullResult with the plan's action and reason, and timings.
@@ -114,11 +163,15 @@ def pull(
     hook = load_hook(pre_read_hook)
     n_workers = knobs.workers(knobs.APPLY_WORKERS, workers)
     chunk = int(knobs.CHUNK_NBYTES.get())
+    if durability not in ("sync", "deferred"):
+        raise InvalidRequestError(f"durability must be 'sync' or 'deferred', got {durability!r}")
     os.makedirs(local_checkpoint_dir, exist_ok=True)
-    with host_lock(local_checkpoint_dir, lock_timeout_s) as waited:
+    held = acquire_host_lock(local_checkpoint_dir, lock_timeout_s)
+    handed_off = False
+    try:
         applied, _ = read_applied_version(local_checkpoint_dir, source_dir)
         if applied == target_version:
-            result = PullResult(target_version, "noop", f"no-op: already at v{target_version}", lock_wait_s=waited)
+            result = PullResult(target_version, "noop", f"no-op: already at v{target_version}", lock_wait_s=held.waited_s)
             result.seconds = time.perf_counter() - t0
             log.info("pull v%d: %s", target_version, result.reason)
             return result
@@ -128,22 +181,34 @@ def pull(
             # explicit refresh; the deployment supplies it as this hook.
             hook(source_dir, target_version)
             hook_ran = True
-        result = _pull_locked(local_checkpoint_dir, seed_dir, source_dir, target_version, n_workers, chunk)
+        result, pending = _pull_locked(
+            local_checkpoint_dir, seed_dir, source_dir, target_version, n_workers, chunk, durability == "deferred"
+        )
         result.hook_ran = hook_ran
-        result.lock_wait_s = waited
+        result.lock_wait_s = held.waited_s
+        if pending is not None:
+            result.durable = False
+            _finish_in_background(local_checkpoint_dir, pending, held)
+            handed_off = True
+    finally:
+        if not handed_off:
+            held.release()
     result.seconds = time.perf_counter() - t0
     log.info(
-        "pull v%d done in %.3fs: %s%s", target_version, result.seconds, result.reason,
+        "pull v%d done in %.3fs%s: %s%s", target_version, result.seconds,
+        "" if result.durable else " (verified; flushing in the background)", result.reason,
         " (after a reseed)" if result.reseeded else "",
     )
     return result
 
 
-def _pull_locked(local: str, seed_dir: str, source_dir: str, target: int, workers: int, chunk: int) -> PullResult:
+def _pull_locked(
+    local: str, seed_dir: str, source_dir: str, target: int, workers: int, chunk: int, deferred: bool
+) -> tuple[PullResult, _PendingFlush | None]:
     plan, indexes = plan_pull(local, seed_dir, source_dir, target)
     log.info("pull plan for v%d: %s", target, plan.reason)
     try:
-        return _execute(plan, indexes, local, seed_dir, source_dir, workers, chunk, strict=False)
+        return _execute(plan, indexes, local, seed_dir, source_dir, workers, chunk, strict=False, deferred=deferred)
     except (LocalStateError, VerifyFailed) as first:
         detail = (
             f"{len(first.mismatches)} tensor(s) failed verification" if isinstance(first, VerifyFailed) else str(first)
@@ -152,7 +217,7 @@ def _pull_locked(local: str, seed_dir: str, source_dir: str, target: int, worker
     plan, indexes = plan_pull(local, seed_dir, source_dir, target, force_reseed=True)
     log.info("pull plan for v%d (retry): %s", target, plan.reason)
     try:
-        result = _execute(plan, indexes, local, seed_dir, source_dir, workers, chunk, strict=True)
+        result, pending = _execute(plan, indexes, local, seed_dir, source_dir, workers, chunk, strict=True, deferred=deferred)
     except LocalTensorMismatchError as e:
         seed = plan.seed.path if plan.seed else seed_dir
         raise CorruptArtifactError(
@@ -160,14 +225,15 @@ def _pull_locked(local: str, seed_dir: str, source_dir: str, target: int, worker
             "The published chain does not belong to this model; republish from a full version."
         ) from e
     result.reseeded = True
-    return result
+    return result, pending
 
 
 def _execute(
-    plan: PullPlan, indexes, local: str, seed_dir: str, source_dir: str, workers: int, chunk: int, *, strict: bool
-) -> PullResult:
+    plan: PullPlan, indexes, local: str, seed_dir: str, source_dir: str, workers: int, chunk: int, *, strict: bool,
+    deferred: bool,
+) -> tuple[PullResult, _PendingFlush | None]:
     if plan.action == "noop":
-        return PullResult(plan.target_version, "noop", plan.reason)
+        return PullResult(plan.target_version, "noop", plan.reason), None
     keep: list = []
     loaded = []
     try:
@@ -185,19 +251,26 @@ def _execute(
                 local, plan.seed, seed_dir, shard_files, source_real if plan.seed.kind == "full" else None
             )
             seed_s = time.perf_counter() - t
-        apply_s = 0.0
+        apply_s, flush_s, pending = 0.0, 0.0, None
         if loaded:
             t = time.perf_counter()
             table = local_table(local)
             check_against_local(loaded, table)
             invalidate_marker(local)
-            apply_chain(local, loaded, table, workers=workers, chunk_nbytes=chunk, strict=strict)
-            write_marker(local, plan.target_version, source_real)
+            paths = apply_chain(local, loaded, table, workers=workers, chunk_nbytes=chunk, strict=strict, flush=False)
             apply_s = time.perf_counter() - t
-        return PullResult(
+            if deferred:
+                pending = _PendingFlush(paths, plan.target_version, source_real)
+            else:
+                t = time.perf_counter()
+                fsync_files(paths)
+                write_marker(local, plan.target_version, source_real)
+                flush_s = time.perf_counter() - t
+        result = PullResult(
             plan.target_version, plan.action, plan.reason, deltas_applied=len(loaded), nbytes_read=nbytes_read,
-            seed_nbytes=seed_nbytes, seed_s=seed_s, apply_s=apply_s,
+            seed_nbytes=seed_nbytes, seed_s=seed_s, apply_s=apply_s, flush_s=flush_s,
         )
+        return result, pending
     finally:
         loaded = []
         gc.collect()
@@ -210,4 +283,4 @@ def applied_version(local_checkpoint_dir: str) -> int | None:
     return v
 
 
-__all__ = ["pull", "PullResult", "applied_version", "state_path"]
+__all__ = ["pull", "PullResult", "applied_version", "wait_until_durable"]
