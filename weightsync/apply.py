@@ -32,7 +32,7 @@ from .errors import (
     ShardMismatchError,
     SourceNotReadyError,
 )
-from .layout import checked_join
+from .layout import checked_inside, checked_join
 from .manifest import VersionIndex, checkpoint_weight_files
 from .safetensors_io import DTYPE_NBYTES, TensorEntry, local_tensor_table, read_header
 
@@ -104,6 +104,8 @@ def load_delta(index: VersionIndex, keep: list) -> LoadedDelta:
     nbytes = 0
     for fname, expected in sorted(index.shards().items()):
         path = checked_join(index.path, fname, f"v{index.version} index")
+        if os.path.lexists(path):
+            checked_inside(index.path, path, f"v{index.version} shard")
         try:
             hdr = read_header(path, check_dtype_sizes=True)
         except FileNotFoundError:

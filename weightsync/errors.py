@@ -178,8 +178,8 @@ class UnsafeNameError(CorruptArtifactError):
         self.name = name
         self.where = where
         super().__init__(
-            f"{where} names {name!r}, which is not a plain file name inside its directory "
-            "(absolute, '..', a separator or a control character). Refusing to touch it."
+            f"{where} names {name!r}, which escapes its directory (an absolute path, '..', a "
+            "separator, a control character, or a symlink pointing outside). Refusing to touch it."
         )
 
 

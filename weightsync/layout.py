@@ -110,3 +110,12 @@ def checked_file_name(name: object, where: str) -> str:
 
 def checked_join(directory: str, name: object, where: str) -> str:
     return os.path.join(directory, checked_file_name(name, where))
+
+
+def checked_inside(directory: str, path: str, where: str) -> str:
+    """``path`` itself, if it resolves (symlinks included) to a place inside ``directory``."""
+    root = os.path.realpath(directory)
+    real = os.path.realpath(path)
+    if os.path.commonpath([root, real]) != root or real == root:
+        raise UnsafeNameError(os.path.relpath(path, directory), f"{where} (resolves to {real}, outside {root})")
+    return path

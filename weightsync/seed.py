@@ -12,7 +12,7 @@ import os
 
 from .errors import InvalidRequestError, LocalStateError, SourceNotReadyError
 from .fsio import copy_file, drop_page_cache, fsync_dir, write_bytes
-from .layout import INDEX_NAME, is_weight_file, state_path, sync_dir
+from .layout import INDEX_NAME, checked_inside, is_weight_file, state_path, sync_dir
 from .manifest import checkpoint_weight_files, encode_applied_state
 from .plan import SeedSource
 from .safetensors_io import read_header
@@ -62,6 +62,9 @@ def files_to_seed(source: SeedSource, seed_dir: str, weight_map_files: list[str]
             files[n] = version_files[n]
         if INDEX_NAME in version_files:
             files[INDEX_NAME] = version_files[INDEX_NAME]
+        for n, p in files.items():
+            if p.startswith(source.path):
+                checked_inside(source.path, p, f"full version v{source.version}")
     return files
 
 
