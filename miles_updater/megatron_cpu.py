@@ -1,0 +1,154 @@
+"""Megatron-core on the CPU with gloo: the few shims it needs, and a GPTModel built from an HF config.
+
+Role: CPU scaffolding for tests and the demo (production runs Megatron on GPUs and never imports
+this module). megatron-core 0.19.2 assumes CUDA in three places a tiny CPU model hits:
+1. ``torch.cuda.current_device()`` is used as a ``device=`` argument (RoPE, buffers): it must
+   return ``"cpu"``;
+2. the CUDA RNG tracker's ``fork()`` is entered around every TP-split init/dropout: it must be a
+   null context;
+3. the fused/causal mask path needs an explicit boolean causal ``attention_mask``
+   (``causal_attention_mask``) on the CPU.
+``apply_cpu_shims`` installs 1 and 2 (idempotent); callers pass 3.
+
+Invariant: ``load_hf_checkpoint`` + ``gather_hf_tensors`` round-trips an HF checkpoint bit for bit.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import json
+import os
+
+import torch
+
+_SHIMS_APPLIED = False
+
+
+def apply_cpu_shims() -> None:
+    """Install the two process-wide CPU shims Megatron needs (see the module docstring)."""
+    global _SHIMS_APPLIED
+    if _SHIMS_APPLIED:
+        return
+    torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment]
+    from megatron.core.tensor_parallel import random as tp_random
+
+    tracker = tp_random.get_cuda_rng_tracker()
+    tracker.fork = lambda *a, **k: contextlib.nullcontext()  # type: ignore[method-assign]
+    _SHIMS_APPLIED = True
+
+
+def causal_attention_mask(seq_len: int) -> torch.Tensor:
+    """Boolean mask, True where attention is *not* allowed (Megatron's convention)."""
+    return torch.triu(torch.ones(seq_len, seq_len, dtype=torch.bool), diagonal=1)[None, None]
+
+
+def init_distributed_cpu(
+    rank: int, world_size: int, master_port: int, *, tp: int = 1, pp: int = 1, ep: int = 1, seed: int = 1234
+) -> None:
+    """gloo process group on 127.0.0.1 + Megatron model-parallel groups, shims applied."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    apply_cpu_shims()
+    if not dist.is_initialized():
+        dist.init_process_group(
+            "gloo", init_method=f"tcp://127.0.0.1:{master_port}", rank=rank, world_size=world_size,
+            timeout=datetime.timedelta(minutes=10),
+        )
+    ps.initialize_model_parallel(
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, expert_model_parallel_size=ep,
+    )
+    torch.manual_seed(seed)
+
+
+def destroy_distributed_cpu() -> None:
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    ps.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def read_hf_config(hf_dir: str) -> dict:
+    with open(os.path.join(hf_dir, "config.json")) as f:
+        return json.load(f)
+
+
+def transformer_config_from_hf(hf: dict, *, params_dtype: torch.dtype = torch.float32):
+    """A Megatron TransformerConfig for an HF Qwen3 / Llama config (CPU-friendly: no fusions)."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    arch = (hf.get("architectures") or [""])[0]
+    heads = hf["num_attention_heads"]
+    moe = {}
+    if hf.get("num_experts"):
+        moe = dict(num_moe_experts=hf["num_experts"], moe_router_topk=hf.get("num_experts_per_tok", 2),
+                   moe_ffn_hidden_size=hf["moe_intermediate_size"], moe_grouped_gemm=False,
+                   moe_token_dispatcher_type="alltoall", moe_router_load_balancing_type="none")
+    return TransformerConfig(
+        num_layers=hf["num_hidden_layers"],
+        hidden_size=hf["hidden_size"],
+        num_attention_heads=heads,
+        num_query_groups=hf.get("num_key_value_heads", heads),
+        kv_channels=hf.get("head_dim") or hf["hidden_size"] // heads,
+        ffn_hidden_size=hf["intermediate_size"],
+        normalization="RMSNorm",
+        layernorm_epsilon=hf.get("rms_norm_eps", 1e-6),
+        gated_linear_unit=True,
+        activation_func=torch.nn.functional.silu,
+        add_bias_linear=False,
+        add_qkv_bias=bool(hf.get("attention_bias", False)),
+        qk_layernorm=arch.startswith("Qwen3"),
+        use_cpu_initialization=True,
+        params_dtype=params_dtype,
+        pipeline_dtype=params_dtype,
+        bias_dropout_fusion=False,
+        apply_rope_fusion=False,
+        masked_softmax_fusion=False,
+        gradient_accumulation_fusion=False,
+        persist_layer_norm=False,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        tensor_model_parallel_size=_ps_size("tp"),
+        pipeline_model_parallel_size=_ps_size("pp"),
+        expert_model_parallel_size=_ps_size("ep"),
+        **moe,
+    )
+
+
+def _ps_size(which: str) -> int:
+    from megatron.core import parallel_state as ps
+
+    if not ps.model_parallel_is_initialized():
+        return 1
+    return {
+        "tp": ps.get_tensor_model_parallel_world_size,
+        "pp": ps.get_pipeline_model_parallel_world_size,
+        "ep": ps.get_expert_model_parallel_world_size,
+    }[which]()
+
+
+def build_gpt_model(hf_dir: str, *, params_dtype: torch.dtype = torch.float32):
+    """This rank's GPTModel stage for the HF checkpoint's architecture (random weights)."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.gpt.gpt_model import GPTModel
+
+    apply_cpu_shims()
+    hf = read_hf_config(hf_dir)
+    config = transformer_config_from_hf(hf, params_dtype=params_dtype)
+    spec = get_gpt_layer_local_spec(
+        num_experts=config.num_moe_experts, qk_layernorm=config.qk_layernorm, normalization="RMSNorm",
+    )
+    return GPTModel(
+        config, spec,
+        vocab_size=hf["vocab_size"],
+        max_sequence_length=hf.get("max_position_embeddings", 4096),
+        pre_process=ps.is_pipeline_first_stage(),
+        post_process=ps.is_pipeline_last_stage(),
+        share_embeddings_and_output_weights=bool(hf.get("tie_word_embeddings", False)),
+        position_embedding_type="rope",
+        rotary_base=int(hf.get("rope_theta") or (hf.get("rope_parameters") or {}).get("rope_theta", 10000)),
+    )

@@ -1,0 +1,185 @@
+"""Gathering HF tensors from a real megatron-core GPTModel on CPU processes with gloo.
+
+The test spawns real ranks (TP=2 x PP=2 = 4 processes, and TP=2 x PP=1 for a forward pass);
+each loads a tiny Qwen3 HF checkpoint into Megatron, gathers it back as HF tensors, and the
+parent compares them with the transformers state dict byte for byte. The TP=2 run also checks
+Megatron's logits against transformers' on the same weights, so a layout bug that load and
+gather share (and would cancel in a round trip) still fails.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _run_ranks(world: int, tp: int, pp: int, hf_dir: str, out_dir: str, extra: dict | None = None) -> None:
+    port = _free_port()
+    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", RAY_AUTH_MODE="disabled")
+    cfg = json.dumps(dict(world=world, tp=tp, pp=pp, port=port, hf_dir=hf_dir, out_dir=out_dir, **(extra or {})))
+    procs = [
+        subprocess.Popen([sys.executable, __file__, str(rank), cfg], env=env, cwd=str(REPO),
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for rank in range(world)
+    ]
+    logs = []
+    for p in procs:
+        out, _ = p.communicate(timeout=300)
+        logs.append(out)
+    failed = [(r, p.returncode) for r, p in enumerate(procs) if p.returncode != 0]
+    assert not failed, f"ranks failed {failed}:\n" + "\n".join(l[-3000:] for l in logs)
+
+
+@pytest.fixture(scope="module")
+def tiny_hf(tmp_path_factory):
+    from testbed.tiny_qwen3 import make_tiny_qwen3
+
+    d = tmp_path_factory.mktemp("hf")
+    make_tiny_qwen3(d / "ckpt", seed=3)
+    return str(d / "ckpt")
+
+
+@pytest.fixture(scope="module")
+def wrong_shape_hf(tiny_hf, tmp_path_factory):
+    """The tiny checkpoint with one tensor's shape changed (as a wrong --hf-checkpoint would)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    d = tmp_path_factory.mktemp("hf_bad") / "ckpt"
+    shutil.copytree(tiny_hf, d)
+    index = json.loads((d / "model.safetensors.index.json").read_text())
+    name = "model.layers.1.mlp.up_proj.weight"
+    fname = index["weight_map"][name]
+    tensors = load_file(str(d / fname))
+    tensors[name] = tensors[name][:-8].contiguous()
+    save_file(tensors, str(d / fname), metadata={"format": "pt"})
+    return str(d)
+
+
+def _gathered(out_dir: Path) -> dict:
+    from safetensors.torch import load_file
+
+    merged = {}
+    for f in sorted(out_dir.glob("gathered-rank*.safetensors")):
+        part = load_file(str(f))
+        assert not (merged.keys() & part.keys()), "a tensor was published by two source ranks"
+        merged.update(part)
+    return merged
+
+
+def _assert_bytes_equal(gathered: dict, reference: dict) -> None:
+    assert sorted(gathered) == sorted(reference)
+    for name, ref in reference.items():
+        got = gathered[name]
+        assert got.dtype == ref.dtype and got.shape == ref.shape, name
+        assert got.contiguous().view(-1).view(__import__("torch").uint8).equal(
+            ref.contiguous().view(-1).view(__import__("torch").uint8)), f"{name} differs"
+
+
+def test_tp2_pp2_gather_equals_transformers_state_dict_byte_for_byte(tiny_hf, wrong_shape_hf, tmp_path):
+    from testbed.tiny_qwen3 import load_model
+
+    _run_ranks(4, 2, 2, tiny_hf, str(tmp_path), {"bad_hf_dir": wrong_shape_hf})
+    reference = {k: v for k, v in load_model(tiny_hf).state_dict().items()}
+    _assert_bytes_equal(_gathered(tmp_path), reference)
+    # Two source ranks (one per PP stage) wrote; TP rank 1 of each stage kept nothing.
+    assert len(list(tmp_path.glob("gathered-rank*.safetensors"))) == 2
+    # A shape mismatch fails every rank together, naming the tensor.
+    for rank in range(4):
+        seen = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert "model.layers.1.mlp.up_proj.weight" in seen["bad_checkpoint_error"]
+        assert "shape" in seen["bad_checkpoint_error"]
+
+
+def test_tp2_megatron_logits_match_transformers_on_the_gathered_weights(tiny_hf, tmp_path):
+    import torch
+
+    from testbed.tiny_qwen3 import load_model
+
+    _run_ranks(2, 2, 1, tiny_hf, str(tmp_path), {"perturb": True})
+    gathered = _gathered(tmp_path)
+    model = load_model(tiny_hf).float()
+    missing, unexpected = model.load_state_dict({k: v.float() for k, v in gathered.items()}, strict=True)
+    ids = torch.tensor(json.loads((tmp_path / "ids.json").read_text()))
+    with torch.no_grad():
+        ref = model(ids).logits
+    mega = torch.load(tmp_path / "logits.pt")
+    assert mega.shape == ref.shape
+    torch.testing.assert_close(mega, ref, atol=2e-3, rtol=2e-3)
+    # The perturbation moved the weights away from the checkpoint, so this is not a no-op check.
+    base = load_model(tiny_hf).state_dict()
+    assert any(not torch.equal(base[k], gathered[k]) for k in base)
+
+
+# --- the rank process ---------------------------------------------------------------------------
+
+
+def _worker(rank: int, cfg: dict) -> None:
+    import torch
+    import torch.distributed as dist
+    from safetensors.torch import save_file
+
+    from miles_updater.gather import GatherError, HFWeightGatherer, load_hf_checkpoint
+    from miles_updater.megatron_cpu import build_gpt_model, causal_attention_mask, init_distributed_cpu
+
+    init_distributed_cpu(rank, cfg["world"], cfg["port"], tp=cfg["tp"], pp=cfg["pp"])
+    from megatron.core import parallel_state as ps
+
+    out = Path(cfg["out_dir"])
+    model = build_gpt_model(cfg["hf_dir"])
+    load_hf_checkpoint([model], cfg["hf_dir"])
+    if cfg.get("perturb"):
+        # Move every weight by a name-seeded amount (identical on TP ranks for replicated
+        # params), rounded to bf16 so the bf16 gather loses nothing the fp32 forward uses.
+        with torch.no_grad():
+            for i, (name, p) in enumerate(model.named_parameters()):
+                g = torch.Generator().manual_seed(1000 + i + 17 * ps.get_tensor_model_parallel_rank()
+                                                  * int(getattr(p, "tensor_model_parallel", False)))
+                p.add_(torch.randn(p.shape, generator=g) * 0.05)
+                p.copy_(p.bfloat16().float())
+    gatherer = HFWeightGatherer([model], cfg["hf_dir"])
+    tensors = gatherer.gather()
+    if tensors:
+        torch_tensors = {
+            n: torch.frombuffer(bytearray(t.data.tobytes()), dtype=torch.bfloat16).reshape(t.shape)
+            for n, t in tensors.items()
+        }
+        save_file(torch_tensors, str(out / f"gathered-rank{rank}.safetensors"))
+    seen = {"staging_nbytes": gatherer.staging_nbytes()}
+    if cfg.get("bad_hf_dir"):
+        try:
+            HFWeightGatherer([model], cfg["bad_hf_dir"]).gather()
+            seen["bad_checkpoint_error"] = ""
+        except GatherError as e:
+            seen["bad_checkpoint_error"] = str(e)
+    if cfg["pp"] == 1:
+        torch.manual_seed(0)
+        ids = torch.randint(0, 1000, (1, 12))
+        with torch.no_grad():
+            logits = model(ids, torch.arange(12)[None], causal_attention_mask(12))
+        parts = [torch.empty_like(logits) for _ in range(cfg["tp"])]
+        dist.all_gather(parts, logits.contiguous(), group=ps.get_tensor_model_parallel_group())
+        if rank == 0:
+            torch.save(torch.cat(parts, dim=-1), out / "logits.pt")
+            (out / "ids.json").write_text(json.dumps(ids.tolist()))
+    (out / f"rank{rank}.json").write_text(json.dumps(seen))
+    dist.barrier()
+
+
+if __name__ == "__main__":
+    _worker(int(sys.argv[1]), json.loads(sys.argv[2]))
