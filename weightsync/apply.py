@@ -17,7 +17,7 @@ import mmap
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from typing import Iterable
+from typing import Callable, Iterable
 
 import msgspec
 import numpy as np
@@ -211,6 +211,7 @@ def apply_chain(
     chunk_nbytes: int,
     strict: bool,
     flush: bool = True,
+    progress: "Callable[[int, int], None] | None" = None,
 ) -> list[str]:
     """Apply the loaded deltas in place and verify; the caller has cleared the marker.
 
@@ -223,7 +224,11 @@ def apply_chain(
             groups = [[d] for d in deltas] if strict else [deltas]
             for group in groups:
                 jobs = _jobs(group, table)
-                results = list(pool.map(lambda j: _run_job(j, maps, chunk_nbytes), jobs))
+                results = []
+                for i, r in enumerate(pool.map(lambda j: _run_job(j, maps, chunk_nbytes), jobs)):
+                    results.append(r)
+                    if progress is not None:
+                        progress(i + 1, len(jobs))
                 bad = [r for r in results if r is not None]
                 if bad:
                     last = group[-1].index

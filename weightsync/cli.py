@@ -138,7 +138,7 @@ def cmd_pull(args) -> int:
 
     result = pull(
         args.local_dir, args.seed_dir, args.source_dir, args.version, args.hook,
-        lock_timeout_s=args.lock_timeout, workers=args.workers,
+        lock_timeout_s=args.lock_timeout, workers=args.workers, progress=Progress("apply", not args.json),
     )
     table = format_table(
         ["version", "action", "deltas", "read", "seconds", "reason"],

@@ -128,6 +128,7 @@ def pull(
     lock_timeout_s: float | None = None,
     workers: int | None = None,
     durability: Durability = "sync",
+    progress: "Callable[[int, int], None] | None" = None,
 ) -> PullResult:
     """Bring ``local_checkpoint_dir`` to ``target_version``.
 
@@ -145,6 +146,7 @@ def pull(
             so an engine may reload at once) and flushes in a background thread that writes the
             marker and releases the host lock afterwards. A crash before that leaves no marker:
             the next pull reseeds. Later pulls on the host wait for the flush.
+        progress: ``fn(tensors_done, tensors_total)``, called as tensors are applied.
 
     Returns:
         PullResult with the plan's action and reason, and timings.
@@ -182,7 +184,8 @@ def pull(
             hook(source_dir, target_version)
             hook_ran = True
         result, pending = _pull_locked(
-            local_checkpoint_dir, seed_dir, source_dir, target_version, n_workers, chunk, durability == "deferred"
+            local_checkpoint_dir, seed_dir, source_dir, target_version, n_workers, chunk, durability == "deferred",
+            progress,
         )
         result.hook_ran = hook_ran
         result.lock_wait_s = held.waited_s
@@ -203,12 +206,12 @@ def pull(
 
 
 def _pull_locked(
-    local: str, seed_dir: str, source_dir: str, target: int, workers: int, chunk: int, deferred: bool
+    local: str, seed_dir: str, source_dir: str, target: int, workers: int, chunk: int, deferred: bool, progress=None
 ) -> tuple[PullResult, _PendingFlush | None]:
     plan, indexes = plan_pull(local, seed_dir, source_dir, target)
     log.info("pull plan for v%d: %s", target, plan.reason)
     try:
-        return _execute(plan, indexes, local, seed_dir, source_dir, workers, chunk, strict=False, deferred=deferred)
+        return _execute(plan, indexes, local, seed_dir, source_dir, workers, chunk, strict=False, deferred=deferred, progress=progress)
     except (LocalStateError, VerifyFailed) as first:
         detail = (
             f"{len(first.mismatches)} tensor(s) failed verification" if isinstance(first, VerifyFailed) else str(first)
@@ -217,7 +220,7 @@ def _pull_locked(
     plan, indexes = plan_pull(local, seed_dir, source_dir, target, force_reseed=True)
     log.info("pull plan for v%d (retry): %s", target, plan.reason)
     try:
-        result, pending = _execute(plan, indexes, local, seed_dir, source_dir, workers, chunk, strict=True, deferred=deferred)
+        result, pending = _execute(plan, indexes, local, seed_dir, source_dir, workers, chunk, strict=True, deferred=deferred, progress=progress)
     except LocalTensorMismatchError as e:
         seed = plan.seed.path if plan.seed else seed_dir
         raise CorruptArtifactError(
@@ -230,7 +233,7 @@ def _pull_locked(
 
 def _execute(
     plan: PullPlan, indexes, local: str, seed_dir: str, source_dir: str, workers: int, chunk: int, *, strict: bool,
-    deferred: bool,
+    deferred: bool, progress=None,
 ) -> tuple[PullResult, _PendingFlush | None]:
     if plan.action == "noop":
         return PullResult(plan.target_version, "noop", plan.reason), None
@@ -257,7 +260,7 @@ def _execute(
             table = local_table(local)
             check_against_local(loaded, table)
             invalidate_marker(local)
-            paths = apply_chain(local, loaded, table, workers=workers, chunk_nbytes=chunk, strict=strict, flush=False)
+            paths = apply_chain(local, loaded, table, workers=workers, chunk_nbytes=chunk, strict=strict, flush=False, progress=progress)
             apply_s = time.perf_counter() - t
             if deferred:
                 pending = _PendingFlush(paths, plan.target_version, source_real)
