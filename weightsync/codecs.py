@@ -99,7 +99,7 @@ def apply_xor_chain(region: np.ndarray, payloads: list, tensor: str, chunk_nbyte
     """XOR several payloads into region chunk by chunk: each byte of the tensor is read and
     written once however long the chain, and hashed while the chunk is still in cache."""
     nbytes = region.nbytes
-    readers = [ExactReader(p, nbytes, tensor) for p in payloads]
+    readers = [ExactReader(p, nbytes, tensor, slot=i) for i, p in enumerate(payloads)]
     buf = SCRATCH.get("xor-apply", min(chunk_nbytes, max(nbytes, 1)))
     pos = 0
     while pos < nbytes:
@@ -157,7 +157,7 @@ class OverwriteCodec:
             region[positions] = body[4 + 4 * count :]
             return
         pos_reader = ExactReader(payload, content, tensor)
-        val_reader = ExactReader(payload, content, tensor)
+        val_reader = ExactReader(payload, content, tensor, slot=1)
         head = np.empty(4, np.uint8)
         pos_reader.readinto(memoryview(head))
         if int(head.view("<u4")[0]) != count:

@@ -60,12 +60,23 @@ def check_frame(payload, expected_content_nbytes: int | None, tensor: str, *, ma
 
 
 class ThreadCodecs(threading.local):
-    """One compressor and one decompressor per thread: sharing one corrupts data."""
+    """One compressor and a few decompressors per thread: sharing one corrupts data.
+
+    A ``ZstdDecompressor`` holds one decoding context, and every stream reader made from it
+    uses that context; two readers alive at once (one per stream of a payload) need one
+    decompressor each, hence the slots.
+    """
 
     def __init__(self) -> None:
         self.level = None
         self.cctx: zstandard.ZstdCompressor | None = None
         self.dctx = zstandard.ZstdDecompressor()
+        self.slots: list[zstandard.ZstdDecompressor] = [self.dctx]
+
+    def decompressor(self, slot: int) -> zstandard.ZstdDecompressor:
+        while len(self.slots) <= slot:
+            self.slots.append(zstandard.ZstdDecompressor())
+        return self.slots[slot]
 
     def compressor(self, level: int) -> zstandard.ZstdCompressor:
         if self.cctx is None or self.level != level:
@@ -93,12 +104,15 @@ def decompress_exact(payload, nbytes: int, tensor: str) -> bytes:
 
 
 class ExactReader:
-    """Streams exactly ``nbytes`` out of one frame into caller buffers (bounded memory)."""
+    """Streams exactly ``nbytes`` out of one frame into caller buffers (bounded memory).
 
-    def __init__(self, payload, nbytes: int, tensor: str):
+    Readers alive at the same time in one thread must use different ``slot`` numbers.
+    """
+
+    def __init__(self, payload, nbytes: int, tensor: str, slot: int = 0):
         self.tensor = tensor
         self.remaining = nbytes
-        self._reader = _local.dctx.stream_reader(payload, read_across_frames=False)
+        self._reader = _local.decompressor(slot).stream_reader(payload, read_across_frames=False)
 
     def readinto(self, buf: memoryview) -> None:
         want = buf.nbytes
