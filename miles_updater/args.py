@@ -77,7 +77,8 @@ def add_update_weight_arguments(parser: argparse.ArgumentParser) -> argparse.Arg
     _add(g, parser, "--update-weight-fallback-fraction", type=float, default=0.5,
          help="Publish a full version when the delta exceeds this fraction of a full one.")
     _add(g, parser, "--update-weight-keep-versions", type=int, default=None,
-         help="Versions kept on the source dir after each publish (default: keep all).")
+         help="After each publish, prune versions older than the newest full version except the newest N "
+              "(default: never prune).")
     _add(g, parser, "--update-weight-pause-mode", type=str, default="retract", choices=PAUSE_MODES,
          help="sglang pause_generation mode during the reload; 'in_place' keeps the KV cache "
               "(no flush_cache).")
@@ -168,10 +169,10 @@ def validate_update_weight_args(args: argparse.Namespace) -> DiskDeltaConfig | N
         raise UpdateWeightArgsError(
             f"--update-weight-fallback-fraction must be in [0, 1], got {fallback}.")
     keep = g("update_weight_keep_versions")
-    if keep is not None and int(keep) < 2:
+    if keep is not None and int(keep) < 0:
         raise UpdateWeightArgsError(
-            f"--update-weight-keep-versions must be >= 2 (a delta needs the version before it "
-            f"reachable), got {keep}.")
+            f"--update-weight-keep-versions must be >= 0 (versions older than the newest full version "
+            f"are pruned, except the newest N), got {keep}.")
     post = g("custom_update_weight_post_write_path")
     if post is not None and "." not in post:
         raise UpdateWeightArgsError(

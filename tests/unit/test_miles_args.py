@@ -1,0 +1,121 @@
+"""The weight-sync flags: both spellings select disk-delta; impossible combinations are refused."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from miles_updater.args import (
+    UpdateWeightArgsError,
+    add_update_weight_arguments,
+    is_disk_delta,
+    validate_update_weight_args,
+)
+
+
+@pytest.fixture()
+def hf_dir(tmp_path):
+    d = tmp_path / "hf"
+    d.mkdir()
+    return str(d)
+
+
+def parse(argv):
+    return add_update_weight_arguments(argparse.ArgumentParser()).parse_args(argv)
+
+
+def good(hf_dir, tmp_path, *extra):
+    return ["--update-weight-disk-dir", str(tmp_path / "shared"),
+            "--update-weight-local-checkpoint-dir", str(tmp_path / "local"),
+            "--hf-checkpoint", hf_dir, *extra]
+
+
+def test_miles_spelling_selects_disk_delta(hf_dir, tmp_path):
+    cfg = validate_update_weight_args(parse(["--update-weight-transfer-mode", "disk-delta", *good(hf_dir, tmp_path)]))
+    assert cfg.source_dir == str(tmp_path / "shared") and cfg.encoding == "sparse-v1" and cfg.checksum == "xxh3-128"
+
+
+def test_slime_spelling_selects_disk_delta(hf_dir, tmp_path):
+    args = parse(["--update-weight-mode", "delta", "--update-weight-transport", "disk",
+                  "--update-weight-delta-encoding", "xor", "--update-weight-delta-checksum", "blake3",
+                  "--update-weight-full-every", "5", *good(hf_dir, tmp_path)])
+    cfg = validate_update_weight_args(args)
+    assert (cfg.encoding, cfg.checksum, cfg.full_every) == ("xor", "blake3", 5)
+
+
+def test_no_disk_delta_flags_means_not_selected(hf_dir, tmp_path):
+    args = parse([])
+    assert not is_disk_delta(args) and validate_update_weight_args(args) is None
+
+
+def test_existing_host_flags_are_left_to_the_host_parser():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--hf-checkpoint", default="owned-by-host")
+    parser.add_argument("--colocate", action="store_true")
+    add_update_weight_arguments(parser)  # would raise on a clash
+    assert parser.parse_args([]).hf_checkpoint == "owned-by-host"
+
+
+def test_delta_without_disk_transport_is_refused(hf_dir, tmp_path):
+    args = parse(["--update-weight-mode", "delta", "--update-weight-transport", "nccl", *good(hf_dir, tmp_path)])
+    with pytest.raises(UpdateWeightArgsError, match="needs --update-weight-transport disk.*got.*'nccl'"):
+        validate_update_weight_args(args)
+    args = parse(["--update-weight-mode", "delta", *good(hf_dir, tmp_path)])
+    with pytest.raises(UpdateWeightArgsError, match="Add '--update-weight-transport disk'"):
+        validate_update_weight_args(args)
+
+
+def test_delta_with_colocated_engines_is_refused(hf_dir, tmp_path):
+    args = parse(["--update-weight-transfer-mode", "disk-delta", "--colocate", *good(hf_dir, tmp_path)])
+    with pytest.raises(UpdateWeightArgsError, match="does not support --colocate.*Drop --colocate"):
+        validate_update_weight_args(args)
+
+
+def test_missing_local_checkpoint_dir_is_refused(hf_dir, tmp_path):
+    args = parse(["--update-weight-transfer-mode", "disk-delta", "--update-weight-disk-dir", str(tmp_path / "s"),
+                  "--hf-checkpoint", hf_dir])
+    with pytest.raises(UpdateWeightArgsError, match="needs --update-weight-local-checkpoint-dir: a host-local"):
+        validate_update_weight_args(args)
+
+
+def test_missing_disk_dir_is_refused(hf_dir, tmp_path):
+    args = parse(["--update-weight-transfer-mode", "disk-delta", "--update-weight-local-checkpoint-dir",
+                  str(tmp_path / "l"), "--hf-checkpoint", hf_dir])
+    with pytest.raises(UpdateWeightArgsError, match="needs --update-weight-disk-dir"):
+        validate_update_weight_args(args)
+
+
+def test_hub_id_as_hf_checkpoint_is_refused(tmp_path):
+    args = parse(["--update-weight-transfer-mode", "disk-delta", *good("Qwen/Qwen3-4B", tmp_path)])
+    with pytest.raises(UpdateWeightArgsError, match="'Qwen/Qwen3-4B' is not a local directory.*Download it first"):
+        validate_update_weight_args(args)
+
+
+def test_local_checkpoint_dir_equal_to_seed_is_refused(hf_dir, tmp_path):
+    args = parse(["--update-weight-transfer-mode", "disk-delta", "--update-weight-disk-dir", str(tmp_path / "s"),
+                  "--update-weight-local-checkpoint-dir", hf_dir, "--hf-checkpoint", hf_dir])
+    with pytest.raises(UpdateWeightArgsError, match="is the --hf-checkpoint dir"):
+        validate_update_weight_args(args)
+
+
+def test_conflicting_spellings_are_refused(hf_dir, tmp_path):
+    args = parse(["--update-weight-transfer-mode", "disk-delta", "--update-weight-transport", "nccl",
+                  *good(hf_dir, tmp_path)])
+    with pytest.raises(UpdateWeightArgsError, match="conflicts with --update-weight-transport 'nccl'"):
+        validate_update_weight_args(args)
+
+
+def test_out_of_range_knobs_are_refused(hf_dir, tmp_path):
+    base = ["--update-weight-transfer-mode", "disk-delta", *good(hf_dir, tmp_path)]
+    with pytest.raises(UpdateWeightArgsError, match="fallback-fraction must be in"):
+        validate_update_weight_args(parse(base + ["--update-weight-fallback-fraction", "1.5"]))
+    with pytest.raises(UpdateWeightArgsError, match="keep-versions must be >= 0"):
+        validate_update_weight_args(parse(base + ["--update-weight-keep-versions", "-1"]))
+    with pytest.raises(UpdateWeightArgsError, match="not an import path"):
+        validate_update_weight_args(parse(base + ["--custom-update-weight-post-write-path", "nodots"]))
+
+
+def test_unknown_encoding_is_refused_by_the_parser():
+    with pytest.raises(SystemExit):
+        parse(["--update-weight-delta-encoding", "gzip"])
