@@ -1,5 +1,65 @@
-def load_plugin():
-    import os, sys
-    mods = ['sglang.srt.managers.scheduler','sglang.srt.managers.tokenizer_control_mixin','sglang.srt.managers.data_parallel_controller','sglang.srt.entrypoints.http_server','sglang.srt.managers.io_struct','sglang.srt.server_args', 'torch']
-    with open('/tmp/plugin_probe.txt','a') as f:
-        f.write(f"{os.getpid()} {sys.argv[:2]} {[m.rsplit('.',1)[-1] for m in mods if m in sys.modules]}\n")
+"""sglang plugin entry point (``sglang.srt.plugins`` group): adds ``POST /pull_weights``.
+
+sglang 0.5.23 calls ``load_plugin`` early in every process it starts (launcher, tokenizer,
+schedulers, detokenizer, DP controller). Each part of the patch is applied when, and only if,
+that process imports the sglang module it patches:
+
+- ``sglang.srt.server_args``: the ``--custom-pull-weights-pre-read-hook`` and
+  ``--pull-weights-allowed-roots`` flags (``server_flags``);
+- ``sglang.srt.managers.io_struct``: the request/reply types join sglang's msgpack IPC (``io_types``);
+- ``sglang.srt.managers.scheduler``: the handler on every TP rank (``scheduler_side``);
+- ``sglang.srt.managers.tokenizer_control_mixin``: the fan-out to DP groups (``tokenizer_side``);
+- ``sglang.srt.entrypoints.http_server``: the route (``http_route``).
+
+Every decision (paths, errors, merging, the collective protocol) lives in modules that import no
+sglang and are tested without it: ``paths``, ``results``, ``coordinator``.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from ._post_import import when_imported
+
+log = logging.getLogger(__name__)
+
+_loaded = False
+
+
+def load_plugin() -> None:
+    global _loaded
+    if _loaded:
+        return
+    _loaded = True
+
+    def flags(_module):
+        from . import server_flags
+
+        server_flags.install()
+
+    def types(_module):
+        from . import io_types
+
+        io_types.register_types()
+
+    def scheduler(_module):
+        from . import scheduler_side
+
+        scheduler_side.install()
+
+    def tokenizer(module):
+        from . import tokenizer_side
+
+        tokenizer_side.install(module)
+
+    def route(module):
+        from . import http_route
+
+        http_route.install(module)
+
+    when_imported("sglang.srt.server_args", flags)
+    when_imported("sglang.srt.managers.io_struct", types)
+    when_imported("sglang.srt.managers.scheduler", scheduler)
+    when_imported("sglang.srt.managers.tokenizer_control_mixin", tokenizer)
+    when_imported("sglang.srt.entrypoints.http_server", route)
+    log.info("weightsync pull_weights plugin loaded")

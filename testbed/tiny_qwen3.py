@@ -166,3 +166,33 @@ def read_state_dict(model_dir: str | os.PathLike) -> dict:
     for path in sorted(Path(model_dir).glob("*.safetensors")):
         tensors.update(load_file(str(path)))
     return tensors
+
+
+def to_raw_tensors(tensors: dict) -> dict:
+    """torch tensors -> ``weightsync.RawTensor`` (safetensors dtype names, raw bytes)."""
+    import torch
+    from weightsync import RawTensor
+
+    names = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32", torch.int64: "I64"}
+    out = {}
+    for name, t in tensors.items():
+        t = t.contiguous()
+        out[name] = RawTensor(names[t.dtype], tuple(t.shape), t.view(torch.uint8).reshape(-1).numpy())
+    return out
+
+
+def perturb_state_dict(tensors: dict, step: int, *, fraction: float = 0.05, scale: float = 0.5, seed: int = 0) -> dict:
+    """A new state dict: ``fraction`` of each tensor's elements get noise (deterministic per step).
+
+    Large enough changes (``scale`` relative to the init range) that greedy output moves.
+    """
+    import torch
+
+    gen = torch.Generator().manual_seed(seed * 100003 + step)
+    out = {}
+    for name in sorted(tensors):
+        t = tensors[name].clone()
+        mask = torch.rand(t.shape, generator=gen) < fraction
+        noise = torch.randn(t.shape, generator=gen) * scale
+        out[name] = torch.where(mask, (t.float() + noise).to(t.dtype), t)
+    return out

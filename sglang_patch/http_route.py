@@ -1,0 +1,88 @@
+"""The HTTP route ``POST /pull_weights`` (added to sglang's FastAPI app when it is imported).
+
+Body: ``{"local_checkpoint_dir": str, "source_dir": str, "target_version": int}``. Auth: sglang's
+admin-optional level, exactly like ``/update_weights_from_disk`` (``--admin-api-key`` if set,
+else ``--api-key`` if set, else open). Reply: 200 ``{"success": true, ...}`` or a 4xx/5xx with
+``{"success": false, "error_type": ..., "message": ...}`` (see ``sglang_patch.results``): 400
+bad_request (also for a body that does not validate), 403 forbidden, 404 source_not_ready, 409
+conflict, 422 corrupt_artifact / unsupported_format, 500 local_state_corrupt / internal_error.
+Tracebacks go to the server log only.
+
+No ``from __future__ import annotations`` here: FastAPI reads the route's annotations at runtime.
+"""
+
+import logging
+from typing import Annotated, Any, Callable
+
+from fastapi import Body, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import ORJSONResponse
+
+from . import tokenizer_side
+from .io_types import PullWeightsReqInput, http_body
+
+log = logging.getLogger(__name__)
+
+ROUTE_PATH = "/pull_weights"
+
+
+def install_route(app: FastAPI, get_tokenizer_manager: Callable[[], Any]) -> None:
+    """Add ``POST /pull_weights`` to ``app`` (idempotent); the body is answered by the tokenizer."""
+    if any(getattr(route, "path", None) == ROUTE_PATH for route in app.router.routes):
+        return
+    from sglang.srt.utils.auth import AuthLevel, auth_level
+
+    @auth_level(AuthLevel.ADMIN_OPTIONAL)
+    async def pull_weights(obj: Annotated[PullWeightsReqInput, Body()], request: Request):
+        """Bring every host's local checkpoint to a published weight version."""
+        try:
+            output = await tokenizer_side.pull_weights(get_tokenizer_manager(), obj)
+        except Exception as exc:
+            log.exception("pull_weights: the request failed")
+            return ORJSONResponse(
+                {
+                    "success": False,
+                    "error_type": "internal_error",
+                    "message": f"pull_weights failed in the server: {type(exc).__name__}: {exc}",
+                },
+                status_code=500,
+            )
+        return ORJSONResponse(http_body(output), status_code=output.http_status)
+
+    app.add_api_route(ROUTE_PATH, pull_weights, methods=["POST"])
+    _answer_bad_bodies_structurally(app)
+
+
+def _answer_bad_bodies_structurally(app: FastAPI) -> None:
+    """A body that fails validation gets our error shape (400 bad_request); other routes keep theirs."""
+    previous = app.exception_handlers.get(RequestValidationError)
+
+    async def on_validation_error(request: Request, exc: RequestValidationError):
+        if request.url.path == ROUTE_PATH:
+            problems = "; ".join(
+                f"{'.'.join(str(p) for p in err.get('loc', ()) if p != 'body') or 'body'}: {err.get('msg')}"
+                for err in exc.errors()
+            )
+            return ORJSONResponse(
+                {
+                    "success": False,
+                    "error_type": "bad_request",
+                    "message": f"invalid /pull_weights request: {problems}. Expected "
+                    '{"local_checkpoint_dir": str, "source_dir": str, "target_version": int}',
+                },
+                status_code=400,
+            )
+        if previous is not None:
+            return await previous(request, exc)
+        from fastapi.exception_handlers import request_validation_exception_handler
+
+        return await request_validation_exception_handler(request, exc)
+
+    app.add_exception_handler(RequestValidationError, on_validation_error)
+
+
+def install(module: Any = None) -> None:
+    """Add the route to sglang's app (call when ``sglang.srt.entrypoints.http_server`` is imported)."""
+    if module is None:
+        from sglang.srt.entrypoints import http_server as module
+    install_route(module.app, lambda: module._global_state.tokenizer_manager)

@@ -1,0 +1,64 @@
+"""The request and reply of ``POST /pull_weights`` as sglang IPC messages.
+
+Both are keyword-only, module-level, direct subclasses of sglang's ``BaseReq`` (a tagged,
+array-like msgspec Struct): sglang pickles them between processes by default
+(``SGLANG_USE_PICKLE_IPC``), and with msgpack IPC decodes them through a union built from the
+known message types, which ``register_types`` extends (it must run in every process that decodes
+them: tokenizer, DP controller, schedulers). The reply nests ``HostPullResult``, a plain typed
+Struct, so both codecs carry it without a pickle wrapper.
+"""
+
+from typing import List, Optional
+
+import msgspec
+from sglang.srt.managers.io_struct import BaseReq, hook_custom_types
+
+from .results import HostPullResult
+
+
+class PullWeightsReqInput(BaseReq, kw_only=True):
+    """Bring every host's ``local_checkpoint_dir`` to ``target_version`` from ``source_dir``."""
+
+    local_checkpoint_dir: str
+    source_dir: str
+    target_version: int
+
+
+class PullWeightsReqOutput(BaseReq, kw_only=True):
+    """One DP group's (scheduler side) or the whole engine's (tokenizer side) pull outcome."""
+
+    success: bool
+    message: str
+    error_type: Optional[str] = None
+    http_status: int = 200
+    target_version: int = -1
+    applied_version: Optional[int] = None
+    hosts: List[HostPullResult] = msgspec.field(default_factory=list)
+    seconds: float = 0.0
+
+
+def register_types(*_ignored) -> None:
+    """Let sglang's msgpack IPC decode the pull messages in this process (idempotent)."""
+    hook_custom_types(PullWeightsReqInput, PullWeightsReqOutput)
+
+
+def reply_fields(output: PullWeightsReqOutput) -> dict:
+    """The reply's fields as a dict (what ``results.merge_replies`` and the HTTP body use)."""
+    return {
+        "success": output.success,
+        "message": output.message,
+        "error_type": output.error_type,
+        "http_status": output.http_status,
+        "target_version": output.target_version,
+        "applied_version": output.applied_version,
+        "hosts": list(output.hosts),
+        "seconds": output.seconds,
+    }
+
+
+def http_body(output: PullWeightsReqOutput) -> dict:
+    """The JSON body of the HTTP reply: ``{success, error_type, message, ...}``, no traceback."""
+    body = reply_fields(output)
+    body.pop("http_status")
+    body["hosts"] = msgspec.to_builtins(body["hosts"])
+    return body

@@ -1,0 +1,134 @@
+"""Which directories a ``/pull_weights`` request may read and write: the decision, without sglang.
+
+The operator names allowed roots with ``--pull-weights-allowed-roots DIR[,DIR...]``. A request's
+``local_checkpoint_dir`` (written) and ``source_dir`` (read) must both lie inside one of them.
+
+Invariants (each refusal raises before anything is touched):
+- No allowed roots configured means every request is refused (403): an endpoint that writes to
+  arbitrary paths as the server's user must be switched on deliberately, not by default.
+- A path must be absolute; a relative path would depend on the server's working dir (400).
+- A path with a ``..`` component is refused outright (403), even if it would land inside a root.
+- The path must be inside a root both as written and after resolving symlinks (``realpath``); a
+  symlink that leads out of every root is refused (403). The caller then uses the resolved path,
+  so a later pull works on exactly the directory that was checked.
+- The local checkpoint dir must not overlap the engine's own model (the seed dir: version 0 is
+  copied from it, so patching it would destroy the reset point) nor the source dir (400).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Iterable, Sequence
+
+from weightsync.errors import InvalidRequestError, PathNotAllowedError
+
+ALLOWED_ROOTS_FLAG = "--pull-weights-allowed-roots"
+
+
+def parse_allowed_roots(value: str | Iterable[str] | None) -> tuple[str, ...]:
+    """Allowed roots from the flag's value: comma-separated absolute dirs (normalised, deduplicated).
+
+    Raises ``ValueError`` for a relative root or one with ``..`` (an operator error at start-up).
+    """
+    if value is None:
+        return ()
+    items = value.split(",") if isinstance(value, str) else list(value)
+    roots: list[str] = []
+    for item in items:
+        item = item.strip()
+        if not item:
+            continue
+        if not os.path.isabs(item):
+            raise ValueError(f"{ALLOWED_ROOTS_FLAG}: {item!r} is not an absolute path")
+        if ".." in _components(item):
+            raise ValueError(f"{ALLOWED_ROOTS_FLAG}: {item!r} contains '..'; name the directory itself")
+        root = os.path.normpath(item)
+        if root not in roots:
+            roots.append(root)
+    return tuple(roots)
+
+
+@dataclass(frozen=True)
+class CheckedPaths:
+    """The request's directories, resolved (symlinks followed) and checked against the roots."""
+
+    local_checkpoint_dir: str
+    source_dir: str
+
+
+def check_request_paths(
+    local_checkpoint_dir: object,
+    source_dir: object,
+    allowed_roots: Sequence[str],
+    *,
+    seed_dir: str | None = None,
+) -> CheckedPaths:
+    """Check a request's dirs against the allowed roots; return their resolved forms.
+
+    Raises:
+        InvalidRequestError (400): not a non-empty absolute path; the local dir overlaps the
+            seed dir or the source dir.
+        PathNotAllowedError (403): no roots configured; a ``..`` component; outside every root as
+            written or after resolving symlinks.
+    """
+    local = _check_one("local_checkpoint_dir", local_checkpoint_dir, allowed_roots)
+    source = _check_one("source_dir", source_dir, allowed_roots)
+    if _overlaps(local, source):
+        raise InvalidRequestError(
+            f"local_checkpoint_dir {local!r} and source_dir {source!r} overlap; the local "
+            "checkpoint must be a separate host-local directory, not inside the published versions"
+        )
+    if seed_dir:
+        seed = os.path.realpath(seed_dir)
+        if _overlaps(local, seed):
+            raise InvalidRequestError(
+                f"local_checkpoint_dir {local!r} overlaps the engine's own model dir {seed!r} "
+                "(the seed for version 0); patching it would destroy the reset point. Use a "
+                "separate directory for the local checkpoint."
+            )
+    return CheckedPaths(local_checkpoint_dir=local, source_dir=source)
+
+
+def _check_one(label: str, value: object, allowed_roots: Sequence[str]) -> str:
+    if not isinstance(value, str) or not value:
+        raise InvalidRequestError(f"{label} must be a non-empty path, got {value!r}")
+    if "\x00" in value:
+        raise InvalidRequestError(f"{label} contains a NUL byte")
+    if not os.path.isabs(value):
+        raise InvalidRequestError(
+            f"{label} must be an absolute path, got {value!r} (a relative path would depend on "
+            "the server's working directory)"
+        )
+    if not allowed_roots:
+        raise PathNotAllowedError(
+            value,
+            [],
+            f"no allowed roots are configured; start the server with {ALLOWED_ROOTS_FLAG} DIR[,DIR...]",
+        )
+    if ".." in _components(value):
+        raise PathNotAllowedError(value, allowed_roots, f"{label} contains a '..' component")
+    written = os.path.normpath(value)
+    if not any(_is_within(written, root) for root in allowed_roots):
+        raise PathNotAllowedError(value, allowed_roots, f"{label} is not below any allowed root")
+    real = os.path.realpath(written)
+    if not any(_is_within(real, os.path.realpath(root)) for root in allowed_roots):
+        raise PathNotAllowedError(
+            value, allowed_roots, f"{label} resolves through a symlink to {real!r}, outside every allowed root"
+        )
+    return real
+
+
+def _components(path: str) -> list[str]:
+    return [part for part in path.replace(os.sep, "/").split("/") if part]
+
+
+def _is_within(path: str, root: str) -> bool:
+    try:
+        return os.path.commonpath([path, root]) == root
+    except ValueError:
+        return False
+
+
+def _overlaps(a: str, b: str) -> bool:
+    return _is_within(a, b) or _is_within(b, a)

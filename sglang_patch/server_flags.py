@@ -1,0 +1,135 @@
+"""Server flags of the pull endpoint, added to sglang's CLI from the plugin.
+
+Flags (accepted by ``python -m sglang.launch_server`` and ``sglang serve``):
+
+- ``--custom-pull-weights-pre-read-hook pkg.mod.fn``: called as ``fn(source_dir, target_version)``
+  once per host per pull that has work to do, before the source is read (e.g. to refresh an
+  object-store-backed mount). Passed to the core ``pull(..., pre_read_hook=...)``.
+- ``--pull-weights-allowed-roots DIR[,DIR...]``: the only directories a request may read
+  (``source_dir``) or write (``local_checkpoint_dir``); see ``sglang_patch.paths``. Default: none,
+  so ``/pull_weights`` refuses every request (403) until the operator names its roots.
+
+How the flags reach every process: sglang 0.5.23's ``ServerArgs`` is a msgspec Struct assembled
+from field namespaces when ``sglang.srt.server_args`` is imported, before any plugin loads, so a
+plugin cannot add a field. Instead the plugin hooks ``ServerArgs.add_cli_args`` (adds the flags to
+the parser) and ``ServerArgs.from_cli_args`` (validates the values and stores them as one
+bookkeeping attribute, ``server_args._pull_weights_options``). ``ServerArgs`` keeps such
+underscore attributes when pickled to scheduler processes (its ``__reduce__`` carries
+``__dict__``; sglang's own ``_launch_command`` travels the same way), so every scheduler reads the
+same options. For ``sglang.Engine(...)`` (no command line) the environment variables
+``SGLANG_CUSTOM_PULL_WEIGHTS_PRE_READ_HOOK`` and ``SGLANG_PULL_WEIGHTS_ALLOWED_ROOTS`` give the
+same settings; a flag wins over its variable.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import logging
+import os
+from typing import Any, Optional
+
+import msgspec
+
+from .paths import ALLOWED_ROOTS_FLAG, parse_allowed_roots
+
+log = logging.getLogger(__name__)
+
+PRE_READ_HOOK_FLAG = "--custom-pull-weights-pre-read-hook"
+PRE_READ_HOOK_ENV = "SGLANG_CUSTOM_PULL_WEIGHTS_PRE_READ_HOOK"
+ALLOWED_ROOTS_ENV = "SGLANG_PULL_WEIGHTS_ALLOWED_ROOTS"
+OPTIONS_ATTR = "_pull_weights_options"
+_PRE_READ_HOOK_DEST = "custom_pull_weights_pre_read_hook"
+_ALLOWED_ROOTS_DEST = "pull_weights_allowed_roots"
+
+
+class PullWeightsOptions(msgspec.Struct, frozen=True):
+    """The operator's settings for ``/pull_weights``, as every scheduler process sees them."""
+
+    pre_read_hook: Optional[str] = None
+    allowed_roots: tuple[str, ...] = ()
+
+
+def add_cli_args(parser: argparse.ArgumentParser) -> None:
+    """Add the endpoint's flags to sglang's server parser (idempotent)."""
+    existing = {opt for action in parser._actions for opt in action.option_strings}
+    if PRE_READ_HOOK_FLAG not in existing:
+        parser.add_argument(
+            PRE_READ_HOOK_FLAG,
+            dest=_PRE_READ_HOOK_DEST,
+            type=str,
+            default=None,
+            metavar="IMPORT.PATH",
+            help="POST /pull_weights: function 'pkg.mod.fn' called as fn(source_dir, target_version) "
+            "once per host per pull that has work to do, before the source is read.",
+        )
+    if ALLOWED_ROOTS_FLAG not in existing:
+        parser.add_argument(
+            ALLOWED_ROOTS_FLAG,
+            dest=_ALLOWED_ROOTS_DEST,
+            type=str,
+            default=None,
+            metavar="DIR[,DIR...]",
+            help="POST /pull_weights: the only directories a request may read (source_dir) or "
+            "write (local_checkpoint_dir). Default: none, so every pull is refused (403).",
+        )
+
+
+def options_from_values(pre_read_hook: Optional[str], allowed_roots: Optional[str]) -> PullWeightsOptions:
+    """Validated options; raises ``ValueError`` with the flag's name for a bad value."""
+    hook = (pre_read_hook or "").strip() or None
+    if hook is not None:
+        check_hook_path(hook)
+    return PullWeightsOptions(pre_read_hook=hook, allowed_roots=parse_allowed_roots(allowed_roots))
+
+
+def check_hook_path(hook: str) -> None:
+    """A hook must look like 'pkg.mod.fn' and its module must be importable (not imported here)."""
+    module, _, attr = hook.rpartition(".")
+    if not module or not attr or not all(part.isidentifier() for part in hook.split(".")):
+        raise ValueError(f"{PRE_READ_HOOK_FLAG}: {hook!r} is not an import path like 'package.module.function'")
+    try:
+        found = importlib.util.find_spec(module)
+    except (ImportError, ValueError) as exc:
+        raise ValueError(f"{PRE_READ_HOOK_FLAG}: module {module!r} of {hook!r} cannot be found: {exc}") from None
+    if found is None:
+        raise ValueError(f"{PRE_READ_HOOK_FLAG}: module {module!r} of {hook!r} cannot be found on sys.path")
+
+
+def attach_options(server_args: Any, namespace: argparse.Namespace) -> None:
+    """Store the parsed flags on ``server_args`` (a bookkeeping attribute that survives pickling)."""
+    hook = getattr(namespace, _PRE_READ_HOOK_DEST, None)
+    roots = getattr(namespace, _ALLOWED_ROOTS_DEST, None)
+    hook = hook if hook is not None else os.environ.get(PRE_READ_HOOK_ENV)
+    roots = roots if roots is not None else os.environ.get(ALLOWED_ROOTS_ENV)
+    setattr(server_args, OPTIONS_ATTR, options_from_values(hook, roots))
+
+
+def options_of(server_args: Any) -> PullWeightsOptions:
+    """The options a process should use: from ``server_args``, else from the environment."""
+    options = getattr(server_args, OPTIONS_ATTR, None) if server_args is not None else None
+    if isinstance(options, PullWeightsOptions):
+        return options
+    return options_from_values(os.environ.get(PRE_READ_HOOK_ENV), os.environ.get(ALLOWED_ROOTS_ENV))
+
+
+# --- sglang hooks (registered by sglang_patch.plugin) ----------------------------------------
+
+
+def _after_add_cli_args(result, parser, *args, **kwargs):
+    add_cli_args(parser)
+    return result
+
+
+def _after_from_cli_args(server_args, cls, namespace, *args, **kwargs):
+    attach_options(server_args, namespace)
+    return server_args
+
+
+def install() -> None:
+    """Register the ServerArgs hooks (call when ``sglang.srt.server_args`` is imported)."""
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    HookRegistry.register("sglang.srt.server_args.ServerArgs.add_cli_args", _after_add_cli_args, HookType.AFTER)
+    HookRegistry.register("sglang.srt.server_args.ServerArgs.from_cli_args", _after_from_cli_args, HookType.AFTER)
+    HookRegistry.apply_hooks()
