@@ -100,6 +100,8 @@ class _Maps:
 
 def load_delta(index: VersionIndex, keep: list) -> LoadedDelta:
     """Open the shards the index names (never a listing) and check them without decompressing."""
+    # A checksum whose package is missing must fail here, before the marker is cleared.
+    new_hasher(index.checksum_format or "")
     tensors: dict[str, DeltaTensor] = {}
     nbytes = 0
     for fname, expected in sorted(index.shards().items()):

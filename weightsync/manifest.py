@@ -53,7 +53,8 @@ def parse_version_number(value: object, field: str, path: str) -> int:
         raise MalformedHeaderError(path, f"metadata {field} must be an integer string, got {value!r}")
     if isinstance(value, int):
         v = value
-    elif isinstance(value, str) and value.strip().lstrip("+").isdigit():
+    elif isinstance(value, str) and value.strip().lstrip("+").isascii() and value.strip().lstrip("+").isdigit():
+        # ASCII only: str.isdigit() is also true of '³', which int() then refuses.
         v = int(value)
     else:
         raise MalformedHeaderError(path, f"metadata {field} must be an integer string, got {value!r}")
