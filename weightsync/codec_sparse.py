@@ -1,0 +1,450 @@
+"""``sparse-v1``: our delta encoding. Only the changed elements travel, as position gaps and
+small integer differences, each byte plane in its own zstd frame (spec: docs/FORMAT.md).
+
+Why it is small: an RL step moves most bf16 weights by 0 or 1 ulp. Reading the elements as
+integers in float order (sign-magnitude folded into a monotone map), a 1-ulp move is a
+difference of +-1, zigzag-coded to 1 or 2, so the low value plane carries ~1.5 bits per
+change and the high planes are nearly all zero. Gaps between changed positions cost about
+the entropy of the change mask. upstream ``xor`` pays for every zero run of the whole tensor.
+
+Invariants:
+- exact for any bytes of any element width (the map and the modular difference are
+  bijections; NaNs, sign flips, all elements changed all round-trip);
+- the payload is self-delimiting: a fixed header, a segment table, then exactly the frames
+  the table announces, nothing after them; ``check`` proves all sizes from headers alone;
+- apply writes a batch only after its positions were proven in range (ascending holds by
+  construction, gaps are non-negative) and its values non-zero; memory per batch is bounded
+  by the chunk budget, never by the tensor;
+- segments (fixed element ranges, independent streams) bound the working set, let a chain
+  of payloads be applied segment by segment while the segment is in cache, and let a
+  worker pool split a large tensor.
+"""
+
+from __future__ import annotations
+
+import struct
+from typing import NamedTuple
+
+import numpy as np
+
+from .codecs import SCRATCH, Encoded, register_codec
+from .errors import PayloadBoundError
+from .zstd_frames import ExactReader, check_frame, compress, decompress_exact
+
+MAGIC = b"WSSP"
+VERSION = 1
+TRANSFORM_NONE = 0  # difference of the plain unsigned integers
+TRANSFORM_FLOAT_ORDER = 1  # difference after the sign-magnitude -> monotone map
+HEADER = struct.Struct("<4sBBBBQII")  # magic, version, width, transform, flags, nelements, seg_elements, nsegments
+ENTRY_HEAD = struct.Struct("<IIB3x")  # count, large-value count, gap width, reserved
+MAX_SEG_ELEMENTS = 1 << 30  # gaps < 2^30 fit 4 bytes; count x (gap + 1) cannot overflow int64
+SEG_ELEMENTS = 1 << 22  # what the encoder writes: 4 Mi elements (8 MiB of bf16)
+ENCODE_BATCH = 1 << 20  # elements compared per pass while encoding (keeps temporaries small)
+GAP_WIDTHS = (1, 2, 4)
+LE_UINT = {1: np.dtype("u1"), 2: np.dtype("<u2"), 4: np.dtype("<u4"), 8: np.dtype("<u8")}
+
+
+class Segment(NamedTuple):
+    start: int  # first element
+    length: int  # elements
+    count: int  # changed elements
+    nbig: int  # changes whose |difference| > 1
+    gap_width: int
+    gap_frames: list  # memoryviews, least significant plane first
+    sign_frame: object
+    big_frame: object
+    big_value_frames: list
+
+
+class Parsed(NamedTuple):
+    width: int
+    transform: int
+    nelements: int
+    seg_elements: int
+    segments: list
+
+
+# --- the element map --------------------------------------------------------------------
+
+
+def _signed(dt: np.dtype) -> np.dtype:
+    return np.dtype(dt.str.replace("u", "i"))
+
+
+def _to_order(x: np.ndarray, mask: np.ndarray) -> None:
+    """In place: sign-magnitude bits -> a monotone unsigned order (a bijection).
+    ``mask`` is scratch of x's shape and dtype."""
+    idt = _signed(x.dtype)
+    bits = 8 * x.dtype.itemsize
+    np.right_shift(x.view(idt), idt.type(bits - 1), out=mask.view(idt))  # all ones when negative
+    mask |= x.dtype.type(1 << (bits - 1))
+    x ^= mask
+
+
+def _from_order(y: np.ndarray, mask: np.ndarray) -> None:
+    """In place: inverse of ``_to_order``."""
+    idt = _signed(y.dtype)
+    bits = 8 * y.dtype.itemsize
+    np.right_shift(y.view(idt), idt.type(bits - 1), out=mask.view(idt))
+    np.invert(mask, out=mask)  # all ones when the order value's top bit is clear (a negative float)
+    mask |= y.dtype.type(1 << (bits - 1))
+    y ^= mask
+
+
+# --- encode -----------------------------------------------------------------------------
+
+
+def _gap_width(max_gap: int) -> int:
+    for w in GAP_WIDTHS:
+        if max_gap < 1 << (8 * w):
+            return w
+    raise AssertionError("gap does not fit 4 bytes; segments are smaller than 2^30")
+
+
+def _planes(values: np.ndarray, nplanes: int, level: int) -> list[bytes]:
+    """Compress the low ``nplanes`` byte planes of little-endian ``values``, one frame each."""
+    k = values.size
+    if values.dtype.itemsize == 1:
+        return [compress(values, level)]
+    as_bytes = values.view(np.uint8).reshape(k, values.dtype.itemsize)
+    plane = SCRATCH.get("sp-enc-plane", k)
+    frames = []
+    for j in range(nplanes):
+        np.copyto(plane, as_bytes[:, j])
+        frames.append(compress(plane, level))
+    return frames
+
+
+class SparseCodec:
+    name = "sparse-v1"
+    seg_elements = SEG_ELEMENTS
+    transform = TRANSFORM_NONE
+
+    def encode(self, old, new, itemsize, level, tensor):
+        width = itemsize if itemsize in LE_UINT and new.nbytes % itemsize == 0 else 1
+        dt = LE_UINT[width]
+        o = old.reshape(-1).view(dt)
+        nw = new.reshape(-1).view(dt)
+        n = o.size
+        seg = self.seg_elements
+        nseg = -(-n // seg)
+        entries: list[bytes] = []
+        frames: list[bytes] = []
+        changed_bytes = changed_elements = 0
+        for s in range(nseg):
+            s0 = s * seg
+            s1 = min(n, s0 + seg)
+            count, cb, gaps, signs, mags = self._diff_segment(o, nw, s0, s1, width)
+            changed_bytes += cb
+            changed_elements += count
+            if count == 0:
+                entries.append(ENTRY_HEAD.pack(0, 0, 0))
+                continue
+            gw = _gap_width(int(gaps.max()))
+            seg_frames = _planes(gaps, gw, level)
+            seg_frames.append(compress(np.packbits(signs, bitorder="little"), level))
+            big = mags != 0
+            seg_frames.append(compress(np.packbits(big, bitorder="little"), level))
+            nbig = int(np.count_nonzero(big))
+            if nbig:
+                rest = mags[big]
+                rest -= dt.type(1)
+                seg_frames.extend(_planes(rest, width, level))
+            entries.append(ENTRY_HEAD.pack(count, nbig, gw) + struct.pack(f"<{len(seg_frames)}I", *map(len, seg_frames)))
+            frames.extend(seg_frames)
+        if changed_elements == 0:
+            return None
+        head = HEADER.pack(MAGIC, VERSION, width, self.transform, 0, n, seg, nseg)
+        return Encoded(b"".join([head, *entries, *frames]), changed_bytes, changed_elements)
+
+    def _diff_segment(self, o, nw, s0, s1, width):
+        """(count, changed bytes, gaps as <u4, sign flags, |difference| - 1) of elements [s0, s1)."""
+        dt = o.dtype
+        idt = _signed(dt)
+        nseg = s1 - s0
+        gaps_all = SCRATCH.get("sp-enc-gaps", 4 * nseg).view("<u4")
+        mags_all = SCRATCH.get("sp-enc-mags", width * nseg).view(dt)
+        signs_all = SCRATCH.get("sp-enc-signs", nseg).view(np.bool_)
+        ne = SCRATCH.get("sp-enc-ne", min(ENCODE_BATCH, nseg)).view(np.bool_)
+        count = changed_bytes = 0
+        prev = -1  # last changed position, relative to s0
+        for b0 in range(s0, s1, ENCODE_BATCH):
+            b1 = min(s1, b0 + ENCODE_BATCH)
+            m = ne[: b1 - b0]
+            np.not_equal(o[b0:b1], nw[b0:b1], out=m)
+            idx = np.flatnonzero(m)
+            k = idx.size
+            if k == 0:
+                continue
+            g = gaps_all[count : count + k]
+            rel0 = b0 - s0
+            g[0] = idx[0] + rel0 - prev - 1
+            if k > 1:
+                np.subtract(idx[1:], idx[:-1], out=g[1:], casting="unsafe")
+                g[1:] -= np.uint32(1)
+            prev = int(idx[-1]) + rel0
+            idx += b0
+            ov = o[idx]
+            nv = nw[idx]
+            changed_bytes += int(np.count_nonzero((ov ^ nv).view(np.uint8)))
+            d = mags_all[count : count + k]
+            if self.transform == TRANSFORM_FLOAT_ORDER:
+                _to_order(ov, d)
+                _to_order(nv, d)
+            np.subtract(nv, ov, out=d)  # modular: exact for any pair
+            ds = d.view(idt)
+            np.less(ds, 0, out=signs_all[count : count + k])
+            np.abs(ds, out=ds)  # -2^(b-1) stays itself, which read unsigned is 2^(b-1): right
+            d -= dt.type(1)
+            count += k
+        return count, changed_bytes, gaps_all[:count], signs_all[:count], mags_all[:count]
+
+    # --- check ----------------------------------------------------------------------------
+
+    def check(self, payload, nbytes, itemsize, tensor):
+        parse(payload, nbytes, tensor, check_frames=True)
+
+    # --- apply ----------------------------------------------------------------------------
+
+    def apply(self, region, payload, itemsize, tensor, chunk_nbytes):
+        apply_sparse_chain(region, [payload], tensor, chunk_nbytes, hasher=None)
+
+
+def parse(payload, nbytes: int, tensor: str, *, check_frames: bool = True) -> Parsed:
+    """Read the header and segment table; prove every size (and, optionally, every frame's
+    declared content size) without decompressing anything."""
+    mv = memoryview(payload).cast("B")
+    total = mv.nbytes
+    if total < HEADER.size:
+        raise PayloadBoundError(tensor, f"sparse-v1 payload of {total} bytes is shorter than its {HEADER.size}-byte header")
+    magic, version, width, transform, flags, n, seg, nseg = HEADER.unpack_from(mv, 0)
+    if magic != MAGIC:
+        raise PayloadBoundError(tensor, f"sparse-v1 payload starts with {bytes(magic)!r}, expected {MAGIC!r}")
+    if version != VERSION:
+        raise PayloadBoundError(tensor, f"sparse-v1 payload version {version}, this reader knows {VERSION}")
+    if width not in LE_UINT:
+        raise PayloadBoundError(tensor, f"sparse-v1 element width {width}, expected 1, 2, 4 or 8")
+    if transform not in (TRANSFORM_NONE, TRANSFORM_FLOAT_ORDER) or flags != 0:
+        raise PayloadBoundError(tensor, f"sparse-v1 transform {transform} / flags {flags} unknown")
+    if n * width != nbytes:
+        raise PayloadBoundError(tensor, f"sparse-v1 payload covers {n} x {width} bytes, the tensor has {nbytes}")
+    if not 1 <= seg <= MAX_SEG_ELEMENTS:
+        raise PayloadBoundError(tensor, f"sparse-v1 segment size {seg} is outside [1, 2^30]")
+    if nseg != -(-n // seg):
+        raise PayloadBoundError(tensor, f"sparse-v1 declares {nseg} segments, {n} elements / {seg} need {-(-n // seg)}")
+    if HEADER.size + ENTRY_HEAD.size * nseg > total:
+        raise PayloadBoundError(tensor, f"sparse-v1 segment table of {nseg} entries runs past the {total}-byte payload")
+    pos = HEADER.size
+    table = []
+    for s in range(nseg):
+        if pos + ENTRY_HEAD.size > total:
+            raise PayloadBoundError(tensor, f"sparse-v1 segment table truncated at segment {s}")
+        count, nbig, gw = ENTRY_HEAD.unpack_from(mv, pos)
+        if bytes(mv[pos + ENTRY_HEAD.size - 3 : pos + ENTRY_HEAD.size]) != b"\0\0\0":
+            raise PayloadBoundError(tensor, f"sparse-v1 segment {s} has non-zero reserved bytes")
+        pos += ENTRY_HEAD.size
+        length = min(seg, n - s * seg)
+        if count > length or nbig > count:
+            raise PayloadBoundError(
+                tensor, f"sparse-v1 segment {s} claims {count} changes ({nbig} large) in {length} elements"
+            )
+        if count == 0:
+            if gw != 0:
+                raise PayloadBoundError(tensor, f"sparse-v1 segment {s} has no changes but gap width {gw}")
+            table.append((s * seg, length, 0, 0, 0, ()))
+            continue
+        if gw not in GAP_WIDTHS:
+            raise PayloadBoundError(tensor, f"sparse-v1 segment {s} gap width {gw}, expected 1, 2 or 4")
+        nframes = gw + 2 + (width if nbig else 0)
+        if pos + 4 * nframes > total:
+            raise PayloadBoundError(tensor, f"sparse-v1 segment table truncated at segment {s}")
+        sizes = struct.unpack_from(f"<{nframes}I", mv, pos)
+        pos += 4 * nframes
+        table.append((s * seg, length, count, nbig, gw, sizes))
+    segments = []
+    for start, length, count, nbig, gw, sizes in table:
+        frames = []
+        contents = [count] * gw + [(count + 7) // 8] * 2 + [nbig] * (len(sizes) - gw - 2)
+        for size, content in zip(sizes, contents):
+            if pos + size > total:
+                raise PayloadBoundError(tensor, f"sparse-v1 stream of {size} bytes at {pos} runs past the {total}-byte payload")
+            frame = mv[pos : pos + size]
+            if check_frames:
+                check_frame(frame, content, tensor)
+            frames.append(frame)
+            pos += size
+        segments.append(Segment(start, length, count, nbig, gw, frames[:gw], frames[gw] if frames else None,
+                                frames[gw + 1] if frames else None, frames[gw + 2 :]))
+    if pos != total:
+        raise PayloadBoundError(tensor, f"{total - pos} trailing bytes after the sparse-v1 streams")
+    return Parsed(width, transform, n, seg, segments)
+
+
+# --- apply ------------------------------------------------------------------------------
+
+
+def _batch_changes(chunk_nbytes: int) -> int:
+    # ~16 bytes of scratch per change (planes, int64 positions, values, temporaries); a
+    # multiple of 8 so the bit-packed streams split on byte boundaries
+    return max(1 << 12, (chunk_nbytes // 16) & ~7)
+
+
+class _Source:
+    """One stream of a segment: decompressed whole when it fits the batch, else streamed."""
+
+    def __init__(self, frame, content: int, whole: bool, tensor: str, slot: int, scratch_key: str, batch_nbytes: int):
+        self.tensor = tensor
+        if whole:
+            self.data = np.frombuffer(decompress_exact(frame, content, tensor), np.uint8)
+            self.reader = None
+        else:
+            self.data = None
+            self.reader = ExactReader(frame, content, tensor, slot=slot)
+            self.buf = SCRATCH.get(scratch_key, batch_nbytes)
+        self.done = 0
+
+    def take(self, k: int) -> np.ndarray:
+        if self.reader is None:
+            out = self.data[self.done : self.done + k]
+        else:
+            out = self.buf[:k]
+            self.reader.readinto(memoryview(out))
+        self.done += k
+        return out
+
+
+def _apply_segment(rw: np.ndarray, seg: Segment, transform: int, tensor: str, batch: int) -> None:
+    """Apply one segment's changes in batches; every batch is range-checked before it is written."""
+    count = seg.count
+    if count == 0:
+        return
+    dt = rw.dtype
+    width = dt.itemsize
+    idt = _signed(dt)
+    batch = min(batch, count)
+    whole = count <= batch
+    slot = 0
+    sources = []
+    for j, f in enumerate(seg.gap_frames):
+        sources.append(_Source(f, count, whole, tensor, slot, f"sp-g{j}", batch))
+        slot += 1
+    signs = _Source(seg.sign_frame, (count + 7) // 8, whole, tensor, slot, "sp-sign", batch // 8)
+    bigs = _Source(seg.big_frame, (count + 7) // 8, whole, tensor, slot + 1, "sp-big", batch // 8)
+    slot += 2
+    big_planes = []
+    for j, f in enumerate(seg.big_value_frames):
+        big_planes.append(_Source(f, seg.nbig, seg.nbig <= batch, tensor, slot, f"sp-v{j}", batch))
+        slot += 1
+    pos_buf = SCRATCH.get("sp-pos", 8 * batch).view(np.int64)
+    tmp_buf = SCRATCH.get("sp-tmp", 8 * batch).view(np.int64)
+    d_buf = SCRATCH.get("sp-d", width * batch).view(dt)
+    m_buf = SCRATCH.get("sp-m", width * batch).view(dt)
+    o_buf = SCRATCH.get("sp-o", width * batch).view(dt)
+    flag_buf = SCRATCH.get("sp-flag", batch).view(np.bool_)
+    last = seg.start - 1  # absolute position of the previous change
+    end = seg.start + seg.length
+    done = 0
+    nbig_seen = 0
+    while done < count:
+        k = min(batch, count - done)
+        nb = (k + 7) // 8
+        pos = pos_buf[:k]
+        # positions: cumulative sum of (gap + 1), starting after the previous change
+        for j, src in enumerate(sources):
+            p = src.take(k)
+            if j == 0:
+                np.add(p, 1, out=pos, dtype=np.int64)
+            else:
+                np.left_shift(p, 8 * j, out=tmp_buf[:k], dtype=np.int64)
+                pos += tmp_buf[:k]
+        np.cumsum(pos, out=pos)
+        pos += last
+        if int(pos[-1]) >= end:
+            raise PayloadBoundError(tensor, f"sparse-v1 position {int(pos[-1])} is past segment [{seg.start}, {end}) of the tensor")
+        # magnitudes: 1, or 2 + the next large value
+        d = d_buf[:k]
+        d.fill(1)
+        packed_big = bigs.take(nb)
+        flags = flag_buf[:k]
+        np.copyto(flags.view(np.uint8), np.unpackbits(packed_big, count=k, bitorder="little"))
+        nbig = int(np.count_nonzero(flags))
+        if done + k == count:
+            _check_padding(packed_big, k, tensor, "large-value flags")
+        if nbig:
+            if nbig_seen + nbig > seg.nbig:
+                raise PayloadBoundError(tensor, f"sparse-v1 flags more than the {seg.nbig} large values the table declares")
+            big = m_buf[:nbig]
+            if width == 1:
+                big[:] = big_planes[0].take(nbig)
+            else:
+                bb = big.view(np.uint8).reshape(nbig, width)
+                for j, src in enumerate(big_planes):
+                    bb[:, j] = src.take(nbig)
+            big += dt.type(2)
+            d[flags] = big
+            nbig_seen += nbig
+        # signs: negate where set (two's complement: (x ^ -1) + 1)
+        packed_sign = signs.take(nb)
+        if done + k == count:
+            _check_padding(packed_sign, k, tensor, "signs")
+        m = m_buf[:k]
+        np.copyto(m.view(np.uint8)[:k] if width == 1 else flags.view(np.uint8), np.unpackbits(packed_sign, count=k, bitorder="little"))
+        if width != 1:
+            np.negative(flags.view(np.uint8), out=m, dtype=dt, casting="unsafe")
+        else:
+            np.negative(m, out=m)
+        d ^= m
+        d -= m
+        if transform == TRANSFORM_FLOAT_ORDER:
+            o = o_buf[:k]
+            np.take(rw, pos, out=o)
+            _to_order(o, m)
+            o += d
+            _from_order(o, m)
+            rw[pos] = o
+        else:
+            rw[pos] += d
+        last = int(pos[-1])
+        done += k
+    if nbig_seen != seg.nbig:
+        raise PayloadBoundError(tensor, f"sparse-v1 segment flags {nbig_seen} large values, the table declares {seg.nbig}")
+
+
+def _check_padding(packed: np.ndarray, k: int, tensor: str, what: str) -> None:
+    rem = k % 8
+    if rem and int(packed[-1]) >> rem:
+        raise PayloadBoundError(tensor, f"sparse-v1 {what} have set bits past the last change")
+
+
+def apply_sparse_chain(region: np.ndarray, payloads: list, tensor: str, chunk_nbytes: int, hasher) -> None:
+    """Apply several sparse-v1 payloads (oldest first) to ``region`` in place.
+
+    With equal segmenting (what the encoder always writes) the chain runs segment-major:
+    every payload's changes to one segment, then that segment is hashed while still in cache,
+    so a catch-up over many versions touches the tensor's bytes once."""
+    nbytes = region.nbytes
+    parsed = [parse(p, nbytes, tensor, check_frames=False) for p in payloads]
+    batch = _batch_changes(chunk_nbytes)
+    if not parsed:
+        return
+    aligned = all(p.width == parsed[0].width and p.seg_elements == parsed[0].seg_elements for p in parsed)
+    if not aligned:
+        for p in parsed:
+            rw = region.view(LE_UINT[p.width])
+            for seg in p.segments:
+                _apply_segment(rw, seg, p.transform, tensor, batch)
+        if hasher is not None:
+            for pos in range(0, nbytes, chunk_nbytes):
+                hasher.update(region[pos : pos + chunk_nbytes])
+        return
+    width = parsed[0].width
+    rw = region.view(LE_UINT[width])
+    for s, seg0 in enumerate(parsed[0].segments):
+        for p in parsed:
+            _apply_segment(rw, p.segments[s], p.transform, tensor, batch)
+        if hasher is not None:
+            hasher.update(region[seg0.start * width : (seg0.start + seg0.length) * width])
+
+
+CODEC = SparseCodec()
+register_codec(CODEC)
