@@ -37,7 +37,7 @@ from .layout import (
     version_dir,
 )
 from .manifest import build_delta_index, build_full_index, checkpoint_weight_files
-from .safetensors_io import DTYPE_NBYTES, iter_file_chunks, local_tensor_table, read_header
+from .safetensors_io import DTYPE_NBYTES, as_byte_view, iter_file_chunks, local_tensor_table, read_header
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +58,7 @@ class RawTensor(msgspec.Struct, frozen=True):
     data: object
 
     def bytes_view(self) -> np.ndarray:
-        arr = np.frombuffer(memoryview(self.data).cast("B"), dtype=np.uint8)
+        arr = np.frombuffer(as_byte_view(self.data), dtype=np.uint8)
         return arr
 
 

@@ -137,11 +137,20 @@ def build_header(entries: Iterable[tuple[str, str, tuple[int, ...], int]], metad
     return struct.pack("<Q", len(raw)) + raw, offsets
 
 
+def as_byte_view(buf) -> memoryview:
+    """A flat byte view of any C-contiguous buffer. ``memoryview.cast`` refuses shapes with a
+    zero in them ((0, 3): a legal, empty tensor), so those become an empty view."""
+    mv = memoryview(buf)
+    if mv.nbytes == 0:
+        return memoryview(b"")
+    return mv.cast("B")
+
+
 def iter_file_chunks(
     entries: list[tuple[str, str, tuple[int, ...], object]], metadata: Mapping[str, str] | None
 ) -> Iterator[bytes | memoryview]:
     """Chunks of a safetensors file: header, then each entry's buffer in order."""
-    views = [memoryview(buf).cast("B") for _, _, _, buf in entries]
+    views = [as_byte_view(buf) for _, _, _, buf in entries]
     head, _ = build_header(((n, d, s, v.nbytes) for (n, d, s, _), v in zip(entries, views)), metadata)
     yield head
     yield from views
