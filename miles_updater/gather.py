@@ -347,6 +347,10 @@ class HFWeightGatherer:
                 f"tensors emitted by two pipeline stages differ: {differ[:5]}; tied embeddings must be "
                 f"kept identical across stages (is the embedding-group all-reduce running?)")
 
+    def owned_tensors(self) -> dict[str, RawTensor]:
+        """The tensors this rank published last (its staging buffers; {} before the first gather)."""
+        return {n: self._raw(n) for n in self.plan.owned if n in self._staging}
+
     def staging_nbytes(self) -> int:
         """Host bytes held by the staging buffers (allocated on the first gather, then reused)."""
         return sum(t.numel() * t.element_size() for t in self._staging.values())

@@ -170,10 +170,18 @@ class EngineSync:
 
 
 def _pull_summary(name: str, result: Any) -> dict:
-    keep = ("applied_version", "action", "reason", "seconds", "nbytes_read", "deltas_applied")
-    if isinstance(result, dict):
-        return {"engine": name, **{k: result.get(k) for k in keep if k in result}}
-    return {"engine": name, "result": result}
+    """One engine's pull reply, reduced to what the metrics need (per-host actions kept)."""
+    if not isinstance(result, dict):
+        return {"engine": name, "result": result}
+    hosts = result.get("hosts") or []
+    return {
+        "engine": name,
+        "applied_version": result.get("applied_version"),
+        "seconds": result.get("seconds"),
+        "actions": [h.get("action") for h in hosts] or [result.get("action")],
+        "nbytes_read": sum(int(h.get("nbytes_read") or 0) for h in hosts) or int(result.get("nbytes_read") or 0),
+        "message": result.get("message"),
+    }
 
 
 def as_engine_group(engines: Any, names: Sequence[str] | None = None) -> EngineGroup:
