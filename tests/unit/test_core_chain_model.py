@@ -27,6 +27,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 from weightsync import Publisher, errors, pull, supported_encodings
+from weightsync.pull import wait_until_durable
 
 from conftest import THOROUGH
 from core_support import flip_local_byte, marker_version, mutate, read_checkpoint_bytes, tensor_bytes, write_hf_checkpoint
@@ -180,12 +181,15 @@ class VersionChains(RuleBasedStateMachine):
     @rule(data=st.data())
     def pull_to_a_target(self, data):
         target = data.draw(st.integers(0, self.latest), label="target")
+        durability = data.draw(st.sampled_from(["sync", "deferred"]), label="durability")
         before = marker_version(self.local)
         before_bytes = read_checkpoint_bytes(self.local) if before is not None else None
         predicted = self._predict_first_plan_error(target, before)
         faults_below = any(v in self.hidden or v in self.truncated for v in range(1, target + 1))
         try:
-            result = pull(self.local, self.seed_dir, self.source, target, workers=2)
+            result = pull(self.local, self.seed_dir, self.source, target, workers=2, durability=durability)
+            # Deferred: verified bytes now, marker once the background flush is done.
+            assert wait_until_durable(self.local, timeout_s=60)
         except errors.WeightSyncError as e:
             assert predicted is not None or faults_below, f"pull {before}->{target} should have worked: {e!r}"
             if predicted is not None:
@@ -256,6 +260,6 @@ class VersionChains(RuleBasedStateMachine):
 TestVersionChains = VersionChains.TestCase
 TestVersionChains.settings = settings(
     settings.default,
-    max_examples=300 if THOROUGH else 15,
+    max_examples=300 if THOROUGH else 30,
     stateful_step_count=60 if THOROUGH else 30,
 )

@@ -69,7 +69,7 @@ def test_pull_killed_at_random_points_never_leaves_a_lying_marker_and_the_retry_
     local = str(fast_tmp_path / "local")
     latest, expected = chain["latest"], chain["expected"]
     markers_after_kill = []
-    for round_ in range(8):
+    for round_ in range(6):
         proc = subprocess.Popen(
             [sys.executable, CHILD, "loop", local, chain["seed"], chain["source"], f"0,2,{latest},0,4,{latest}"],
             stdout=subprocess.PIPE,
