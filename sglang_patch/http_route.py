@@ -59,10 +59,7 @@ def _answer_bad_bodies_structurally(app: FastAPI) -> None:
 
     async def on_validation_error(request: Request, exc: RequestValidationError):
         if request.url.path == ROUTE_PATH:
-            problems = "; ".join(
-                f"{'.'.join(str(p) for p in err.get('loc', ()) if p != 'body') or 'body'}: {err.get('msg')}"
-                for err in exc.errors()
-            )
+            problems = "; ".join(_describe_validation_errors(exc.errors()))
             return ORJSONResponse(
                 {
                     "success": False,
@@ -79,6 +76,18 @@ def _answer_bad_bodies_structurally(app: FastAPI) -> None:
         return await request_validation_exception_handler(request, exc)
 
     app.add_exception_handler(RequestValidationError, on_validation_error)
+
+
+def _describe_validation_errors(errors) -> list:
+    """'field: problem' lines; drops pydantic's noise about the struct wrapper itself."""
+    lines = []
+    for err in errors:
+        if err.get("type") == "is_instance_of":
+            continue
+        loc = [str(p) for p in err.get("loc", ()) if p != "body"]
+        field = loc[-1] if loc and not loc[-1].startswith("function-after") else "body"
+        lines.append(f"{field}: {err.get('msg')}")
+    return lines or ["the body is not a JSON object"]
 
 
 def install(module: Any = None) -> None:

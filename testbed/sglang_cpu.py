@@ -87,6 +87,7 @@ class SglangCpuServer:
         max_total_tokens: int = 4096,
         startup_timeout_s: float = 300.0,
         api_key: str | None = None,
+        admin_api_key: str | None = None,
     ) -> None:
         self.model_path = str(model_path)
         self.tp = tp
@@ -100,6 +101,7 @@ class SglangCpuServer:
         self.max_total_tokens = max_total_tokens
         self.startup_timeout_s = startup_timeout_s
         self.api_key = api_key
+        self.admin_api_key = admin_api_key
         if log_path is None:
             fd, log_path = tempfile.mkstemp(prefix=f"sglang-cpu-{self.port}-", suffix=".log")
             os.close(fd)
@@ -140,6 +142,8 @@ class SglangCpuServer:
             ]  # fmt: skip
         if self.api_key:
             cmd += ["--api-key", self.api_key]
+        if self.admin_api_key:
+            cmd += ["--admin-api-key", self.admin_api_key]
         cmd += self.extra_args
         if self.bind_mounts:
             mounts = " && ".join(
@@ -233,9 +237,10 @@ class SglangCpuServer:
 
     # -- HTTP --------------------------------------------------------------------------------
 
-    def _headers(self, headers: Mapping[str, str] | None, api_key: str | None) -> dict:
+    def _headers(self, headers: Mapping[str, str] | None, api_key: str | None, admin: bool = True) -> dict:
         out = dict(headers or {})
-        key = api_key if api_key is not None else self.api_key
+        default = (self.admin_api_key or self.api_key) if admin else self.api_key
+        key = api_key if api_key is not None else default
         if key and "Authorization" not in out:
             out["Authorization"] = f"Bearer {key}"
         return out
@@ -249,7 +254,8 @@ class SglangCpuServer:
         api_key: str | None = None,
         timeout: float = 300.0,
     ) -> requests.Response:
-        """POST JSON to ``path``; ``api_key`` overrides the server's key for this call ('' = none)."""
+        """POST JSON to ``path`` with the admin key (else the API key) unless ``api_key`` says
+        otherwise for this call ('' = no key)."""
         return requests.post(
             self.base_url + path,
             json=json,
@@ -266,7 +272,12 @@ class SglangCpuServer:
         """Greedy ``/generate`` (temperature 0, EOS does not stop); the parsed JSON reply."""
         params = {"temperature": 0.0, "max_new_tokens": max_new_tokens, "ignore_eos": True}
         params.update(sampling)
-        resp = self.post("/generate", {"text": prompt, "sampling_params": params})
+        resp = requests.post(
+            self.base_url + "/generate",
+            json={"text": prompt, "sampling_params": params},
+            headers=self._headers(None, None, admin=False),
+            timeout=300,
+        )
         resp.raise_for_status()
         return resp.json()
 

@@ -142,6 +142,13 @@ def greedy_token_ids(
     exactly ``max_new_tokens`` ids come back. Plain argmax over a full forward pass per step: no
     KV-cache or generation-config logic that could differ from the server's.
     """
+    return greedy_reference(model_dir, prompt, max_new_tokens, model=model)[0]
+
+
+def greedy_reference(
+    model_dir: str | os.PathLike, prompt: str, max_new_tokens: int, *, model=None
+) -> tuple[list[int], float]:
+    """(greedy ids, smallest top-1 minus top-2 logit gap along the way) from transformers."""
     import torch
     from transformers import AutoTokenizer
 
@@ -149,13 +156,79 @@ def greedy_token_ids(
     model = model if model is not None else load_model(model_dir)
     ids = tokenizer(prompt, return_tensors="pt").input_ids
     out: list[int] = []
+    min_margin = float("inf")
     with torch.no_grad():
         for _ in range(max_new_tokens):
             logits = model(ids).logits[0, -1].float()
-            next_id = int(torch.argmax(logits))
+            top = torch.topk(logits, 2)
+            min_margin = min(min_margin, float(top.values[0] - top.values[1]))
+            next_id = int(top.indices[0])
             out.append(next_id)
             ids = torch.cat([ids, torch.tensor([[next_id]])], dim=1)
-    return out
+    return out, min_margin
+
+
+# Several prompts: a random tiny model has near-ties (bf16 noise decides them) on some.
+REFERENCE_PROMPTS = (
+    "the quick brown fox",
+    "weights move from trainer to engine",
+    "every version of the model",
+    "numbers 0 1 2 3",
+    "reinforcement learning needs fresh policy",
+    "the lazy dog while",
+    "publish a delta of changed bytes",
+    "each rollout host verifies checksums",
+    "fresh policy weights on every inference server",
+    "( ) [ ] { } - + = / *",
+)
+# A greedy path whose every step wins by this many logits is decided the same way by any
+# correct bf16 implementation; closer calls are checked as near-ties instead.
+STABLE_MARGIN = 0.1
+NEAR_TIE = 0.15
+
+
+def check_server_greedy(
+    generate_ids,
+    model_dir: str | os.PathLike,
+    *,
+    prompts=REFERENCE_PROMPTS,
+    max_new_tokens: int = 8,
+) -> dict[str, list[int]]:
+    """Assert a server's greedy output equals transformers' for the weights in ``model_dir``.
+
+    ``generate_ids(prompt, max_new_tokens) -> ids`` asks the server. For prompts whose greedy path
+    is stable (every step's margin >= ``STABLE_MARGIN``) the ids must be identical; for the rest,
+    each server token must be transformers' argmax or within ``NEAR_TIE`` of it given the same
+    prefix (teacher forcing). At least one prompt must be stable. Returns the server's ids.
+    """
+    import torch
+    from transformers import AutoTokenizer
+
+    model = load_model(model_dir)
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    served: dict[str, list[int]] = {}
+    n_stable = 0
+    for prompt in prompts:
+        ref_ids, margin = greedy_reference(model_dir, prompt, max_new_tokens, model=model)
+        got = list(generate_ids(prompt, max_new_tokens))
+        served[prompt] = got
+        if margin >= STABLE_MARGIN:
+            n_stable += 1
+            assert got == ref_ids, f"{prompt!r}: server {got} != transformers {ref_ids} (margin {margin:.3f})"
+            continue
+        prompt_ids = tokenizer(prompt, return_tensors="pt").input_ids
+        full = torch.cat([prompt_ids, torch.tensor([got])], dim=1)
+        with torch.no_grad():
+            logits = model(full).logits[0].float()
+        for t, token in enumerate(got):
+            row = logits[prompt_ids.shape[1] - 1 + t]
+            gap = float(row.max() - row[token])
+            assert gap <= NEAR_TIE, (
+                f"{prompt!r} step {t}: server chose {token}, {gap:.3f} below transformers' best "
+                f"{int(row.argmax())}; server {got}, transformers {ref_ids}"
+            )
+    assert n_stable > 0, "no reference prompt had a stable greedy path; add prompts"
+    return served
 
 
 def read_state_dict(model_dir: str | os.PathLike) -> dict:

@@ -1,0 +1,271 @@
+"""POST /pull_weights against one real sglang 0.5.23 CPU server at TP=2 (shared by the module).
+
+The server runs with an admin API key, allowed roots, and the test pre-read hook
+(``testbed.hooks.record_pre_read``), so one start covers: the pull + reload round trip checked
+against transformers, no-op/reset/backward pulls, a corrupt delta, a missing version, two
+concurrent pulls with generation going on, the hook, auth, and path refusals.
+
+The tests run in file order and build on each other (the engine's local checkpoint moves from
+version to version); each asserts one behaviour.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+PROMPT = "the quick brown fox"  # for "is it still serving the same weights" checks
+NEW_TOKENS = 8
+ADMIN_KEY = "test-admin-key"
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory, tiny_model_dir, server_factory):
+    from testbed.feed import VersionFeed
+
+    root = tmp_path_factory.mktemp("pull_tp2")
+    allowed = root / "allowed"
+    (allowed / "shared").mkdir(parents=True)
+    gate = root / "gate"
+    gate.mkdir()
+    (gate / "release").touch()  # the hook passes through unless a test removes this
+    hook_log = root / "hook_calls.log"
+    server = server_factory(
+        tiny_model_dir,
+        tp=2,
+        admin_api_key=ADMIN_KEY,
+        extra_args=[
+            "--pull-weights-allowed-roots", str(allowed),
+            "--custom-pull-weights-pre-read-hook", "testbed.hooks.record_pre_read",
+        ],
+        env={"TESTBED_PRE_READ_HOOK_LOG": str(hook_log), "TESTBED_PRE_READ_HOOK_GATE": str(gate)},
+    )  # fmt: skip
+
+    class Env:
+        pass
+
+    e = Env()
+    e.server = server
+    e.model = tiny_model_dir
+    e.root = root
+    e.allowed = allowed
+    e.local = str(allowed / "local")
+    e.feed = VersionFeed(tiny_model_dir, allowed / "shared")
+    e.gate = gate
+    e.hook_log = str(hook_log)
+    e.v0_ids = server.generate_ids(PROMPT, NEW_TOKENS)
+    return e
+
+
+def pull(env, version, *, local=None, source=None, api_key=None):
+    body = {
+        "local_checkpoint_dir": local if local is not None else env.local,
+        "source_dir": source if source is not None else env.feed.source_dir,
+        "target_version": version,
+    }
+    return env.server.post("/pull_weights", body, api_key=api_key)
+
+
+def reload(env):
+    resp = env.server.post("/update_weights_from_disk", {"model_path": env.local})
+    assert resp.status_code == 200, resp.text
+    return resp
+
+
+def hook_calls(env):
+    from testbed.hooks import read_calls
+
+    return read_calls(env.hook_log)
+
+
+def check_against_transformers(env, model_dir):
+    """The server's greedy output for the reference prompts equals transformers' for model_dir."""
+    from testbed.tiny_qwen3 import check_server_greedy
+
+    return check_server_greedy(env.server.generate_ids, model_dir, max_new_tokens=NEW_TOKENS)
+
+
+def test_v0_generation_matches_transformers(env):
+    env.v0_served = check_against_transformers(env, env.model)
+
+
+def test_pull_without_the_admin_key_is_refused_like_update_weights_from_disk(env):
+    env.feed.publish(1, encoding="xor")
+    resp = pull(env, 1, api_key="")
+    assert resp.status_code == 401
+    wrong = pull(env, 1, api_key="not-the-key")
+    assert wrong.status_code == 401
+    builtin = env.server.post("/update_weights_from_disk", {"model_path": env.model}, api_key="")
+    assert builtin.status_code == 401
+    assert not os.path.exists(env.local)
+
+
+def test_pull_to_v3_then_reload_serves_exactly_the_v3_weights(env, record_property):
+    from testbed.feed import assert_checkpoint_equals
+
+    env.feed.publish(2, encoding="overwrite")
+    env.feed.publish(3, encoding="xor")
+    calls_before = len(hook_calls(env))
+
+    t0 = time.perf_counter()
+    resp = pull(env, 3)
+    pull_s = time.perf_counter() - t0
+    body = resp.json()
+    assert resp.status_code == 200, body
+    assert body["success"] is True and body["error_type"] is None
+    assert body["applied_version"] == 3
+    [host] = body["hosts"]
+    assert host["ranks"] == ["dp0/tp0", "dp0/tp1"]
+    assert host["action"] == "seed+chain" and host["applied_version"] == 3
+    assert_checkpoint_equals(env.local, env.feed.expected[3])
+    # One host, two TP ranks: the hook ran once (the second rank found the work done).
+    assert len(hook_calls(env)) == calls_before + 1
+
+    t0 = time.perf_counter()
+    reload(env)
+    reload_s = time.perf_counter() - t0
+    served = check_against_transformers(env, env.local)
+    assert served != env.v0_served
+    record_property("pull_s", round(pull_s, 3))
+    record_property("reload_s", round(reload_s, 3))
+    print(f"\n[measured] TP=2 CPU server: pull v0->v3 (seed + 3 deltas) {pull_s:.3f}s, reload {reload_s:.3f}s")
+
+
+def test_pull_to_the_current_version_is_a_noop_without_the_hook(env):
+    calls_before = len(hook_calls(env))
+    resp = pull(env, 3)
+    body = resp.json()
+    assert resp.status_code == 200, body
+    assert body["hosts"][0]["action"] == "noop"
+    assert len(hook_calls(env)) == calls_before
+
+
+def test_backward_pull_is_refused_and_leaves_the_checkpoint(env):
+    from testbed.feed import assert_checkpoint_equals
+
+    resp = pull(env, 2)
+    body = resp.json()
+    assert resp.status_code == 400, body
+    assert body["success"] is False and body["error_type"] == "bad_request"
+    assert "backwards" in body["message"]
+    assert "Traceback" not in resp.text
+    assert_checkpoint_equals(env.local, env.feed.expected[3])
+
+
+def test_pull_v0_resets_to_the_engine_model_then_forward_again(env):
+    from testbed.feed import assert_checkpoint_equals
+
+    resp = pull(env, 0)
+    assert resp.status_code == 200, resp.text
+    assert resp.json()["applied_version"] == 0
+    assert_checkpoint_equals(env.local, env.feed.expected[0])
+    # The engine's own model (the seed) is untouched by all of this.
+    assert_checkpoint_equals(env.model, env.feed.expected[0])
+    resp = pull(env, 3)
+    assert resp.status_code == 200, resp.text
+    assert_checkpoint_equals(env.local, env.feed.expected[3])
+
+
+def test_missing_version_is_not_ready_and_touches_nothing_locally(env):
+    from testbed.feed import dir_fingerprint
+
+    before = dir_fingerprint(env.local)
+    resp = pull(env, 9)
+    body = resp.json()
+    assert resp.status_code == 404, body
+    assert body["error_type"] == "source_not_ready"
+    assert dir_fingerprint(env.local) == before
+
+
+def test_corrupt_delta_is_422_engine_keeps_serving_and_a_republish_recovers(env):
+    from testbed.feed import assert_checkpoint_equals, corrupt_delta
+
+    served_v3 = env.server.generate_ids(PROMPT, NEW_TOKENS)
+    env.feed.publish(4, encoding="xor")
+    corrupt_delta(env.feed.version_dir(4))
+    resp = pull(env, 4)
+    body = resp.json()
+    assert resp.status_code == 422, body
+    assert body["error_type"] == "corrupt_artifact"
+    assert body["hosts"][0]["success"] is False
+    assert "Traceback" not in resp.text
+    # The engine was not reloaded: it still serves v3.
+    assert env.server.generate_ids(PROMPT, NEW_TOKENS) == served_v3
+
+    env.feed.unpublish(4)
+    env.feed.publish(4, encoding="xor")
+    resp = pull(env, 4)
+    assert resp.status_code == 200, resp.text
+    assert_checkpoint_equals(env.local, env.feed.expected[4])
+    reload(env)
+    check_against_transformers(env, env.local)
+
+
+def test_second_pull_while_one_runs_is_a_conflict_and_generation_continues(env):
+    env.feed.publish(5, encoding="xor")
+    (env.gate / "release").unlink()
+    first: dict = {}
+
+    def run_first():
+        first["resp"] = pull(env, 5)
+
+    thread = threading.Thread(target=run_first)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 60
+        while not (env.gate / "started-5").exists():
+            assert time.monotonic() < deadline, "the first pull never reached the pre-read hook"
+            time.sleep(0.05)
+
+        second = pull(env, 5)
+        body = second.json()
+        assert second.status_code == 409, body
+        assert body["error_type"] == "conflict" and "not queued" in body["message"]
+
+        # Generation is answered while the first pull is held inside the hook.
+        assert env.server.generate_ids(PROMPT, NEW_TOKENS)
+        assert thread.is_alive(), "the first pull finished before the checks: they proved nothing"
+    finally:
+        (env.gate / "release").touch()
+        thread.join(timeout=120)
+    assert first["resp"].status_code == 200, first["resp"].text
+    assert first["resp"].json()["applied_version"] == 5
+
+
+def test_paths_outside_the_allowed_roots_are_refused_and_untouched(env, tmp_path):
+    outside = tmp_path / "outside-local"
+    resp = pull(env, 5, local=str(outside))
+    assert resp.status_code == 403, resp.text
+    assert resp.json()["error_type"] == "forbidden"
+    assert not outside.exists()
+
+    escape = str(env.allowed / ".." / "escaped-local")
+    resp = pull(env, 5, local=escape)
+    assert resp.status_code == 403, resp.text
+    assert not (env.root / "escaped-local").exists()
+
+    link = env.allowed / "link-out"
+    link.symlink_to(tmp_path)
+    resp = pull(env, 5, local=str(link / "local"))
+    assert resp.status_code == 403, resp.text
+    assert "symlink" in resp.json()["message"]
+    assert not (tmp_path / "local").exists()
+
+    resp = pull(env, 5, source=str(tmp_path))
+    assert resp.status_code == 403, resp.text
+
+    resp = pull(env, 5, local="relative/local")
+    assert resp.status_code == 400, resp.text
+
+
+def test_a_malformed_body_is_400_with_the_structured_error(env):
+    resp = env.server.post("/pull_weights", {"local_checkpoint_dir": env.local, "target_version": "five"})
+    body = resp.json()
+    assert resp.status_code == 400, body
+    assert body["success"] is False and body["error_type"] == "bad_request"
+    assert "source_dir" in body["message"] and "target_version" in body["message"]
