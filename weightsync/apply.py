@@ -104,6 +104,7 @@ def load_delta(index: VersionIndex, keep: list) -> LoadedDelta:
     new_hasher(index.checksum_format or "")
     tensors: dict[str, DeltaTensor] = {}
     nbytes = 0
+    codec = get_codec(index.delta_encoding or "")
     for fname, expected in sorted(index.shards().items()):
         path = checked_join(index.path, fname, f"v{index.version} index")
         if os.path.lexists(path):
@@ -131,9 +132,25 @@ def load_delta(index: VersionIndex, keep: list) -> LoadedDelta:
                 raise MalformedHeaderError(
                     path, f"__metadata__ has no well-formed {index.checksum_format} digest for {name!r} (got {want!r})"
                 )
-            tensors[name] = DeltaTensor(name, view[entry.offset : entry.offset + entry.nbytes], want)
+            payload = view[entry.offset : entry.offset + entry.nbytes]
+            check_structure = getattr(codec, "check_structure", None)
+            if check_structure is not None:
+                try:
+                    check_structure(payload, name)
+                except PayloadBoundError as e:
+                    e.args = (f"v{index.version}: {e.args[0]}",)
+                    raise
+            tensors[name] = DeltaTensor(name, payload, want)
             nbytes += entry.nbytes
     return LoadedDelta(index, tensors, nbytes)
+
+
+def reference_table(seed_dir: str) -> dict[str, tuple[str, TensorEntry]]:
+    """The seed dir's tensors (headers only); empty when it cannot be read."""
+    try:
+        return local_tensor_table(seed_dir, checkpoint_weight_files(seed_dir))
+    except (OSError, MalformedHeaderError):
+        return {}
 
 
 def local_table(local_checkpoint_dir: str) -> dict[str, tuple[str, TensorEntry]]:
@@ -144,13 +161,28 @@ def local_table(local_checkpoint_dir: str) -> dict[str, tuple[str, TensorEntry]]
         raise LocalTensorMismatchError("<checkpoint>", f"the local checkpoint is unreadable: {e}") from None
 
 
-def check_against_local(deltas: Iterable[LoadedDelta], table: dict[str, tuple[str, TensorEntry]]) -> None:
+def check_against_local(
+    deltas: Iterable[LoadedDelta],
+    table: dict[str, tuple[str, TensorEntry]],
+    reference: dict[str, tuple[str, TensorEntry]],
+) -> None:
+    """Every changed tensor exists locally and its payload fits the local byte length.
+
+    ``reference`` is the seed dir's tensor table: dtype and shape never change between
+    versions, so when the local length differs from the model's the local file is what is
+    wrong (reseed), and when it matches, a payload that does not fit is a bad artifact.
+    """
     for d in deltas:
         codec = get_codec(d.index.delta_encoding or "")
         for name, t in d.tensors.items():
             if name not in table:
                 raise LocalTensorMismatchError(name, f"v{d.index.version} changes it, but the local checkpoint has no such tensor")
             entry = table[name][1]
+            ref = reference.get(name)
+            if ref is not None and ref[1].nbytes != entry.nbytes:
+                raise LocalTensorMismatchError(
+                    name, f"the local tensor holds {entry.nbytes} bytes, the engine's own model {ref[1].nbytes}"
+                )
             try:
                 codec.check(t.payload, entry.nbytes, DTYPE_NBYTES[entry.dtype], name)
             except PayloadBoundError as e:

@@ -88,6 +88,9 @@ class XorCodec:
             return None
         return Encoded(compress(x, level), changed_bytes, changed_elements)
 
+    def check_structure(self, payload, tensor):
+        check_frame(payload, None, tensor)
+
     def check(self, payload, nbytes, itemsize, tensor):
         check_frame(payload, nbytes, tensor)
 
@@ -134,6 +137,11 @@ class OverwriteCodec:
         body[4 : 4 + 4 * positions.size] = positions.astype("<u4").view(np.uint8)
         body[4 + 4 * positions.size :] = new[positions]
         return Encoded(compress(body, level), int(positions.size), changed_elements)
+
+    def check_structure(self, payload, tensor):
+        content = check_frame(payload, None, tensor)
+        if content < 4 or (content - 4) % 5:
+            raise PayloadBoundError(tensor, f"overwrite payload of {content} bytes is not 4 + 5 x count")
 
     def check(self, payload, nbytes, itemsize, tensor):
         content = check_frame(payload, None, tensor)

@@ -23,7 +23,16 @@ from typing import Callable, Literal
 import msgspec
 
 from . import knobs
-from .apply import VerifyFailed, apply_chain, check_against_local, close_all, fsync_files, load_delta, local_table
+from .apply import (
+    VerifyFailed,
+    apply_chain,
+    check_against_local,
+    close_all,
+    fsync_files,
+    load_delta,
+    local_table,
+    reference_table,
+)
 from .errors import CorruptArtifactError, InvalidRequestError, LocalStateError, LocalTensorMismatchError
 from .lock import HeldLock, acquire_host_lock
 from .plan import PullPlan, plan_pull, read_applied_version
@@ -258,7 +267,7 @@ def _execute(
         if loaded:
             t = time.perf_counter()
             table = local_table(local)
-            check_against_local(loaded, table)
+            check_against_local(loaded, table, reference_table(seed_dir))
             invalidate_marker(local)
             paths = apply_chain(local, loaded, table, workers=workers, chunk_nbytes=chunk, strict=strict, flush=False, progress=progress)
             apply_s = time.perf_counter() - t

@@ -587,11 +587,6 @@ def test_delta_sized_for_another_model_is_a_corrupt_artifact(world):
     world.assert_marker_truthful()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: apply.check_against_local turns codec.check's PayloadBoundError for a length "
-    "mismatch into a corrupt-artifact failure without the reseed the catalogue promises",
-)
 def test_local_tensor_of_another_length_is_reseeded_not_blamed_on_the_artifact(world):
     """A local file swapped for another model's (marker intact): the artifact is fine, so one
     reseed and replay must succeed (catalogue: LocalTensorMismatchError -> reseed once)."""
@@ -788,11 +783,6 @@ def test_local_tensor_mismatch_and_local_state_errors_say_what_to_do():
     assert "local checkpoint cannot take the delta for w: 512 bytes locally" in str(e)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: pull._execute seeds before check_against_local checks the frames (FORMAT.md "
-    "Pulling step 4 checks them at load, before step 5 seeds)",
-)
 def test_bad_payload_frame_is_refused_before_seeding(world):
     """Catalogue: a payload that is not one sized zstd frame is caught at *load*, i.e. before
     the seed of a seed+chain plan changes the local checkpoint."""
