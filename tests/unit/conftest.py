@@ -32,8 +32,6 @@ settings.register_profile(
 )
 settings.load_profile(os.environ.get("WEIGHTSYNC_HYPOTHESIS_PROFILE", "fast"))
 
-THOROUGH = os.environ.get("WEIGHTSYNC_HYPOTHESIS_PROFILE", "fast") == "thorough"
-
 
 @pytest.fixture
 def rng(request) -> np.random.Generator:

@@ -19,6 +19,8 @@ from safetensors import safe_open
 from safetensors.numpy import save_file
 
 INDEX = "model.safetensors.index.json"
+# The hypothesis profile (registered in conftest.py): "thorough" runs longer stateful tests.
+THOROUGH = os.environ.get("WEIGHTSYNC_HYPOTHESIS_PROFILE", "fast") == "thorough"
 SINGLE = "model.safetensors"
 ST_OF_NP = {
     "uint8": "U8", "int8": "I8", "int16": "I16", "uint16": "U16", "float16": "F16",

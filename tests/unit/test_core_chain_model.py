@@ -29,8 +29,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 from weightsync import Publisher, errors, pull, supported_encodings
 from weightsync.pull import wait_until_durable
 
-from conftest import THOROUGH
-from core_support import flip_local_byte, marker_version, mutate, read_checkpoint_bytes, tensor_bytes, write_hf_checkpoint
+from core_support import THOROUGH, flip_local_byte, marker_version, mutate, read_checkpoint_bytes, tensor_bytes, write_hf_checkpoint
 
 MAX_VERSIONS = 10
 CHECKSUMS = ["xxh3-128", "blake3", "adler32"]
