@@ -85,10 +85,16 @@ class MegatronCPUTrainer:
         self.optimizer.step()
         return float(loss.detach())
 
-    def update_weights(self) -> dict:
-        """Publish the next version and bring the engines to it (every rank calls this)."""
-        m = self.updater.update_weights()
-        return m.as_dict()
+    def update_weights(self, update_engines: bool = True) -> dict:
+        """Publish the next version and (by default) bring the engines to it (every rank calls this)."""
+        return self.updater.update_weights(update_engines=update_engines).as_dict()
+
+    def update_engines_to(self, version: int | None = None) -> dict:
+        """Bring the engines to an already published version (every rank calls this)."""
+        return self.updater.update_engines_to(version).as_dict()
+
+    def source_dir(self) -> str:
+        return self.updater.source_dir
 
     def reference_greedy(self, prompt: str, max_new_tokens: int) -> list[int]:  # noqa: D401
         """What the trainer's current weights generate greedily: transformers on the published bytes.

@@ -34,6 +34,7 @@ from typing import Any, Callable, Sequence
 import torch.distributed as dist
 
 from weightsync import Publisher
+from weightsync.layout import version_dir
 
 from .args import DiskDeltaConfig
 from .engines import EngineGroup, RayEngineGroup, ThreadEngineGroup
@@ -229,6 +230,7 @@ class DiskDeltaWeightUpdater:
         self.engine_sync: EngineSync | None = None
         self.version = 0
         self.history: list[SyncMetrics] = []
+        self._version_dirs: dict[int, str] = {}  # version -> its dir (rank 0 knows it from commit)
         self._started = False
 
     # --- set-up ---------------------------------------------------------------------------
@@ -264,8 +266,12 @@ class DiskDeltaWeightUpdater:
 
     # --- a sync ---------------------------------------------------------------------------
 
-    def update_weights(self) -> SyncMetrics:
-        """Publish the next version and bring every engine to it (collective; returns metrics)."""
+    def update_weights(self, *, update_engines: bool = True) -> SyncMetrics:
+        """Publish the next version and bring every engine to it (collective; returns metrics).
+
+        With ``update_engines=False`` only the publish happens; ``update_engines_to`` then brings
+        the engines to it (also the way to retry the engine part of a sync that failed).
+        """
         if not self._started:
             self.start()
         version = self.version + 1
@@ -318,20 +324,46 @@ class DiskDeltaWeightUpdater:
         self.version = version
         m.snapshot_nbytes = self.snapshot_nbytes()
 
+        self._version_dirs[version] = vdir
+        if update_engines:
+            m = self._update_engines(version, m, t_start)
+        else:
+            m = self._share(m, None, t_start)
+        self.history.append(m)
+        return m
+
+    def update_engines_to(self, version: int | None = None) -> SyncMetrics:
+        """Bring every engine to an already published version (collective; default: the newest).
+
+        Safe to repeat: a pull whose work is done returns at once, and one interrupted midway
+        (a killed process, a torn local checkpoint) is redone from a verified state by the core.
+        """
+        version = self.version if version is None else version
+        if not 0 < version <= self.version:
+            raise ValueError(f"version {version} is not published yet (newest: v{self.version})")
+        prior = next((h for h in reversed(self.history) if h.version == version), None)
+        m = SyncMetrics(version=version, kind=prior.kind if prior else "", reason="engine update retried")
+        return self._update_engines(version, m, time.perf_counter())
+
+    def _update_engines(self, version: int, m: SyncMetrics, t_start: float) -> SyncMetrics:
         error = None
         if self.rank == 0 and self.engine_sync is not None:
+            vdir = self._version_dirs.get(version) or version_dir(self.source_dir, version)
             try:
                 self.engine_sync.update(version, vdir, m)
             except Exception as e:  # noqa: BLE001
                 log.error("engine update to v%d failed: %s", version, e)
                 error = f"engines: {e}"
-        m.total_s = time.perf_counter() - t_start
-        results = self._all_gather(m if self.rank == 0 else None, error)
-        m = results[0] if results[0] is not None else m
-        self.history.append(m)
+        m = self._share(m, error, t_start)
         if self.rank == 0:
             log.info("weight sync %s", m.summary())
         return m
+
+    def _share(self, m: SyncMetrics, error: str | None, t_start: float) -> SyncMetrics:
+        """Rank 0's metrics on every rank (and any rank's error raised on all)."""
+        m.total_s = time.perf_counter() - t_start
+        results = self._all_gather(m if self.rank == 0 else None, error)
+        return results[0] if results[0] is not None else m
 
     # --- collectives with error propagation ---------------------------------------------------
 
