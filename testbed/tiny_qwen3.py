@@ -168,7 +168,7 @@ def greedy_reference(
     return out, min_margin
 
 
-# Several prompts: a random tiny model has near-ties (bf16 noise decides them) on some.
+# Several prompts, so that some start with a clear winner (see check_server_greedy).
 REFERENCE_PROMPTS = (
     "the quick brown fox",
     "weights move from trainer to engine",
@@ -181,10 +181,12 @@ REFERENCE_PROMPTS = (
     "fresh policy weights on every inference server",
     "( ) [ ] { } - + = / *",
 )
-# A greedy path whose every step wins by this many logits is decided the same way by any
-# correct bf16 implementation; closer calls are checked as near-ties instead.
-STABLE_MARGIN = 0.1
-NEAR_TIE = 0.15
+# bf16 implementations (sglang's kernels, TP all-reduces in bf16, transformers' eager path)
+# round differently; for a random tiny model the top two logits are often closer than that noise.
+# A server token counts as transformers' choice if it is within this of the best logit
+# (relative to the row's largest logit, floor NEAR_TIE_ABS). Wrong weights miss by whole logits.
+NEAR_TIE_REL = 0.03
+NEAR_TIE_ABS = 0.1
 
 
 def check_server_greedy(
@@ -194,12 +196,12 @@ def check_server_greedy(
     prompts=REFERENCE_PROMPTS,
     max_new_tokens: int = 8,
 ) -> dict[str, list[int]]:
-    """Assert a server's greedy output equals transformers' for the weights in ``model_dir``.
+    """Assert a server's greedy output is transformers' greedy output for the weights in ``model_dir``.
 
-    ``generate_ids(prompt, max_new_tokens) -> ids`` asks the server. For prompts whose greedy path
-    is stable (every step's margin >= ``STABLE_MARGIN``) the ids must be identical; for the rest,
-    each server token must be transformers' argmax or within ``NEAR_TIE`` of it given the same
-    prefix (teacher forcing). At least one prompt must be stable. Returns the server's ids.
+    ``generate_ids(prompt, max_new_tokens) -> ids`` asks the server. Teacher forcing: given the
+    same prefix, every token the server chose must be transformers' argmax or tie with it up to
+    bf16 noise (``NEAR_TIE_*``); the first token of a prompt whose first step is a clear win (twice
+    the tolerance) must be exactly transformers' argmax. Returns the server's ids per prompt.
     """
     import torch
     from transformers import AutoTokenizer
@@ -207,27 +209,30 @@ def check_server_greedy(
     model = load_model(model_dir)
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     served: dict[str, list[int]] = {}
-    n_stable = 0
+    n_exact_first = 0
     for prompt in prompts:
-        ref_ids, margin = greedy_reference(model_dir, prompt, max_new_tokens, model=model)
         got = list(generate_ids(prompt, max_new_tokens))
+        assert len(got) == max_new_tokens, f"{prompt!r}: server returned {len(got)} tokens"
         served[prompt] = got
-        if margin >= STABLE_MARGIN:
-            n_stable += 1
-            assert got == ref_ids, f"{prompt!r}: server {got} != transformers {ref_ids} (margin {margin:.3f})"
-            continue
         prompt_ids = tokenizer(prompt, return_tensors="pt").input_ids
         full = torch.cat([prompt_ids, torch.tensor([got])], dim=1)
         with torch.no_grad():
             logits = model(full).logits[0].float()
         for t, token in enumerate(got):
             row = logits[prompt_ids.shape[1] - 1 + t]
-            gap = float(row.max() - row[token])
-            assert gap <= NEAR_TIE, (
+            best = float(row.max())
+            tol = max(NEAR_TIE_ABS, NEAR_TIE_REL * abs(best))
+            gap = best - float(row[token])
+            assert gap <= tol, (
                 f"{prompt!r} step {t}: server chose {token}, {gap:.3f} below transformers' best "
-                f"{int(row.argmax())}; server {got}, transformers {ref_ids}"
+                f"{int(row.argmax())} (tolerance {tol:.3f}); server ids {got}"
             )
-    assert n_stable > 0, "no reference prompt had a stable greedy path; add prompts"
+            if t == 0:
+                top2 = torch.topk(row, 2).values
+                if float(top2[0] - top2[1]) > 2 * tol:
+                    assert token == int(row.argmax()), f"{prompt!r}: first token {token} != {int(row.argmax())}"
+                    n_exact_first += 1
+    assert n_exact_first > 0, "no reference prompt had a clear first token; add prompts"
     return served
 
 

@@ -131,6 +131,11 @@ def test_pull_to_v3_then_reload_serves_exactly_the_v3_weights(env, record_proper
     reload_s = time.perf_counter() - t0
     served = check_against_transformers(env, env.local)
     assert served != env.v0_served
+    # The check has teeth: v0's outputs do not pass as v3's.
+    from testbed.tiny_qwen3 import check_server_greedy
+
+    with pytest.raises(AssertionError):
+        check_server_greedy(lambda prompt, n: env.v0_served[prompt], env.local, max_new_tokens=NEW_TOKENS)
     record_property("pull_s", round(pull_s, 3))
     record_property("reload_s", round(reload_s, 3))
     print(f"\n[measured] TP=2 CPU server: pull v0->v3 (seed + 3 deltas) {pull_s:.3f}s, reload {reload_s:.3f}s")

@@ -1,0 +1,76 @@
+"""POST /pull_weights against a real sglang CPU server with two DP groups, over msgpack IPC.
+
+One server (DP=2, ``SGLANG_USE_PICKLE_IPC=0``, so every message between the tokenizer, the DP
+controller and the schedulers goes through sglang's msgpack codec and our registered types).
+The tokenizer fans the pull out to both DP groups and merges their replies: both groups' ranks
+appear on the (single) host.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory, tiny_model_dir, server_factory):
+    from testbed.feed import VersionFeed
+
+    root = tmp_path_factory.mktemp("pull_dp2")
+    server = server_factory(
+        tiny_model_dir,
+        dp=2,
+        extra_args=["--pull-weights-allowed-roots", str(root)],
+        env={"SGLANG_USE_PICKLE_IPC": "0"},
+    )
+
+    class Env:
+        pass
+
+    e = Env()
+    e.server, e.model, e.root = server, tiny_model_dir, root
+    e.local = str(root / "local")
+    e.feed = VersionFeed(tiny_model_dir, root / "shared")
+    return e
+
+
+def pull(env, version):
+    return env.server.post(
+        "/pull_weights",
+        {"local_checkpoint_dir": env.local, "source_dir": env.feed.source_dir, "target_version": version},
+    )
+
+
+def test_reply_covers_both_dp_groups_over_msgpack_ipc(env):
+    from testbed.feed import assert_checkpoint_equals
+
+    env.feed.publish(1, encoding="xor")
+    env.feed.publish(2, encoding="overwrite")
+    resp = pull(env, 2)
+    body = resp.json()
+    assert resp.status_code == 200, body
+    [host] = body["hosts"]
+    assert host["ranks"] == ["dp0/tp0", "dp1/tp0"]
+    # Both groups pulled on this host; one did the work, the other found it done.
+    assert host["action"] == "seed+chain"
+    assert_checkpoint_equals(env.local, env.feed.expected[2])
+
+
+def test_reload_then_both_dp_groups_serve_the_new_weights(env):
+    from testbed.tiny_qwen3 import check_server_greedy
+
+    resp = env.server.post("/update_weights_from_disk", {"model_path": env.local})
+    assert resp.status_code == 200, resp.text
+    # Round-robin load balancing: asking each prompt twice reaches both groups.
+    check_server_greedy(env.server.generate_ids, env.local)
+    check_server_greedy(env.server.generate_ids, env.local)
+
+
+def test_a_failure_is_merged_from_both_groups(env):
+    resp = pull(env, 7)
+    body = resp.json()
+    assert resp.status_code == 404, body
+    assert body["error_type"] == "source_not_ready"
+    [host] = body["hosts"]
+    assert host["ranks"] == ["dp0/tp0", "dp1/tp0"] and host["success"] is False
