@@ -143,11 +143,13 @@ class SparseCodec:
             gw = _gap_width(int(gaps.max()))
             seg_frames = _planes(gaps, gw, level)
             seg_frames.append(compress(np.packbits(signs, bitorder="little"), level))
-            big = mags != 0
+            big = SCRATCH.get("sp-enc-big", count).view(np.bool_)
+            np.not_equal(mags, 0, out=big)
             seg_frames.append(compress(np.packbits(big, bitorder="little"), level))
-            nbig = int(np.count_nonzero(big))
+            big_at = np.flatnonzero(big)  # cheaper than a boolean gather when the mask is unpredictable
+            nbig = big_at.size
             if nbig:
-                rest = mags[big]
+                rest = np.take(mags, big_at)
                 rest -= dt.type(1)
                 seg_frames.extend(_planes(rest, width, level))
             entries.append(ENTRY_HEAD.pack(count, nbig, gw) + struct.pack(f"<{len(seg_frames)}I", *map(len, seg_frames)))
@@ -340,7 +342,6 @@ def _apply_segment(rw: np.ndarray, seg: Segment, transform: int, tensor: str, ba
     d_buf = SCRATCH.get("sp-d", width * batch).view(dt)
     m_buf = SCRATCH.get("sp-m", width * batch).view(dt)
     o_buf = SCRATCH.get("sp-o", width * batch).view(dt)
-    flag_buf = SCRATCH.get("sp-flag", batch).view(np.bool_)
     last = seg.start - 1  # absolute position of the previous change
     end = seg.start + seg.length
     done = 0
@@ -365,11 +366,10 @@ def _apply_segment(rw: np.ndarray, seg: Segment, transform: int, tensor: str, ba
         d = d_buf[:k]
         d.fill(1)
         packed_big = bigs.take(nb)
-        flags = flag_buf[:k]
-        np.copyto(flags.view(np.uint8), np.unpackbits(packed_big, count=k, bitorder="little"))
-        nbig = int(np.count_nonzero(flags))
         if done + k == count:
             _check_padding(packed_big, k, tensor, "large-value flags")
+        big_at = np.flatnonzero(np.unpackbits(packed_big, count=k, bitorder="little"))
+        nbig = big_at.size
         if nbig:
             if nbig_seen + nbig > seg.nbig:
                 raise PayloadBoundError(tensor, f"sparse-v1 flags more than the {seg.nbig} large values the table declares")
@@ -381,18 +381,14 @@ def _apply_segment(rw: np.ndarray, seg: Segment, transform: int, tensor: str, ba
                 for j, src in enumerate(big_planes):
                     bb[:, j] = src.take(nbig)
             big += dt.type(2)
-            d[flags] = big
+            d[big_at] = big
             nbig_seen += nbig
         # signs: negate where set (two's complement: (x ^ -1) + 1)
         packed_sign = signs.take(nb)
         if done + k == count:
             _check_padding(packed_sign, k, tensor, "signs")
         m = m_buf[:k]
-        np.copyto(m.view(np.uint8)[:k] if width == 1 else flags.view(np.uint8), np.unpackbits(packed_sign, count=k, bitorder="little"))
-        if width != 1:
-            np.negative(flags.view(np.uint8), out=m, dtype=dt, casting="unsafe")
-        else:
-            np.negative(m, out=m)
+        np.negative(np.unpackbits(packed_sign, count=k, bitorder="little"), out=m, dtype=dt, casting="unsafe")
         d ^= m
         d -= m
         if transform == TRANSFORM_FLOAT_ORDER:

@@ -41,7 +41,7 @@ from .safetensors_io import DTYPE_NBYTES, as_byte_view, iter_file_chunks, local_
 
 log = logging.getLogger(__name__)
 
-DEFAULT_ENCODING = "xor"  # switched to sparse-v1 once that codec lands
+DEFAULT_ENCODING = "sparse-v1"  # ours; "xor" and "overwrite" stay available for upstream readers
 Kind = Literal["delta", "full"]
 
 _NP_TO_ST = {

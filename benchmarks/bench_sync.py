@@ -1,0 +1,432 @@
+"""Benchmark: our publish/pull (sparse-v1 and xor) against the upstream design, same data.
+
+    make bench                                  # small preset (~300 MB), fits a 2-core box
+    .venv/bin/python benchmarks/bench_sync.py --preset qwen3-4b --device cuda   # big box
+
+Data: a Qwen3-shaped bf16 checkpoint and a stream of RL updates (fp32 master + Adam,
+rounded to bf16; see bench_data.py), ending with one dense step where a full version must
+win. For every step it measures, for the baseline (benchmarks/baseline_upstream.py) and for
+the real ``weightsync.Publisher`` / ``weightsync.pull``:
+
+- wire bytes (delta payload bytes), and ours against the order-0 entropy of the change
+  (per tensor: n H(changed) + k H(difference | changed));
+- publish throughput: diff + encode + compress + checksum from host memory, with one worker
+  (per core) and with all workers;
+- pull throughput: apply + verify + flush of one version into a local checkpoint.
+
+Then: catch-up over 8 pending deltas against a single delta, pull scaling 1 vs N workers, and
+the puller's peak memory in a fresh subprocess (anonymous memory sampled every 2 ms, since
+the mmap'd checkpoint's file pages count in RSS but are page cache, not the puller's heap).
+It prints one table and appends it, with the date and the machine, to benchmarks/RESULTS.md.
+
+Files live in --workdir (default /dev/shm when present, so disk speed does not hide the CPU
+cost; both sides flush and fsync the same way).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.dirname(HERE))
+
+import numpy as np  # noqa: E402
+
+import baseline_upstream as base  # noqa: E402
+from bench_data import DEFAULT_STEPS, PRESETS, RLStream  # noqa: E402
+from weightsync import Publisher, RawTensor, pull  # noqa: E402
+from weightsync.fsio import write_file  # noqa: E402
+from weightsync.safetensors_io import iter_file_chunks  # noqa: E402
+
+ENCODINGS = ("sparse-v1", "xor")
+CATCHUP = 8
+MB = 1e6
+
+
+def describe_machine() -> str:
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    cpu = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    mem = ""
+    try:
+        with open("/proc/meminfo") as f:
+            mem = f"{int(f.readline().split()[1]) / 2**20:.0f} GiB RAM"
+    except OSError:
+        pass
+    import zstandard
+
+    gpu = ""
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            gpu = ", GPU " + torch.cuda.get_device_name(0)
+    except ImportError:
+        pass
+    return (
+        f"{cpu}, {os.cpu_count()} cores, {mem}{gpu}; Linux {platform.release()}; Python {platform.python_version()}, "
+        f"numpy {np.__version__}, zstandard {zstandard.__version__}"
+    )
+
+
+def order0_entropy_nbytes(old: dict[str, np.ndarray], new: dict[str, np.ndarray]) -> float:
+    """Per tensor: n H(p_changed) + k H(new - old | changed), in bytes (bf16 bits as uint16)."""
+    bits = 0.0
+    for name, n_arr in new.items():
+        o = old[name].reshape(-1)
+        nw = n_arr.reshape(-1)
+        d = nw - o  # uint16, modular
+        k = int(np.count_nonzero(d))
+        n = d.size
+        if k == 0:
+            continue
+        p = k / n
+        if p < 1:
+            bits += n * -(p * np.log2(p) + (1 - p) * np.log2(1 - p))
+        counts = np.bincount(d, minlength=65536)[1:]
+        counts = counts[counts > 0] / k
+        bits += k * float(-(counts * np.log2(counts)).sum())
+    return bits / 8
+
+
+def write_checkpoint(directory: str, tensors: dict[str, np.ndarray]) -> str:
+    os.makedirs(directory, exist_ok=True)
+    entries = [(n, "BF16", tuple(a.shape), a) for n, a in sorted(tensors.items())]
+    path = os.path.join(directory, "model.safetensors")
+    write_file(path, iter_file_chunks(entries, {"format": "pt"}))
+    with open(os.path.join(directory, "config.json"), "w") as f:
+        json.dump({"model_type": "qwen3", "note": "benchmark checkpoint"}, f)
+    return path
+
+
+def as_raw(tensors: dict[str, np.ndarray]) -> dict[str, RawTensor]:
+    return {n: RawTensor("BF16", tuple(a.shape), a) for n, a in tensors.items()}
+
+
+def timed_prepare(pub: Publisher, version: int, tensors, workers: int | None = None):
+    """Publisher.prepare with its own pool, or (workers=1) a one-thread pool for per-core figures."""
+    if workers is not None:
+        saved = pub._pool  # benchmark-only: reuse the publisher's snapshot with another pool size
+        pub._pool = ThreadPoolExecutor(workers)
+        try:
+            t0 = time.perf_counter()
+            prepared = pub.prepare(version, tensors)
+            return prepared, time.perf_counter() - t0
+        finally:
+            pub._pool.shutdown()
+            pub._pool = saved
+    t0 = time.perf_counter()
+    prepared = pub.prepare(version, tensors)
+    return prepared, time.perf_counter() - t0
+
+
+def publish_prepared(pub: Publisher, prepared) -> str:
+    kind, _ = pub.choose_kind(prepared.version, prepared.delta_nbytes, prepared.full_nbytes)
+    manifest = pub.write(prepared, kind)
+    pub.commit(prepared.version, kind, [manifest])
+    return kind
+
+
+def rss_child(argv: list[str]) -> None:
+    """Run one pull and print its peak anonymous memory (sampled) and VmHWM, as JSON."""
+    local, seed, source, target, workers = argv[0], argv[1], argv[2], int(argv[3]), int(argv[4])
+    peak = [0]
+    stop = threading.Event()
+
+    def anon_kb() -> int:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("RssAnon:"):
+                    return int(line.split()[1])
+        return 0
+
+    def sample() -> None:
+        while not stop.is_set():
+            peak[0] = max(peak[0], anon_kb())
+            time.sleep(0.002)
+
+    base_kb = anon_kb()
+    th = threading.Thread(target=sample, daemon=True)
+    th.start()
+    t0 = time.perf_counter()
+    res = pull(local, seed, source, target, workers=workers)
+    dt = time.perf_counter() - t0
+    stop.set()
+    th.join()
+    peak[0] = max(peak[0], anon_kb())
+    hwm = 0
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                hwm = int(line.split()[1])
+    print(json.dumps({"peak_anon_mb": peak[0] / 1024, "start_anon_mb": base_kb / 1024, "vmhwm_mb": hwm / 1024,
+                      "seconds": dt, "action": res.action}))
+
+
+def measure_rss(local: str, seed: str, source: str, target: int, workers: int) -> dict:
+    out = subprocess.run(
+        [sys.executable, os.path.abspath(__file__), "--rss-child", local, seed, source, str(target), str(workers)],
+        check=True, capture_output=True, text=True,
+    )
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def gpu_diff_probe(stream: RLStream, lr: float) -> str | None:
+    """On a GPU: diff on the device and move only the changed elements, against moving all."""
+    try:
+        import torch
+    except ImportError:
+        return None
+    if not torch.cuda.is_available():
+        return None
+    old = {n: w.to(torch.bfloat16) for n, w in stream.master.items()}
+    stream.step(lr)
+    new = {n: w.to(torch.bfloat16) for n, w in stream.master.items()}
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    full = [t.view(torch.int16).cpu() for t in new.values()]
+    torch.cuda.synchronize()
+    t_full = time.perf_counter() - t0
+    nbytes_full = sum(t.numel() * 2 for t in full)
+    t0 = time.perf_counter()
+    moved = 0
+    for n in new:
+        a, b = old[n].view(torch.int16).reshape(-1), new[n].view(torch.int16).reshape(-1)
+        idx = torch.nonzero(a != b).squeeze(1).to(torch.int32)
+        vals = b[idx.long()]
+        moved += idx.numel() * 6
+        idx.cpu(), vals.cpu()
+    torch.cuda.synchronize()
+    t_sparse = time.perf_counter() - t0
+    return (
+        f"GPU diff: move all {nbytes_full / MB:.0f} MB to host {t_full:.3f}s; diff on GPU + move changed only "
+        f"{moved / MB:.1f} MB {t_sparse:.3f}s ({t_full / t_sparse:.1f}x)"
+    )
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--preset", default="small", choices=sorted(PRESETS))
+    ap.add_argument("--workers", type=int, default=os.cpu_count() or 1)
+    ap.add_argument("--workdir", default=None)
+    ap.add_argument("--device", default="cpu", help="where the trainer simulation runs (cuda on a GPU box)")
+    ap.add_argument("--steps", type=int, default=len(DEFAULT_STEPS), help="use the first N steps (the last is dense)")
+    ap.add_argument("--no-append", action="store_true", help="do not append to benchmarks/RESULTS.md")
+    ap.add_argument("--date", default=datetime.date.today().isoformat())
+    ap.add_argument("--rss-child", nargs=5, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.rss_child:
+        rss_child(args.rss_child)
+        return
+
+    import logging
+
+    logging.basicConfig(level=logging.WARNING)
+    N = args.workers
+    steps = DEFAULT_STEPS[: max(2, args.steps - 1)] + [DEFAULT_STEPS[-1]] if args.steps < len(DEFAULT_STEPS) else DEFAULT_STEPS
+    machine = describe_machine()
+    root = args.workdir or ("/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir())
+    work = os.path.join(root, f"weightsync-bench-{os.getpid()}")
+    os.makedirs(work)
+    print(f"machine: {machine}\nworkdir: {work}  preset: {args.preset}  workers: {N}", flush=True)
+    try:
+        report = run(args, N, steps, machine, work)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    print(report)
+    if not args.no_append:
+        with open(os.path.join(HERE, "RESULTS.md"), "a") as f:
+            f.write(report + "\n")
+
+
+def run(args, N: int, steps, machine: str, work: str) -> str:
+    t_gen = time.perf_counter()
+    stream = RLStream(PRESETS[args.preset], device=args.device)
+    v0 = stream.bf16()
+    total_nbytes = sum(a.nbytes for a in v0.values())
+    seed = os.path.join(work, "seed")
+    seed_file = write_checkpoint(seed, v0)
+    pubs = {}
+    locals_ = {}
+    for enc in ENCODINGS:
+        src = os.path.join(work, f"src-{enc}")
+        pubs[enc] = Publisher(src, encoding=enc, workers=N)
+        pubs[enc].seed_snapshot(as_raw(v0))
+        locals_[enc] = os.path.join(work, f"local-{enc}")
+        pull(locals_[enc], seed, src, 0, workers=N)
+    base_dir = os.path.join(work, "baseline")
+    os.makedirs(base_dir)
+    base_local = os.path.join(base_dir, "local.safetensors")
+    shutil.copyfile(seed_file, base_local)
+    base_pool_n = ThreadPoolExecutor(N)
+    base_pool_1 = ThreadPoolExecutor(1)
+    print(f"checkpoint: {len(v0)} tensors, {total_nbytes / MB:.0f} MB bf16 (set-up {time.perf_counter() - t_gen:.1f}s)", flush=True)
+
+    rows = []
+    prev = v0
+    base_files = []
+    for i, (lr, label) in enumerate(steps, start=1):
+        cur = stream.step(lr)
+        raw = as_raw(cur)
+        row = {"step": i, "label": label}
+        # wire bytes and publish, baseline (per core, then all workers)
+        bprep, row["base_pub1_s"] = base.prepare(prev, cur, 1, base_pool_1)
+        _, row["base_pubN_s"] = base.prepare(prev, cur, N, base_pool_n)
+        row["base_wire"] = sum(len(f) for f, _ in bprep.values() if f is not None)
+        bfile = os.path.join(base_dir, f"delta-{i:03d}.safetensors")
+        base.write_delta(bfile, bprep)
+        base_files.append(bfile)
+        del bprep
+        row["entropy"] = order0_entropy_nbytes(prev, cur)
+        for enc in ENCODINGS:
+            pub = pubs[enc]
+            _, row[f"{enc}_pub1_s"] = timed_prepare(pub, i, raw, workers=1)
+            prepared, row[f"{enc}_pubN_s"] = timed_prepare(pub, i, raw)
+            row[f"{enc}_wire"] = prepared.delta_nbytes
+            row["changed"] = prepared.changed_elements / prepared.total_elements
+            row[f"{enc}_kind"] = publish_prepared(pub, prepared)
+            del prepared
+        # pull one version: ours, then the baseline
+        for enc in ENCODINGS:
+            res = pull(locals_[enc], seed, os.path.join(work, f"src-{enc}"), i, workers=N)
+            assert res.applied_version == i, res
+            row[f"{enc}_pull_s"] = res.seconds
+            row[f"{enc}_pull_action"] = res.action
+        row["base_pull_s"] = base.apply(base_local, [bfile], N)
+        rows.append(row)
+        print(_row_line(row, total_nbytes), flush=True)
+        prev = cur
+    base_pool_n.shutdown()
+    base_pool_1.shutdown()
+
+    # catch-up over CATCHUP pending deltas, pull scaling, peak memory
+    n_cu = min(CATCHUP, len(steps) - 1)
+    extra = {}
+    for enc in ENCODINGS:
+        src = os.path.join(work, f"src-{enc}")
+        loc = os.path.join(work, f"catchup-{enc}")
+        pull(loc, seed, src, 0, workers=N)
+        res = pull(loc, seed, src, n_cu, workers=N)
+        extra[f"{enc}_catchup_s"] = res.seconds
+        pull(loc, seed, src, 0, workers=N)
+        extra[f"{enc}_pull1w_s"] = pull(loc, seed, src, 1, workers=1).seconds
+        pull(loc, seed, src, 0, workers=N)
+        extra[f"{enc}_pullNw_s"] = pull(loc, seed, src, 1, workers=N).seconds
+        pull(loc, seed, src, 0, workers=N)
+        extra[f"{enc}_rss"] = measure_rss(loc, seed, src, n_cu, N)
+        shutil.rmtree(loc, ignore_errors=True)
+    cu_local = os.path.join(base_dir, "catchup.safetensors")
+    shutil.copyfile(seed_file, cu_local)
+    extra["base_catchup_s"] = base.apply(cu_local, base_files[:n_cu], N)
+    shutil.copyfile(seed_file, cu_local)
+    extra["base_pull1w_s"] = base.apply(cu_local, base_files[:1], 1)
+    shutil.copyfile(seed_file, cu_local)
+    extra["base_pullNw_s"] = base.apply(cu_local, base_files[:1], N)
+    gpu_line = gpu_diff_probe(stream, steps[0][0]) if args.device != "cpu" else None
+    return _report(args, machine, N, total_nbytes, len(v0), rows, extra, n_cu, gpu_line)
+
+
+def _row_line(r: dict, total: int) -> str:
+    gbs = lambda s: total / s / 1e9  # noqa: E731
+    return (
+        f"| {r['step']:>2} {r['label']:<7} | {100 * r['changed']:6.2f}% "
+        f"| {r['base_wire'] / MB:8.2f} | {r['sparse-v1_wire'] / MB:8.2f} {r['sparse-v1_wire'] / r['base_wire']:5.3f}x "
+        f"| {r['xor_wire'] / r['base_wire']:5.3f}x | {r['sparse-v1_wire'] / max(r['entropy'], 1):5.2f}x "
+        f"| {gbs(r['base_pub1_s']):5.2f} {gbs(r['sparse-v1_pub1_s']):5.2f} {gbs(r['xor_pub1_s']):5.2f} "
+        f"| {gbs(r['base_pubN_s']):5.2f} {gbs(r['sparse-v1_pubN_s']):5.2f} {gbs(r['xor_pubN_s']):5.2f} "
+        f"| {gbs(r['base_pull_s']):5.2f} {gbs(r['sparse-v1_pull_s']):5.2f} {gbs(r['xor_pull_s']):5.2f} "
+        f"| {r['sparse-v1_kind']} |"
+    )
+
+
+def _report(args, machine, N, total, ntensors, rows, extra, n_cu, gpu_line) -> str:
+    realistic = [r for r in rows if r["label"] != "dense"]
+    dense = [r for r in rows if r["label"] == "dense"]
+
+    def agg(key: str) -> float:
+        return sum(r[key] for r in realistic)
+
+    wire_worst = max(r["sparse-v1_wire"] / r["base_wire"] for r in realistic)
+    wire_mean = agg("sparse-v1_wire") / agg("base_wire")
+    pub1 = agg("base_pub1_s") / agg("sparse-v1_pub1_s")
+    pub1_worst = min(r["base_pub1_s"] / r["sparse-v1_pub1_s"] for r in realistic)
+    pub1_xor = agg("base_pub1_s") / agg("xor_pub1_s")
+    pubN = agg("base_pubN_s") / agg("sparse-v1_pubN_s")
+    pull_sp = agg("base_pull_s") / agg("sparse-v1_pull_s")
+    pull_sp_worst = min(r["base_pull_s"] / r["sparse-v1_pull_s"] for r in realistic)
+    pull_xor = agg("base_pull_s") / agg("xor_pull_s")
+    single = {enc: sum(r[f"{enc}_pull_s"] for r in realistic[:n_cu]) / n_cu for enc in ENCODINGS}
+    single_base = sum(r["base_pull_s"] for r in realistic[:n_cu]) / n_cu
+    cu = {enc: extra[f"{enc}_catchup_s"] / single[enc] for enc in ENCODINGS}
+    cu_base = extra["base_catchup_s"] / single_base
+    rss = extra["sparse-v1_rss"]
+    chunk_mb = 2.0
+    rss_bound = 256 + N * chunk_mb
+    fell_back = all(r["sparse-v1_kind"] == "full" for r in dense)
+
+    dense_changed = ", ".join("%.0f%% changed" % (100 * r["changed"]) for r in dense)
+    dense_kinds = ", ".join(r["sparse-v1_kind"] for r in dense)
+    dense_base = ", ".join("%.0f%%" % (100 * r["base_wire"] / total) for r in dense)
+
+    def ok(flag: bool) -> str:
+        return "MET" if flag else "NOT MET"
+
+    lines = [
+        f"## {args.date} — preset {args.preset}: {ntensors} tensors, {total / MB:.0f} MB bf16, {N} workers",
+        "",
+        f"Machine: {machine}. Files on {args.workdir or '/dev/shm'}.",
+        "",
+        "Throughputs are checkpoint bytes per second (GB/s); pub1 = publish with one worker (per core),",
+        "pubN = all workers; wire = delta payload bytes; H0 = order-0 entropy of the change (per tensor).",
+        "",
+        "| step          | changed | base MB  | sparse-v1 MB / base | xor/base | sp/H0 | pub1 base sp xor  | pubN base sp xor  | pull base sp xor  | sp kind |",
+        "|---------------|---------|----------|---------------------|----------|-------|-------------------|-------------------|-------------------|---------|",
+        *(_row_line(r, total) for r in rows),
+        "",
+        f"- wire bytes, sparse-v1 / baseline on realistic steps: worst {wire_worst:.3f}x, overall {wire_mean:.3f}x "
+        f"(target <= 0.55x on every step: {ok(wire_worst <= 0.55)}); against order-0 entropy "
+        f"{agg('sparse-v1_wire') / agg('entropy'):.2f}x",
+        f"- dense step ({dense_changed}): sparse-v1 published {dense_kinds} (full expected: {ok(fell_back)}); "
+        f"baseline xor would be {dense_base} of the full size",
+        f"- publish per core, baseline / ours: sparse-v1 {pub1:.2f}x (worst step {pub1_worst:.2f}x; target >= 1.5x: "
+        f"{ok(pub1 >= 1.5)}), xor {pub1_xor:.2f}x (target >= 1: {ok(pub1_xor >= 1.0)}); with {N} workers sparse-v1 {pubN:.2f}x",
+        f"- pull (apply + verify + flush): sparse-v1 {pull_sp:.2f}x the baseline (worst step {pull_sp_worst:.2f}x; "
+        f"target >= 2x: {ok(pull_sp >= 2.0)}), xor {pull_xor:.2f}x (target >= 1.3x: {ok(pull_xor >= 1.3)})",
+        f"- catch-up over {n_cu} pending deltas / one delta: sparse-v1 {cu['sparse-v1']:.2f}x, xor {cu['xor']:.2f}x, "
+        f"baseline {cu_base:.2f}x (target <= 2x: sparse-v1 {ok(cu['sparse-v1'] <= 2)}, xor {ok(cu['xor'] <= 2)}); "
+        f"absolute {extra['sparse-v1_catchup_s']:.2f}s / {extra['xor_catchup_s']:.2f}s / {extra['base_catchup_s']:.2f}s",
+        f"- pull scaling 1 -> {N} workers (step 1): sparse-v1 {extra['sparse-v1_pull1w_s'] / extra['sparse-v1_pullNw_s']:.2f}x, "
+        f"xor {extra['xor_pull1w_s'] / extra['xor_pullNw_s']:.2f}x, baseline {extra['base_pull1w_s'] / extra['base_pullNw_s']:.2f}x",
+        f"- puller peak anonymous memory (catch-up of {n_cu}, subprocess): sparse-v1 {rss['peak_anon_mb']:.0f} MB, "
+        f"xor {extra['xor_rss']['peak_anon_mb']:.0f} MB (bound 256 MB + {N} x {chunk_mb:.0f} MB: "
+        f"{ok(max(rss['peak_anon_mb'], extra['xor_rss']['peak_anon_mb']) < rss_bound)}); VmHWM incl. mapped file pages "
+        f"{rss['vmhwm_mb']:.0f} MB",
+        f"- absolute, realistic steps summed: publish per core base {agg('base_pub1_s'):.2f}s, sparse-v1 "
+        f"{agg('sparse-v1_pub1_s'):.2f}s, xor {agg('xor_pub1_s'):.2f}s; pull base {agg('base_pull_s'):.2f}s, sparse-v1 "
+        f"{agg('sparse-v1_pull_s'):.2f}s, xor {agg('xor_pull_s'):.2f}s",
+    ]
+    if gpu_line:
+        lines.append(f"- {gpu_line}")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    main()
