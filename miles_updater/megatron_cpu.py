@@ -7,8 +7,10 @@ this module). megatron-core 0.19.2 assumes CUDA in three places a tiny CPU model
 2. the CUDA RNG tracker's ``fork()`` is entered around every TP-split init/dropout: it must be a
    null context;
 3. the fused/causal mask path needs an explicit boolean causal ``attention_mask``
-   (``causal_attention_mask``) on the CPU.
-``apply_cpu_shims`` installs 1 and 2 (idempotent); callers pass 3.
+   (``causal_attention_mask``) on the CPU;
+4. with tied embeddings and PP > 1, the first/last-stage copies are all-reduced after
+   ``weight.data.cuda()``: ``Tensor.cuda`` must be a no-op on a machine without CUDA.
+``apply_cpu_shims`` installs 1, 2 and 4 (idempotent); callers pass 3.
 
 Invariant: ``load_hf_checkpoint`` + ``gather_hf_tensors`` round-trips an HF checkpoint bit for bit.
 """
@@ -35,6 +37,8 @@ def apply_cpu_shims() -> None:
 
     tracker = tp_random.get_cuda_rng_tracker()
     tracker.fork = lambda *a, **k: contextlib.nullcontext()  # type: ignore[method-assign]
+    if not torch.cuda.is_available():
+        torch.Tensor.cuda = lambda self, *a, **k: self  # type: ignore[method-assign]
     _SHIMS_APPLIED = True
 
 
@@ -83,10 +87,12 @@ def transformer_config_from_hf(hf: dict, *, params_dtype: torch.dtype = torch.fl
     arch = (hf.get("architectures") or [""])[0]
     heads = hf["num_attention_heads"]
     moe = {}
-    if hf.get("num_experts"):
-        moe = dict(num_moe_experts=hf["num_experts"], moe_router_topk=hf.get("num_experts_per_tok", 2),
+    # transformers 5 writes num_local_experts; older Qwen3-MoE configs say num_experts.
+    num_experts = hf.get("num_local_experts") or hf.get("num_experts")
+    if num_experts:
+        moe = dict(num_moe_experts=num_experts, moe_router_topk=hf.get("num_experts_per_tok", 2),
                    moe_ffn_hidden_size=hf["moe_intermediate_size"], moe_grouped_gemm=False,
-                   moe_token_dispatcher_type="alltoall", moe_router_load_balancing_type="none")
+                   moe_token_dispatcher_type="allgather", moe_router_load_balancing_type="none")
     return TransformerConfig(
         num_layers=hf["num_hidden_layers"],
         hidden_size=hf["hidden_size"],

@@ -126,6 +126,68 @@ def test_tp2_megatron_logits_match_transformers_on_the_gathered_weights(tiny_hf,
     assert any(not torch.equal(base[k], gathered[k]) for k in base)
 
 
+@pytest.fixture(scope="module")
+def tied_hf(tmp_path_factory):
+    """A tiny Qwen3 with tied input/output embeddings (no lm_head.weight in the checkpoint)."""
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from testbed.tiny_qwen3 import TINY_QWEN3_CONFIG
+
+    d = tmp_path_factory.mktemp("hf_tied") / "ckpt"
+    torch.manual_seed(5)
+    cfg = Qwen3Config(**{**TINY_QWEN3_CONFIG, "tie_word_embeddings": True}, initializer_range=0.3)
+    Qwen3ForCausalLM(cfg).to(torch.bfloat16).save_pretrained(str(d), max_shard_size="200KB")
+    return str(d)
+
+
+def test_tied_embeddings_on_two_pp_stages_are_published_once(tied_hf, tmp_path):
+    _run_ranks(2, 1, 2, tied_hf, str(tmp_path), {"break_tied_copy": True})
+    gathered = _gathered(tmp_path)  # asserts no tensor came from two source ranks
+    from safetensors.torch import load_file
+
+    per_rank = {f.name: set(load_file(str(f))) for f in tmp_path.glob("gathered-rank*.safetensors")}
+    assert "model.embed_tokens.weight" in per_rank["gathered-rank0.safetensors"]
+    assert "model.embed_tokens.weight" not in per_rank["gathered-rank1.safetensors"]
+    reference = {}
+    for f in Path(tied_hf).glob("*.safetensors"):
+        reference.update(load_file(str(f)))
+    _assert_bytes_equal(gathered, reference)
+    # When the two stages' copies drift apart, every rank fails together, naming the tensor.
+    for rank in range(2):
+        seen = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert "model.embed_tokens.weight" in seen["tied_drift_error"] and "differ" in seen["tied_drift_error"]
+
+
+@pytest.fixture(scope="module")
+def moe_hf(tmp_path_factory):
+    """A tiny Qwen3-MoE (4 experts, top-2) in bf16."""
+    import torch
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    d = tmp_path_factory.mktemp("hf_moe") / "ckpt"
+    torch.manual_seed(7)
+    cfg = Qwen3MoeConfig(vocab_size=256, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+                         num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+                         num_experts=4, num_experts_per_tok=2, decoder_sparse_step=1, mlp_only_layers=[],
+                         tie_word_embeddings=False, initializer_range=0.3)
+    Qwen3MoeForCausalLM(cfg).to(torch.bfloat16).save_pretrained(str(d))
+    return str(d)
+
+
+def test_ep2_moe_experts_are_gathered_under_their_global_ids(moe_hf, tmp_path):
+    from safetensors.torch import load_file
+
+    _run_ranks(2, 1, 1, moe_hf, str(tmp_path), {"ep": 2})
+    reference = {}
+    for f in Path(moe_hf).glob("*.safetensors"):
+        reference.update(load_file(str(f)))
+    # One source rank (TP 0, DP 0) gathers every expert from both EP ranks; the router, kept in
+    # fp32 by Megatron here, is cast back to the checkpoint's bf16.
+    assert [f.name for f in tmp_path.glob("gathered-rank*.safetensors")] == ["gathered-rank0.safetensors"]
+    _assert_bytes_equal(_gathered(tmp_path), reference)
+
+
 # --- the rank process ---------------------------------------------------------------------------
 
 
@@ -137,7 +199,7 @@ def _worker(rank: int, cfg: dict) -> None:
     from miles_updater.gather import GatherError, HFWeightGatherer, load_hf_checkpoint
     from miles_updater.megatron_cpu import build_gpt_model, causal_attention_mask, init_distributed_cpu
 
-    init_distributed_cpu(rank, cfg["world"], cfg["port"], tp=cfg["tp"], pp=cfg["pp"])
+    init_distributed_cpu(rank, cfg["world"], cfg["port"], tp=cfg["tp"], pp=cfg["pp"], ep=cfg.get("ep", 1))
     from megatron.core import parallel_state as ps
 
     out = Path(cfg["out_dir"])
@@ -167,7 +229,16 @@ def _worker(rank: int, cfg: dict) -> None:
             seen["bad_checkpoint_error"] = ""
         except GatherError as e:
             seen["bad_checkpoint_error"] = str(e)
-    if cfg["pp"] == 1:
+    if cfg.get("break_tied_copy"):
+        if ps.is_pipeline_last_stage():
+            with torch.no_grad():
+                model.output_layer.weight[0, 0] += 1.0
+        try:
+            HFWeightGatherer([model], cfg["hf_dir"]).gather()
+            seen["tied_drift_error"] = ""
+        except GatherError as e:
+            seen["tied_drift_error"] = str(e)
+    if cfg["pp"] == 1 and not cfg.get("ep"):
         torch.manual_seed(0)
         ids = torch.randint(0, 1000, (1, 12))
         with torch.no_grad():
