@@ -1,0 +1,255 @@
+"""The thin sglang glue, in-process (no server): IPC types over pickle and msgpack, the CLI
+flags through sglang's own parser and pickling, the route with sglang's auth middleware, and
+the tokenizer-side fan-out with sglang's FanOutCommunicator."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import pickle
+import sys
+from pathlib import Path
+
+import pytest
+
+SCAFFOLDING = str(Path(__file__).resolve().parents[1] / "cpu_scaffolding")
+
+
+@contextlib.contextmanager
+def _cpu_standins_on_path():
+    """Import sglang with the CPU-test stand-ins, then take them off the path again so that
+    other tests in this process do not see a fake ``torchvision``."""
+    before_meta = list(sys.meta_path)
+    sys.path.insert(0, SCAFFOLDING)
+    try:
+        yield
+    finally:
+        sys.path.remove(SCAFFOLDING)
+        sys.meta_path[:] = [f for f in sys.meta_path if f in before_meta or not type(f).__name__.startswith("_StandIn")]
+        for name in list(sys.modules):
+            if name.split(".")[0] in ("torchvision", "sgl_kernel", "_cpu_standin"):
+                del sys.modules[name]
+
+
+with _cpu_standins_on_path():
+    from sglang.srt.managers import io_struct
+    from sglang_patch import io_types, server_flags, tokenizer_side
+
+    io_types.register_types()
+
+from sglang_patch import results  # noqa: E402
+from sglang_patch.io_types import PullWeightsReqInput, PullWeightsReqOutput  # noqa: E402
+
+
+def _sample_output() -> PullWeightsReqOutput:
+    host = results.HostPullResult(host="h/node0", ranks=["dp0/tp0", "dp0/tp1"], success=True, applied_version=3,
+                                  action="chain", seconds=0.25, hook_ran=True, nbytes_read=123)
+    return PullWeightsReqOutput(**results.summarize(3, [host], 0.3))
+
+
+def test_types_are_keyword_only_direct_basereq_subclasses():
+    assert PullWeightsReqInput.__bases__ == (io_struct.BaseReq,)
+    assert PullWeightsReqOutput.__bases__ == (io_struct.BaseReq,)
+    with pytest.raises(TypeError):
+        PullWeightsReqInput("/l", "/s", 3)  # positional arguments are refused
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: PullWeightsReqInput(local_checkpoint_dir="/l", source_dir="/s", target_version=3, rid="r1"),
+        lambda: PullWeightsReqOutput(success=False, message="m", error_type="conflict", http_status=409),
+        _sample_output,
+    ],
+)
+def test_pickle_round_trip(make):
+    obj = make()
+    assert pickle.loads(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)) == obj
+
+
+@pytest.mark.parametrize("make", [
+    lambda: PullWeightsReqInput(local_checkpoint_dir="/l", source_dir="/s", target_version=3, http_worker_ipc="ipc"),
+    _sample_output,
+])
+def test_msgpack_round_trip_through_sglangs_codec(make):
+    obj = make()
+    decoded = io_struct.msgpack_decode(io_struct.msgpack_encode(obj))
+    assert type(decoded) is type(obj) and decoded == obj
+    if isinstance(obj, PullWeightsReqOutput):
+        assert isinstance(decoded.hosts[0], results.HostPullResult)
+
+
+def test_the_flags_reach_server_args_and_survive_pickling(tmp_path):
+    from sglang.srt.server_args import prepare_server_args
+
+    server_flags.install()
+    hook = "testbed.hooks.record_pre_read"
+    args = prepare_server_args([
+        "--model-path", str(tmp_path),
+        "--custom-pull-weights-pre-read-hook", hook,
+        "--pull-weights-allowed-roots", f"{tmp_path}/a,{tmp_path}/b",
+    ])  # fmt: skip
+    options = server_flags.options_of(args)
+    assert options.pre_read_hook == hook
+    assert options.allowed_roots == (f"{tmp_path}/a", f"{tmp_path}/b")
+    # What a scheduler process receives: a pickled copy.
+    assert server_flags.options_of(pickle.loads(pickle.dumps(args))) == options
+    default = server_flags.options_of(prepare_server_args(["--model-path", str(tmp_path)]))
+    assert default.allowed_roots == () and default.pre_read_hook is None
+
+
+def test_a_bad_flag_value_fails_at_start_up(tmp_path):
+    from sglang.srt.server_args import prepare_server_args
+
+    server_flags.install()
+    with pytest.raises(ValueError, match="cannot be found"):
+        prepare_server_args(["--model-path", str(tmp_path), "--custom-pull-weights-pre-read-hook", "no_such_mod.fn"])
+    with pytest.raises(ValueError, match="absolute"):
+        prepare_server_args(["--model-path", str(tmp_path), "--pull-weights-allowed-roots", "rel/dir"])
+
+
+# --- tokenizer side --------------------------------------------------------------------------
+
+
+class FakeTokenizerManager:
+    """What the route and tokenizer side use of sglang's TokenizerManager, with a real
+    FanOutCommunicator whose 'schedulers' are canned per-DP-group replies."""
+
+    def __init__(self, replies_per_call, fan_out=2):
+        from sglang.srt.managers.communicator import FanOutCommunicator
+
+        self.sent = []
+        self.replies_per_call = list(replies_per_call)
+        self.pull_weights_communicator = FanOutCommunicator(self._send, fan_out)
+
+    def auto_create_handle_loop(self):
+        pass
+
+    def _send(self, obj):
+        self.sent.append(obj)
+        replies = self.replies_per_call.pop(0)
+
+        async def deliver():
+            await asyncio.sleep(0.05)
+            for reply in replies:
+                self.pull_weights_communicator.handle_recv(reply)
+
+        asyncio.get_running_loop().create_task(deliver())
+
+
+def _group_reply(rank, version, *, ok=True):
+    if ok:
+        report = results.RankPullReport(host="h/node0", rank=rank, success=True, applied_version=version, action="chain")
+    else:
+        report = results.RankPullReport(host="h/node0", rank=rank, success=False, error_type="source_not_ready",
+                                        http_status=404, message="not yet")
+    return PullWeightsReqOutput(**results.summarize(version, results.merge_host_results([report])))
+
+
+def test_the_communicator_is_declared_for_sglangs_tokenizer():
+    from sglang.srt.managers import tokenizer_control_mixin
+
+    tokenizer_side.install(tokenizer_control_mixin)
+    tokenizer_side.install(tokenizer_control_mixin)
+    specs = [s for s in tokenizer_control_mixin._COMMUNICATOR_SPECS if s[0] == "pull_weights"]
+    assert specs == [("pull_weights", PullWeightsReqOutput)]
+
+
+def test_fan_out_merges_every_dp_group_and_a_second_pull_gets_a_conflict():
+    tm = FakeTokenizerManager([[_group_reply("dp0/tp0", 2), _group_reply("dp1/tp0", 2)]])
+    req = PullWeightsReqInput(local_checkpoint_dir="/l", source_dir="/s", target_version=2)
+
+    async def scenario():
+        first = asyncio.create_task(tokenizer_side.pull_weights(tm, req))
+        await asyncio.sleep(0.01)
+        second = await tokenizer_side.pull_weights(tm, req)
+        return await first, second
+
+    first, second = asyncio.run(scenario())
+    assert first.success and first.hosts[0].ranks == ["dp0/tp0", "dp1/tp0"]
+    assert second.http_status == 409 and second.error_type == "conflict"
+    assert len(tm.sent) == 1  # the conflicting pull never reached a scheduler
+
+
+def test_one_failing_dp_group_fails_the_merged_reply():
+    tm = FakeTokenizerManager([[_group_reply("dp0/tp0", 2), _group_reply("dp1/tp0", 2, ok=False)]])
+    req = PullWeightsReqInput(local_checkpoint_dir="/l", source_dir="/s", target_version=2)
+    out = asyncio.run(tokenizer_side.pull_weights(tm, req))
+    assert not out.success and out.http_status == 404 and out.error_type == "source_not_ready"
+
+
+# --- route -----------------------------------------------------------------------------------
+
+
+def _client(tm, *, api_key=None, admin_api_key=None):
+    from fastapi import FastAPI
+    from fastapi.testclient import TestClient
+    from sglang.srt.utils.auth import add_api_key_middleware
+
+    from sglang_patch.http_route import install_route
+
+    app = FastAPI()
+    install_route(app, lambda: tm)
+    install_route(app, lambda: tm)  # idempotent
+    if api_key or admin_api_key:
+        add_api_key_middleware(app, api_key=api_key, admin_api_key=admin_api_key)
+    return TestClient(app)
+
+
+BODY = {"local_checkpoint_dir": "/l", "source_dir": "/s", "target_version": 2}
+
+
+def test_route_answers_200_with_the_merged_reply():
+    tm = FakeTokenizerManager([[_group_reply("dp0/tp0", 2), _group_reply("dp1/tp0", 2)]])
+    resp = _client(tm).post("/pull_weights", json=BODY)
+    assert resp.status_code == 200
+    body = resp.json()
+    assert body["success"] is True and body["error_type"] is None and body["applied_version"] == 2
+    assert body["hosts"][0]["ranks"] == ["dp0/tp0", "dp1/tp0"]
+    assert "http_status" not in body
+    sent = tm.sent[0]
+    assert isinstance(sent, PullWeightsReqInput) and sent.target_version == 2
+
+
+def test_route_maps_a_typed_failure_to_its_status_with_a_structured_body():
+    tm = FakeTokenizerManager([[_group_reply("dp0/tp0", 2, ok=False), _group_reply("dp1/tp0", 2)]])
+    resp = _client(tm).post("/pull_weights", json=BODY)
+    assert resp.status_code == 404
+    assert resp.json()["error_type"] == "source_not_ready" and resp.json()["success"] is False
+
+
+def test_route_answers_a_malformed_body_400_in_the_same_shape():
+    tm = FakeTokenizerManager([])
+    resp = _client(tm).post("/pull_weights", json={"local_checkpoint_dir": "/l", "target_version": "x"})
+    assert resp.status_code == 400
+    body = resp.json()
+    assert body["error_type"] == "bad_request" and "source_dir" in body["message"]
+    assert "target_version" in body["message"] and not tm.sent
+
+
+def test_route_hides_an_internal_exception_behind_a_500():
+    class Broken(FakeTokenizerManager):
+        def auto_create_handle_loop(self):
+            raise RuntimeError("secret internals")
+
+    resp = _client(Broken([])).post("/pull_weights", json=BODY)
+    assert resp.status_code == 500
+    assert resp.json()["error_type"] == "internal_error" and "Traceback" not in resp.text
+
+
+@pytest.mark.parametrize(
+    "keys, header, status",
+    [
+        ({"admin_api_key": "adm"}, None, 401),
+        ({"admin_api_key": "adm"}, "adm", 200),
+        ({"api_key": "usr"}, None, 401),
+        ({"api_key": "usr"}, "usr", 200),
+        ({"api_key": "usr", "admin_api_key": "adm"}, "usr", 401),  # admin key required then
+        ({"api_key": "usr", "admin_api_key": "adm"}, "adm", 200),
+    ],
+)
+def test_route_honours_api_keys_like_update_weights_from_disk(keys, header, status):
+    tm = FakeTokenizerManager([[_group_reply("dp0/tp0", 2), _group_reply("dp1/tp0", 2)]])
+    headers = {"Authorization": f"Bearer {header}"} if header else {}
+    resp = _client(tm, **keys).post("/pull_weights", json=BODY, headers=headers)
+    assert resp.status_code == status
