@@ -1,0 +1,54 @@
+"""miles_updater: the trainer side of disk-delta weight sync for miles/slime (Megatron + Ray).
+
+Each sync gathers the Megatron weights as the HF checkpoint's tensors (one source rank per
+pipeline stage), publishes them as version v on a shared filesystem (a delta of the changed
+bytes, or a full checkpoint), then has every rollout engine pull v to its host-local
+checkpoint while it keeps generating, and reloads it. Depends on the ``weightsync`` core; the
+core never imports this package. torch, megatron-core and ray are imported by the modules that
+need them (``gather``, ``updater``, ``cpu_trainer``), not here.
+
+    args         the argparse group and its validation (miles and slime spellings)
+    hf_mapping   Megatron <-> HF names and layouts (Qwen3, Llama; dense and MoE)
+    gather       TP/EP gathers, dtype cast, checks against --hf-checkpoint, PP de-duplication
+    engines      the sglang HTTP client (timeouts, retries) and engine groups (threads, Ray)
+    updater      EngineSync (the engine call order) and DiskDeltaWeightUpdater (every rank)
+    megatron_cpu CPU scaffolding: Megatron's CPU shims, a GPTModel from an HF config
+    cpu_trainer  a Megatron trainer as Ray actors on the CPU (demo, end-to-end tests)
+    demo         ``python -m miles_updater.demo``
+"""
+
+from .args import (
+    DiskDeltaConfig,
+    UpdateWeightArgsError,
+    add_update_weight_arguments,
+    is_disk_delta,
+    validate_update_weight_args,
+)
+from .engines import EngineCallError, EngineSyncError, SGLangEngineClient
+
+__all__ = [
+    "DiskDeltaConfig",
+    "UpdateWeightArgsError",
+    "add_update_weight_arguments",
+    "is_disk_delta",
+    "validate_update_weight_args",
+    "EngineCallError",
+    "EngineSyncError",
+    "SGLangEngineClient",
+    "DiskDeltaWeightUpdater",
+    "EngineSync",
+    "SyncMetrics",
+    "HFWeightGatherer",
+]
+
+
+def __getattr__(name):  # lazy: torch/megatron load only when these are used
+    if name in ("DiskDeltaWeightUpdater", "EngineSync", "SyncMetrics"):
+        from . import updater
+
+        return getattr(updater, name)
+    if name == "HFWeightGatherer":
+        from .gather import HFWeightGatherer
+
+        return HFWeightGatherer
+    raise AttributeError(name)

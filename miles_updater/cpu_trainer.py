@@ -26,7 +26,8 @@ class MegatronCPUTrainer:
     """One trainer rank. Construct ``world`` of them with the same ``master_port``."""
 
     def __init__(self, rank: int, world: int, master_port: int, config, *, tp: int = 1, pp: int = 1,
-                 lr: float = 3e-4, seed: int = 0, run_id: str | None = None, threads: int = 1):
+                 lr: float = 3e-4, seed: int = 0, run_id: str | None = None, threads: int = 1,
+                 device: str = "cpu"):
         import warnings
 
         warnings.filterwarnings("ignore")
@@ -40,9 +41,14 @@ class MegatronCPUTrainer:
 
         self.rank = rank
         self.config = config
-        init_distributed_cpu(rank, world, master_port, tp=tp, pp=pp, seed=seed)
+        self.device = device
+        if device == "cuda":  # the GPU test: Ray gives each actor one GPU (device 0 for it)
+            torch.cuda.set_device(0)
+        init_distributed_cpu(rank, world, master_port, tp=tp, pp=pp, seed=seed,
+                             backend="nccl" if device == "cuda" else "gloo")
         self.model = build_gpt_model(config.hf_checkpoint)
         load_hf_checkpoint([self.model], config.hf_checkpoint)
+        self.model.to(device)
         self.optimizer = torch.optim.Adam(self.model.parameters(), lr=lr)
         self.updater = DiskDeltaWeightUpdater(config, [self.model], run_id=run_id)
         self.batch = self._make_batch(seed)
@@ -74,12 +80,12 @@ class MegatronCPUTrainer:
 
         from .megatron_cpu import causal_attention_mask
 
-        inputs, labels = self.batch
+        inputs, labels = (t.to(self.device) for t in self.batch)
         seq = inputs.shape[1]
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
-        losses = self.model(inputs, torch.arange(seq)[None].expand_as(inputs), causal_attention_mask(seq),
-                            labels=labels)
+        positions = torch.arange(seq, device=self.device)[None].expand_as(inputs)
+        losses = self.model(inputs, positions, causal_attention_mask(seq).to(self.device), labels=labels)
         loss = losses.float().mean()
         loss.backward()
         self.optimizer.step()
@@ -115,6 +121,12 @@ class MegatronCPUTrainer:
             t = torch.frombuffer(bytearray(raw.data), dtype=torch.uint8) if raw.data.size else torch.empty(0, dtype=torch.uint8)
             out[name] = t.view(ST_TO_TORCH[raw.dtype]).reshape(raw.shape)
         return out
+
+    def published_digests(self) -> dict:
+        """name -> xxh3-128 of the bytes this rank published last (cheap to ship, for big models)."""
+        import xxhash
+
+        return {n: xxhash.xxh3_128_hexdigest(t.data) for n, t in self.updater.gatherer.owned_tensors().items()}
 
     def close(self) -> None:
         self.updater.close()

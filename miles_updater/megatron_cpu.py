@@ -48,16 +48,21 @@ def causal_attention_mask(seq_len: int) -> torch.Tensor:
 
 
 def init_distributed_cpu(
-    rank: int, world_size: int, master_port: int, *, tp: int = 1, pp: int = 1, ep: int = 1, seed: int = 1234
+    rank: int, world_size: int, master_port: int, *, tp: int = 1, pp: int = 1, ep: int = 1, seed: int = 1234,
+    backend: str = "gloo",
 ) -> None:
-    """gloo process group on 127.0.0.1 + Megatron model-parallel groups, shims applied."""
+    """Process group on 127.0.0.1 + Megatron model-parallel groups (CPU shims applied for gloo).
+
+    ``backend="nccl"`` is for the GPU test (one GPU per rank, already selected); no shims then.
+    """
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
-    apply_cpu_shims()
+    if backend == "gloo":
+        apply_cpu_shims()
     if not dist.is_initialized():
         dist.init_process_group(
-            "gloo", init_method=f"tcp://127.0.0.1:{master_port}", rank=rank, world_size=world_size,
+            backend, init_method=f"tcp://127.0.0.1:{master_port}", rank=rank, world_size=world_size,
             timeout=datetime.timedelta(minutes=10),
         )
     ps.initialize_model_parallel(
@@ -142,7 +147,8 @@ def build_gpt_model(hf_dir: str, *, params_dtype: torch.dtype = torch.float32):
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.models.gpt.gpt_model import GPTModel
 
-    apply_cpu_shims()
+    if not torch.cuda.is_available():
+        apply_cpu_shims()
     hf = read_hf_config(hf_dir)
     config = transformer_config_from_hf(hf, params_dtype=params_dtype)
     spec = get_gpt_layer_local_spec(

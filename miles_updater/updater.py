@@ -155,6 +155,7 @@ class EngineSync:
         metrics.pull_s = time.perf_counter() - t
         metrics.pulls = [_pull_summary(name, r) for name, r in zip(self.engines.names, pulls)]
         t = time.perf_counter()
+        failure: BaseException | None = None
         try:
             self.engines.wait(self.engines.submit("pause_generation", self.pause_mode))
             in_place = self.pause_mode == "in_place"
@@ -162,10 +163,18 @@ class EngineSync:
                 self.engines.wait(self.engines.submit("flush_cache"))
             self.engines.wait(self.engines.submit(
                 "update_weights_from_disk", self.local_checkpoint_dir, str(version), not in_place))
-        finally:
-            # Resume every engine even after a failed pause or reload: some may have paused, sglang
-            # restores the old weights when a reload fails, and a paused engine stalls the rollout.
+        except BaseException as e:  # noqa: BLE001 - re-raised below, after resuming
+            failure = e
+        # Resume every engine even after a failed pause or reload: some may have paused, sglang
+        # restores the old weights when a reload fails, and a paused engine stalls the rollout.
+        try:
             self.engines.wait(self.engines.submit("continue_generation"))
+        except BaseException:
+            if failure is None:
+                raise
+            log.exception("continue_generation also failed after: %s", failure)
+        if failure is not None:
+            raise failure
         metrics.reload_s = time.perf_counter() - t
         return metrics
 
