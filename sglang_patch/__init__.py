@@ -1,0 +1,20 @@
+"""sglang 0.5.23 plugin: ``POST /pull_weights`` brings every engine host's local checkpoint to a
+published weight version (the core's ``weightsync.pull``), so that the trainer can then reload the
+engine with sglang's own ``/update_weights_from_disk``.
+
+Installed through the ``sglang.srt.plugins`` entry point ``pull_weights =
+sglang_patch.plugin:load_plugin``; no sglang file is changed. Layout (arrows = imports):
+
+    plugin ──> server_flags, io_types, scheduler_side, tokenizer_side, http_route   (touch sglang)
+                    │             │            │               │
+                    └──> paths, results, coordinator  (decisions; no sglang, unit-tested)
+                                         └──> weightsync (the core)
+
+- ``paths``: which directories a request may read/write (``--pull-weights-allowed-roots``).
+- ``results``: per-rank reports -> per-host results -> one reply with one error type/status.
+- ``coordinator``: the pull runs in a thread; all TP ranks finish it at the same scheduler loop
+  iteration via a per-iteration all-reduce, so nobody blocks the loop or deadlocks.
+- ``server_flags``: the two CLI flags, carried to every scheduler on ``ServerArgs``.
+- ``io_types``: the request/reply IPC messages (pickle and msgpack).
+- ``scheduler_side`` / ``tokenizer_side`` / ``http_route``: the few lines that hook sglang.
+"""

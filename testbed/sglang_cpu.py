@@ -1,6 +1,7 @@
 """Launch a real sglang 0.5.23 server on the CPU, on loopback, for tests and the demo.
 
-Role: one small class, ``SglangCpuServer``, that starts ``python -m sglang.launch_server`` with
+Role: one small class, ``SglangCpuServer``, that starts ``python -m sglang.launch_server`` (or
+``sglang serve``, ``entrypoint="serve"``) with
 the settings a 2-core CPU machine needs (CPU engine, torch-native attention, no CUDA graphs, a
 small KV pool), waits until ``/health`` answers, and stops the whole process tree with SIGTERM.
 
@@ -88,6 +89,7 @@ class SglangCpuServer:
         startup_timeout_s: float = 300.0,
         api_key: str | None = None,
         admin_api_key: str | None = None,
+        entrypoint: str = "launch_server",
     ) -> None:
         self.model_path = str(model_path)
         self.tp = tp
@@ -102,6 +104,9 @@ class SglangCpuServer:
         self.startup_timeout_s = startup_timeout_s
         self.api_key = api_key
         self.admin_api_key = admin_api_key
+        if entrypoint not in ("launch_server", "serve"):
+            raise ValueError(f"entrypoint must be 'launch_server' or 'serve', got {entrypoint!r}")
+        self.entrypoint = entrypoint
         if log_path is None:
             fd, log_path = tempfile.mkstemp(prefix=f"sglang-cpu-{self.port}-", suffix=".log")
             os.close(fd)
@@ -119,8 +124,11 @@ class SglangCpuServer:
 
     def command(self) -> list[str]:
         """The full command line (including the mount-namespace wrapper, if any)."""
-        cmd = [
-            sys.executable, "-m", "sglang.launch_server",
+        if self.entrypoint == "serve":  # the `sglang serve` console script
+            launcher = [sys.executable, "-c", "import sys; from sglang.cli.main import main; sys.exit(main())", "serve"]
+        else:
+            launcher = [sys.executable, "-m", "sglang.launch_server"]
+        cmd = launcher + [
             "--model-path", self.model_path,
             "--device", "cpu",
             "--attention-backend", "torch_native",

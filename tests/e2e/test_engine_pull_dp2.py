@@ -1,6 +1,6 @@
 """POST /pull_weights against a real sglang CPU server with two DP groups, over msgpack IPC.
 
-One server (DP=2, ``SGLANG_USE_PICKLE_IPC=0``, so every message between the tokenizer, the DP
+One server, started with ``sglang serve`` (DP=2, ``SGLANG_USE_PICKLE_IPC=0``, so every message between the tokenizer, the DP
 controller and the schedulers goes through sglang's msgpack codec and our registered types).
 The tokenizer fans the pull out to both DP groups and merges their replies: both groups' ranks
 appear on the (single) host.
@@ -21,6 +21,7 @@ def env(tmp_path_factory, tiny_model_dir, server_factory):
     server = server_factory(
         tiny_model_dir,
         dp=2,
+        entrypoint="serve",  # the plugin's flags through `sglang serve` as well
         extra_args=["--pull-weights-allowed-roots", str(root)],
         env={"SGLANG_USE_PICKLE_IPC": "0"},
     )
