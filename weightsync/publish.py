@@ -197,6 +197,7 @@ class Publisher:
         self.level = int(knobs.ZSTD_LEVEL.get())
         self.version = 0  # the version the snapshot holds
         self._snapshot: dict[str, _SnapEntry] = {}
+        self._pending_commit: tuple | None = None  # (version, kind, manifests, result) until the index lands
         self._pool = ThreadPoolExecutor(self.workers, thread_name_prefix="weightsync-publish")
         os.makedirs(source_dir, exist_ok=True)
 
@@ -245,6 +246,14 @@ class Publisher:
         """Publish one version from this (only) rank: prepare, choose, write, commit."""
         if self.world_size != 1:
             raise PublishError("publish() is for one rank; with several ranks use prepare/write/commit")
+        pending = self._pending_commit
+        if pending is not None and pending[0] == version == self.version:
+            # The shards are written and the snapshot advanced; only the index failed. Retrying
+            # with the same inputs commits again (the caller's tensors are the same bytes).
+            _, kind, manifests, result = pending
+            self.commit(version, kind, manifests)
+            self._pending_commit = None
+            return result
         prepared = self.prepare(version, tensors)
         if full is None:
             kind, reason = self.choose_kind(version, prepared.delta_nbytes, prepared.full_nbytes)
@@ -252,12 +261,14 @@ class Publisher:
             kind, reason = ("full", "requested by the caller") if full else ("delta", "requested by the caller")
         t0 = time.perf_counter()
         manifest = self.write(prepared, kind)
-        self.commit(version, kind, [manifest])
-        write_s = time.perf_counter() - t0
         result = PublishResult(
             version, kind, reason, manifest.nbytes, prepared.full_nbytes, prepared.changed_bytes,
-            prepared.changed_elements, prepared.total_elements, prepared.encode_s, write_s,
+            prepared.changed_elements, prepared.total_elements, prepared.encode_s, 0.0,
         )
+        self._pending_commit = (version, kind, [manifest], result)
+        self.commit(version, kind, [manifest])
+        self._pending_commit = None
+        result.write_s = time.perf_counter() - t0
         log.info(
             "published v%d as %s (%s): %d wire bytes of %d full, %.3f%% elements changed, encode %.3fs write %.3fs",
             version, kind, reason, result.wire_nbytes, result.full_nbytes, 100 * result.changed_fraction,

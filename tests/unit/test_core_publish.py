@@ -304,11 +304,6 @@ def test_failed_index_write_leaves_the_version_unpublished_and_a_commit_retry_pu
     run.assert_pulls(2, local)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: Publisher.write advances the snapshot before commit writes the index, so "
-    "publish(v) after a failed index write raises 'does not follow the snapshot's version'",
-)
 def test_publish_can_be_retried_after_its_index_write_failed(run, monkeypatch):
     """Publisher's invariant: 'a failed write can be retried with the same inputs'."""
     import weightsync.publish as publish_mod
