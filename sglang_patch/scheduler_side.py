@@ -229,11 +229,20 @@ def _after_process_input_requests(result, scheduler, *args, **kwargs):
     return result
 
 
+_installed = False
+
+
 def install(*_ignored) -> None:
     """Register the Scheduler hooks (call when ``sglang.srt.managers.scheduler`` is imported)."""
-    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+    global _installed
+    if _installed:
+        return
+    _installed = True
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookSource, HookType
+
+    source = HookSource(plugin_name="pull_weights", dist_name="weightsync")
 
     base = "sglang.srt.managers.scheduler.Scheduler"
-    HookRegistry.register(f"{base}.init_request_dispatcher", _after_init_request_dispatcher, HookType.AFTER)
-    HookRegistry.register(f"{base}.process_input_requests", _after_process_input_requests, HookType.AFTER)
+    HookRegistry.register(f"{base}.init_request_dispatcher", _after_init_request_dispatcher, HookType.AFTER, source=source)
+    HookRegistry.register(f"{base}.process_input_requests", _after_process_input_requests, HookType.AFTER, source=source)
     HookRegistry.apply_hooks()

@@ -126,10 +126,19 @@ def _after_from_cli_args(server_args, cls, namespace, *args, **kwargs):
     return server_args
 
 
+_installed = False
+
+
 def install() -> None:
     """Register the ServerArgs hooks (call when ``sglang.srt.server_args`` is imported)."""
-    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+    global _installed
+    if _installed:
+        return
+    _installed = True
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookSource, HookType
 
-    HookRegistry.register("sglang.srt.server_args.ServerArgs.add_cli_args", _after_add_cli_args, HookType.AFTER)
-    HookRegistry.register("sglang.srt.server_args.ServerArgs.from_cli_args", _after_from_cli_args, HookType.AFTER)
+    source = HookSource(plugin_name="pull_weights", dist_name="weightsync")
+
+    HookRegistry.register("sglang.srt.server_args.ServerArgs.add_cli_args", _after_add_cli_args, HookType.AFTER, source=source)
+    HookRegistry.register("sglang.srt.server_args.ServerArgs.from_cli_args", _after_from_cli_args, HookType.AFTER, source=source)
     HookRegistry.apply_hooks()

@@ -52,14 +52,18 @@ def env(tmp_path_factory, tiny_model_dir, server_factory):
         tp=2,
         nnodes=2,
         dist_init_addr=dist_init_addr,
-        extra_args=["--pull-weights-allowed-roots", str(root)],
-    )
+        extra_args=[
+            "--pull-weights-allowed-roots", str(root),
+            "--custom-pull-weights-pre-read-hook", "testbed.hooks.record_pre_read",
+        ],
+    )  # fmt: skip
+    hook_logs = [str(root / "hook-node0.log"), str(root / "hook-node1.log")]
     node1 = server_factory(
         tiny_model_dir,
         node_rank=1,
         wait_healthy=False,
         bind_mounts={str(local): str(node_local[1]), str(shared): str(node1_shared)},
-        env={"SGLANG_CPU_OMP_THREADS_BIND": "1"},
+        env={"SGLANG_CPU_OMP_THREADS_BIND": "1", "TESTBED_PRE_READ_HOOK_LOG": hook_logs[1]},
         **common,
     )
     node0 = server_factory(
@@ -67,7 +71,7 @@ def env(tmp_path_factory, tiny_model_dir, server_factory):
         node_rank=0,
         wait_healthy=False,
         bind_mounts={str(local): str(node_local[0])},
-        env={"SGLANG_CPU_OMP_THREADS_BIND": "0"},
+        env={"SGLANG_CPU_OMP_THREADS_BIND": "0", "TESTBED_PRE_READ_HOOK_LOG": hook_logs[0]},
         **common,
     )
     node0.wait_healthy()
@@ -79,7 +83,15 @@ def env(tmp_path_factory, tiny_model_dir, server_factory):
     e.server, e.node1, e.feed = node0, node1, feed
     e.local, e.shared = str(local), str(shared)
     e.node_local, e.node1_shared = node_local, node1_shared
+    e.hook_logs = hook_logs
     return e
+
+
+def hook_call_counts(env):
+    """Pre-read hook calls so far on (node 0, node 1)."""
+    from testbed.hooks import read_calls
+
+    return [len(read_calls(path)) for path in env.hook_logs]
 
 
 def sync_node1_view(env, version):
@@ -107,6 +119,7 @@ def test_pull_reaches_both_nodes_and_both_local_dirs_end_bit_exact(env):
     for d in env.node_local:
         assert_checkpoint_equals(d, env.feed.expected[1])
     assert not any((env.node_local[0].parent / "local").iterdir()), "a bind mount leaked"
+    assert hook_call_counts(env) == [1, 1]  # once per host per pull with work
 
 
 def test_a_failure_on_node1_alone_fails_the_reply(env):
@@ -122,6 +135,8 @@ def test_a_failure_on_node1_alone_fails_the_reply(env):
     assert node1["success"] is False and node1["error_type"] == "source_not_ready"
     assert_checkpoint_equals(env.node_local[0], env.feed.expected[2])
     assert_checkpoint_equals(env.node_local[1], env.feed.expected[1])
+    # Both hosts had work; node 1's hook ran too (it is what would refresh a lagging mount).
+    assert hook_call_counts(env) == [2, 2]
 
 
 def test_once_node1_sees_the_version_the_pull_succeeds_and_serves_it(env):
@@ -133,6 +148,7 @@ def test_once_node1_sees_the_version_the_pull_succeeds_and_serves_it(env):
     body = resp.json()
     assert resp.status_code == 200, body
     assert [h["action"] for h in body["hosts"]] == ["noop", "chain"]
+    assert hook_call_counts(env) == [2, 3]  # only node 1 had work
     for d in env.node_local:
         assert_checkpoint_equals(d, env.feed.expected[2])
     # Each node reloads from its own local dir (same path, different directory).
