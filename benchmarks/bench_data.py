@@ -41,7 +41,7 @@ PRESETS = {
 
 # (learning rate, label): realistic RL steps, then one dense step where a full version must win
 DEFAULT_STEPS = [(1e-6, "lr1e-6"), (2e-6, "lr2e-6"), (5e-6, "lr5e-6"), (1e-5, "lr1e-5"), (3e-6, "lr3e-6"),
-                 (1e-6, "lr1e-6"), (2e-6, "lr2e-6"), (5e-6, "lr5e-6"), (1e-5, "lr1e-5"), (8e-5, "dense")]
+                 (1e-6, "lr1e-6"), (2e-6, "lr2e-6"), (5e-6, "lr5e-6"), (1e-5, "lr1e-5"), (1.5e-4, "dense")]
 
 
 def qwen3_tensors(shape: Shape) -> dict[str, tuple[int, ...]]:

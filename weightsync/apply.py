@@ -218,8 +218,14 @@ def _run_job(job: _Job, maps: _Maps, chunk_nbytes: int) -> tuple[str, str, str] 
     region = np.ndarray((job.entry.nbytes,), dtype=np.uint8, buffer=mm, offset=job.entry.offset)
     try:
         hasher = new_hasher(job.checksum_format)
-        if all(enc == "xor" for enc, _ in job.steps):
+        encodings = {enc for enc, _ in job.steps}
+        if encodings == {"xor"}:
             apply_xor_chain(region, [p for _, p in job.steps], job.name, chunk_nbytes, hasher)
+        elif encodings == {"sparse-v1"}:
+            # segment-major: every version's changes to a segment, then hash it while cached
+            from .codec_sparse import apply_sparse_chain
+
+            apply_sparse_chain(region, [p for _, p in job.steps], job.name, chunk_nbytes, hasher)
         else:
             itemsize = DTYPE_NBYTES[job.entry.dtype]
             for enc, payload in job.steps:
