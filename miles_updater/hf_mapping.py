@@ -147,7 +147,7 @@ def to_hf(
         hf = _GLOBAL_RENAMES[name]
         if name == "output_layer.weight" and tied_embeddings:
             hf = "model.embed_tokens.weight"
-        return [(hf, _cat(shards, partition_dim or 0))]
+        return [(hf, _cat(shards, partition_dim) if partition_dim is not None else shards[0])]
     m = _LAYER_RE.match(name)
     if not m:
         raise MappingError(f"no HF name for Megatron parameter {name!r}")
