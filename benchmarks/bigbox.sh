@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# The whole sync benchmark on a big box (16 cores, an H200, 128 GiB) in one call of a few minutes:
+# the real Qwen3-4B layout (8.0 GB of bf16, 398 tensors), the trainer simulation on the GPU,
+# every figure of bench_sync.py (wire bytes, publish per core and with 16 workers, pull, catch-up
+# over 8 deltas, 1 vs 16 workers, puller peak memory), plus the GPU-diff probe (diff on the
+# device, move only the changed elements to the host) when CUDA is there.
+#
+#   bash benchmarks/bigbox.sh                # defaults below
+#   STEPS=6 bash benchmarks/bigbox.sh        # shorter run
+#   bash benchmarks/bigbox.sh --no-append    # extra args go to bench_sync.py
+#
+# Needs numpy, zstandard, xxhash, msgspec and torch importable by $PY (the box has no network:
+# carry a prepared environment). Files go to /dev/shm when it has room (about 45 GB), else to
+# $WORKDIR or /tmp; results are appended to benchmarks/RESULTS.md and printed.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PY=${PY:-.venv/bin/python}
+[ -x "$PY" ] || PY=$(command -v python3)
+"$PY" -c "import numpy, zstandard, xxhash, msgspec, torch" || {
+    echo "bigbox.sh: $PY lacks numpy/zstandard/xxhash/msgspec/torch" >&2
+    exit 2
+}
+
+DEVICE=cpu
+if "$PY" -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)"; then
+    DEVICE=cuda
+fi
+
+need_gb=45
+shm_free_gb=$(df -BG --output=avail /dev/shm 2>/dev/null | tail -1 | tr -dc '0-9' || echo 0)
+if [ -z "${WORKDIR:-}" ]; then
+    if [ "${shm_free_gb:-0}" -ge "$need_gb" ]; then WORKDIR=/dev/shm; else WORKDIR=/tmp; fi
+fi
+
+WORKERS=${WORKERS:-$(nproc)}
+STEPS=${STEPS:-10}
+echo "bigbox: $(nproc) cores, device=$DEVICE, workdir=$WORKDIR, workers=$WORKERS, steps=$STEPS"
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader 2>/dev/null || true
+
+# per-core publish is measured on a ~1 GB subset (one worker on 8 GB would take minutes) and
+# scaled; one repetition each, since the box is not shared.
+exec "$PY" benchmarks/bench_sync.py --preset qwen3-4b --device "$DEVICE" --workers "$WORKERS" \
+    --steps "$STEPS" --workdir "$WORKDIR" --percore-mb 1024 --reps 1 "$@"
