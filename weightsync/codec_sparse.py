@@ -368,7 +368,8 @@ def _apply_segment(rw: np.ndarray, seg: Segment, transform: int, tensor: str, ba
         packed_big = bigs.take(nb)
         if done + k == count:
             _check_padding(packed_big, k, tensor, "large-value flags")
-        big_at = np.flatnonzero(np.unpackbits(packed_big, count=k, bitorder="little"))
+        # (flatnonzero on a bool view: several times faster than on the uint8 bits)
+        big_at = np.flatnonzero(np.unpackbits(packed_big, count=k, bitorder="little").view(np.bool_))
         nbig = big_at.size
         if nbig:
             if nbig_seen + nbig > seg.nbig:
