@@ -157,15 +157,16 @@ def merge_host_results(items: Iterable[RankPullReport | HostPullResult]) -> list
                 )
             )
             continue
+        agreed = len(versions) == 1
         merged.append(
             HostPullResult(
                 host=host,
                 ranks=sorted(set(ranks)),
-                success=len(versions) == 1,
-                error_type=None if len(versions) == 1 else INTERNAL_ERROR,
-                http_status=200 if len(versions) == 1 else 500,
-                message=worker.reason if len(versions) == 1 else f"ranks disagree on the applied version: {sorted(versions, key=str)}",
-                applied_version=versions.pop() if len(versions) == 1 else None,
+                success=agreed,
+                error_type=None if agreed else INTERNAL_ERROR,
+                http_status=200 if agreed else 500,
+                message=worker.reason if agreed else f"ranks disagree on the applied version: {sorted(versions, key=str)}",
+                applied_version=versions.pop() if agreed else None,
                 action=worker.action,
                 reason=worker.reason,
                 seconds=max(item.seconds for item in group),

@@ -243,6 +243,9 @@ def install(*_ignored) -> None:
     source = HookSource(plugin_name="pull_weights", dist_name="weightsync")
 
     base = "sglang.srt.managers.scheduler.Scheduler"
-    HookRegistry.register(f"{base}.init_request_dispatcher", _after_init_request_dispatcher, HookType.AFTER, source=source)
-    HookRegistry.register(f"{base}.process_input_requests", _after_process_input_requests, HookType.AFTER, source=source)
+    for method, hook in (
+        ("init_request_dispatcher", _after_init_request_dispatcher),
+        ("process_input_requests", _after_process_input_requests),
+    ):
+        HookRegistry.register(f"{base}.{method}", hook, HookType.AFTER, source=source)
     HookRegistry.apply_hooks()

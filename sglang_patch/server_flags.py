@@ -139,6 +139,7 @@ def install() -> None:
 
     source = HookSource(plugin_name="pull_weights", dist_name="weightsync")
 
-    HookRegistry.register("sglang.srt.server_args.ServerArgs.add_cli_args", _after_add_cli_args, HookType.AFTER, source=source)
-    HookRegistry.register("sglang.srt.server_args.ServerArgs.from_cli_args", _after_from_cli_args, HookType.AFTER, source=source)
+    base = "sglang.srt.server_args.ServerArgs"
+    HookRegistry.register(f"{base}.add_cli_args", _after_add_cli_args, HookType.AFTER, source=source)
+    HookRegistry.register(f"{base}.from_cli_args", _after_from_cli_args, HookType.AFTER, source=source)
     HookRegistry.apply_hooks()

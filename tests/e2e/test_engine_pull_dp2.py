@@ -1,7 +1,8 @@
 """POST /pull_weights against a real sglang CPU server with two DP groups, over msgpack IPC.
 
-One server, started with ``sglang serve`` (DP=2, ``SGLANG_USE_PICKLE_IPC=0``, so every message between the tokenizer, the DP
-controller and the schedulers goes through sglang's msgpack codec and our registered types).
+One server, started with ``sglang serve`` (DP=2, ``SGLANG_USE_PICKLE_IPC=0``, so every message
+between the tokenizer, the DP controller and the schedulers goes through sglang's msgpack codec
+and our registered types).
 The tokenizer fans the pull out to both DP groups and merges their replies: both groups' ranks
 appear on the (single) host.
 """

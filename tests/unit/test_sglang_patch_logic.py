@@ -163,8 +163,11 @@ def test_no_answer_is_a_failure_and_a_wrong_version_is_not_success():
 
 
 def test_dp_replies_merge_per_host_and_conflicts_dominate():
-    group0 = results.summarize(1, results.merge_host_results([results.report_success("h/node0", "dp0/tp0", _Outcome(1, "chain"))]))
-    group1 = results.summarize(1, results.merge_host_results([results.report_success("h/node0", "dp1/tp0", _Outcome(1, "noop"))]))
+    def group_reply(rank, action):
+        report = results.report_success("h/node0", rank, _Outcome(1, action))
+        return results.summarize(1, results.merge_host_results([report]))
+
+    group0, group1 = group_reply("dp0/tp0", "chain"), group_reply("dp1/tp0", "noop")
     merged = results.merge_replies(1, [group0, group1])
     assert merged["success"] and [h.ranks for h in merged["hosts"]] == [["dp0/tp0", "dp1/tp0"]]
     conflict = results.conflict_fields(1, 1)
@@ -327,7 +330,8 @@ def test_the_core_stays_free_of_engine_imports():
     import subprocess
 
     code = (
-        "import sys, sglang_patch.paths, sglang_patch.results, sglang_patch.coordinator, sglang_patch.server_flags;"
+        "import sys, sglang_patch.paths, sglang_patch.results, sglang_patch.coordinator,"
+        " sglang_patch.server_flags;"
         "bad=[m for m in ('sglang','torch') if m in sys.modules]; print(bad); sys.exit(1 if bad else 0)"
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
