@@ -35,6 +35,7 @@ from .apply import (
 )
 from .errors import CorruptArtifactError, InvalidRequestError, LocalStateError, LocalTensorMismatchError
 from .lock import HeldLock, acquire_host_lock
+from .manifest import read_version_index
 from .plan import PullPlan, plan_pull, read_applied_version
 from .seed import invalidate_marker, seed_local_checkpoint, write_marker
 
@@ -176,6 +177,9 @@ def pull(
     chunk = int(knobs.CHUNK_NBYTES.get())
     if durability not in ("sync", "deferred"):
         raise InvalidRequestError(f"durability must be 'sync' or 'deferred', got {durability!r}")
+    if target_version > 0 and hook is None and not os.path.isdir(local_checkpoint_dir):
+        # A first pull of a version that is not there yet must leave no trace (no dir, no lock).
+        read_version_index(source_dir, target_version)
     os.makedirs(local_checkpoint_dir, exist_ok=True)
     held = acquire_host_lock(local_checkpoint_dir, lock_timeout_s)
     handed_off = False
