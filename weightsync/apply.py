@@ -237,6 +237,90 @@ def _run_job(job: _Job, maps: _Maps, chunk_nbytes: int) -> tuple[str, str, str] 
     return None if actual == job.digest else (job.name, job.digest, actual)
 
 
+# A sparse-v1 tensor larger than this and than its fair share of the work is cut into runs
+# of segments applied by several workers (one large embedding would otherwise keep one
+# worker busy while the rest idle), then hashed in one pass.
+SPLIT_MIN_NBYTES = 64 << 20
+
+
+def _split_plan(jobs: list[_Job], workers: int) -> dict[str, list[tuple[int, int]]]:
+    """name -> segment ranges, for the tensors worth splitting across workers."""
+    if workers <= 1:
+        return {}
+    from .codec_sparse import shared_segment_count
+
+    total = sum(j.entry.nbytes for j in jobs)
+    limit = max(SPLIT_MIN_NBYTES, total // (2 * workers))
+    plan: dict[str, list[tuple[int, int]]] = {}
+    for job in jobs:
+        if job.entry.nbytes <= limit or any(enc != "sparse-v1" for enc, _ in job.steps):
+            continue
+        nseg = shared_segment_count([p for _, p in job.steps], job.entry.nbytes, job.name)
+        if not nseg or nseg < 2:
+            continue
+        parts = min(nseg, workers, -(-job.entry.nbytes // (limit // 2)))
+        bounds = [nseg * i // parts for i in range(parts + 1)]
+        plan[job.name] = [(a, b) for a, b in zip(bounds, bounds[1:]) if b > a]
+    return plan
+
+
+def _apply_part(job: _Job, maps: _Maps, chunk_nbytes: int, seg_range: tuple[int, int]) -> None:
+    from .codec_sparse import apply_sparse_chain
+
+    mm = maps.get(job.path)
+    region = np.ndarray((job.entry.nbytes,), dtype=np.uint8, buffer=mm, offset=job.entry.offset)
+    try:
+        apply_sparse_chain(region, [p for _, p in job.steps], job.name, chunk_nbytes, None, seg_range=seg_range)
+    finally:
+        del region
+
+
+def _verify_job(job: _Job, maps: _Maps, chunk_nbytes: int) -> tuple[str, str, str] | None:
+    mm = maps.get(job.path)
+    region = np.ndarray((job.entry.nbytes,), dtype=np.uint8, buffer=mm, offset=job.entry.offset)
+    try:
+        hasher = new_hasher(job.checksum_format)
+        _hash_in_chunks(hasher, region, chunk_nbytes)
+        actual = hasher.hexdigest()
+    finally:
+        del region
+    return None if actual == job.digest else (job.name, job.digest, actual)
+
+
+def _run_jobs(pool: ThreadPoolExecutor, jobs: list[_Job], maps: _Maps, chunk_nbytes: int, workers: int, progress) -> list:
+    """Every job applied and verified; large sparse-v1 tensors in parts, hashed afterwards."""
+    plan = _split_plan(jobs, workers)
+    units: list[tuple[_Job, tuple[int, int] | None]] = [(j, r) for j in jobs if j.name in plan for r in plan[j.name]]
+    units += [(j, None) for j in jobs if j.name not in plan]
+    done = 0
+    results = []
+
+    def run_unit(unit):
+        job, seg_range = unit
+        if seg_range is None:
+            return _run_job(job, maps, chunk_nbytes)
+        _apply_part(job, maps, chunk_nbytes, seg_range)
+        return _PART_DONE
+
+    for r in pool.map(run_unit, units):
+        if r is _PART_DONE:
+            continue
+        results.append(r)
+        done += 1
+        if progress is not None:
+            progress(done, len(jobs))
+    split = [j for j in jobs if j.name in plan]
+    for r in pool.map(lambda j: _verify_job(j, maps, chunk_nbytes), split):
+        results.append(r)
+        done += 1
+        if progress is not None:
+            progress(done, len(jobs))
+    return results
+
+
+_PART_DONE = object()
+
+
 def _hash_in_chunks(hasher, region: np.ndarray, chunk_nbytes: int) -> None:
     for pos in range(0, region.nbytes, chunk_nbytes):
         hasher.update(region[pos : pos + chunk_nbytes])
@@ -264,11 +348,7 @@ def apply_chain(
             groups = [[d] for d in deltas] if strict else [deltas]
             for group in groups:
                 jobs = _jobs(group, table)
-                results = []
-                for i, r in enumerate(pool.map(lambda j: _run_job(j, maps, chunk_nbytes), jobs)):
-                    results.append(r)
-                    if progress is not None:
-                        progress(i + 1, len(jobs))
+                results = _run_jobs(pool, jobs, maps, chunk_nbytes, workers, progress)
                 bad = [r for r in results if r is not None]
                 if bad:
                     last = group[-1].index

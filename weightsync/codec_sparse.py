@@ -413,18 +413,33 @@ def _check_padding(packed: np.ndarray, k: int, tensor: str, what: str) -> None:
         raise PayloadBoundError(tensor, f"sparse-v1 {what} have set bits past the last change")
 
 
-def apply_sparse_chain(region: np.ndarray, payloads: list, tensor: str, chunk_nbytes: int, hasher) -> None:
+def shared_segment_count(payloads: list, nbytes: int, tensor: str) -> int | None:
+    """The segment count of a chain whose payloads all segment the tensor alike, else None:
+    only such a chain can be split by segment ranges across workers."""
+    parsed = [parse(p, nbytes, tensor, check_frames=False) for p in payloads]
+    if not parsed or any(p.width != parsed[0].width or p.seg_elements != parsed[0].seg_elements for p in parsed):
+        return None
+    return len(parsed[0].segments)
+
+
+def apply_sparse_chain(
+    region: np.ndarray, payloads: list, tensor: str, chunk_nbytes: int, hasher, seg_range: tuple[int, int] | None = None
+) -> None:
     """Apply several sparse-v1 payloads (oldest first) to ``region`` in place.
 
     With equal segmenting (what the encoder always writes) the chain runs segment-major:
     every payload's changes to one segment, then that segment is hashed while still in cache,
-    so a catch-up over many versions touches the tensor's bytes once."""
+    so a catch-up over many versions touches the tensor's bytes once. ``seg_range`` applies
+    only segments [a, b) (one worker's part of a large tensor; then the caller hashes, and the
+    chain must segment alike: see ``shared_segment_count``)."""
     nbytes = region.nbytes
     parsed = [parse(p, nbytes, tensor, check_frames=False) for p in payloads]
     batch = _batch_changes(chunk_nbytes)
     if not parsed:
         return
     aligned = all(p.width == parsed[0].width and p.seg_elements == parsed[0].seg_elements for p in parsed)
+    if seg_range is not None and (not aligned or hasher is not None):
+        raise ValueError("a segment range needs a chain that segments alike and no hasher")
     if not aligned:
         for p in parsed:
             rw = region.view(LE_UINT[p.width])
@@ -436,7 +451,9 @@ def apply_sparse_chain(region: np.ndarray, payloads: list, tensor: str, chunk_nb
         return
     width = parsed[0].width
     rw = region.view(LE_UINT[width])
-    for s, seg0 in enumerate(parsed[0].segments):
+    first, stop = seg_range if seg_range is not None else (0, len(parsed[0].segments))
+    for s in range(first, stop):
+        seg0 = parsed[0].segments[s]
         for p in parsed:
             _apply_segment(rw, p.segments[s], p.transform, tensor, batch)
         if hasher is not None:

@@ -342,3 +342,72 @@ def test_encoder_picks_the_smallest_gap_width():
     new[2 * (n - 1)] = 1  # one change 69_999 elements in: the gap needs 3 bytes -> width 4
     parsed = codec_sparse.parse(CODEC.encode(old, new, 2, 1, "t").payload, 2 * n, "t")
     assert parsed.segments[0].gap_width == 4
+
+
+# --- large tensors split across workers -----------------------------------------------------
+
+
+@pytest.fixture
+def split_everything(monkeypatch):
+    """Small segments and no size floor, so a test-sized tensor is cut into parts."""
+    from weightsync import apply as apply_mod
+
+    monkeypatch.setattr(codec_sparse.CODEC, "seg_elements", 1000)
+    monkeypatch.setattr(apply_mod, "SPLIT_MIN_NBYTES", 0)
+
+
+def _published_chain(tmp, rng, versions: int):
+    from core_support import mutate, random_tensors, write_hf_checkpoint
+
+    from weightsync import Publisher
+
+    v = random_tensors(rng, {"big": ("uint16", (40, 500)), "other": ("uint16", (7, 300)), "tiny": ("float32", (5,))})
+    write_hf_checkpoint(str(tmp / "seed"), v)
+    pub = Publisher(str(tmp / "src"), encoding="sparse-v1", workers=2)
+    pub.seed_snapshot(v)
+    history = [v]
+    for i in range(1, versions + 1):
+        v = mutate(v, rng, 0.02)
+        assert pub.publish(i, v).kind == "delta"
+        history.append(v)
+    pub.close()
+    return history
+
+
+def test_a_large_tensor_split_across_workers_pulls_exactly(split_everything, fast_tmp_path, rng):
+    from core_support import assert_checkpoint_is, tensor_bytes
+
+    from weightsync import apply as apply_mod
+    from weightsync import pull
+
+    history = _published_chain(fast_tmp_path, rng, 3)
+    jobs_seen = []
+    real_plan = apply_mod._split_plan
+    apply_mod_plan = lambda jobs, workers: jobs_seen.append(real_plan(jobs, workers)) or jobs_seen[-1]  # noqa: E731
+    try:
+        apply_mod._split_plan = apply_mod_plan
+        res = pull(str(fast_tmp_path / "local"), str(fast_tmp_path / "seed"), str(fast_tmp_path / "src"), 3, workers=3)
+    finally:
+        apply_mod._split_plan = real_plan
+    assert res.applied_version == 3 and res.deltas_applied == 3
+    assert_checkpoint_is(str(fast_tmp_path / "local"), tensor_bytes(history[3]))
+    assert any(len(plan.get("big", [])) > 1 for plan in jobs_seen), jobs_seen  # it really was split
+
+
+def test_a_split_tensor_that_does_not_verify_fails_loud(split_everything, fast_tmp_path, rng):
+    from core_support import flip_local_byte
+
+    from weightsync import errors, pull
+
+    _published_chain(fast_tmp_path, rng, 2)
+    local, seed, src = (str(fast_tmp_path / n) for n in ("local", "seed", "src"))
+    pull(local, seed, src, 1, workers=3)
+    flip_local_byte(local, "big", 20_001)  # local damage in a part: the digest after the parts catches it
+    res = pull(local, seed, src, 2, workers=3)  # reseeds once and replays, strict
+    assert res.applied_version == 2 and res.reseeded
+    with pytest.raises(errors.CorruptArtifactError):
+        for p in (fast_tmp_path / "src").glob("weight_v000002/*.safetensors"):
+            data = bytearray(p.read_bytes())
+            data[-5] ^= 0xFF  # damage a payload byte inside the last tensor's streams
+            p.write_bytes(bytes(data))
+        pull(str(fast_tmp_path / "local2"), seed, src, 2, workers=3)
