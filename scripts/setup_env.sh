@@ -15,7 +15,13 @@ if [ -f "$STAMP" ]; then exit 0; fi
 
 PY=${PYTHON:-python3}
 [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
-PIP=("$VENV/bin/python" -m pip install --quiet --disable-pip-version-check)
+pip_install() {
+  # This machine's pip config lists local package indexes that lack most names; pip warns once
+  # per package about them. Drop those lines; everything else pip says is kept.
+  "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check "$@" \
+    2> >(grep -v "is ignored: it is neither a file nor a directory" >&2)
+}
+PIP=(pip_install)
 TORCH="torch==2.13.0"
 
 echo "[setup] torch (CPU build) and the core's dependencies"
