@@ -115,23 +115,36 @@ def _planes(values: np.ndarray, nplanes: int, level: int) -> list[bytes]:
     return frames
 
 
+def _width(nbytes: int, itemsize: int) -> int:
+    return itemsize if itemsize in LE_UINT and nbytes % itemsize == 0 else 1
+
+
 class SparseCodec:
     name = "sparse-v1"
     seg_elements = SEG_ELEMENTS
     transform = TRANSFORM_NONE
 
     def encode(self, old, new, itemsize, level, tensor):
-        width = itemsize if itemsize in LE_UINT and new.nbytes % itemsize == 0 else 1
+        return self.join([self.encode_part(old, new, itemsize, level, tensor, None)], new.nbytes, itemsize)
+
+    def segment_count(self, nbytes: int, itemsize: int) -> int:
+        return -(-(nbytes // _width(nbytes, itemsize)) // self.seg_elements)
+
+    def encode_part(self, old, new, itemsize, level, tensor, seg_range: tuple[int, int] | None) -> tuple:
+        """Segments [a, b) (all when None) as (table entries, frames, changed bytes, changed
+        elements); ``join`` puts the parts of one tensor together, so several workers can
+        encode one large tensor."""
+        width = _width(new.nbytes, itemsize)
         dt = LE_UINT[width]
         o = old.reshape(-1).view(dt)
         nw = new.reshape(-1).view(dt)
         n = o.size
         seg = self.seg_elements
-        nseg = -(-n // seg)
+        first, stop = seg_range if seg_range is not None else (0, -(-n // seg))
         entries: list[bytes] = []
         frames: list[bytes] = []
         changed_bytes = changed_elements = 0
-        for s in range(nseg):
+        for s in range(first, stop):
             s0 = s * seg
             s1 = min(n, s0 + seg)
             count, cb, gaps, signs, mags = self._diff_segment(o, nw, s0, s1, width)
@@ -154,10 +167,22 @@ class SparseCodec:
                 seg_frames.extend(_planes(rest, width, level))
             entries.append(ENTRY_HEAD.pack(count, nbig, gw) + struct.pack(f"<{len(seg_frames)}I", *map(len, seg_frames)))
             frames.extend(seg_frames)
+        return entries, frames, changed_bytes, changed_elements
+
+    def join(self, parts: list, nbytes: int, itemsize: int) -> Encoded | None:
+        """One payload from the parts of a tensor, in segment order; None when nothing changed."""
+        changed_elements = sum(p[3] for p in parts)
         if changed_elements == 0:
             return None
-        head = HEADER.pack(MAGIC, VERSION, width, self.transform, 0, n, seg, nseg)
-        return Encoded(b"".join([head, *entries, *frames]), changed_bytes, changed_elements)
+        width = _width(nbytes, itemsize)
+        n = nbytes // width
+        nseg = -(-n // self.seg_elements)
+        entries = [e for p in parts for e in p[0]]
+        if len(entries) != nseg:
+            raise AssertionError(f"parts cover {len(entries)} of {nseg} segments")
+        head = HEADER.pack(MAGIC, VERSION, width, self.transform, 0, n, self.seg_elements, nseg)
+        return Encoded(b"".join([head, *entries, *(f for p in parts for f in p[1])]), sum(p[2] for p in parts),
+                       changed_elements)
 
     def _diff_segment(self, o, nw, s0, s1, width):
         """(count, changed bytes, gaps as <u4, sign flags, |difference| - 1) of elements [s0, s1)."""

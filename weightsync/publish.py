@@ -41,6 +41,7 @@ from .safetensors_io import DTYPE_NBYTES, as_byte_view, iter_file_chunks, local_
 
 log = logging.getLogger(__name__)
 
+SPLIT_MIN_NBYTES = 64 << 20  # smallest tensor a sparse-v1 publish may encode on several workers
 DEFAULT_ENCODING = "sparse-v1"  # ours; "xor" and "overwrite" stay available for upstream readers
 Kind = Literal["delta", "full"]
 
@@ -311,11 +312,15 @@ class Publisher:
                 jobs.append((name, RawTensor(snap.dtype, snap.shape, snap.buf), snap.buf, snap))
         codec = get_codec(self.encoding)
         t0 = time.perf_counter()
+        plan = self._split_plan(codec, jobs)
 
         def encode_one(job) -> PreparedTensor:
             name, raw, new, snap = job
             itemsize = DTYPE_NBYTES[raw.dtype]
-            enc = None if new is snap.buf else codec.encode(snap.buf, new, itemsize, self.level, name)
+            if name in plan:  # its parts are encoded by other units; this one only hashes
+                enc = None
+            else:
+                enc = None if new is snap.buf else codec.encode(snap.buf, new, itemsize, self.level, name)
             if enc is None:
                 payload, cb, ce = None, 0, 0
             else:
@@ -327,7 +332,30 @@ class Publisher:
                 new.nbytes // itemsize,
             )
 
-        prepared = list(self._pool.map(encode_one, jobs))
+        def run_unit(unit):
+            job, seg_range = unit
+            if seg_range is None:
+                return encode_one(job)
+            name, raw, new, snap = job
+            return codec.encode_part(snap.buf, new, DTYPE_NBYTES[raw.dtype], self.level, name, seg_range)
+
+        # largest first, so no big tensor starts last; large sparse-v1 tensors in several parts
+        order = sorted(jobs, key=lambda j: -j[2].nbytes)
+        units = [(j, r) for j in order if j[0] in plan for r in plan[j[0]]] + [(j, None) for j in order]
+        results = list(self._pool.map(run_unit, units))
+        parts: dict[str, list] = {}
+        by_name: dict[str, PreparedTensor] = {}
+        for (job, seg_range), r in zip(units, results):
+            if seg_range is None:
+                by_name[job[0]] = r
+            else:
+                parts.setdefault(job[0], []).append(r)
+        for name, ps in parts.items():
+            t = by_name[name]
+            enc = codec.join(ps, t.nbytes, DTYPE_NBYTES[t.dtype])
+            if enc is not None:
+                t.payload, t.changed_bytes, t.changed_elements = enc
+        prepared = [by_name[j[0]] for j in jobs]
         encode_s = time.perf_counter() - t0
         return PreparedVersion(
             version=version,
@@ -340,6 +368,25 @@ class Publisher:
             total_elements=sum(t.nelements for t in prepared),
             encode_s=encode_s,
         )
+
+    def _split_plan(self, codec, jobs) -> dict[str, list[tuple[int, int]]]:
+        """name -> segment ranges for the changed tensors worth encoding on several workers:
+        larger than SPLIT_MIN_NBYTES and than half a worker's fair share (one embedding would
+        otherwise keep one worker busy while the others idle). Needs a codec with parts."""
+        if self.workers <= 1 or not hasattr(codec, "encode_part"):
+            return {}
+        total = sum(j[2].nbytes for j in jobs)
+        limit = max(SPLIT_MIN_NBYTES, total // (2 * self.workers))
+        plan = {}
+        for name, raw, new, snap in jobs:
+            if new is snap.buf or new.nbytes <= limit:
+                continue
+            nseg = codec.segment_count(new.nbytes, DTYPE_NBYTES[raw.dtype])
+            nparts = min(nseg, self.workers, -(-new.nbytes // (limit // 2)))
+            if nparts >= 2:
+                bounds = [nseg * i // nparts for i in range(nparts + 1)]
+                plan[name] = [(a, b) for a, b in zip(bounds, bounds[1:]) if b > a]
+        return plan
 
     def choose_kind(self, version: int, delta_nbytes: int, full_nbytes: int) -> tuple[Kind, str]:
         """Delta or full, with the reason; pass totals over all ranks so every rank agrees."""

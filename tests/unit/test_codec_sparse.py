@@ -351,9 +351,11 @@ def test_encoder_picks_the_smallest_gap_width():
 def split_everything(monkeypatch):
     """Small segments and no size floor, so a test-sized tensor is cut into parts."""
     from weightsync import apply as apply_mod
+    from weightsync import publish as publish_mod
 
     monkeypatch.setattr(codec_sparse.CODEC, "seg_elements", 1000)
     monkeypatch.setattr(apply_mod, "SPLIT_MIN_NBYTES", 0)
+    monkeypatch.setattr(publish_mod, "SPLIT_MIN_NBYTES", 0)
 
 
 def _published_chain(tmp, rng, versions: int):
@@ -411,3 +413,35 @@ def test_a_split_tensor_that_does_not_verify_fails_loud(split_everything, fast_t
             data[-5] ^= 0xFF  # damage a payload byte inside the last tensor's streams
             p.write_bytes(bytes(data))
         pull(str(fast_tmp_path / "local2"), seed, src, 2, workers=3)
+
+
+def test_a_large_tensor_encoded_in_parts_gives_the_one_piece_payload(split_everything, fast_tmp_path, rng):
+    from core_support import mutate, random_tensors
+
+    from weightsync import Publisher
+
+    v0 = random_tensors(rng, {"big": ("uint16", (40, 500)), "small": ("uint16", (3, 7)), "same": ("uint8", (9,))})
+    v1 = mutate(v0, rng, 0.03, names=["big", "small"])
+    pub = Publisher(str(fast_tmp_path / "src"), encoding="sparse-v1", workers=3)
+    pub.seed_snapshot(v0)
+    ranges = []
+    real = codec_sparse.CODEC.encode_part
+
+    def spy(old, new, itemsize, level, tensor, seg_range):
+        ranges.append((tensor, seg_range))
+        return real(old, new, itemsize, level, tensor, seg_range)
+
+    codec_sparse.CODEC.encode_part = spy
+    try:
+        prepared = {t.name: t for t in pub.prepare(1, v1).tensors}
+    finally:
+        del codec_sparse.CODEC.encode_part
+        pub.close()
+    assert len([r for t, r in ranges if t == "big" and r is not None]) == 3  # 20 segments in 3 parts
+    for name in ("big", "small"):
+        old, new = v0[name].reshape(-1).view(np.uint8), v1[name].reshape(-1).view(np.uint8)
+        one = CODEC.encode(old, new, 2, 1, name)
+        assert prepared[name].payload == one.payload
+        assert (prepared[name].changed_bytes, prepared[name].changed_elements) == (one.changed_bytes, one.changed_elements)
+        assert prepared[name].digest == xxhash.xxh3_128(new).hexdigest()
+    assert prepared["same"].payload is None
