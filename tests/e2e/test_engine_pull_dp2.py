@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import pytest
 
+from testbed.tiny_qwen3 import SERVER_COMPUTE_ARGS
+
 pytestmark = pytest.mark.slow
 
 
@@ -23,7 +25,7 @@ def env(tmp_path_factory, tiny_model_dir, server_factory):
         tiny_model_dir,
         dp=2,
         entrypoint="serve",  # the plugin's flags through `sglang serve` as well
-        extra_args=["--pull-weights-allowed-roots", str(root)],
+        extra_args=[*SERVER_COMPUTE_ARGS, "--pull-weights-allowed-roots", str(root)],
         env={"SGLANG_USE_PICKLE_IPC": "0"},
     )
 
@@ -60,13 +62,15 @@ def test_reply_covers_both_dp_groups_over_msgpack_ipc(env):
 
 
 def test_reload_then_both_dp_groups_serve_the_new_weights(env):
-    from testbed.tiny_qwen3 import check_server_greedy
+    from testbed.tiny_qwen3 import assert_server_greedy_equals
 
+    v0 = assert_server_greedy_equals(env.server.generate_ids, env.model)
     resp = env.server.post("/update_weights_from_disk", {"model_path": env.local})
     assert resp.status_code == 200, resp.text
     # Round-robin load balancing: asking each prompt twice reaches both groups.
-    check_server_greedy(env.server.generate_ids, env.local)
-    check_server_greedy(env.server.generate_ids, env.local)
+    v2 = assert_server_greedy_equals(env.server.generate_ids, env.local)
+    assert assert_server_greedy_equals(env.server.generate_ids, env.local) == v2
+    assert any(v2[p] != v0[p] for p in v2), "v2 generates exactly what v0 did"
 
 
 def test_a_failure_is_merged_from_both_groups(env):

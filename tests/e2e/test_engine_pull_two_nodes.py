@@ -18,6 +18,8 @@ import subprocess
 
 import pytest
 
+from testbed.tiny_qwen3 import SERVER_COMPUTE_ARGS
+
 pytestmark = pytest.mark.slow
 
 
@@ -53,6 +55,7 @@ def env(tmp_path_factory, tiny_model_dir, server_factory):
         nnodes=2,
         dist_init_addr=dist_init_addr,
         extra_args=[
+            *SERVER_COMPUTE_ARGS,  # fp32 compute: greedy ids equal transformers' exactly
             "--pull-weights-allowed-roots", str(root),
             "--custom-pull-weights-pre-read-hook", "testbed.hooks.record_pre_read",
         ],
@@ -141,8 +144,9 @@ def test_a_failure_on_node1_alone_fails_the_reply(env):
 
 def test_once_node1_sees_the_version_the_pull_succeeds_and_serves_it(env):
     from testbed.feed import assert_checkpoint_equals
-    from testbed.tiny_qwen3 import check_server_greedy
+    from testbed.tiny_qwen3 import assert_server_greedy_equals
 
+    v0 = assert_server_greedy_equals(env.server.generate_ids, env.feed.model_dir)  # not reloaded yet
     sync_node1_view(env, 2)
     resp = pull(env, 2)
     body = resp.json()
@@ -154,4 +158,5 @@ def test_once_node1_sees_the_version_the_pull_succeeds_and_serves_it(env):
     # Each node reloads from its own local dir (same path, different directory).
     resp = env.server.post("/update_weights_from_disk", {"model_path": env.local})
     assert resp.status_code == 200, resp.text
-    check_server_greedy(env.server.generate_ids, env.node_local[0])
+    v2 = assert_server_greedy_equals(env.server.generate_ids, env.node_local[0])
+    assert any(v2[p] != v0[p] for p in v2), "v2 generates exactly what v0 did"
