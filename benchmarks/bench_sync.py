@@ -151,7 +151,9 @@ METER: CpuMeter | None = None
 
 
 def publish_prepared(pub: Publisher, prepared) -> str:
-    kind, _ = pub.choose_kind(prepared.version, prepared.delta_nbytes, prepared.full_nbytes)
+    kind, _ = pub.choose_kind(
+        prepared.version, prepared.delta_nbytes, prepared.full_nbytes, prepared.changed_elements, prepared.total_elements
+    )
     manifest = pub.write(prepared, kind)
     pub.commit(prepared.version, kind, [manifest])
     return kind

@@ -39,6 +39,7 @@ class DiskDeltaConfig:
     checksum: str = "xxh3-128"
     full_every: int = 0
     fallback_fraction: float = 0.5
+    full_above_changed_fraction: float = 0.5
     keep_versions: int | None = None
     post_write_path: str | None = None
     pause_mode: str = "retract"
@@ -76,6 +77,9 @@ def add_update_weight_arguments(parser: argparse.ArgumentParser) -> argparse.Arg
          help="Publish a full version every N versions (0: only when a delta would be too large).")
     _add(g, parser, "--update-weight-fallback-fraction", type=float, default=0.5,
          help="Publish a full version when the delta exceeds this fraction of a full one.")
+    _add(g, parser, "--update-weight-full-above-changed-fraction", type=float, default=0.5,
+         help="Publish a full version when more than this fraction of the elements changed "
+              "(a dense step is cheaper to copy than to apply).")
     _add(g, parser, "--update-weight-keep-versions", type=int, default=None,
          help="After each publish, prune versions older than the newest full version except the newest N "
               "(default: never prune).")
@@ -168,6 +172,10 @@ def validate_update_weight_args(args: argparse.Namespace) -> DiskDeltaConfig | N
     if not 0.0 <= fallback <= 1.0:
         raise UpdateWeightArgsError(
             f"--update-weight-fallback-fraction must be in [0, 1], got {fallback}.")
+    dense = float(g("update_weight_full_above_changed_fraction", 0.5))
+    if not 0.0 <= dense <= 1.0:
+        raise UpdateWeightArgsError(
+            f"--update-weight-full-above-changed-fraction must be in [0, 1], got {dense}.")
     keep = g("update_weight_keep_versions")
     if keep is not None and int(keep) < 0:
         raise UpdateWeightArgsError(
@@ -186,6 +194,7 @@ def validate_update_weight_args(args: argparse.Namespace) -> DiskDeltaConfig | N
         checksum=g("update_weight_delta_checksum", "xxh3-128"),
         full_every=full_every,
         fallback_fraction=fallback,
+        full_above_changed_fraction=dense,
         keep_versions=None if keep is None else int(keep),
         post_write_path=post,
         pause_mode=g("update_weight_pause_mode", "retract"),

@@ -234,7 +234,8 @@ class DiskDeltaWeightUpdater:
                 self.source_dir, encoding=config.encoding, checksum=config.checksum,
                 rank=self.plan.source_rank, world_size=self.plan.num_sources,
                 template_dir=config.hf_checkpoint, full_every=config.full_every,
-                fallback_fraction=config.fallback_fraction, keep_versions=config.keep_versions,
+                fallback_fraction=config.fallback_fraction,
+                full_above_changed_fraction=config.full_above_changed_fraction, keep_versions=config.keep_versions,
             )
         self.engine_sync: EngineSync | None = None
         self.version = 0
@@ -308,7 +309,7 @@ class DiskDeltaWeightUpdater:
         m.full_nbytes = totals[1]
         # Same totals everywhere -> the same choice on every source rank.
         if self.publisher is not None:
-            m.kind, m.reason = self.publisher.choose_kind(version, totals[0], totals[1])
+            m.kind, m.reason = self.publisher.choose_kind(version, totals[0], totals[1], totals[3], totals[4])
 
         error, manifest = None, None
         try:

@@ -108,7 +108,8 @@ def cmd_publish(args) -> int:
 
     pub = Publisher(
         args.source_dir, encoding=args.encoding, checksum=args.checksum, template_dir=args.template_dir or args.checkpoint,
-        fallback_fraction=args.fallback_fraction, keep_versions=args.keep,
+        fallback_fraction=args.fallback_fraction, full_above_changed_fraction=args.full_above_changed_fraction,
+        keep_versions=args.keep,
     )
     try:
         new = read_checkpoint_tensors(args.checkpoint)
@@ -213,7 +214,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--encoding", default=None, choices=supported_encodings())
     s.add_argument("--checksum", default=DEFAULT_CHECKSUM, choices=supported_checksums())
     s.add_argument("--template-dir", help="dir whose config/tokenizer files a full version carries")
-    s.add_argument("--fallback-fraction", type=float, default=None)
+    s.add_argument("--fallback-fraction", type=float, default=None, help="full version when delta bytes > F x full")
+    s.add_argument("--full-above-changed-fraction", type=float, default=None, help="full version when > F of elements changed")
     s.add_argument("--keep", type=int, default=None, help="prune older versions, keeping this many")
     s.set_defaults(func=cmd_publish)
 

@@ -35,6 +35,9 @@ MAX_INDEX_NBYTES = Knob("WEIGHTSYNC_MAX_INDEX_NBYTES", 64 << 20, "largest index 
 FULL_SHARD_NBYTES = Knob("WEIGHTSYNC_FULL_SHARD_NBYTES", 4 << 30, "bytes per shard of a full version")
 DELTA_SHARD_NBYTES = Knob("WEIGHTSYNC_DELTA_SHARD_NBYTES", 2 << 30, "payload bytes per shard of a delta version")
 ZSTD_LEVEL = Knob("WEIGHTSYNC_ZSTD_LEVEL", 1, "zstd level of delta payloads")
+FULL_ABOVE_CHANGED_FRACTION = Knob(
+    "WEIGHTSYNC_FULL_ABOVE_CHANGED_FRACTION", 0.5, "publish a full version when more than this fraction of elements changed"
+)
 FALLBACK_FRACTION = Knob("WEIGHTSYNC_FALLBACK_FRACTION", 0.5, "publish a full version when delta > this x full")
 
 

@@ -154,6 +154,8 @@ class Publisher:
         full_every: publish a full version every N versions (0: never by schedule).
         fallback_fraction: publish a full version when the delta would exceed this fraction
             of the full size.
+        full_above_changed_fraction: publish a full version when more than this fraction of
+            the elements changed (a dense step: cheaper to copy than to apply).
         keep_versions: after each commit, prune versions no pull can need, keeping this many
             newest (None: never prune).
         post_write_hook: callable or import path, called ``hook(version_dir)`` after a commit.
@@ -172,6 +174,7 @@ class Publisher:
         template_dir: str | None = None,
         full_every: int = 0,
         fallback_fraction: float | None = None,
+        full_above_changed_fraction: float | None = None,
         keep_versions: int | None = None,
         post_write_hook: "str | Callable | None" = None,
         atomic_rename: bool = True,
@@ -191,6 +194,9 @@ class Publisher:
         self.template_dir = template_dir
         self.full_every = int(full_every)
         self.fallback_fraction = float(knobs.FALLBACK_FRACTION.get() if fallback_fraction is None else fallback_fraction)
+        self.full_above_changed_fraction = float(
+            knobs.FULL_ABOVE_CHANGED_FRACTION.get() if full_above_changed_fraction is None else full_above_changed_fraction
+        )
         self.keep_versions = keep_versions
         self.post_write_hook = _load_hook(post_write_hook)
         self.atomic_rename = atomic_rename
@@ -257,7 +263,9 @@ class Publisher:
             return result
         prepared = self.prepare(version, tensors)
         if full is None:
-            kind, reason = self.choose_kind(version, prepared.delta_nbytes, prepared.full_nbytes)
+            kind, reason = self.choose_kind(
+                version, prepared.delta_nbytes, prepared.full_nbytes, prepared.changed_elements, prepared.total_elements
+            )
         else:
             kind, reason = ("full", "requested by the caller") if full else ("delta", "requested by the caller")
         t0 = time.perf_counter()
@@ -388,8 +396,21 @@ class Publisher:
                 plan[name] = [(a, b) for a, b in zip(bounds, bounds[1:]) if b > a]
         return plan
 
-    def choose_kind(self, version: int, delta_nbytes: int, full_nbytes: int) -> tuple[Kind, str]:
-        """Delta or full, with the reason; pass totals over all ranks so every rank agrees."""
+    def choose_kind(
+        self,
+        version: int,
+        delta_nbytes: int,
+        full_nbytes: int,
+        changed_elements: int | None = None,
+        total_elements: int | None = None,
+    ) -> tuple[Kind, str]:
+        """Delta or full, with the reason; pass totals over all ranks so every rank agrees.
+
+        A full version wins on schedule (``full_every``), when the delta's bytes exceed
+        ``fallback_fraction`` of the full size, or when more than ``full_above_changed_fraction``
+        of the elements changed: past that, applying the delta costs a puller more than copying
+        a full version, and the chain behind it no longer saves anything.
+        """
         if self.full_every > 0 and version % self.full_every == 0:
             return "full", f"every {self.full_every} versions"
         if full_nbytes and delta_nbytes > self.fallback_fraction * full_nbytes:
@@ -397,6 +418,13 @@ class Publisher:
                 f"delta would be {delta_nbytes / full_nbytes:.0%} of the full size "
                 f"(threshold {self.fallback_fraction:.0%})"
             )
+        if changed_elements is not None and total_elements:
+            changed = changed_elements / total_elements
+            if changed > self.full_above_changed_fraction:
+                return "full", (
+                    f"{changed:.0%} of the elements changed "
+                    f"(threshold {self.full_above_changed_fraction:.0%}); a full version is cheaper to pull"
+                )
         return "delta", f"delta is {delta_nbytes / max(full_nbytes, 1):.2%} of the full size"
 
     def write(self, prepared: PreparedVersion, kind: Kind) -> ShardManifest:

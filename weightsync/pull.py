@@ -12,7 +12,6 @@ never points at bytes that were not verified and flushed to disk.
 
 from __future__ import annotations
 
-import gc
 import importlib
 import logging
 import os
@@ -288,8 +287,9 @@ def _execute(
         )
         return result, pending
     finally:
+        # Dropping the loaded deltas frees the payload views, so the shard mmaps can close;
+        # on an error path a traceback may still hold some, and close_all leaves those to the GC.
         loaded = []
-        gc.collect()
         close_all(keep)
 
 
