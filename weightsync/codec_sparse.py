@@ -228,6 +228,14 @@ class SparseCodec:
 
     # --- check ----------------------------------------------------------------------------
 
+    def check_structure(self, payload, tensor):
+        """Everything but the fit to the local tensor: at load, before any seed or write."""
+        mv = memoryview(payload).cast("B")
+        if mv.nbytes < HEADER.size:
+            raise PayloadBoundError(tensor, f"sparse-v1 payload of {mv.nbytes} bytes is shorter than its {HEADER.size}-byte header")
+        _, _, width, _, _, n, _, _ = HEADER.unpack_from(mv, 0)
+        parse(payload, n * width, tensor, check_frames=True)
+
     def check(self, payload, nbytes, itemsize, tensor):
         parse(payload, nbytes, tensor, check_frames=True)
 

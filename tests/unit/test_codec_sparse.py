@@ -445,3 +445,35 @@ def test_a_large_tensor_encoded_in_parts_gives_the_one_piece_payload(split_every
         assert (prepared[name].changed_bytes, prepared[name].changed_elements) == (one.changed_bytes, one.changed_elements)
         assert prepared[name].digest == xxhash.xxh3_128(new).hexdigest()
     assert prepared["same"].payload is None
+
+
+def test_broken_sparse_payload_is_refused_at_load_before_any_seed(tmp_path):
+    """A structurally broken sparse-v1 payload fails while loading the chain: a seed+chain plan
+    leaves the local checkpoint as it was (FORMAT.md Pulling step 4 comes before step 5)."""
+    import os
+
+    from weightsync import Publisher, errors, pull
+    from weightsync.layout import version_dir
+    from weightsync.safetensors_io import read_header
+
+    from core_support import write_hf_checkpoint
+
+    rng = np.random.default_rng(7)
+    seed, source, local = (str(tmp_path / n) for n in ("seed", "src", "local"))
+    t0 = {"w": rng.standard_normal(4096).astype(np.float32)}
+    write_hf_checkpoint(seed, t0)
+    pub = Publisher(source, encoding="sparse-v1")
+    pub.seed_snapshot(t0)
+    t1 = {"w": t0["w"] + np.float32(1e-3) * (rng.random(4096) < 0.1)}
+    pub.publish(1, t1, full=True)
+    t2 = {"w": t1["w"] + np.float32(1e-3) * (rng.random(4096) < 0.1)}
+    pub.publish(2, t2, full=False)
+    shard = os.path.join(version_dir(source, 2), "delta-r00000-00001.safetensors")
+    entry = read_header(shard).tensors["w"]
+    with open(shard, "r+b") as f:  # break the segment table: a count past the tensor
+        f.seek(entry.offset + 24)
+        f.write((2**31).to_bytes(4, "little"))
+    with pytest.raises(errors.PayloadBoundError, match=r"v2: tensor w"):
+        pull(local, seed, source, 2)
+    seeded = os.path.exists(local) and any(f.endswith(".safetensors") for f in os.listdir(local))
+    assert not seeded, "the seed ran before the broken payload was refused"
