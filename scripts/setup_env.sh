@@ -27,7 +27,7 @@ TORCH="torch==2.13.0"
 echo "[setup] torch (CPU build) and the core's dependencies"
 "${PIP[@]}" "$TORCH" numpy zstandard xxhash msgspec blake3 safetensors
 echo "[setup] test tools"
-"${PIP[@]}" "$TORCH" pytest pytest-timeout hypothesis requests matplotlib
+"${PIP[@]}" "$TORCH" pytest pytest-timeout hypothesis requests matplotlib mypy
 echo "[setup] sglang 0.5.23 (no deps) and what it imports on the serving path"
 "${PIP[@]}" --no-deps sglang==0.5.23
 "${PIP[@]}" "$TORCH" aiohttp fastapi 'uvicorn>=0.51' uvloop orjson pyzmq pydantic psutil \

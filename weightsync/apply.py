@@ -17,7 +17,7 @@ import mmap
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from typing import Callable, Iterable
+from typing import BinaryIO, Callable, Iterable, cast
 
 import msgspec
 import numpy as np
@@ -41,7 +41,7 @@ log = logging.getLogger(__name__)
 
 class DeltaTensor(msgspec.Struct):
     name: str
-    payload: object  # memoryview into the shard's read-only mmap
+    payload: memoryview  # into the shard's read-only mmap
     digest: str
 
 
@@ -65,7 +65,7 @@ class _Maps:
     """Open read/write mmaps of the local files; closed (and flushed) together."""
 
     def __init__(self) -> None:
-        self._open: dict[str, tuple[object, mmap.mmap]] = {}
+        self._open: dict[str, tuple[BinaryIO, mmap.mmap]] = {}
         self._lock = threading.Lock()
 
     def get(self, path: str) -> mmap.mmap:
@@ -140,7 +140,7 @@ def load_delta(index: VersionIndex, keep: list) -> LoadedDelta:
                 except PayloadBoundError as e:
                     e.args = (f"v{index.version}: {e.args[0]}",)
                     raise
-            tensors[name] = DeltaTensor(name, payload, want)
+            tensors[name] = DeltaTensor(name, payload, cast(str, want))  # well-formed: a str
             nbytes += entry.nbytes
     return LoadedDelta(index, tensors, nbytes)
 

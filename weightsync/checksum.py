@@ -14,7 +14,8 @@ from .errors import ChecksumUnavailableError, UnsupportedFormatError
 
 
 class Hasher(Protocol):
-    def update(self, data, /) -> None: ...
+    # blake3's update returns the hasher (for chaining), the others None; callers ignore it
+    def update(self, data, /) -> object: ...
     def hexdigest(self) -> str: ...
 
 

@@ -57,7 +57,7 @@ def _is_number(s: str) -> bool:
         return False
 
 
-def human_bytes(n: int | None) -> str:
+def human_bytes(n: float | None) -> str:
     if n is None:
         return ""
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):

@@ -23,7 +23,7 @@ Invariants:
 from __future__ import annotations
 
 import struct
-from typing import NamedTuple
+from typing import NamedTuple, cast
 
 import numpy as np
 
@@ -41,19 +41,19 @@ MAX_SEG_ELEMENTS = 1 << 30  # gaps < 2^30 fit 4 bytes; count x (gap + 1) cannot 
 SEG_ELEMENTS = 1 << 22  # what the encoder writes: 4 Mi elements (8 MiB of bf16)
 ENCODE_BATCH = 1 << 20  # elements compared per pass while encoding (keeps temporaries small)
 GAP_WIDTHS = (1, 2, 4)
-LE_UINT = {1: np.dtype("u1"), 2: np.dtype("<u2"), 4: np.dtype("<u4"), 8: np.dtype("<u8")}
+LE_UINT: dict[int, np.dtype] = {1: np.dtype("u1"), 2: np.dtype("<u2"), 4: np.dtype("<u4"), 8: np.dtype("<u8")}
 
 
 class Segment(NamedTuple):
     start: int  # first element
     length: int  # elements
-    count: int  # changed elements
+    nchanged: int  # changed elements (not ``count``: that is tuple.count)
     nbig: int  # changes whose |difference| > 1
     gap_width: int
-    gap_frames: list  # memoryviews, least significant plane first
-    sign_frame: object
-    big_frame: object
-    big_value_frames: list
+    gap_frames: list[memoryview]  # least significant plane first
+    sign_frame: memoryview | None
+    big_frame: memoryview | None
+    big_value_frames: list[memoryview]
 
 
 class Parsed(NamedTuple):
@@ -61,7 +61,7 @@ class Parsed(NamedTuple):
     transform: int
     nelements: int
     seg_elements: int
-    segments: list
+    segments: list[Segment]
 
 
 # --- the element map --------------------------------------------------------------------
@@ -270,7 +270,7 @@ def parse(payload, nbytes: int, tensor: str, *, check_frames: bool = True) -> Pa
     if HEADER.size + ENTRY_HEAD.size * nseg > total:
         raise PayloadBoundError(tensor, f"sparse-v1 segment table of {nseg} entries runs past the {total}-byte payload")
     pos = HEADER.size
-    table = []
+    table: list[tuple[int, int, int, int, int, tuple[int, ...]]] = []  # start, length, count, nbig, gw, sizes
     for s in range(nseg):
         if pos + ENTRY_HEAD.size > total:
             raise PayloadBoundError(tensor, f"sparse-v1 segment table truncated at segment {s}")
@@ -296,9 +296,9 @@ def parse(payload, nbytes: int, tensor: str, *, check_frames: bool = True) -> Pa
         sizes = struct.unpack_from(f"<{nframes}I", mv, pos)
         pos += 4 * nframes
         table.append((s * seg, length, count, nbig, gw, sizes))
-    segments = []
+    segments: list[Segment] = []
     for start, length, count, nbig, gw, sizes in table:
-        frames = []
+        frames: list[memoryview] = []
         contents = [count] * gw + [(count + 7) // 8] * 2 + [nbig] * (len(sizes) - gw - 2)
         for size, content in zip(sizes, contents):
             if pos + size > total:
@@ -330,8 +330,8 @@ class _Source:
     def __init__(self, frame, content: int, whole: bool, tensor: str, slot: int, scratch_key: str, batch_nbytes: int):
         self.tensor = tensor
         if whole:
-            self.data = np.frombuffer(decompress_exact(frame, content, tensor), np.uint8)
-            self.reader = None
+            self.data: np.ndarray | None = np.frombuffer(decompress_exact(frame, content, tensor), np.uint8)
+            self.reader: ExactReader | None = None
         else:
             self.data = None
             self.reader = ExactReader(frame, content, tensor, slot=slot)
@@ -340,17 +340,17 @@ class _Source:
 
     def take(self, k: int) -> np.ndarray:
         if self.reader is None:
-            out = self.data[self.done : self.done + k]
+            out = cast(np.ndarray, self.data)[self.done : self.done + k]  # whole: data is set
         else:
             out = self.buf[:k]
-            self.reader.readinto(memoryview(out))
+            self.reader.readinto(out.data)
         self.done += k
         return out
 
 
 def _apply_segment(rw: np.ndarray, seg: Segment, transform: int, tensor: str, batch: int) -> None:
     """Apply one segment's changes in batches; every batch is range-checked before it is written."""
-    count = seg.count
+    count = seg.nchanged
     if count == 0:
         return
     dt = rw.dtype

@@ -65,6 +65,22 @@ class Codec(Protocol):
         """Apply one payload to ``region`` (a writable uint8 view of the tensor's bytes)."""
 
 
+class SegmentedCodec(Codec, Protocol):
+    """A codec that can encode one tensor as independent segment ranges (on several workers)
+    and join the parts into the payload a whole encode would give (``sparse-v1``)."""
+
+    def segment_count(self, nbytes: int, itemsize: int) -> int:
+        """How many segments a tensor of ``nbytes`` splits into."""
+
+    def encode_part(
+        self, old: np.ndarray, new: np.ndarray, itemsize: int, level: int, tensor: str, seg_range: tuple[int, int] | None
+    ) -> tuple:
+        """Segments [a, b) of the tensor (all when None), in the form ``join`` takes."""
+
+    def join(self, parts: list, nbytes: int, itemsize: int) -> Encoded | None:
+        """One payload from the parts of a tensor, in segment order; None when nothing changed."""
+
+
 def count_changed(old: np.ndarray, new: np.ndarray, itemsize: int, xor: np.ndarray | None = None) -> tuple[int, int]:
     """(changed bytes, changed elements) between two equal-length uint8 arrays."""
     x = xor if xor is not None else np.bitwise_xor(old, new)
@@ -110,7 +126,7 @@ def apply_xor_chain(region: np.ndarray, payloads: list, tensor: str, chunk_nbyte
         view = region[pos : pos + k]
         chunk = buf[:k]
         for r in readers:
-            r.readinto(memoryview(chunk))
+            r.readinto(chunk.data)
             np.bitwise_xor(view, chunk, out=view)
         if hasher is not None:
             hasher.update(view)
@@ -167,11 +183,11 @@ class OverwriteCodec:
         pos_reader = ExactReader(payload, content, tensor)
         val_reader = ExactReader(payload, content, tensor, slot=1)
         head = np.empty(4, np.uint8)
-        pos_reader.readinto(memoryview(head))
+        pos_reader.readinto(head.data)
         if int(head.view("<u4")[0]) != count:
             raise PayloadBoundError(tensor, "overwrite count disagrees with payload size")
         step = max(1, chunk_nbytes // 4)
-        val_reader.skip(4 + 4 * count, memoryview(SCRATCH.get("skip", min(chunk_nbytes, 4 + 4 * count))))
+        val_reader.skip(4 + 4 * count, SCRATCH.get("skip", min(chunk_nbytes, 4 + 4 * count)).data)
         pbuf = SCRATCH.get("ow-pos", 4 * step).view("<u4")
         vbuf = SCRATCH.get("ow-val", step)
         last = -1
@@ -179,8 +195,8 @@ class OverwriteCodec:
         while done < count:
             k = min(step, count - done)
             p, v = pbuf[:k], vbuf[:k]
-            pos_reader.readinto(memoryview(p).cast("B"))
-            val_reader.readinto(memoryview(v))
+            pos_reader.readinto(p.data.cast("B"))
+            val_reader.readinto(v.data)
             _check_positions(p, last, nbytes, tensor)
             region[p] = v
             last = int(p[-1])

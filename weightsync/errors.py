@@ -16,7 +16,7 @@ answers). Messages say what happened, expected vs actual, and what to do.
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Iterable, Sequence
 
 __all__ = [
     "WeightSyncError",
@@ -156,7 +156,7 @@ class ChecksumMismatchError(CorruptArtifactError):
 
 
 class ShardMismatchError(CorruptArtifactError):
-    def __init__(self, shard: str, missing: Sequence[str], unexpected: Sequence[str]):
+    def __init__(self, shard: str, missing: Iterable[str], unexpected: Iterable[str]):
         self.shard = shard
         self.missing = sorted(missing)
         self.unexpected = sorted(unexpected)

@@ -84,12 +84,12 @@ def describe_version(source_dir: str, version: int, *, details: bool = False, de
         hdr = read_header(path)
         with open(path, "rb") as f:
             blob = f.read()
-        for name, e in sorted(hdr.tensors.items()):
-            payload = memoryview(blob)[e.offset : e.offset + e.nbytes]
+        for name, entry in sorted(hdr.tensors.items()):
+            payload = memoryview(blob)[entry.offset : entry.offset + entry.nbytes]
             _, content = frame_nbytes(payload, name) if index.delta_encoding in ("xor", "overwrite") else (0, None)
             tnb = content if index.delta_encoding == "xor" else None
             changed = _changed_bytes(index.delta_encoding or "", payload, content or 0, name) if density else None
-            s.tensor_details.append(TensorSummary(name, fname, e.nbytes, tnb, changed))
+            s.tensor_details.append(TensorSummary(name, fname, entry.nbytes, tnb, changed))
             if tnb is not None:
                 tensor_total += tnb
             if changed is not None:

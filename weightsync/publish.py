@@ -18,14 +18,14 @@ import os
 import shutil
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Callable, Literal, Mapping
+from typing import Callable, Literal, Mapping, cast
 
 import msgspec
 import numpy as np
 
 from . import knobs
 from .checksum import DEFAULT_CHECKSUM, new_hasher, supported_checksums
-from .codecs import get_codec
+from .codecs import SegmentedCodec, get_codec
 from .errors import PublishError, UnsupportedFormatError
 from .fsio import fsync_dir, write_bytes, write_file
 from .layout import (
@@ -78,7 +78,7 @@ class PreparedTensor(msgspec.Struct):
     name: str
     dtype: str
     shape: tuple[int, ...]
-    new: object  # uint8 view of the new bytes
+    new: np.ndarray  # uint8 view of the new bytes
     payload: bytes | None  # compressed delta; None when the tensor did not change
     digest: str
     changed_bytes: int
@@ -129,7 +129,7 @@ class PublishResult(msgspec.Struct):
 class _SnapEntry(msgspec.Struct):
     dtype: str
     shape: tuple[int, ...]
-    buf: object  # np.ndarray uint8, owned
+    buf: np.ndarray  # uint8, owned
 
 
 def _load_hook(hook: "str | Callable | None") -> Callable | None:
@@ -321,6 +321,8 @@ class Publisher:
         codec = get_codec(self.encoding)
         t0 = time.perf_counter()
         plan = self._split_plan(codec, jobs)
+        # _split_plan plans parts only for a codec that has them: used only when plan is non-empty
+        parted = cast(SegmentedCodec, codec)
 
         def encode_one(job) -> PreparedTensor:
             name, raw, new, snap = job
@@ -345,7 +347,7 @@ class Publisher:
             if seg_range is None:
                 return encode_one(job)
             name, raw, new, snap = job
-            return codec.encode_part(snap.buf, new, DTYPE_NBYTES[raw.dtype], self.level, name, seg_range)
+            return parted.encode_part(snap.buf, new, DTYPE_NBYTES[raw.dtype], self.level, name, seg_range)
 
         # largest first, so no big tensor starts last; large sparse-v1 tensors in several parts
         order = sorted(jobs, key=lambda j: -j[2].nbytes)
@@ -360,7 +362,7 @@ class Publisher:
                 parts.setdefault(job[0], []).append(r)
         for name, ps in parts.items():
             t = by_name[name]
-            enc = codec.join(ps, t.nbytes, DTYPE_NBYTES[t.dtype])
+            enc = parted.join(ps, t.nbytes, DTYPE_NBYTES[t.dtype])
             if enc is not None:
                 t.payload, t.changed_bytes, t.changed_elements = enc
         prepared = [by_name[j[0]] for j in jobs]

@@ -13,7 +13,7 @@ import json
 import math
 import os
 import struct
-from typing import Iterable, Iterator, Mapping
+from typing import Iterable, Iterator, Mapping, Sequence
 
 import msgspec
 
@@ -147,7 +147,7 @@ def as_byte_view(buf) -> memoryview:
 
 
 def iter_file_chunks(
-    entries: list[tuple[str, str, tuple[int, ...], object]], metadata: Mapping[str, str] | None
+    entries: Sequence[tuple[str, str, tuple[int, ...], object]], metadata: Mapping[str, str] | None
 ) -> Iterator[bytes | memoryview]:
     """Chunks of a safetensors file: header, then each entry's buffer in order."""
     views = [as_byte_view(buf) for _, _, _, buf in entries]

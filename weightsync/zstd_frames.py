@@ -68,7 +68,7 @@ class ThreadCodecs(threading.local):
     """
 
     def __init__(self) -> None:
-        self.level = None
+        self.level: int | None = None
         self.cctx: zstandard.ZstdCompressor | None = None
         self.dctx = zstandard.ZstdDecompressor()
         self.slots: list[zstandard.ZstdDecompressor] = [self.dctx]
