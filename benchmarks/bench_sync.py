@@ -123,9 +123,9 @@ def as_raw(tensors: dict[str, np.ndarray]) -> dict[str, RawTensor]:
 
 class CpuMeter:
     """Process CPU seconds (all threads) spent in a call, less the time spent in garbage
-    collections (pull() runs a full gc.collect() on its way out, whose cost depends on how
-    many objects the calling process holds, not on the pull). On a shared, loaded machine
-    CPU seconds are steadier than wall time; both are reported."""
+    collections (their cost depends on how many objects the calling process holds, here one
+    that imported torch, not on the work measured). On a shared, loaded machine CPU seconds
+    are steadier than wall time; both are reported."""
 
     def __init__(self) -> None:
         import gc
@@ -340,12 +340,15 @@ def run(args, N: int, steps, machine: str, work: str) -> str:
             row[f"{enc}_wire"] = prepared.delta_nbytes
             row["changed"] = prepared.changed_elements / prepared.total_elements
             row[f"{enc}_kind"] = publish_prepared(pub, prepared)
+            if row[f"{enc}_kind"] == "full":  # what actually crossed the wire
+                row[f"{enc}_wire"] = prepared.full_nbytes
             del prepared
         # pull one version: ours, then the baseline
         for enc in ENCODINGS:
             res, row[f"{enc}_pullcpu_s"], _ = METER.run(pull, locals_[enc], seed, os.path.join(work, f"src-{enc}"), i, workers=N)
             assert res.applied_version == i, res
-            row[f"{enc}_pull_s"] = res.apply_s + res.flush_s  # apply + verify + flush
+            # apply + verify + flush of a delta; the seed copy of a full version
+            row[f"{enc}_pull_s"] = res.seed_s + res.apply_s + res.flush_s
             row[f"{enc}_pullwall_s"] = res.seconds  # the whole pull() call (plan, lock, marker, clean-up)
             row[f"{enc}_pull_action"] = res.action
         _, row["base_pullcpu_s"], row["base_pull_s"] = METER.run(base.apply, base_local, [bfile], N)
@@ -441,7 +444,7 @@ def _report(args, machine, N, total, ntensors, rows, extra, n_cu, gpu_line) -> s
         "",
         "Throughputs in GB of checkpoint per second. pub/core: publish (diff + encode + compress + checksum",
         "from host memory) on one worker, per CPU-second; pubN: all workers, wall; pull: apply + verify + flush",
-        "of one version, wall; pull/cpu: the same per CPU-second (ours excluding pull()'s final gc.collect).",
+        "of one version, wall; pull/cpu: the same per CPU-second (garbage-collector pauses excluded).",
         "wire: delta payload bytes; H0: order-0 entropy of the change (per tensor). Each trio: base sparse-v1 xor.",
         "",
         "| step       | changed | base MB | sparse-v1 MB /base | xor/base | sp/H0 | pub/core b sp xor | pubN b sp xor     | pull b sp xor     | pull/cpu b sp xor | sp kind |",
@@ -473,7 +476,7 @@ def _report(args, machine, N, total, ntensors, rows, extra, n_cu, gpu_line) -> s
         f"{agg('sparse-v1_pull_s'):.2f}s, xor {agg('xor_pull_s'):.2f}s; whole pull() calls sparse-v1 "
         f"{agg('sparse-v1_pullwall_s'):.2f}s, xor {agg('xor_pullwall_s'):.2f}s (plan, lock, marker, clean-up included)",
         f"- a full version instead (seed copy of the checkpoint on pull): {extra['sparse-v1_reseed_s']:.2f}s; the dense "
-        f"step's delta applied in {', '.join('%.2fs' % r['sparse-v1_pull_s'] for r in dense)}",
+        f"step pulled ({dense_kinds}) in {', '.join('%.2fs' % r['sparse-v1_pull_s'] for r in dense)}",
     ]
     if gpu_line:
         lines.append(f"- {gpu_line}")
