@@ -137,7 +137,7 @@ class OverwriteCodec:
     name = "overwrite"
     # Payloads up to this size are decompressed in one piece; larger ones are streamed
     # through two readers (positions, then values) so memory stays bounded.
-    one_shot_nbytes = 32 << 20
+    one_shot_nbytes = 8 << 20  # x workers stays well inside the puller's memory budget
 
     def encode(self, old, new, itemsize, level, tensor):
         if new.nbytes > 0xFFFFFFFF:
