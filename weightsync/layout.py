@@ -15,7 +15,8 @@ Nobody else formats ``weight_v{N:06d}``. Layout of a source dir and a local chec
     ├── config.json, *.safetensors, ...
     └── .weight_sync/
         ├── lock                           per-host flock
-        └── state.json                     {"version": "000002"}: the applied-version marker
+        ├── state.json                     {"version": "000002"}: the applied-version marker
+        └── verified.json                  only while a deferred flush runs (advisory)
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ SINGLE_FILE_NAME = "model.safetensors"
 SYNC_DIR = ".weight_sync"
 LOCK_NAME = "lock"
 STATE_NAME = "state.json"
+VERIFIED_NAME = "verified.json"
 VERSION_DIR_RE = re.compile(r"^weight_v(\d{6,})$")
 
 
@@ -83,6 +85,11 @@ def lock_path(local_checkpoint_dir: str) -> str:
 
 def state_path(local_checkpoint_dir: str) -> str:
     return os.path.join(local_checkpoint_dir, SYNC_DIR, STATE_NAME)
+
+
+def verified_path(local_checkpoint_dir: str) -> str:
+    """Advisory note of a deferred pull: verified in the page cache, flush still running."""
+    return os.path.join(local_checkpoint_dir, SYNC_DIR, VERIFIED_NAME)
 
 
 def tmp_name(path: str) -> str:

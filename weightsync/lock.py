@@ -13,7 +13,7 @@ import fcntl
 import logging
 import os
 import time
-from typing import Iterator
+from typing import Callable, Iterator
 
 from . import knobs
 from .errors import LockTimeoutError
@@ -38,8 +38,14 @@ class HeldLock:
             self.fd = -1
 
 
-def acquire_host_lock(local_checkpoint_dir: str, timeout_s: float | None = None) -> HeldLock:
-    """Take the host's pull lock, waiting up to ``timeout_s`` (0: try once)."""
+def acquire_host_lock(
+    local_checkpoint_dir: str, timeout_s: float | None = None, give_up: Callable[[], bool] | None = None
+) -> HeldLock | None:
+    """Take the host's pull lock, waiting up to ``timeout_s`` (0: try once).
+
+    ``give_up`` is asked while waiting; when it answers True the wait ends and None is returned
+    (a co-located caller learning that the holder already did its work).
+    """
     timeout = float(knobs.LOCK_TIMEOUT_S.get() if timeout_s is None else timeout_s)
     os.makedirs(sync_dir(local_checkpoint_dir), exist_ok=True)
     path = lock_path(local_checkpoint_dir)
@@ -53,6 +59,9 @@ def acquire_host_lock(local_checkpoint_dir: str, timeout_s: float | None = None)
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 return HeldLock(fd, path, time.monotonic() - start)
             except BlockingIOError:
+                if give_up is not None and give_up():
+                    os.close(fd)
+                    return None
                 now = time.monotonic()
                 if now - start >= timeout:
                     raise LockTimeoutError(path, timeout) from None
@@ -69,6 +78,7 @@ def acquire_host_lock(local_checkpoint_dir: str, timeout_s: float | None = None)
 def host_lock(local_checkpoint_dir: str, timeout_s: float | None = None) -> Iterator[float]:
     """Hold the host's pull lock for a block; yields the seconds spent waiting for it."""
     held = acquire_host_lock(local_checkpoint_dir, timeout_s)
+    assert held is not None  # no give_up: the wait ends with the lock or an error
     try:
         yield held.waited_s
     finally:

@@ -13,6 +13,7 @@ never points at bytes that were not verified and flushed to disk.
 from __future__ import annotations
 
 import importlib
+import json
 import logging
 import os
 import threading
@@ -33,6 +34,8 @@ from .apply import (
     reference_table,
 )
 from .errors import CorruptArtifactError, InvalidRequestError, LocalStateError, LocalTensorMismatchError
+from .fsio import write_bytes
+from .layout import format_version, verified_path
 from .lock import HeldLock, acquire_host_lock
 from .manifest import read_version_index
 from .plan import PullPlan, plan_pull, read_applied_version
@@ -81,7 +84,47 @@ def wait_until_durable(local_checkpoint_dir: str, timeout_s: float | None = None
     return not t.is_alive()
 
 
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def verified_by_peer(local_checkpoint_dir: str, target_version: int, source_real: str) -> int | None:
+    """The pid of a live pull on this host that holds ``target_version`` verified in the page
+    cache and is flushing it (deferred durability), or None."""
+    try:
+        with open(verified_path(local_checkpoint_dir), "rb") as f:
+            obj = json.loads(f.read(1 << 12))
+    except (OSError, ValueError):
+        return None
+    if not isinstance(obj, dict):
+        return None
+    pid = obj.get("pid")
+    if obj.get("version") != format_version(target_version) or obj.get("source_dir") != source_real:
+        return None
+    if not isinstance(pid, int) or isinstance(pid, bool) or not _pid_alive(pid):
+        return None
+    return pid
+
+
+def _clear_verified(local: str) -> None:
+    try:
+        os.unlink(verified_path(local))
+    except FileNotFoundError:
+        pass
+
+
 def _finish_in_background(local: str, pending: _PendingFlush, held: HeldLock) -> None:
+    # Co-located callers waiting for the lock read this note and return at once: the bytes they
+    # would wait for are verified already. It goes before the lock is released, marker or not.
+    note = {"version": format_version(pending.version), "source_dir": pending.source_dir, "pid": os.getpid()}
+    write_bytes(verified_path(local), json.dumps(note).encode())
+
     def run() -> None:
         try:
             t = time.perf_counter()
@@ -92,7 +135,10 @@ def _finish_in_background(local: str, pending: _PendingFlush, held: HeldLock) ->
             # No marker: the next pull reseeds and replays rather than trusting these bytes.
             log.exception("deferred flush of %s failed; the next pull will reseed", local)
         finally:
-            held.release()
+            try:
+                _clear_verified(local)
+            finally:
+                held.release()
 
     key = os.path.realpath(local)
     thread = threading.Thread(target=run, name="weightsync-flush", daemon=False)
@@ -154,7 +200,9 @@ def pull(
             ``"deferred"`` returns once every tensor is applied and verified (in the page cache,
             so an engine may reload at once) and flushes in a background thread that writes the
             marker and releases the host lock afterwards. A crash before that leaves no marker:
-            the next pull reseeds. Later pulls on the host wait for the flush.
+            the next pull reseeds. Later pulls on the host wait for the flush, except those
+            for the same version, which return at once ("noop", ``durable=False``): while
+            the flush runs, ``.weight_sync/verified.json`` names the version and the live pid.
         progress: ``fn(tensors_done, tensors_total)``, called as tensors are applied.
 
     Returns:
@@ -180,9 +228,29 @@ def pull(
         # A first pull of a version that is not there yet must leave no trace (no dir, no lock).
         read_version_index(source_dir, target_version)
     os.makedirs(local_checkpoint_dir, exist_ok=True)
-    held = acquire_host_lock(local_checkpoint_dir, lock_timeout_s)
+    source_real = os.path.realpath(source_dir)
+    peer: list[int] = []
+
+    def done_by_peer() -> bool:
+        pid = verified_by_peer(local_checkpoint_dir, target_version, source_real) if target_version > 0 else None
+        if pid is not None:
+            peer.append(pid)
+        return pid is not None
+
+    held = acquire_host_lock(local_checkpoint_dir, lock_timeout_s, give_up=done_by_peer)
+    if held is None:
+        result = PullResult(
+            target_version, "noop",
+            f"no-op: v{target_version} is applied and verified by a co-located pull (pid {peer[0]}), "
+            "which is flushing it to disk",
+            durable=False,
+        )
+        result.seconds = time.perf_counter() - t0
+        log.info("pull v%d: %s", target_version, result.reason)
+        return result
     handed_off = False
     try:
+        _clear_verified(local_checkpoint_dir)  # a note left by a pull that died before its flush
         applied, _ = read_applied_version(local_checkpoint_dir, source_dir)
         if applied == target_version:
             result = PullResult(target_version, "noop", f"no-op: already at v{target_version}", lock_wait_s=held.waited_s)
@@ -299,4 +367,4 @@ def applied_version(local_checkpoint_dir: str) -> int | None:
     return v
 
 
-__all__ = ["pull", "PullResult", "applied_version", "wait_until_durable"]
+__all__ = ["pull", "PullResult", "applied_version", "wait_until_durable", "verified_by_peer"]
