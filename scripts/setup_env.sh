@@ -29,6 +29,8 @@ echo "[setup] torch (CPU build) and the core's dependencies"
 echo "[setup] test tools"
 "${PIP[@]}" "$TORCH" pytest pytest-timeout hypothesis requests matplotlib mypy
 echo "[setup] sglang 0.5.23 (no deps) and what it imports on the serving path"
+echo "[setup]   pip will list sglang's GPU requirements as 'not installed' and its torch pin as a conflict:"
+echo "[setup]   expected, they are skipped on purpose (see the comment at the top of this script)"
 "${PIP[@]}" --no-deps sglang==0.5.23
 "${PIP[@]}" "$TORCH" aiohttp fastapi 'uvicorn>=0.51' uvloop orjson pyzmq pydantic psutil \
   setproctitle transformers==5.19.0 tokenizers==0.23.2 pybase64 python-multipart \
