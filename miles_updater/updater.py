@@ -23,7 +23,6 @@ Invariant: a failure on any rank is raised on every rank (no rank is left in a c
 
 from __future__ import annotations
 
-import importlib
 import logging
 import os
 import time
@@ -34,6 +33,7 @@ from typing import Any, Callable, Sequence
 import torch.distributed as dist
 
 from weightsync import Publisher
+from weightsync.hooks import load_callable
 from weightsync.layout import version_dir
 
 from .args import DiskDeltaConfig
@@ -93,13 +93,7 @@ class SyncMetrics:
 
 
 def load_hook(path: str | Callable | None) -> Callable | None:
-    if path is None or callable(path):
-        return path
-    module, _, attr = path.rpartition(".")
-    try:
-        return getattr(importlib.import_module(module), attr)
-    except (ImportError, AttributeError) as e:
-        raise ValueError(f"--custom-update-weight-post-write-path {path!r} cannot be imported: {e}") from None
+    return load_callable(path, what="--custom-update-weight-post-write-path", error=ValueError)
 
 
 class EngineSync:

@@ -12,7 +12,6 @@ can be retried with the same inputs.
 
 from __future__ import annotations
 
-import importlib
 import logging
 import os
 import shutil
@@ -28,6 +27,7 @@ from .checksum import DEFAULT_CHECKSUM, new_hasher, supported_checksums
 from .codecs import SegmentedCodec, get_codec
 from .errors import PublishError, UnsupportedFormatError
 from .fsio import fsync_dir, write_bytes, write_file
+from .hooks import load_callable
 from .layout import (
     INDEX_NAME,
     delta_shard_name,
@@ -132,15 +132,6 @@ class _SnapEntry(msgspec.Struct):
     buf: np.ndarray  # uint8, owned
 
 
-def _load_hook(hook: "str | Callable | None") -> Callable | None:
-    if hook is None or callable(hook):
-        return hook
-    module, _, attr = hook.rpartition(".")
-    if not module:
-        raise PublishError(f"hook {hook!r} is not an import path like 'package.module.function'")
-    return getattr(importlib.import_module(module), attr)
-
-
 class Publisher:
     """Publishes versions into ``source_dir`` from the tensors one rank owns.
 
@@ -198,7 +189,7 @@ class Publisher:
             knobs.FULL_ABOVE_CHANGED_FRACTION.get() if full_above_changed_fraction is None else full_above_changed_fraction
         )
         self.keep_versions = keep_versions
-        self.post_write_hook = _load_hook(post_write_hook)
+        self.post_write_hook = load_callable(post_write_hook, what="post-write hook", error=PublishError)
         self.atomic_rename = atomic_rename
         self.workers = knobs.workers(knobs.PUBLISH_WORKERS, workers)
         self.level = int(knobs.ZSTD_LEVEL.get())

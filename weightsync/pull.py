@@ -12,7 +12,6 @@ never points at bytes that were not verified and flushed to disk.
 
 from __future__ import annotations
 
-import importlib
 import json
 import logging
 import os
@@ -35,6 +34,7 @@ from .apply import (
 )
 from .errors import CorruptArtifactError, InvalidRequestError, LocalStateError, LocalTensorMismatchError
 from .fsio import write_bytes
+from .hooks import load_callable
 from .layout import format_version, verified_path
 from .lock import HeldLock, acquire_host_lock
 from .manifest import read_version_index
@@ -148,15 +148,7 @@ def _finish_in_background(local: str, pending: _PendingFlush, held: HeldLock) ->
 
 
 def load_hook(hook: "str | Hook | None") -> Hook | None:
-    if hook is None or callable(hook):
-        return hook
-    module, _, attr = str(hook).rpartition(".")
-    if not module:
-        raise InvalidRequestError(f"pre-read hook {hook!r} is not an import path like 'package.module.function'")
-    try:
-        return getattr(importlib.import_module(module), attr)
-    except (ImportError, AttributeError) as e:
-        raise InvalidRequestError(f"pre-read hook {hook!r} cannot be imported: {e}") from None
+    return load_callable(hook, what="pre-read hook", error=InvalidRequestError)
 
 
 def _check_dirs(local_checkpoint_dir: str, seed_dir: str, source_dir: str) -> None:
