@@ -17,7 +17,7 @@ from typing import Protocol
 import numpy as np
 
 from .errors import OverwriteTooLargeError, PayloadBoundError, UnsupportedFormatError
-from .zstd_frames import ExactReader, check_frame, compress, decompress_exact
+from .zstd_frames import ExactReader, check_frame, compress, decompress_exact, frame_nbytes
 
 UINT_OF_WIDTH = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 
@@ -154,22 +154,21 @@ class OverwriteCodec:
         body[4 + 4 * positions.size :] = new[positions]
         return Encoded(compress(body, level), int(positions.size), changed_elements)
 
-    def check_structure(self, payload, tensor):
+    def check_structure(self, payload, tensor) -> int:
+        """The change count the payload declares, after proving its frame and size."""
         content = check_frame(payload, None, tensor)
         if content < 4 or (content - 4) % 5:
             raise PayloadBoundError(tensor, f"overwrite payload of {content} bytes is not 4 + 5 x count")
+        return (content - 4) // 5
 
     def check(self, payload, nbytes, itemsize, tensor):
-        content = check_frame(payload, None, tensor)
-        if content < 4 or (content - 4) % 5:
-            raise PayloadBoundError(tensor, f"overwrite payload of {content} bytes is not 4 + 5 x count")
-        count = (content - 4) // 5
+        count = self.check_structure(payload, tensor)
         if count > nbytes:
             raise PayloadBoundError(tensor, f"overwrite of {count} positions into a {nbytes}-byte tensor")
 
     def apply(self, region, payload, itemsize, tensor, chunk_nbytes):
         nbytes = region.nbytes
-        _, content = _frame_content(payload, tensor)
+        _, content = frame_nbytes(payload, tensor)
         count = (content - 4) // 5
         if content <= self.one_shot_nbytes:
             body = np.frombuffer(decompress_exact(payload, content, tensor), np.uint8)
@@ -201,12 +200,6 @@ class OverwriteCodec:
             region[p] = v
             last = int(p[-1])
             done += k
-
-
-def _frame_content(payload, tensor):
-    from .zstd_frames import frame_nbytes
-
-    return frame_nbytes(payload, tensor)
 
 
 def _check_positions(positions: np.ndarray, previous: int, nbytes: int, tensor: str) -> None:
