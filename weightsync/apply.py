@@ -164,28 +164,32 @@ def local_table(local_checkpoint_dir: str) -> dict[str, tuple[str, TensorEntry]]
 def check_against_local(
     deltas: Iterable[LoadedDelta],
     table: dict[str, tuple[str, TensorEntry]],
-    reference: dict[str, tuple[str, TensorEntry]],
+    seed_dir: str,
 ) -> None:
     """Every changed tensor exists locally and its payload fits the local byte length.
 
-    ``reference`` is the seed dir's tensor table: dtype and shape never change between
-    versions, so when the local length differs from the model's the local file is what is
-    wrong (reseed), and when it matches, a payload that does not fit is a bad artifact.
+    When a payload does not fit, the seed dir's headers decide who is wrong: dtype and shape
+    never change between versions, so a local length that differs from the model's is local
+    damage (reseed), and a payload that does not fit the model's length is a bad artifact.
+    They are read only then, so a healthy pull reads no seed-dir header.
     """
+    reference: dict[str, tuple[str, TensorEntry]] | None = None
     for d in deltas:
         codec = get_codec(d.index.delta_encoding or "")
         for name, t in d.tensors.items():
             if name not in table:
                 raise LocalTensorMismatchError(name, f"v{d.index.version} changes it, but the local checkpoint has no such tensor")
             entry = table[name][1]
-            ref = reference.get(name)
-            if ref is not None and ref[1].nbytes != entry.nbytes:
-                raise LocalTensorMismatchError(
-                    name, f"the local tensor holds {entry.nbytes} bytes, the engine's own model {ref[1].nbytes}"
-                )
             try:
                 codec.check(t.payload, entry.nbytes, DTYPE_NBYTES[entry.dtype], name)
             except PayloadBoundError as e:
+                if reference is None:
+                    reference = reference_table(seed_dir)
+                ref = reference.get(name)
+                if ref is not None and ref[1].nbytes != entry.nbytes:
+                    raise LocalTensorMismatchError(
+                        name, f"the local tensor holds {entry.nbytes} bytes, the engine's own model {ref[1].nbytes}"
+                    ) from None
                 e.args = (f"v{d.index.version}: {e.args[0]}",)
                 raise
 

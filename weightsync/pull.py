@@ -30,7 +30,6 @@ from .apply import (
     fsync_files,
     load_delta,
     local_table,
-    reference_table,
 )
 from .errors import CorruptArtifactError, InvalidRequestError, LocalStateError, LocalTensorMismatchError
 from .fsio import write_bytes
@@ -330,7 +329,7 @@ def _execute(
         if loaded:
             t = time.perf_counter()
             table = local_table(local)
-            check_against_local(loaded, table, reference_table(seed_dir))
+            check_against_local(loaded, table, seed_dir)
             invalidate_marker(local)
             paths = apply_chain(local, loaded, table, workers=workers, chunk_nbytes=chunk, strict=strict, flush=False, progress=progress)
             apply_s = time.perf_counter() - t
