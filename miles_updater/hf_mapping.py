@@ -117,6 +117,9 @@ def _split_gate_up(shards: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tens
     return _cat(list(gates), 0), _cat(list(ups), 0)
 
 
+_QKV = ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias")
+
+
 def to_hf(
     name: str,
     shards: list[torch.Tensor],
@@ -143,43 +146,24 @@ def to_hf(
     Raises:
         MappingError: the name is not one this mapping knows.
     """
-    if name in _GLOBAL_RENAMES:
-        hf = _GLOBAL_RENAMES[name]
-        if name == "output_layer.weight" and tied_embeddings:
-            hf = "model.embed_tokens.weight"
-        return [(hf, _cat(shards, partition_dim) if partition_dim is not None else shards[0])]
+    names = to_hf_names(name, att, global_layer=global_layer, global_expert=global_expert,
+                        tied_embeddings=tied_embeddings)
+    rest = _layer_rest(name)
+    if rest in _QKV:
+        parts: tuple[torch.Tensor, ...] = _split_qkv(shards, att)
+    elif len(names) == 2:  # linear_fc1 of a dense MLP, a shared expert or an expert: [gate; up]
+        parts = _split_gate_up(shards)
+    elif any(rx.match(rest) for rx in (_LOCAL_EXPERT_RE, _GROUPED_EXPERT_RE)):  # expert linear_fc2
+        parts = (_cat(shards, 1),)
+    else:
+        parts = (_cat(shards, partition_dim) if partition_dim is not None else shards[0],)
+    return list(zip(names, parts))
+
+
+def _layer_rest(name: str) -> str:
+    """The part of a layer parameter's name after ``decoder.layers.N.`` ('' for others)."""
     m = _LAYER_RE.match(name)
-    if not m:
-        raise MappingError(f"no HF name for Megatron parameter {name!r}")
-    layer = int(m.group(1)) if global_layer is None else global_layer
-    rest = m.group(2)
-    pre = f"model.layers.{layer}."
-    if rest in _LAYER_RENAMES:
-        joined = _cat(shards, partition_dim) if partition_dim is not None else shards[0]
-        return [(pre + _LAYER_RENAMES[rest], joined)]
-    if rest in ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias"):
-        kind = rest.rsplit(".", 1)[1]
-        q, k, v = _split_qkv(shards, att)
-        return [(pre + f"self_attn.{p}_proj.{kind}", t) for p, t in (("q", q), ("k", k), ("v", v))]
-    if rest == "mlp.linear_fc1.weight":
-        gate, up = _split_gate_up(shards)
-        return [(pre + "mlp.gate_proj.weight", gate), (pre + "mlp.up_proj.weight", up)]
-    if rest == "mlp.shared_experts.linear_fc1.weight":
-        gate, up = _split_gate_up(shards)
-        return [(pre + "mlp.shared_expert.gate_proj.weight", gate),
-                (pre + "mlp.shared_expert.up_proj.weight", up)]
-    for rx, which_group in ((_LOCAL_EXPERT_RE, 2), (_GROUPED_EXPERT_RE, 1)):
-        e = rx.match(rest)
-        if e:
-            fc = e.group(which_group)
-            local = int(e.group(3 - which_group))
-            expert = local if global_expert is None else global_expert
-            ep = pre + f"mlp.experts.{expert}."
-            if fc == "linear_fc1":
-                gate, up = _split_gate_up(shards)
-                return [(ep + "gate_proj.weight", gate), (ep + "up_proj.weight", up)]
-            return [(ep + "down_proj.weight", _cat(shards, 1))]
-    raise MappingError(f"no HF name for Megatron parameter {name!r} (layer part {rest!r})")
+    return m.group(2) if m else ""
 
 
 def from_hf(
@@ -200,9 +184,7 @@ def from_hf(
     outs = to_hf_names(name, att, global_layer=global_layer, global_expert=global_expert,
                        tied_embeddings=tied_embeddings)
     tensors = [hf[n] for n in outs]
-    m = _LAYER_RE.match(name)
-    rest = m.group(2) if m else ""
-    if rest.startswith("self_attention.linear_qkv.") and rest != "self_attention.linear_qkv.layer_norm_weight":
+    if _layer_rest(name) in _QKV:
         q, k, v = tensors
         tail = tuple(q.shape[1:])
         g = att.num_query_groups
@@ -236,7 +218,7 @@ def to_hf_names(
     pre = f"model.layers.{layer}."
     if rest in _LAYER_RENAMES:
         return [pre + _LAYER_RENAMES[rest]]
-    if rest in ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias"):
+    if rest in _QKV:
         kind = rest.rsplit(".", 1)[1]
         return [pre + f"self_attn.{p}_proj.{kind}" for p in "qkv"]
     if rest == "mlp.linear_fc1.weight":
