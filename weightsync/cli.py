@@ -40,7 +40,7 @@ EXIT_CODES = [
 def format_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
     cells = [[str(h) for h in headers]] + [["" if c is None else str(c) for c in r] for r in rows]
     widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
-    right = [all(_is_number(row[i]) for row in cells[1:] if row[i]) and rows for i in range(len(headers))]
+    right = [bool(rows) and all(_is_number(row[i]) for row in cells[1:] if row[i]) for i in range(len(headers))]
     lines = []
     for k, row in enumerate(cells):
         lines.append("  ".join(c.rjust(w) if right[i] else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths))).rstrip())

@@ -39,6 +39,12 @@ class PullPlan(msgspec.Struct, frozen=True):
         return "chain" if self.deltas else "noop"
 
 
+def check_target_version(target_version: object) -> int:
+    if isinstance(target_version, bool) or not isinstance(target_version, int) or target_version < 0:
+        raise InvalidRequestError(f"target_version must be an integer >= 0, got {target_version!r}")
+    return target_version
+
+
 def read_applied_version(local_checkpoint_dir: str, source_dir: str | None = None) -> tuple[int | None, str]:
     """(applied version or None, why). A marker from another source dir counts as unknown."""
     state = read_applied_state(state_path(local_checkpoint_dir))
@@ -59,8 +65,7 @@ def plan_pull(
     local_checkpoint_dir: str, seed_dir: str, source_dir: str, target_version: int, *, force_reseed: bool = False
 ) -> tuple[PullPlan, dict[int, VersionIndex]]:
     """The plan and the indexes it read (the executor reuses them)."""
-    if isinstance(target_version, bool) or not isinstance(target_version, int) or target_version < 0:
-        raise InvalidRequestError(f"target_version must be an integer >= 0, got {target_version!r}")
+    check_target_version(target_version)
     applied, why = read_applied_version(local_checkpoint_dir, source_dir)
     if force_reseed:
         applied, why = None, "reseeding after a failed apply"

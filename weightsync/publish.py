@@ -217,17 +217,10 @@ class Publisher:
 
     def seed_snapshot_from_checkpoint(self, checkpoint_dir: str, names: "set[str] | None" = None, version: int = 0) -> None:
         """Seed from an HF checkpoint's safetensors files (optionally only ``names``)."""
-        files = checkpoint_weight_files(checkpoint_dir)
-        table = local_tensor_table(checkpoint_dir, files)
-        missing = (names or set()) - set(table)
+        tensors = read_checkpoint_tensors(checkpoint_dir, names)
+        missing = (names or set()) - set(tensors)
         if missing:
             raise PublishError(f"{checkpoint_dir} lacks tensors {sorted(missing)[:5]}")
-        tensors = {}
-        for name, (path, entry) in table.items():
-            if names is not None and name not in names:
-                continue
-            data = np.fromfile(path, dtype=np.uint8, count=entry.nbytes, offset=entry.offset)
-            tensors[name] = RawTensor(entry.dtype, entry.shape, data)
         self.seed_snapshot(tensors, version)
 
     def snapshot_nbytes(self) -> int:
@@ -524,12 +517,13 @@ def _group_by_size(items, size_of, limit: int) -> list[list]:
     return groups
 
 
-def read_checkpoint_tensors(checkpoint_dir: str) -> dict[str, RawTensor]:
-    """Every tensor of an HF checkpoint as RawTensor (reads the bytes)."""
+def read_checkpoint_tensors(checkpoint_dir: str, names: "set[str] | None" = None) -> dict[str, RawTensor]:
+    """The tensors of an HF checkpoint (all, or those in ``names``) as RawTensor (reads the bytes)."""
     table = local_tensor_table(checkpoint_dir, checkpoint_weight_files(checkpoint_dir))
     return {
         name: RawTensor(e.dtype, e.shape, np.fromfile(p, dtype=np.uint8, count=e.nbytes, offset=e.offset))
         for name, (p, e) in table.items()
+        if names is None or name in names
     }
 
 

@@ -37,7 +37,7 @@ from .hooks import load_callable
 from .layout import format_version, verified_path
 from .lock import HeldLock, acquire_host_lock
 from .manifest import read_version_index
-from .plan import PullPlan, plan_pull, read_applied_version
+from .plan import PullPlan, check_target_version, plan_pull, read_applied_version
 from .seed import invalidate_marker, seed_local_checkpoint, write_marker
 
 log = logging.getLogger(__name__)
@@ -120,7 +120,8 @@ def _clear_verified(local: str) -> None:
 
 def _finish_in_background(local: str, pending: _PendingFlush, held: HeldLock) -> None:
     # Co-located callers waiting for the lock read this note and return at once: the bytes they
-    # would wait for are verified already. It goes before the lock is released, marker or not.
+    # would wait for are verified already. The note is removed before the lock is released,
+    # whether the marker could be written or not.
     note = {"version": format_version(pending.version), "source_dir": pending.source_dir, "pid": os.getpid()}
     write_bytes(verified_path(local), json.dumps(note).encode())
 
@@ -208,8 +209,7 @@ def pull(
     """
     t0 = time.perf_counter()
     _check_dirs(local_checkpoint_dir, seed_dir, source_dir)
-    if isinstance(target_version, bool) or not isinstance(target_version, int) or target_version < 0:
-        raise InvalidRequestError(f"target_version must be an integer >= 0, got {target_version!r}")
+    check_target_version(target_version)
     hook = load_hook(pre_read_hook)
     n_workers = knobs.workers(knobs.APPLY_WORKERS, workers)
     chunk = int(knobs.CHUNK_NBYTES.get())
