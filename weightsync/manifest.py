@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from typing import Literal
 
 import msgspec
@@ -48,13 +49,17 @@ class VersionIndex(msgspec.Struct, frozen=True):
         return out
 
 
+_INTEGER_STRING = re.compile(r"\+?[0-9]+")
+
+
 def parse_version_number(value: object, field: str, path: str) -> int:
     if isinstance(value, bool):
         raise MalformedHeaderError(path, f"metadata {field} must be an integer string, got {value!r}")
     if isinstance(value, int):
         v = value
-    elif isinstance(value, str) and value.strip().lstrip("+").isascii() and value.strip().lstrip("+").isdigit():
-        # ASCII only: str.isdigit() is also true of '³', which int() then refuses.
+    elif isinstance(value, str) and _INTEGER_STRING.fullmatch(value.strip()):
+        # ASCII digits after at most one '+': str.isdigit() is also true of '³', and int()
+        # refuses '++5' and reads '1_000' as 1000.
         v = int(value)
     else:
         raise MalformedHeaderError(path, f"metadata {field} must be an integer string, got {value!r}")

@@ -114,11 +114,20 @@ def parse_header(path: str, raw: bytes, file_nbytes: int, *, check_dtype_sizes: 
                 )
         tensors[name] = TensorEntry(name, dtype, tuple(shape), data_offset + begin, nbytes)
         spans.append((begin, end, name))
-    spans.sort()
-    for (b0, e0, n0), (b1, e1, n1) in zip(spans, spans[1:]):
-        if b1 < e0 and e1 > b1 and e0 > b0:
-            raise MalformedHeaderError(path, f"tensors {n0!r} and {n1!r} overlap")
+    _check_no_overlap(path, spans)
     return SafetensorsHeader(path, n, data_offset, file_nbytes, tensors, dict(metadata))
+
+
+def _check_no_overlap(path: str, spans: list[tuple[int, int, str]]) -> None:
+    """No two non-empty tensors share a byte. Each span is compared with the furthest end seen
+    so far, not only with its neighbour: an empty tensor sorted between two overlapping ones
+    would otherwise hide the overlap."""
+    reach, reach_name = 0, ""
+    for begin, end, name in sorted(s for s in spans if s[1] > s[0]):
+        if begin < reach:
+            raise MalformedHeaderError(path, f"tensors {reach_name!r} and {name!r} overlap")
+        if end > reach:
+            reach, reach_name = end, name
 
 
 def build_header(entries: Iterable[tuple[str, str, tuple[int, ...], int]], metadata: Mapping[str, str] | None) -> tuple[bytes, list[int]]:

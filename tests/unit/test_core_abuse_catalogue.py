@@ -282,6 +282,10 @@ def test_index_over_64_mib_is_refused_before_parsing(world):
         ("version", True, errors.MalformedHeaderError, r"metadata version must be an integer string"),
         ("version", None, errors.MalformedHeaderError, r"metadata version must be an integer string, got None"),
         ("version", "\u00b3", errors.MalformedHeaderError, r"metadata version must be an integer string"),
+        ("version", "++3", errors.MalformedHeaderError, r"metadata version must be an integer string, got '\+\+3'"),
+        ("version", "+-3", errors.MalformedHeaderError, r"metadata version must be an integer string"),
+        ("version", "0_3", errors.MalformedHeaderError, r"metadata version must be an integer string"),
+        ("base_version", "++2", errors.MalformedHeaderError, r"metadata base_version must be an integer string"),
         ("base_version", "x", errors.MalformedHeaderError, r"metadata base_version must be an integer string"),
         ("version", "000004", errors.CorruptArtifactError, r"declares version 4 but lives in the dir of version 3"),
         ("base_version", "000001", errors.CorruptArtifactError, r"base_version must be version - 1 = 2, got 1"),
@@ -425,6 +429,21 @@ def test_overlapping_tensors_in_a_shard_are_malformed(world):
         h["b"]["data_offsets"] = [b0 - 4, b1 - 4]
 
     world.write_delta(3, {"a": pa, "b": pb}, {"a": da, "b": db}, edit_header=overlap)
+    with pytest.raises(errors.MalformedHeaderError, match=r"tensors 'a' and 'b' overlap"):
+        world.pull(3)
+    world.assert_at(2)
+
+
+def test_empty_tensor_between_two_overlapping_ones_does_not_hide_the_overlap(world):
+    pa, da = good_delta(world, name="a")
+    pb, db = good_delta(world, name="b")
+
+    def overlap_behind_an_empty_tensor(h):
+        b0, b1 = h["b"]["data_offsets"]
+        h["b"]["data_offsets"] = [b0 - 4, b1 - 4]  # 4 bytes inside a
+        h["z"] = {"dtype": "U8", "shape": [0], "data_offsets": [b0 - 4, b0 - 4]}  # sorts between a and b
+
+    world.write_delta(3, {"a": pa, "b": pb}, {"a": da, "b": db}, edit_header=overlap_behind_an_empty_tensor)
     with pytest.raises(errors.MalformedHeaderError, match=r"tensors 'a' and 'b' overlap"):
         world.pull(3)
     world.assert_at(2)
