@@ -100,6 +100,38 @@ def is_weight_file(name: str) -> bool:
     return name.endswith(".safetensors") or name == INDEX_NAME
 
 
+# The small files an engine loads beside the weights: config and generation config, tokenizer
+# (json, sentencepiece ``.model``, tiktoken, vocab and merges ``.txt``), chat templates
+# (``.jinja``), remote code (``.py``). Everything else in a model dir is left behind: weights
+# in other formats, other index files, a killed writer's temporary files.
+MODEL_SIDE_SUFFIXES = (".json", ".jinja", ".model", ".tiktoken", ".txt", ".py")
+OTHER_WEIGHT_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".gguf", ".h5", ".msgpack", ".onnx", ".npz", ".pkl")
+_TMP_RE = re.compile(r"\.tmp\.\d+$")
+
+
+def is_temporary_file(name: str) -> bool:
+    """A file under ``tmp_name``'s spelling: a writer's, never part of a checkpoint."""
+    return _TMP_RE.search(name) is not None
+
+
+def is_model_side_file(name: str) -> bool:
+    """A non-weight file a seed copies (config, tokenizer, generation config, chat template)."""
+    return (
+        not name.startswith(".")
+        and not is_temporary_file(name)
+        and name.endswith(MODEL_SIDE_SUFFIXES)
+        and not name.endswith(".index.json")  # another format's weight index (pytorch_model.bin.index.json)
+    )
+
+
+def is_stale_local_file(name: str) -> bool:
+    """A local file no seed would copy that an engine could mistake for weights, or a leftover."""
+    return (
+        is_weight_file(name) or name.endswith(OTHER_WEIGHT_SUFFIXES) or name.endswith(".index.json")
+        or is_temporary_file(name)
+    )
+
+
 def checked_file_name(name: object, where: str) -> str:
     """A plain file name that stays inside its directory, or UnsafeNameError."""
     if (

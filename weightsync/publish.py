@@ -33,7 +33,7 @@ from .layout import (
     delta_shard_name,
     full_shard_name,
     index_path,
-    is_weight_file,
+    is_model_side_file,
     version_dir,
 )
 from .manifest import build_delta_index, build_full_index, checkpoint_weight_files
@@ -486,7 +486,7 @@ class Publisher:
         if not self.template_dir:
             return
         for entry in os.scandir(self.template_dir):
-            if entry.is_file() and not is_weight_file(entry.name) and not entry.name.startswith("."):
+            if entry.is_file() and is_model_side_file(entry.name):
                 shutil.copyfile(entry.path, os.path.join(vdir, entry.name))
 
     @staticmethod

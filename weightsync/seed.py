@@ -12,7 +12,7 @@ import os
 
 from .errors import InvalidRequestError, LocalStateError, SourceNotReadyError
 from .fsio import copy_file, drop_page_cache, fsync_dir, write_bytes
-from .layout import INDEX_NAME, checked_inside, is_weight_file, state_path, sync_dir
+from .layout import INDEX_NAME, checked_inside, is_model_side_file, is_stale_local_file, state_path, sync_dir
 from .manifest import checkpoint_weight_files, encode_applied_state
 from .plan import SeedSource
 from .safetensors_io import read_header
@@ -43,28 +43,37 @@ def _top_level_files(directory: str) -> dict[str, str]:
     }
 
 
+def _model_side_files(directory: str) -> dict[str, str]:
+    return {n: p for n, p in _top_level_files(directory).items() if is_model_side_file(n)}
+
+
 def files_to_seed(source: SeedSource, seed_dir: str, weight_map_files: list[str] | None) -> dict[str, str]:
-    """name -> source path. A full version brings its weight files and anything else it has;
-    the seed dir fills in the non-weight files (config, tokenizer) a full version may lack."""
+    """name -> source path: exactly the weight files the seed's index names, its index, and the
+    small non-weight files an engine needs (``layout.is_model_side_file``). The seed dir fills
+    in the ones a full version lacks. Weights in other formats, other index files and a killed
+    writer's temporary files are never copied."""
     if not os.path.isdir(seed_dir) and source.kind == "seed_dir":
         raise InvalidRequestError(f"seed dir {seed_dir} (the engine's own model) is not a directory")
-    files: dict[str, str] = {}
-    if os.path.isdir(seed_dir):
-        files.update({n: p for n, p in _top_level_files(seed_dir).items() if source.kind == "seed_dir" or not is_weight_file(n)})
-    if source.kind == "full":
-        version_files = _top_level_files(source.path)
-        for n, p in version_files.items():
-            if not is_weight_file(n):
-                files[n] = p
-        for n in weight_map_files or []:
-            if n not in version_files:
-                raise SourceNotReadyError(f"full version v{source.version} names shard {n}, which is not in {source.path} yet")
-            files[n] = version_files[n]
-        if INDEX_NAME in version_files:
-            files[INDEX_NAME] = version_files[INDEX_NAME]
-        for n, p in files.items():
-            if p.startswith(source.path):
-                checked_inside(source.path, p, f"full version v{source.version}")
+    files: dict[str, str] = _model_side_files(seed_dir) if os.path.isdir(seed_dir) else {}
+    if source.kind == "seed_dir":
+        try:
+            weight_files = checkpoint_weight_files(seed_dir)
+        except FileNotFoundError as e:
+            raise InvalidRequestError(f"the seed dir cannot be seeded from: {e}") from None
+        for n in weight_files + ([INDEX_NAME] if os.path.exists(os.path.join(seed_dir, INDEX_NAME)) else []):
+            files[n] = os.path.join(seed_dir, n)
+        return files
+    version_files = _top_level_files(source.path)
+    files.update({n: p for n, p in version_files.items() if is_model_side_file(n)})
+    for n in weight_map_files or []:
+        if n not in version_files:
+            raise SourceNotReadyError(f"full version v{source.version} names shard {n}, which is not in {source.path} yet")
+        files[n] = version_files[n]
+    if INDEX_NAME in version_files:
+        files[INDEX_NAME] = version_files[INDEX_NAME]
+    for n, p in files.items():
+        if p.startswith(source.path):
+            checked_inside(source.path, p, f"full version v{source.version}")
     return files
 
 
@@ -86,7 +95,7 @@ def seed_local_checkpoint(
             raise LocalStateError(f"copying {src} -> {dst} gave {got} bytes, expected {want} (disk full?)")
         copied += got
     for entry in os.scandir(local_checkpoint_dir):
-        if entry.is_file() and is_weight_file(entry.name) and entry.name not in files:
+        if entry.is_file() and is_stale_local_file(entry.name) and entry.name not in files:
             os.unlink(entry.path)
     # A truncated copy (a mount that shows metadata before bytes) must fail here, not serve.
     for fname in checkpoint_weight_files(local_checkpoint_dir):
