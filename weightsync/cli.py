@@ -160,7 +160,7 @@ def cmd_inspect(args) -> int:
         table = format_table(["version", "kind", "status", "base", "encoding", "checksum", "tensors", "wire"], rows)
         _emit(args, summaries, table)
         return 0
-    s = describe_version(args.source_dir, args.version, details=args.tensors, density=args.density)
+    s = describe_version(args.source_dir, args.version, details=args.tensors, density=args.density, seed_dir=args.seed_dir)
     head = format_table(
         ["version", "kind", "status", "base", "encoding", "checksum", "tensors", "wire", "density"],
         [[s.version, s.kind, s.status, s.base_version, s.delta_encoding, s.checksum_format, s.tensors,
@@ -168,10 +168,12 @@ def cmd_inspect(args) -> int:
     )
     if s.tensor_details:
         head += "\n\n" + format_table(
-            ["tensor", "shard", "payload", "tensor bytes", "changed bytes"],
-            [[t.name, t.shard, human_bytes(t.payload_nbytes), human_bytes(t.tensor_nbytes), t.changed_bytes]
-             for t in s.tensor_details],
+            ["tensor", "shard", "payload", "tensor bytes", "changed elements", "changed bytes"],
+            [[t.name, t.shard, human_bytes(t.payload_nbytes), human_bytes(t.tensor_nbytes), t.changed_elements,
+              t.changed_bytes] for t in s.tensor_details],
         )
+    if s.note:
+        head += f"\n\nnote: {s.note}"
     _emit(args, s, head)
     return 0
 
@@ -182,6 +184,9 @@ def cmd_verify(args) -> int:
     report = verify_local(args.local_dir, args.source_dir, args.version, args.seed_dir, Progress("verify", not args.json))
     rows = [[n, e, a] for n, e, a in report.mismatched]
     table = f"v{report.version}: {report.checked} tensor(s) checked, {len(report.mismatched)} mismatched"
+    if report.missing:
+        shown = ", ".join(report.missing[:10]) + (f" (and {len(report.missing) - 10} more)" if len(report.missing) > 10 else "")
+        table += f", {len(report.missing)} missing from the local checkpoint: {shown}"
     if report.unchecked:
         table += f", {len(report.unchecked)} unchecked (pass --seed-dir to check tensors unchanged since version 0)"
     if rows:
@@ -233,7 +238,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("source_dir")
     s.add_argument("--version", type=int)
     s.add_argument("--tensors", action="store_true", help="list the tensors of the version")
-    s.add_argument("--density", action="store_true", help="decompress to count changed bytes")
+    s.add_argument("--density", action="store_true", help="count each payload's changed elements and bytes")
+    s.add_argument("--seed-dir", help="the model (version 0), for element widths when no full version precedes")
     s.set_defaults(func=cmd_inspect)
 
     s = sub.add_parser("verify", help="check a local checkpoint against a version's digests")

@@ -27,7 +27,7 @@ from typing import NamedTuple, cast
 
 import numpy as np
 
-from .codecs import SCRATCH, Encoded, register_codec
+from .codecs import SCRATCH, Encoded, PayloadDensity, register_codec
 from .errors import PayloadBoundError
 from .zstd_frames import ExactReader, check_frame, compress, decompress_exact
 
@@ -243,6 +243,17 @@ class SparseCodec:
 
     def apply(self, region, payload, itemsize, tensor, chunk_nbytes):
         apply_sparse_chain(region, [payload], tensor, chunk_nbytes, hasher=None)
+
+    def density(self, payload, nbytes, itemsize, tensor) -> PayloadDensity:
+        """From the segment table alone: the header gives the tensor, the table the changed
+        elements (changed bytes would need the old bytes)."""
+        mv = memoryview(payload).cast("B")
+        if mv.nbytes < HEADER.size:
+            raise PayloadBoundError(tensor, f"sparse-v1 payload of {mv.nbytes} bytes is shorter than its {HEADER.size}-byte header")
+        _, _, width, _, _, n, _, _ = HEADER.unpack_from(mv, 0)
+        parsed = parse(payload, n * width if nbytes is None else nbytes, tensor, check_frames=True)
+        changed = sum(seg.nchanged for seg in parsed.segments)
+        return PayloadDensity(parsed.nelements * parsed.width, parsed.nelements, changed, None)
 
 
 def parse(payload, nbytes: int, tensor: str, *, check_frames: bool = True) -> Parsed:

@@ -12,7 +12,7 @@ codec may work on elements; xor and overwrite ignore it.
 from __future__ import annotations
 
 import threading
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import numpy as np
 
@@ -65,6 +65,30 @@ class Codec(Protocol):
         """Apply one payload to ``region`` (a writable uint8 view of the tensor's bytes)."""
 
 
+class PayloadDensity(NamedTuple):
+    """What one payload changes, for ``weightsync inspect --density``. A field is None when
+    neither the payload nor the reference the caller passed can tell it."""
+
+    tensor_nbytes: int | None
+    tensor_elements: int | None
+    changed_elements: int | None
+    changed_bytes: int | None
+
+
+class DensityCodec(Protocol):
+    """A codec that can say how much of its tensor one payload changes (every registered codec)."""
+
+    def density(self, payload, nbytes: int | None, itemsize: int | None, tensor: str) -> PayloadDensity:
+        """Count the changes of one payload; ``nbytes`` and ``itemsize`` come from a reference
+        checkpoint when the caller has one (a full version or the seed dir), else None."""
+
+
+def _elements(nbytes: int | None, itemsize: int | None) -> int | None:
+    if nbytes is None or not itemsize or nbytes % itemsize:
+        return None
+    return nbytes // itemsize
+
+
 class SegmentedCodec(Codec, Protocol):
     """A codec that can encode one tensor as independent segment ranges (on several workers)
     and join the parts into the payload a whole encode would give (``sparse-v1``)."""
@@ -112,6 +136,23 @@ class XorCodec:
 
     def apply(self, region, payload, itemsize, tensor, chunk_nbytes):
         apply_xor_chain(region, [payload], tensor, chunk_nbytes, hasher=None)
+
+    def density(self, payload, nbytes, itemsize, tensor):
+        """Streams the XOR mask chunk by chunk: memory stays bounded by the chunk."""
+        content = check_frame(payload, nbytes, tensor)
+        width = itemsize if itemsize in UINT_OF_WIDTH else None
+        step = (1 << 20) * (width or 1)
+        buf = np.empty(min(step, max(content, 1)), np.uint8)
+        reader = ExactReader(payload, content, tensor)
+        changed_bytes = changed_elements = 0
+        for pos in range(0, content, step):
+            chunk = buf[: min(step, content - pos)]
+            reader.readinto(chunk.data)
+            changed_bytes += int(np.count_nonzero(chunk))
+            if width is not None and chunk.nbytes % width == 0:
+                changed_elements += int(np.count_nonzero(chunk.view(UINT_OF_WIDTH[width])))
+        elements = _elements(content, width)
+        return PayloadDensity(content, elements, changed_elements if elements is not None else None, changed_bytes)
 
 
 def apply_xor_chain(region: np.ndarray, payloads: list, tensor: str, chunk_nbytes: int, hasher) -> None:
@@ -200,6 +241,18 @@ class OverwriteCodec:
             region[p] = v
             last = int(p[-1])
             done += k
+
+    def density(self, payload, nbytes, itemsize, tensor):
+        """Each position is a changed byte; elements need the reference's element width, and the
+        tensor's length is not in the payload at all."""
+        count = self.check_structure(payload, tensor)
+        elements = _elements(nbytes, itemsize)
+        changed_elements = None
+        if elements is not None and itemsize:
+            body = np.frombuffer(decompress_exact(payload, 4 + 5 * count, tensor), np.uint8)
+            positions = body[4 : 4 + 4 * count].view("<u4")
+            changed_elements = int(np.unique(positions // np.uint32(itemsize)).size)
+        return PayloadDensity(nbytes, elements, changed_elements, count)
 
 
 def _check_positions(positions: np.ndarray, previous: int, nbytes: int, tensor: str) -> None:

@@ -2,19 +2,19 @@
 
 from __future__ import annotations
 
+import mmap
 import os
-from typing import Callable
+from typing import Callable, cast
 
 import msgspec
 import numpy as np
 
 from .checksum import digest
-
+from .codecs import DensityCodec, get_codec
 from .errors import WeightSyncError
 from .layout import list_versions
 from .manifest import VersionIndex, checkpoint_weight_files, read_version_index
-from .safetensors_io import local_tensor_table, read_header
-from .zstd_frames import decompress_exact, frame_nbytes
+from .safetensors_io import DTYPE_NBYTES, TensorEntry, local_tensor_table, read_header
 
 
 class TensorSummary(msgspec.Struct):
@@ -22,7 +22,9 @@ class TensorSummary(msgspec.Struct):
     shard: str
     payload_nbytes: int
     tensor_nbytes: int | None = None
+    changed_elements: int | None = None
     changed_bytes: int | None = None
+    tensor_elements: int | None = None
 
 
 class VersionSummary(msgspec.Struct):
@@ -36,10 +38,16 @@ class VersionSummary(msgspec.Struct):
     wire_nbytes: int = 0
     tensor_nbytes: int | None = None
     changed_bytes: int | None = None
+    changed_elements: int | None = None
+    tensor_elements: int | None = None
     tensor_details: list[TensorSummary] = []
+    note: str = ""
 
     @property
     def density(self) -> float | None:
+        """Changed elements per element where known, else changed bytes per byte."""
+        if self.changed_elements is not None and self.tensor_elements:
+            return self.changed_elements / self.tensor_elements
         if self.changed_bytes is None or not self.tensor_nbytes:
             return None
         return self.changed_bytes / self.tensor_nbytes
@@ -55,17 +63,32 @@ def _shard_sizes(index: VersionIndex) -> int:
     return total
 
 
-def _changed_bytes(encoding: str, payload, nbytes: int, tensor: str) -> int | None:
-    if encoding == "xor":
-        d = np.frombuffer(decompress_exact(payload, nbytes, tensor), np.uint8)
-        return int(np.count_nonzero(d))
-    if encoding == "overwrite":
-        _, content = frame_nbytes(payload, tensor)
-        return (content - 4) // 5
-    return None
+def reference_entries(source_dir: str, version: int, seed_dir: str | None) -> dict[str, TensorEntry]:
+    """Dtype and length of each tensor, from the newest full version at or below ``version``,
+    else the seed dir (dtype and shape never change between versions); empty when neither."""
+    v = version
+    while v > 0:
+        try:
+            idx = read_version_index(source_dir, v)
+        except WeightSyncError:
+            break
+        if idx.kind == "full":
+            return {n: e for n, (_, e) in local_tensor_table(idx.path, sorted(set(idx.weight_map.values()))).items()}
+        v -= 1
+    if seed_dir:
+        return {n: e for n, (_, e) in local_tensor_table(seed_dir, checkpoint_weight_files(seed_dir)).items()}
+    return {}
 
 
-def describe_version(source_dir: str, version: int, *, details: bool = False, density: bool = False) -> VersionSummary:
+def _sum(values: list[int | None]) -> int | None:
+    return None if not values or any(v is None for v in values) else sum(v for v in values if v is not None)
+
+
+def describe_version(
+    source_dir: str, version: int, *, details: bool = False, density: bool = False, seed_dir: str | None = None
+) -> VersionSummary:
+    """One version's summary; with ``density``, each codec counts the changes of its payloads
+    (``codecs.DensityCodec``), helped by a reference checkpoint for element widths."""
     try:
         index = read_version_index(source_dir, version)
     except WeightSyncError as e:
@@ -78,25 +101,33 @@ def describe_version(source_dir: str, version: int, *, details: bool = False, de
         if index.kind == "full":
             s.tensor_nbytes = s.wire_nbytes
         return s
-    tensor_total, changed_total = 0, 0
+    codec = cast(DensityCodec, get_codec(index.delta_encoding or ""))
+    reference = reference_entries(source_dir, version - 1, seed_dir) if density else {}
     for fname in sorted(set(index.weight_map.values())):
         path = os.path.join(index.path, fname)
         hdr = read_header(path)
-        with open(path, "rb") as f:
-            blob = f.read()
-        for name, entry in sorted(hdr.tensors.items()):
-            payload = memoryview(blob)[entry.offset : entry.offset + entry.nbytes]
-            _, content = frame_nbytes(payload, name) if index.delta_encoding in ("xor", "overwrite") else (0, None)
-            tnb = content if index.delta_encoding == "xor" else None
-            changed = _changed_bytes(index.delta_encoding or "", payload, content or 0, name) if density else None
-            s.tensor_details.append(TensorSummary(name, fname, entry.nbytes, tnb, changed))
-            if tnb is not None:
-                tensor_total += tnb
-            if changed is not None:
-                changed_total += changed
-    if index.delta_encoding == "xor":
-        s.tensor_nbytes = tensor_total
-        s.changed_bytes = changed_total if density else None
+        with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+            for name, entry in sorted(hdr.tensors.items()):
+                t = TensorSummary(name, fname, entry.nbytes)
+                if density:
+                    ref = reference.get(name)
+                    payload = memoryview(mm)[entry.offset : entry.offset + entry.nbytes]
+                    try:
+                        d = codec.density(payload, ref.nbytes if ref else None, DTYPE_NBYTES[ref.dtype] if ref else None, name)
+                    finally:
+                        payload.release()
+                    t.tensor_nbytes, t.tensor_elements, t.changed_elements, t.changed_bytes = d
+                s.tensor_details.append(t)
+    if density:
+        s.tensor_nbytes = _sum([t.tensor_nbytes for t in s.tensor_details])
+        s.tensor_elements = _sum([t.tensor_elements for t in s.tensor_details])
+        s.changed_elements = _sum([t.changed_elements for t in s.tensor_details])
+        s.changed_bytes = _sum([t.changed_bytes for t in s.tensor_details])
+        if s.changed_elements is None and s.tensors:
+            s.note = (
+                "element counts need each tensor's dtype: pass --seed-dir (or publish a full version) "
+                f"so {index.delta_encoding} payloads can be read per element"
+            )
     if not details:
         s.tensor_details = []
     return s
@@ -111,10 +142,11 @@ class VerifyReport(msgspec.Struct):
     checked: int
     mismatched: list[tuple[str, str, str]]  # name, expected, actual
     unchecked: list[str]  # tensors whose expected bytes are unknown (no anchor and no seed dir)
+    missing: list[str] = []  # tensors the version has that the local checkpoint lacks
 
     @property
     def ok(self) -> bool:
-        return not self.mismatched
+        return not self.mismatched and not self.missing
 
 
 def expected_digests(source_dir: str, version: int, seed_dir: str | None, checksum_format: str = "xxh3-128") -> tuple[dict[str, tuple[str, str]], str | None]:
@@ -143,16 +175,18 @@ def verify_local(
     seed_dir: str | None = None,
     progress: Callable[[int, int], None] | None = None,
 ) -> VerifyReport:
-    """Hash every local tensor and compare with what ``version`` says it must be."""
+    """Hash every local tensor and compare with what ``version`` says it must be. A tensor the
+    version has (changed by its chain, or in its full version or seed dir) that the local
+    checkpoint lacks fails the check by name."""
     local = local_tensor_table(local_checkpoint_dir, checkpoint_weight_files(local_checkpoint_dir))
     want, base_dir = expected_digests(source_dir, version, seed_dir)
     base = local_tensor_table(base_dir, checkpoint_weight_files(base_dir)) if base_dir else {}
+    missing = sorted((want.keys() | base.keys()) - local.keys())
     mismatched, unchecked = [], []
     checked = 0
     names = sorted(local)
     for i, name in enumerate(names):
         path, e = local[name]
-        data = np.fromfile(path, np.uint8, count=e.nbytes, offset=e.offset)
         if name in want:
             fmt, expected = want[name]
         elif name in base:
@@ -162,13 +196,10 @@ def verify_local(
         else:
             unchecked.append(name)
             continue
-        actual = digest(fmt, data)
+        actual = digest(fmt, np.fromfile(path, np.uint8, count=e.nbytes, offset=e.offset))
         checked += 1
         if actual != expected:
             mismatched.append((name, expected, actual))
         if progress:
             progress(i + 1, len(names))
-    return VerifyReport(version, checked, mismatched, unchecked)
-
-
-
+    return VerifyReport(version, checked, mismatched, unchecked, missing)
