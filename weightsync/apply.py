@@ -225,12 +225,12 @@ def _run_job(job: _Job, maps: _Maps, chunk_nbytes: int) -> tuple[str, str, str] 
         encodings = {enc for enc, _ in job.steps}
         if encodings == {"xor"}:
             apply_xor_chain(region, [p for _, p in job.steps], job.name, chunk_nbytes, hasher)
-        elif encodings == {"sparse-v1"}:
+        elif len(encodings) == 1 and next(iter(encodings)) in _SEGMENTED:
             # segment-major: every version's changes to a segment, then hash it while cached
-            from .codec_sparse import apply_sparse_chain
-
-            apply_sparse_chain(region, [p for _, p in job.steps], job.name, chunk_nbytes, hasher)
+            # (sparse-v2: each version against the bytes the previous one left in the segment)
+            _segmented(next(iter(encodings)))[0](region, [p for _, p in job.steps], job.name, chunk_nbytes, hasher)
         else:
+            # a mixed chain: each payload whole, in order, each against the previous one's bytes
             itemsize = DTYPE_NBYTES[job.entry.dtype]
             for enc, payload in job.steps:
                 get_codec(enc).apply(region, payload, itemsize, job.name, chunk_nbytes)
@@ -241,25 +241,36 @@ def _run_job(job: _Job, maps: _Maps, chunk_nbytes: int) -> tuple[str, str, str] 
     return None if actual == job.digest else (job.name, job.digest, actual)
 
 
-# A sparse-v1 tensor larger than this and than its fair share of the work is cut into runs
-# of segments applied by several workers (one large embedding would otherwise keep one
-# worker busy while the rest idle), then hashed in one pass.
+# A sparse-v1 or sparse-v2 tensor larger than this and than its fair share of the work is cut
+# into runs of segments applied by several workers (one large embedding would otherwise keep
+# one worker busy while the rest idle), then hashed in one pass.
 SPLIT_MIN_NBYTES = 64 << 20
+_SEGMENTED = ("sparse-v1", "sparse-v2")
+
+
+def _segmented(encoding: str):
+    """(chain apply, shared segment count) of a segmented encoding."""
+    if encoding == "sparse-v1":
+        from .codec_sparse import apply_sparse_chain, shared_segment_count
+
+        return apply_sparse_chain, shared_segment_count
+    from .codec_sparse2 import apply_sparse2_chain, shared_segment_count as shared2
+
+    return apply_sparse2_chain, shared2
 
 
 def _split_plan(jobs: list[_Job], workers: int) -> dict[str, list[tuple[int, int]]]:
     """name -> segment ranges, for the tensors worth splitting across workers."""
     if workers <= 1:
         return {}
-    from .codec_sparse import shared_segment_count
-
     total = sum(j.entry.nbytes for j in jobs)
     limit = max(SPLIT_MIN_NBYTES, total // (2 * workers))
     plan: dict[str, list[tuple[int, int]]] = {}
     for job in jobs:
-        if job.entry.nbytes <= limit or any(enc != "sparse-v1" for enc, _ in job.steps):
+        encodings = {enc for enc, _ in job.steps}
+        if job.entry.nbytes <= limit or len(encodings) != 1 or next(iter(encodings)) not in _SEGMENTED:
             continue
-        nseg = shared_segment_count([p for _, p in job.steps], job.entry.nbytes, job.name)
+        nseg = _segmented(next(iter(encodings)))[1]([p for _, p in job.steps], job.entry.nbytes, job.name)
         if not nseg or nseg < 2:
             continue
         parts = min(nseg, workers, -(-job.entry.nbytes // (limit // 2)))
@@ -269,12 +280,11 @@ def _split_plan(jobs: list[_Job], workers: int) -> dict[str, list[tuple[int, int
 
 
 def _apply_part(job: _Job, maps: _Maps, chunk_nbytes: int, seg_range: tuple[int, int]) -> None:
-    from .codec_sparse import apply_sparse_chain
-
+    apply_chain_fn = _segmented(job.steps[0][0])[0]
     mm = maps.get(job.path)
     region = np.ndarray((job.entry.nbytes,), dtype=np.uint8, buffer=mm, offset=job.entry.offset)
     try:
-        apply_sparse_chain(region, [p for _, p in job.steps], job.name, chunk_nbytes, None, seg_range=seg_range)
+        apply_chain_fn(region, [p for _, p in job.steps], job.name, chunk_nbytes, None, seg_range=seg_range)
     finally:
         del region
 
@@ -292,7 +302,7 @@ def _verify_job(job: _Job, maps: _Maps, chunk_nbytes: int) -> tuple[str, str, st
 
 
 def _run_jobs(pool: ThreadPoolExecutor, jobs: list[_Job], maps: _Maps, chunk_nbytes: int, workers: int, progress) -> list:
-    """Every job applied and verified; large sparse-v1 tensors in parts, hashed afterwards."""
+    """Every job applied and verified; large sparse-v1/v2 tensors in parts, hashed afterwards."""
     plan = _split_plan(jobs, workers)
     units: list[tuple[_Job, tuple[int, int] | None]] = [(j, r) for j in jobs if j.name in plan for r in plan[j.name]]
     units += [(j, None) for j in jobs if j.name not in plan]

@@ -294,6 +294,6 @@ def _load_optional_codecs() -> None:
         return
     _optional_loaded = True
     try:
-        from . import codec_sparse  # noqa: F401  (registers itself)
+        from . import codec_sparse, codec_sparse2  # noqa: F401  (register themselves)
     except ImportError:
         pass

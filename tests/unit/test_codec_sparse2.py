@@ -1,0 +1,560 @@
+"""sparse-v2: the golden vector, round trips over widths/densities/bit patterns and class
+splits, chained apply against the bytes the previous payload produced, publish and pull, and
+one test per way a payload can be malformed (docs/FORMAT.md, "sparse-v2" and the catalogue).
+
+The bad payloads are assembled here from the spec by a small independent writer
+(``build_payload``), so a test can break exactly one rule while every other byte is valid.
+"""
+
+from __future__ import annotations
+
+import struct
+
+import numpy as np
+import pytest
+import xxhash
+import zstandard
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from weightsync import codec_sparse2
+from weightsync.codec_sparse2 import Sparse2Codec, apply_sparse2_chain, choose_boundaries
+from weightsync.codecs import get_codec
+from weightsync.errors import LocalTensorMismatchError, PayloadBoundError
+
+LE = {1: "u1", 2: "<u2", 4: "<u4", 8: "<u8"}
+
+# bf16 bits: three 1.0/128 (0x3C00, key 0x78) that all change (+1, -1, +3 ulps) and six 1.0
+# (0x3F80, key 0x7F) of which one changes (-1): two classes split at key 0x7F
+GOLDEN_OLD = [0x3C00, 0x3F80, 0x3C00, 0x3F80, 0x3C00, 0x3F80, 0x3F80, 0x3F80, 0x3F80]
+GOLDEN_NEW = [0x3C01, 0x3F80, 0x3BFF, 0x3F80, 0x3C03, 0x3F80, 0x3F80, 0x3F7F, 0x3F80]
+GOLDEN_HEX = (
+    "57535332" "01" "02" "00" "00"  # magic, version 1, width 2, reserved 0, flags 0
+    "0900000000000000" "00001000" "01000000"  # 9 elements, segments of 2^20, 1 segment
+    "02" "7f"  # 2 classes; the second starts at key 0x7f
+    "03000000" "03000000" "08" "01" "0000"  # class 0: 3 members, 3 changes, bitmap, 1 magnitude plane
+    "0a000000" "0a000000" "0c000000"  # frame sizes: bitmap, signs, magnitude plane
+    "06000000" "01000000" "01" "00" "0000"  # class 1: 6 members, 1 change, gaps of width 1, no planes
+    "0a000000" "0a000000"  # frame sizes: gap plane, signs
+    "28b52ffd2001" "090000" "07"  # class 0 bitmap: members 0, 1, 2 changed
+    "28b52ffd2001" "090000" "02"  # class 0 signs: +, -, +
+    "28b52ffd2003" "190000" "000002"  # class 0 |d| - 1: 0, 0, 2
+    "28b52ffd2001" "090000" "04"  # class 1 gap 4: member 4 (element 7)
+    "28b52ffd2001" "090000" "01"  # class 1 sign: -
+)
+EAGER = Sparse2Codec(class_min_saving=0, class_overhead_bytes=0)  # a class wherever it lowers the entropy
+
+
+def _u8(values, width=2) -> np.ndarray:
+    return np.array(values, dtype=LE[width]).view(np.uint8).copy()
+
+
+def _frame(data: bytes) -> bytes:
+    return zstandard.ZstdCompressor(level=1, write_content_size=True).compress(data)
+
+
+def build_payload(width: int, n: int, seg: int, segments, *, tail: bytes = b"", reserved: int = 0) -> bytes:
+    """An independent writer. ``segments``: per segment None (no change) or (starts, classes),
+    a class being (members, local change indices, differences) or a raw override tuple
+    ("raw", head bytes, frames) to break one rule."""
+    head = b"WSS2" + bytes([1, width, reserved, 0]) + struct.pack("<QII", n, seg, len(segments))
+    table, frames = b"", b""
+    for s in segments:
+        if s is None:
+            table += b"\0"
+            continue
+        starts, classes = s
+        table += bytes([len(classes), *starts])
+        for cls in classes:
+            if cls[0] == "raw":
+                table += cls[1]
+                frames += b"".join(cls[2])
+                continue
+            members, local, diffs = cls
+            k = len(local)
+            if k == 0:
+                table += struct.pack("<IIBB2x", members, 0, 0, 0)
+                continue
+            bits = 8 * width
+            d = [x % (1 << bits) for x in diffs]
+            signs = [x >= 1 << (bits - 1) for x in d]
+            mags = [((1 << bits) - x if neg else x) - 1 for x, neg in zip(d, signs)]
+            if 4 * k >= members:
+                mode = 8
+                m = np.zeros(members, bool)
+                m[list(local)] = True
+                streams = [np.packbits(m, bitorder="little").tobytes()]
+            else:
+                gaps = [local[0]] + [b - a - 1 for a, b in zip(local, local[1:])]
+                mode = next(w for w in (1, 2, 4) if max(gaps) < 1 << (8 * w))
+                g = np.array(gaps, "<u4").view(np.uint8).reshape(k, 4)
+                streams = [g[:, j].tobytes() for j in range(mode)]
+            streams.append(np.packbits(np.array(signs, bool), bitorder="little").tobytes())
+            planes = (max(mags).bit_length() + 7) // 8
+            mb = np.array(mags, LE[width]).view(np.uint8).reshape(k, width)
+            streams += [mb[:, j].tobytes() for j in range(planes)]
+            fr = [_frame(x) for x in streams]
+            table += struct.pack("<IIBB2x", members, k, mode, planes) + struct.pack(f"<{len(fr)}I", *map(len, fr))
+            frames += b"".join(fr)
+    return head + table + frames + tail
+
+
+CODEC = get_codec("sparse-v2")
+
+
+def test_golden_vector_encodes_to_exact_bytes():
+    old, new = _u8(GOLDEN_OLD), _u8(GOLDEN_NEW)
+    enc = EAGER.encode(old, new, 2, 1, "t")
+    assert enc.payload.hex() == GOLDEN_HEX
+    assert (enc.changed_elements, enc.changed_bytes) == (4, 5)
+
+
+def test_golden_vector_decodes_and_the_independent_writer_agrees():
+    old, new = _u8(GOLDEN_OLD), _u8(GOLDEN_NEW)
+    payload = bytes.fromhex(GOLDEN_HEX)
+    CODEC.check(payload, old.nbytes, 2, "t")
+    region = old.copy()
+    CODEC.apply(region, payload, 2, "t", 1 << 20)
+    assert region.tobytes() == new.tobytes()
+    mine = build_payload(2, 9, 1 << 20, [([0x7F], [(3, [0, 1, 2], [1, -1, 3]), (6, [4], [-1])])])
+    assert mine == payload
+
+
+def test_the_receiver_classes_elements_by_the_old_bytes_not_the_new():
+    """Element 0 moves from key 0x78 to 0x79 only in ``new``; its class is the old one's."""
+    old = _u8([0x3C7F] + [0x3F80] * 7)
+    new = _u8([0x3C80] + [0x3F80] * 6 + [0x3F81])
+    payload = EAGER.encode(old, new, 2, 1, "t").payload
+    parsed = codec_sparse2.parse(payload, old.nbytes, "t")
+    assert [c.members for c in parsed.segments[0].classes] == [1, 7]
+    region = old.copy()
+    CODEC.apply(region, payload, 2, "t", 1 << 20)
+    assert region.tobytes() == new.tobytes()
+
+
+def test_dynamic_programme_splits_where_the_change_rate_jumps():
+    members = np.zeros(256)
+    changes = np.zeros(256)
+    members[[100, 101, 102, 103]] = 1000
+    changes[[100, 101, 102, 103]] = [900, 880, 20, 10]
+    assert choose_boundaries(members, changes, 0.0) == [101, 102, 103]  # free classes: every jump
+    assert choose_boundaries(members, changes, 8 * 200.0) == [102]  # costly classes: only the big one
+    assert choose_boundaries(members, changes, 1e12) == []
+
+
+# --- round trips --------------------------------------------------------------------------
+
+
+@st.composite
+def pairs(draw):
+    width = draw(st.sampled_from([1, 2, 4, 8]))
+    n = draw(st.sampled_from([1, 7, 600, 5000, 9000]))
+    seed = draw(st.integers(0, 2**32 - 1))
+    density = draw(st.sampled_from([0.0, 0.01, 0.2, 0.5, 1.0]))
+    kind = draw(st.sampled_from(["random", "ulp", "signflip", "nan", "floats"]))
+    rng = np.random.default_rng(seed)
+    if kind == "floats" and width in (2, 4):  # magnitudes spread over many exponents: many classes
+        w = (rng.standard_normal(n) * np.exp2(rng.integers(-20, 2, n))).astype(np.float32)
+        old = (w.view("<u4") >> 16).astype("<u2").view(np.uint8).copy() if width == 2 else w.view(np.uint8).copy()
+    else:
+        old = rng.integers(0, 256, n * width, dtype=np.uint8)
+    new = old.copy()
+    o = old.view(LE[width])
+    nw = new.view(LE[width])
+    mask = rng.random(n) < density
+    top = np.array(1 << (8 * width - 1), dtype=LE[width])[()]
+    if kind == "random":
+        nw[mask] = rng.integers(0, 256, (n, width), dtype=np.uint8).view(LE[width]).reshape(-1)[mask]
+    elif kind in ("ulp", "floats"):
+        step = rng.integers(-300, 301, n).astype(np.int64) if rng.random() < 0.3 else rng.integers(-2, 3, n).astype(np.int64)
+        nw[mask] = (o[mask].astype(np.int64) + step[mask]).astype(LE[width], casting="unsafe")
+    elif kind == "signflip":
+        nw[mask] = o[mask] ^ top
+    else:  # all-ones exponent patterns (NaN / inf of every float width) against anything
+        nw[mask] = ~np.zeros(1, LE[width])[0] ^ (o[mask] & 1)
+    seg = draw(st.sampled_from([4096, 1 << 20]))
+    eager = draw(st.booleans())
+    return width, old, new, seg, eager
+
+
+@settings(max_examples=150, deadline=None)
+@given(pairs())
+def test_round_trip_is_exact_for_any_width_density_and_bits(case):
+    width, old, new, seg, eager = case
+    codec = Sparse2Codec(seg, *((0, 0) if eager else ()))
+    enc = codec.encode(old, new, width, 1, "t")
+    changed_elements = int(np.count_nonzero(old.view(LE[width]) != new.view(LE[width])))
+    if changed_elements == 0:
+        assert enc is None
+        return
+    assert enc.changed_elements == changed_elements
+    assert enc.changed_bytes == int(np.count_nonzero(old != new))
+    CODEC.check_structure(enc.payload, "t")
+    CODEC.check(enc.payload, old.nbytes, width, "t")
+    region = old.copy()
+    CODEC.apply(region, enc.payload, width, "t", 1 << 20)
+    assert region.tobytes() == new.tobytes()
+
+
+def test_float_magnitudes_get_several_classes_and_fewer_bytes_than_sparse_v1(rng):
+    """The reason for the encoding: small weights change more often than large ones."""
+    w = (0.02 * rng.standard_normal(200_000)).astype(np.float32)
+    step = (2e-5 * rng.standard_normal(w.size)).astype(np.float32)
+    bf = lambda x: (x.view("<u4") >> 16).astype("<u2")  # noqa: E731  (truncation is fine here)
+    old, new = bf(w).view(np.uint8), bf(w + step).view(np.uint8)
+    v2 = CODEC.encode(old, new, 2, 1, "t")
+    v1 = get_codec("sparse-v1").encode(old, new, 2, 1, "t")
+    parsed = codec_sparse2.parse(v2.payload, old.nbytes, "t")
+    assert len(parsed.segments[0].classes) >= 2
+    assert len(v2.payload) < 0.9 * len(v1.payload)
+
+
+def test_a_chain_applies_in_order_each_against_the_previous_bytes(rng):
+    """Segment-major folding equals applying version by version, though each payload's
+    classes come from the bytes the one before it produced."""
+    n = 3 * 4096 + 100
+    codec = Sparse2Codec(4096, 0, 0)
+    versions = [(rng.standard_normal(n) * np.exp2(rng.integers(-12, 0, n))).astype(np.float32)]
+    for _ in range(4):
+        versions.append(versions[-1] * (1 + np.float32(1e-3) * rng.standard_normal(n).astype(np.float32)))
+    raw = [v.view(np.uint8).copy() for v in versions]
+    payloads = [codec.encode(a, b, 4, 1, "t").payload for a, b in zip(raw, raw[1:])]
+    region = raw[0].copy()
+    h = xxhash.xxh3_128()
+    apply_sparse2_chain(region, payloads, "t", 1 << 16, h)
+    assert region.tobytes() == raw[-1].tobytes()
+    assert h.hexdigest() == xxhash.xxh3_128(raw[-1]).hexdigest()
+    for a, b in ((0, 2), (2, 3)):  # segment ranges, as split workers apply them
+        apply_sparse2_chain(part := raw[0].copy(), payloads, "t", 1 << 16, None, seg_range=(a, b))
+        assert part[a * 4096 * 4 : b * 4096 * 4].tobytes() == raw[-1][a * 4096 * 4 : b * 4096 * 4].tobytes()
+
+
+def test_a_chain_with_unequal_segmenting_applies_payload_by_payload(rng):
+    n = 10_000
+    a = (rng.standard_normal(n) * 0.01).astype(np.float32)
+    b = a * np.float32(1.001)
+    c = b * np.float32(0.999)
+    raw = [x.view(np.uint8).copy() for x in (a, b, c)]
+    p1 = Sparse2Codec(4096, 0, 0).encode(raw[0], raw[1], 4, 1, "t").payload
+    p2 = Sparse2Codec(8192).encode(raw[1], raw[2], 4, 1, "t").payload
+    region = raw[0].copy()
+    apply_sparse2_chain(region, [p1, p2], "t", 1 << 16, None)
+    assert region.tobytes() == raw[2].tobytes()
+
+
+# --- bad payloads ---------------------------------------------------------------------------
+
+
+def _valid(n=5000):
+    """Two segments of 4096: the first with two classes, the second without change."""
+    return build_payload(2, n, 4096, [([0x40], [(2000, [0, 5, 7], [1, -1, 2]), (2096, [3], [1])]), None]), n
+
+
+def _apply(payload, n, old=None):
+    region = np.zeros(2 * n, np.uint8) if old is None else old.copy()
+    if old is None:
+        region.view("<u2")[2000:4096] = 0x4000  # key 0x80: members of the second class
+    before = region.copy()
+    CODEC.check_structure(payload, "t")
+    CODEC.check(payload, 2 * n, 2, "t")
+    CODEC.apply(region, payload, 2, "t", 1 << 20)
+    return before, region
+
+
+def test_the_valid_hand_built_payload_passes():
+    payload, n = _valid()
+    before, region = _apply(payload, n)
+    r, b = region.view("<u2"), before.view("<u2")
+    assert [(int(r[i]) - int(b[i])) % (1 << 16) for i in (0, 5, 7)] == [1, 0xFFFF, 2]
+    assert int(r[2003]) - int(b[2003]) == 1
+    assert int(np.count_nonzero(r != b)) == 4
+
+
+@pytest.mark.parametrize(
+    "offset,value,match",
+    [(0, b"WSSQ", "starts with"), (4, b"\x02", "version"), (5, b"\x03", "element width"),
+     (6, b"\x01", "reserved"), (7, b"\x01", "flags")],
+)
+def test_bad_header_fields_are_rejected(offset, value, match):
+    payload, n = _valid()
+    bad = payload[:offset] + value + payload[offset + len(value):]
+    with pytest.raises(PayloadBoundError, match=match):
+        CODEC.check_structure(bad, "t")
+
+
+def test_wrong_element_count_for_the_tensor_is_rejected():
+    payload, n = _valid()
+    with pytest.raises(PayloadBoundError, match="the tensor has"):
+        CODEC.check(payload, 2 * n + 2, 2, "t")
+
+
+@pytest.mark.parametrize("seg", [4095, (1 << 20) + 1, 0])
+def test_segment_size_outside_the_bounds_is_rejected(seg):
+    bad = build_payload(2, 5000, seg, [None])
+    with pytest.raises(PayloadBoundError, match="segment size"):
+        CODEC.check_structure(bad, "t")
+
+
+def test_wrong_segment_count_is_rejected():
+    bad = build_payload(2, 5000, 4096, [None])
+    with pytest.raises(PayloadBoundError, match="declares 1 segments"):
+        CODEC.check_structure(bad, "t")
+
+
+def test_too_many_classes_is_rejected():
+    bad = build_payload(2, 100, 4096, [(list(range(1, 9)), [(0, [], [])] * 8 + [(100, [0], [1])])])
+    with pytest.raises(PayloadBoundError, match="9 classes"):
+        CODEC.check_structure(bad, "t")
+
+
+@pytest.mark.parametrize("starts", [[0x40, 0x40], [0x40, 0x20], [0]])
+def test_class_boundaries_must_increase_inside_the_key_range(starts):
+    classes = [(50, [0], [1])] + [(25, [], [])] * len(starts)
+    bad = build_payload(2, 100, 4096, [(starts, classes)])
+    with pytest.raises(PayloadBoundError, match="not increasing"):
+        CODEC.check_structure(bad, "t")
+
+
+def test_member_counts_that_do_not_add_up_to_the_segment_are_rejected():
+    bad = build_payload(2, 100, 4096, [([0x40], [(60, [0], [1]), (41, [1], [1])])])
+    with pytest.raises(PayloadBoundError, match="101 members, the segment 100"):
+        CODEC.check_structure(bad, "t")
+
+
+def test_more_changes_than_members_is_rejected():
+    head = struct.pack("<IIBB2x", 10, 11, 8, 0) + struct.pack("<2I", 0, 0)
+    bad = build_payload(2, 100, 4096, [([0x40], [(90, [0], [1]), ("raw", head, [])])])
+    with pytest.raises(PayloadBoundError, match="11 changes in 10 members"):
+        CODEC.check_structure(bad, "t")
+
+
+@pytest.mark.parametrize("mode,planes,match", [(8, 0, "no changes but"), (0, 1, "no changes but")])
+def test_a_class_without_changes_declares_no_streams(mode, planes, match):
+    head = struct.pack("<IIBB2x", 10, 0, mode, planes)
+    bad = build_payload(2, 100, 4096, [([0x40], [(90, [0], [1]), ("raw", head, [])])])
+    with pytest.raises(PayloadBoundError, match=match):
+        CODEC.check_structure(bad, "t")
+
+
+@pytest.mark.parametrize("mode,planes,match", [(3, 0, "mask mode 3"), (1, 3, "3 magnitude planes")])
+def test_unknown_mask_mode_or_too_many_planes_is_rejected(mode, planes, match):
+    head = struct.pack("<IIBB2x", 10, 1, mode, planes) + struct.pack("<5I", *[0] * 5)
+    bad = build_payload(2, 100, 4096, [([0x40], [(90, [0], [1]), ("raw", head, [])])])
+    with pytest.raises(PayloadBoundError, match=match):
+        CODEC.check_structure(bad, "t")
+
+
+def test_non_zero_class_reserved_bytes_are_rejected():
+    head = struct.pack("<IIBBH", 10, 0, 0, 0, 1)
+    bad = build_payload(2, 100, 4096, [([0x40], [(90, [0], [1]), ("raw", head, [])])])
+    with pytest.raises(PayloadBoundError, match="reserved"):
+        CODEC.check_structure(bad, "t")
+
+
+def test_classes_without_any_change_must_be_written_as_zero_classes():
+    bad = build_payload(2, 100, 4096, [([0x40], [(90, [], []), (10, [], [])])])
+    with pytest.raises(PayloadBoundError, match="no change"):
+        CODEC.check_structure(bad, "t")
+
+
+def test_truncated_table_and_streams_are_rejected():
+    payload, n = _valid()
+    for cut in (10, 30, 40, 60, len(payload) - 1):
+        with pytest.raises(PayloadBoundError):
+            CODEC.check_structure(payload[:cut], "t")
+
+
+def test_trailing_bytes_are_rejected():
+    payload, n = _valid()
+    with pytest.raises(PayloadBoundError, match="trailing"):
+        CODEC.check_structure(payload + b"\0", "t")
+
+
+def test_frame_whose_content_size_disagrees_with_the_counts_is_rejected():
+    head = struct.pack("<IIBB2x", 100, 2, 1, 0)
+    frames = [_frame(b"\0\0\0"), _frame(b"\0")]  # three gaps for two changes
+    head += struct.pack("<2I", *map(len, frames))
+    bad = build_payload(2, 100, 4096, [([], [("raw", head, frames)])])
+    with pytest.raises(PayloadBoundError, match="declares 3 bytes, expected 2"):
+        CODEC.check_structure(bad, "t")
+
+
+def test_a_change_past_its_class_members_is_rejected_before_the_segment_is_written():
+    bad = build_payload(2, 100, 4096, [([0x40], [(90, [0], [1]), (10, [0], [-1])])])
+    # hand-edit: class 1's single gap 0 -> 10 (past its 10 members); same frame size
+    gap_frame = _frame(b"\0")
+    i = bad.rindex(gap_frame)
+    bad = bad[:i] + _frame(b"\x0a") + bad[i + len(gap_frame):]
+    old = np.zeros(200, np.uint8)
+    old.view("<u2")[90:] = 0x4000
+    before = old.copy()
+    with pytest.raises(PayloadBoundError, match="past its 10 members"):
+        CODEC.apply(old, bad, 2, "t", 1 << 20)
+    assert old.tobytes() == before.tobytes()
+
+
+def test_bitmap_count_and_padding_mismatches_are_rejected():
+    for bitmap, match in ((b"\x03", "marks 2 changes"), (b"\x81", "past the last element")):
+        head = struct.pack("<IIBB2x", 4, 1, 8, 0)
+        frames = [_frame(bitmap), _frame(b"\0")]
+        head += struct.pack("<2I", *map(len, frames))
+        bad = build_payload(2, 4, 4096, [([], [("raw", head, frames)])])
+        CODEC.check_structure(bad, "t")
+        region = np.zeros(8, np.uint8)
+        with pytest.raises(PayloadBoundError, match=match):
+            CODEC.apply(region, bad, 2, "t", 1 << 20)
+        assert not region.any()
+
+
+def test_sign_padding_bits_are_rejected():
+    head = struct.pack("<IIBB2x", 4, 1, 8, 0)
+    frames = [_frame(b"\x01"), _frame(b"\x02")]
+    head += struct.pack("<2I", *map(len, frames))
+    bad = build_payload(2, 4, 4096, [([], [("raw", head, frames)])])
+    with pytest.raises(PayloadBoundError, match="signs have set bits"):
+        CODEC.apply(np.zeros(8, np.uint8), bad, 2, "t", 1 << 20)
+
+
+def test_a_magnitude_of_half_the_range_or_more_is_rejected():
+    head = struct.pack("<IIBB2x", 4, 1, 8, 2)
+    frames = [_frame(b"\x01"), _frame(b"\x00"), _frame(b"\xff"), _frame(b"\x80")]
+    head += struct.pack("<4I", *map(len, frames))
+    bad = build_payload(2, 4, 4096, [([], [("raw", head, frames)])])
+    with pytest.raises(PayloadBoundError, match="magnitude of 2"):
+        CODEC.apply(np.zeros(8, np.uint8), bad, 2, "t", 1 << 20)
+
+
+def test_local_bytes_whose_classes_differ_from_the_payload_fail_before_the_segment_is_written():
+    """The member counts travel: a local tensor that is not the base version is caught by
+    its classes before any write (LocalStateError: the puller reseeds and replays)."""
+    payload, n = _valid()
+    old = np.zeros(2 * n, np.uint8)
+    old.view("<u2")[2001:4096] = 0x4000  # one member fewer in the second class
+    before = old.copy()
+    with pytest.raises(LocalTensorMismatchError, match="hold 2001 elements"):
+        CODEC.apply(old, payload, 2, "t", 1 << 20)
+    assert old.tobytes() == before.tobytes()
+
+
+def test_corrupt_stream_bytes_raise_a_typed_error():
+    head = struct.pack("<IIBB2x", 4, 1, 8, 0)
+    frames = [_frame(b"\x01"), b"\x28\xb5\x2f\xfd\x20\x01\x05\x00\x00\xaa"]  # compressed block, garbage
+    head += struct.pack("<2I", *map(len, frames))
+    bad = build_payload(2, 4, 4096, [([], [("raw", head, frames)])])
+    with pytest.raises(PayloadBoundError):
+        CODEC.check_structure(bad, "t")
+        CODEC.apply(np.zeros(8, np.uint8), bad, 2, "t", 1 << 20)
+
+
+def test_segment_table_larger_than_the_payload_is_rejected_without_looping():
+    bad = b"WSS2" + bytes([1, 2, 0, 0]) + struct.pack("<QII", 1 << 40, 1 << 20, 1 << 20)
+    with pytest.raises(PayloadBoundError, match="runs past"):
+        CODEC.check_structure(bad, "t")
+
+
+# --- publish and pull -------------------------------------------------------------------------
+
+
+@pytest.fixture
+def small_segments(monkeypatch):
+    """Segments of 4096 elements, free classes and no split floor: test-sized tensors get
+    several classes and are cut into parts across workers."""
+    from weightsync import apply as apply_mod
+    from weightsync import publish as publish_mod
+
+    monkeypatch.setattr(codec_sparse2.CODEC, "seg_elements", 4096)
+    monkeypatch.setattr(codec_sparse2.CODEC, "class_min_saving", 0.0)
+    monkeypatch.setattr(codec_sparse2.CODEC, "class_overhead_bytes", 0)
+    monkeypatch.setattr(apply_mod, "SPLIT_MIN_NBYTES", 0)
+    monkeypatch.setattr(publish_mod, "SPLIT_MIN_NBYTES", 0)
+
+
+def _float_chain(tmp, rng, versions: int):
+    """fp32 weights of spread magnitudes nudged each version, plus raw uint16 bits."""
+    from core_support import write_hf_checkpoint
+
+    from weightsync import Publisher
+
+    v = {"big": (0.02 * rng.standard_normal((40, 500))).astype(np.float32),
+         "bf": rng.integers(0, 1 << 16, (9, 1000)).astype(np.uint16),
+         "tiny": rng.standard_normal(5).astype(np.float32)}
+    write_hf_checkpoint(str(tmp / "seed"), v)
+    pub = Publisher(str(tmp / "src"), encoding="sparse-v2", workers=2)
+    pub.seed_snapshot(v)
+    history = [v]
+    for i in range(1, versions + 1):
+        v = {n: a.copy() for n, a in v.items()}
+        moved = rng.random(v["big"].shape) < 0.1
+        v["big"][moved] += np.float32(1e-4) * rng.standard_normal(int(moved.sum())).astype(np.float32)
+        v["bf"][rng.random(v["bf"].shape) < 0.05] += 1
+        assert pub.publish(i, v).kind == "delta"
+        history.append(v)
+    pub.close()
+    return history
+
+
+def test_publish_and_pull_a_sparse_v2_chain_split_across_workers(small_segments, fast_tmp_path, rng):
+    from core_support import assert_checkpoint_is, tensor_bytes
+
+    from weightsync import apply as apply_mod
+    from weightsync import pull
+
+    history = _float_chain(fast_tmp_path, rng, 4)
+    local, seed, src = (str(fast_tmp_path / n) for n in ("local", "seed", "src"))
+    res = pull(local, seed, src, 1, workers=3)
+    assert res.applied_version == 1
+    assert_checkpoint_is(local, tensor_bytes(history[1]))
+    plans = []
+    real_plan = apply_mod._split_plan
+    apply_mod._split_plan = lambda jobs, workers: plans.append(real_plan(jobs, workers)) or plans[-1]
+    try:
+        res = pull(local, seed, src, 4, workers=3)  # a folded chain of three, "big" in parts
+    finally:
+        apply_mod._split_plan = real_plan
+    assert res.applied_version == 4 and res.deltas_applied == 3 and not res.reseeded
+    assert_checkpoint_is(local, tensor_bytes(history[4]))
+    assert any(len(p.get("big", [])) > 1 for p in plans), plans
+
+
+def test_local_damage_under_a_sparse_v2_chain_reseeds_and_replays(small_segments, fast_tmp_path, rng):
+    from core_support import assert_checkpoint_is, flip_local_byte, tensor_bytes
+
+    from weightsync import pull
+
+    history = _float_chain(fast_tmp_path, rng, 3)
+    local, seed, src = (str(fast_tmp_path / n) for n in ("local", "seed", "src"))
+    pull(local, seed, src, 1, workers=2)
+    flip_local_byte(local, "big", 1001)  # an exponent bit: the element's class changes
+    res = pull(local, seed, src, 3, workers=2)
+    assert res.applied_version == 3 and res.reseeded
+    assert_checkpoint_is(local, tensor_bytes(history[3]))
+
+
+def test_broken_sparse_v2_payload_is_refused_at_load_before_any_seed(tmp_path):
+    import os
+
+    from core_support import write_hf_checkpoint
+
+    from weightsync import Publisher, errors, pull
+    from weightsync.layout import version_dir
+    from weightsync.safetensors_io import read_header
+
+    rng = np.random.default_rng(7)
+    seed, source, local = (str(tmp_path / n) for n in ("seed", "src", "local"))
+    t0 = {"w": rng.standard_normal(4096).astype(np.float32)}
+    write_hf_checkpoint(seed, t0)
+    pub = Publisher(source, encoding="sparse-v2")
+    pub.seed_snapshot(t0)
+    t1 = {"w": t0["w"] + np.float32(1e-3) * (rng.random(4096) < 0.1)}
+    pub.publish(1, t1, full=True)
+    t2 = {"w": t1["w"] + np.float32(1e-3) * (rng.random(4096) < 0.1)}
+    pub.publish(2, t2, full=False)
+    shard = os.path.join(version_dir(source, 2), "delta-r00000-00001.safetensors")
+    entry = read_header(shard).tensors["w"]
+    with open(shard, "r+b") as f:  # break the segment table: more classes than allowed
+        f.seek(entry.offset + codec_sparse2.HEADER.size)
+        f.write(bytes([9]))
+    with pytest.raises(errors.PayloadBoundError, match=r"v2: tensor w"):
+        pull(local, seed, source, 2)
+    seeded = os.path.exists(local) and any(f.endswith(".safetensors") for f in os.listdir(local))
+    assert not seeded, "the seed ran before the broken payload was refused"
