@@ -50,7 +50,7 @@ from weightsync import Publisher, RawTensor, pull  # noqa: E402
 from weightsync.fsio import write_file  # noqa: E402
 from weightsync.safetensors_io import iter_file_chunks  # noqa: E402
 
-ENCODINGS = ("sparse-v1", "xor")
+ENCODINGS = ("sparse-v1", "sparse-v2", "xor")
 CATCHUP = 8
 MB = 1e6
 
@@ -104,6 +104,31 @@ def order0_entropy_nbytes(old: dict[str, np.ndarray], new: dict[str, np.ndarray]
         counts = np.bincount(d, minlength=65536)[1:]
         counts = counts[counts > 0] / k
         bits += k * float(-(counts * np.log2(counts)).sum())
+    return bits / 8
+
+
+def context_entropy_nbytes(old: dict[str, np.ndarray], new: dict[str, np.ndarray]) -> float:
+    """Per tensor, conditioned on the old element's exponent e (what sparse-v2's receiver
+    knows): sum_e n_e H(p_changed | e) + k H(new - old | e, changed), in bytes."""
+    bits = 0.0
+    for name, n_arr in new.items():
+        o = old[name].reshape(-1)
+        nw = n_arr.reshape(-1)
+        e = ((o >> 7) & 0xFF).astype(np.int64)
+        changed = o != nw
+        k = int(np.count_nonzero(changed))
+        if k == 0:
+            continue
+        ne = np.bincount(e, minlength=256).astype(np.float64)
+        ke = np.bincount(e[changed], minlength=256).astype(np.float64)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            p = np.where(ne > 0, ke / np.maximum(ne, 1), 0.0)
+            h = -(np.where(p > 0, p * np.log2(np.where(p > 0, p, 1)), 0) + np.where(p < 1, (1 - p) * np.log2(np.where(p < 1, 1 - p, 1)), 0))
+        bits += float((ne * h).sum())
+        d = (nw[changed] - o[changed]).astype(np.int64)
+        _, joint = np.unique(e[changed] * 65536 + d, return_counts=True)
+        marginal = ke[ke > 0]
+        bits += float(-(joint * np.log2(joint / k)).sum()) - float(-(marginal * np.log2(marginal / k)).sum())
     return bits / 8
 
 
@@ -321,6 +346,7 @@ def run(args, N: int, steps, machine: str, work: str) -> str:
                                        key=lambda t: t[1])
         row["base_pub1_s"] *= scale
         row["entropy_sub"] = order0_entropy_nbytes(sub_prev, sub_cur)
+        row["ctx_entropy_sub"] = context_entropy_nbytes(sub_prev, sub_cur)
         for enc in ENCODINGS:
             pub1s[enc].seed_snapshot(as_raw(sub_prev), version=i - 1)
             runs = [METER.run(pub1s[enc].prepare, i, as_raw(sub_cur)) for _ in range(args.reps)]
@@ -385,6 +411,17 @@ def run(args, N: int, steps, machine: str, work: str) -> str:
     extra["base_pullNw_s"] = base.apply(cu_local, base_files[:1], N)
     gpu_line = gpu_diff_probe(stream, steps[0][0]) if args.device != "cpu" else None
     return _report(args, machine, N, total_nbytes, len(v0), rows, extra, n_cu, gpu_line)
+
+
+def _row_line_v2(r: dict, total: int) -> str:
+    gbs = lambda key: total / r[key] / 1e9  # noqa: E731
+    trio = lambda fmt: " ".join("%5.2f" % gbs(fmt % who) for who in ("base", "sparse-v1", "sparse-v2"))  # noqa: E731
+    return (
+        f"| {r['step']:>2} {r['label']:<7} | {r['sparse-v2_wire'] / MB:7.2f} | {r['sparse-v2_wire'] / r['sparse-v1_wire']:5.3f}x "
+        f"| {r['sparse-v2_wire'] / r['base_wire']:5.3f}x | {r['sparse-v2_wire_sub'] / max(r['entropy_sub'], 1):5.2f}x "
+        f"| {r['sparse-v2_wire_sub'] / max(r['ctx_entropy_sub'], 1):5.2f}x | {r['ctx_entropy_sub'] / max(r['entropy_sub'], 1):5.3f} "
+        f"| {trio('%s_pub1_s')} | {trio('%s_pull_s')} | {trio('%s_pullcpu_s')} | {r['sparse-v2_kind']} |"
+    )
 
 
 def _row_line(r: dict, total: int) -> str:
@@ -478,9 +515,57 @@ def _report(args, machine, N, total, ntensors, rows, extra, n_cu, gpu_line) -> s
         f"- a full version instead (seed copy of the checkpoint on pull): {extra['sparse-v1_reseed_s']:.2f}s; the dense "
         f"step pulled ({dense_kinds}) in {', '.join('%.2fs' % r['sparse-v1_pull_s'] for r in dense)}",
     ]
+    lines += _report_v2(N, total, rows, extra, n_cu, ok)
     if gpu_line:
         lines.append(f"- {gpu_line}")
     return "\n".join(lines) + "\n"
+
+
+def _report_v2(N, total, rows, extra, n_cu, ok) -> list[str]:
+    """sparse-v2 beside sparse-v1 and the baseline, same run, same data."""
+    realistic = [r for r in rows if r["label"] != "dense"]
+
+    def agg(key: str) -> float:
+        return sum(r[key] for r in realistic)
+
+    worst_v1 = max(r["sparse-v2_wire"] / r["sparse-v1_wire"] for r in realistic)
+    worst_base = max(r["sparse-v2_wire"] / r["base_wire"] for r in realistic)
+    pub1 = agg("base_pub1_s") / agg("sparse-v2_pub1_s")
+    pull = agg("base_pull_s") / agg("sparse-v2_pull_s")
+    pull_worst = min(r["base_pull_s"] / r["sparse-v2_pull_s"] for r in realistic)
+    pull_v1 = agg("sparse-v1_pull_s") / agg("sparse-v2_pull_s")
+    pullcpu = agg("base_pullcpu_s") / agg("sparse-v2_pullcpu_s")
+    single = sum(r["sparse-v2_pull_s"] for r in realistic[:n_cu]) / n_cu
+    rss = extra["sparse-v2_rss"]
+    return [
+        "",
+        "sparse-v2 (classes of the old element's exponent), same run: wire against sparse-v1 and the baseline;",
+        "H0: order-0 entropy; Hctx: entropy given the old element's exponent (per tensor); Hctx/H0 the bound",
+        "such a context allows. Each trio: base sparse-v1 sparse-v2.",
+        "",
+        "| step       | v2 MB   | /v1    | /base  | v2/H0 | v2/Hctx | Hctx/H0 | pub/core b v1 v2  | pull b v1 v2      | pull/cpu b v1 v2  | v2 kind |",
+        "|------------|---------|--------|--------|-------|---------|---------|-------------------|-------------------|-------------------|---------|",
+        *(_row_line_v2(r, total) for r in rows),
+        "",
+        f"- sparse-v2 wire bytes on realistic steps: worst {worst_v1:.3f}x sparse-v1's, overall "
+        f"{agg('sparse-v2_wire') / agg('sparse-v1_wire'):.3f}x (target <= 0.72x on every step: {ok(worst_v1 <= 0.72)}); "
+        f"against the baseline worst {worst_base:.3f}x, overall {agg('sparse-v2_wire') / agg('base_wire'):.3f}x "
+        f"(target <= 0.33x: {ok(worst_base <= 0.33)})",
+        f"- sparse-v2 against the entropy: {agg('sparse-v2_wire_sub') / agg('entropy_sub'):.3f}x order-0, "
+        f"{agg('sparse-v2_wire_sub') / agg('ctx_entropy_sub'):.3f}x the exponent-conditional estimate "
+        f"(which is {agg('ctx_entropy_sub') / agg('entropy_sub'):.3f}x order-0); sparse-v1 "
+        f"{agg('sparse-v1_wire_sub') / agg('entropy_sub'):.3f}x order-0",
+        f"- sparse-v2 publish per core: {pub1:.2f}x the baseline (target >= 1.0x: {ok(pub1 >= 1.0)}); "
+        f"sparse-v1 {agg('base_pub1_s') / agg('sparse-v1_pub1_s'):.2f}x",
+        f"- sparse-v2 pull (apply + verify + flush): {pull:.2f}x the baseline (worst step {pull_worst:.2f}x; target >= 1.0x: "
+        f"{ok(pull >= 1.0)}), {pull_v1:.2f}x sparse-v1's; per CPU-second {pullcpu:.2f}x the baseline",
+        f"- sparse-v2 catch-up over {n_cu} / one delta: {extra['sparse-v2_catchup_s'] / single:.2f}x "
+        f"({extra['sparse-v2_catchup_s']:.2f}s); pull scaling 1 -> {N} workers "
+        f"{extra['sparse-v2_pull1w_s'] / extra['sparse-v2_pullNw_s']:.2f}x",
+        f"- sparse-v2 puller peak anonymous memory (catch-up of {n_cu}, subprocess): {rss['peak_anon_mb']:.0f} MB "
+        f"(sparse-v1 {extra['sparse-v1_rss']['peak_anon_mb']:.0f} MB; bound 256 MB + {N} x 2 MB: "
+        f"{ok(rss['peak_anon_mb'] < 256 + 2 * N)})",
+    ]
 
 
 if __name__ == "__main__":

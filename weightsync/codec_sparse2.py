@@ -223,27 +223,28 @@ class Sparse2Codec:
         bounds = [0, *starts, nkeys]
         entry = [struct.pack("<B", len(bounds) - 1), bytes(starts)]
         seg_frames: list[bytes] = []
-        cls_of_change = np.searchsorted(np.asarray(starts, dtype=np.intp), keys_changed, side="right")
+        class_of_key = np.zeros(nkeys, np.uint8)
+        for b in starts:
+            class_of_key[b:] += 1
+        cls_of_change = np.take(class_of_key, keys_changed)
         sel = SCRATCH.get("sp2-enc-sel", length).view(np.bool_)
         for c in range(len(bounds) - 1):
             lo, hi = bounds[c] << shift, bounds[c + 1] << shift
-            at = np.flatnonzero(cls_of_change == c) if len(bounds) > 2 else None
-            kc = k if at is None else at.size
             if len(bounds) == 2:
-                members_c = length
-                local = idx
-                chm = ne
+                at = None
+                kc, members_c, local = k, length, idx
             else:
+                at = np.flatnonzero(cls_of_change == c)
+                kc = at.size
                 _select(v, lo, hi, width, sel)
-                pos = np.flatnonzero(sel)
-                members_c = pos.size
-                chm = np.take(ne, pos)
-                local = np.flatnonzero(chm) if kc else np.empty(0, np.intp)
+                members_c, local = _ranks(sel, idx[at])
             if kc == 0:
                 entry.append(CLASS_HEAD.pack(members_c, 0, MASK_NONE, 0))
                 continue
             if 4 * kc >= members_c:
                 mode = MASK_BITMAP
+                chm = np.zeros(members_c, np.bool_)
+                chm[local] = True
                 cframes = [compress(np.packbits(chm, bitorder="little"), level)]
             else:
                 gaps = np.empty(kc, "<u4")
@@ -278,6 +279,26 @@ class Sparse2Codec:
 
     def apply(self, region, payload, itemsize, tensor, chunk_nbytes):
         apply_sparse2_chain(region, [payload], tensor, chunk_nbytes, hasher=None)
+
+
+_POPCOUNT = np.array([bin(i).count("1") for i in range(256)], np.uint8)
+
+
+def _popcount(packed: np.ndarray) -> np.ndarray:
+    count = getattr(np, "bitwise_count", None)  # numpy >= 2
+    return count(packed) if count is not None else np.take(_POPCOUNT, packed)
+
+
+def _ranks(sel: np.ndarray, at: np.ndarray) -> tuple[int, np.ndarray]:
+    """(members of ``sel``, rank among them of each position in ``at``, all members): a
+    popcount prefix over the packed mask, so no pass writes a position per element."""
+    packed = np.packbits(sel, bitorder="little")
+    prefix = np.empty(packed.size + 1, np.int64)
+    prefix[0] = 0
+    np.cumsum(_popcount(packed), out=prefix[1:])
+    byte = at >> 3
+    below = packed[byte] & ((np.left_shift(1, at & 7)) - 1).astype(np.uint8)
+    return int(prefix[-1]), prefix[byte] + _popcount(below)
 
 
 def _select(v: np.ndarray, lo: int, hi: int, width: int, out: np.ndarray) -> None:
