@@ -51,12 +51,154 @@ def encode_payload(encoding: str, old: bytes, new: bytes) -> bytes:
     elif encoding == "overwrite":
         pos = np.flatnonzero(a != b)
         body = struct.pack("<I", pos.size) + pos.astype("<u4").tobytes() + b[pos].tobytes()
+    elif encoding == "sparse-v2":
+        return encode_sparse_v2(old, new)
     else:
-        raise ValueError(f"this writer knows only xor and overwrite, not {encoding}")
-    return zstandard.ZstdCompressor(level=1, write_content_size=True).compress(body)
+        raise ValueError(f"this writer knows only xor, overwrite and sparse-v2, not {encoding}")
+    return _zframe(body)
+
+
+def _zframe(data: bytes) -> bytes:
+    return zstandard.ZstdCompressor(level=1, write_content_size=True).compress(data)
+
+
+# --- sparse-v2 (FORMAT.md "sparse-v2") --------------------------------------------------------
+
+V2_SEG = 4096  # the smallest segment the format allows: several segments even for small tensors
+V2_LE = {1: "u1", 2: "<u2", 4: "<u4", 8: "<u8"}
+
+
+def _v2_width(nbytes: int) -> int:
+    # any width dividing nbytes is valid; this writer does not know dtypes
+    return next(w for w in (4, 2, 1) if nbytes % w == 0)
+
+
+def _v2_keys(x: np.ndarray, width: int) -> np.ndarray:
+    magnitude = x.astype(np.uint64) & np.uint64((1 << (8 * width - 1)) - 1)
+    shift = {1: 0, 2: 7, 4: 23, 8: 55}[width]
+    return (magnitude >> np.uint64(shift)).astype(np.int64)
+
+
+def encode_sparse_v2(old: bytes, new: bytes) -> bytes:
+    """Classes: one boundary at the median key of the segment's old elements (when there are two
+    keys or more); the format leaves the choice to the writer."""
+    width = _v2_width(len(old))
+    bits = 8 * width
+    o = np.frombuffer(old, V2_LE[width]).astype(np.uint64)
+    nw = np.frombuffer(new, V2_LE[width]).astype(np.uint64)
+    n = o.size
+    nseg = -(-n // V2_SEG)
+    table, streams = b"", b""
+    for s in range(nseg):
+        a, b = s * V2_SEG, min(n, (s + 1) * V2_SEG)
+        so, sn = o[a:b], nw[a:b]
+        if not np.any(so != sn):
+            table += b"\0"
+            continue
+        keys = _v2_keys(so, width)
+        median = int(np.median(keys))
+        starts = [median] if 0 < median and np.any(keys < median) else []
+        bounds = [0, *starts, 256 if width > 1 else 128]
+        table += bytes([len(bounds) - 1, *starts])
+        for c in range(len(bounds) - 1):
+            members = np.flatnonzero((keys >= bounds[c]) & (keys < bounds[c + 1]))
+            changed = np.flatnonzero(so[members] != sn[members])  # class indices
+            k = changed.size
+            if k == 0:
+                table += struct.pack("<IIBB2x", members.size, 0, 0, 0)
+                continue
+            at = members[changed]
+            d = [(int(sn[i]) - int(so[i])) % (1 << bits) for i in at]
+            negative = [x >= 1 << (bits - 1) for x in d]
+            mags = [((1 << bits) - x if neg else x) - 1 for x, neg in zip(d, negative)]
+            if 4 * k >= members.size:
+                mode = 8
+                bitmap = np.zeros(members.size, bool)
+                bitmap[changed] = True
+                parts = [np.packbits(bitmap, bitorder="little").tobytes()]
+            else:
+                gaps = np.diff(np.concatenate([[-1], changed])) - 1
+                mode = next(w for w in (1, 2, 4) if int(gaps.max()) < 1 << (8 * w))
+                g = gaps.astype("<u4").view(np.uint8).reshape(k, 4)
+                parts = [g[:, j].tobytes() for j in range(mode)]
+            parts.append(np.packbits(np.array(negative, bool), bitorder="little").tobytes())
+            planes = (max(mags).bit_length() + 7) // 8
+            m = np.array(mags, V2_LE[width]).view(np.uint8).reshape(k, width)
+            parts += [m[:, j].tobytes() for j in range(planes)]
+            frames = [_zframe(x) for x in parts]
+            table += struct.pack("<IIBB2x", members.size, k, mode, planes) + struct.pack(f"<{len(frames)}I", *map(len, frames))
+            streams += b"".join(frames)
+    head = b"WSS2" + bytes([1, width, 0, 0]) + struct.pack("<QII", n, V2_SEG, nseg)
+    return head + table + streams
+
+
+def _frame_content(frame: bytes) -> bytes:
+    size = zstandard.get_frame_parameters(frame).content_size
+    out = zstandard.ZstdDecompressor().decompress(frame, max_output_size=size)
+    assert len(out) == size
+    return out
+
+
+def apply_sparse_v2(old: bytes, payload: bytes) -> bytes:
+    magic, version, width, reserved, flags, n, seg, nseg = struct.unpack_from("<4sBBBBQII", payload, 0)
+    assert (magic, version, reserved, flags) == (b"WSS2", 1, 0, 0) and width in V2_LE
+    assert n * width == len(old) and 1 << 12 <= seg <= 1 << 20 and nseg == -(-n // seg)
+    nkeys = 256 if width > 1 else 128
+    bits = 8 * width
+    out = np.frombuffer(old, V2_LE[width]).astype(np.uint64)
+    pos = 24
+    segments = []
+    for s in range(nseg):
+        nclasses = payload[pos]
+        pos += 1
+        starts = list(payload[pos : pos + max(nclasses - 1, 0)])
+        pos += max(nclasses - 1, 0)
+        bounds = [0, *starts, nkeys]
+        classes = []
+        for c in range(nclasses):
+            members, k, mode, planes = struct.unpack_from("<IIBB2x", payload, pos)
+            pos += 12
+            nframes = 0 if k == 0 else (1 if mode == 8 else mode) + 1 + planes
+            sizes = struct.unpack_from(f"<{nframes}I", payload, pos)
+            pos += 4 * nframes
+            classes.append((bounds[c], bounds[c + 1], members, k, mode, planes, sizes))
+        segments.append(classes)
+    for s, classes in enumerate(segments):
+        a, b = s * seg, min(n, (s + 1) * seg)
+        keys = _v2_keys(out[a:b], width)  # all classes from the old bytes, before any write
+        updates = []
+        for lo, hi, members_declared, k, mode, planes, sizes in classes:
+            frames = []
+            for size in sizes:
+                frames.append(_frame_content(payload[pos : pos + size]))
+                pos += size
+            members = np.flatnonzero((keys >= lo) & (keys < hi))
+            assert members.size == members_declared
+            if k == 0:
+                continue
+            if mode == 8:
+                q = np.flatnonzero(np.unpackbits(np.frombuffer(frames[0], np.uint8), count=members.size, bitorder="little"))
+                rest = frames[1:]
+            else:
+                gaps = sum(np.frombuffer(frames[j], np.uint8).astype(np.int64) << (8 * j) for j in range(mode))
+                q = np.cumsum(gaps + 1) - 1
+                rest = frames[mode:]
+            assert q.size == k and int(q[-1]) < members.size
+            negative = np.unpackbits(np.frombuffer(rest[0], np.uint8), count=k, bitorder="little")
+            mags = sum((np.frombuffer(rest[1 + j], np.uint8).astype(np.uint64) << np.uint64(8 * j) for j in range(planes)),
+                       np.zeros(k, np.uint64))
+            for i, neg, m in zip(members[q], negative, mags):
+                step = (1 << bits) - (int(m) + 1) if neg else int(m) + 1
+                updates.append((a + int(i), (int(out[a + i]) + step) % (1 << bits)))
+        for i, value in updates:
+            out[i] = value
+    assert pos == len(payload), "trailing bytes after the sparse-v2 streams"
+    return out.astype(V2_LE[width]).tobytes()
 
 
 def apply_payload(encoding: str, old: bytes, payload: bytes) -> bytes:
+    if encoding == "sparse-v2":
+        return apply_sparse_v2(old, payload)
     params = zstandard.get_frame_parameters(payload)
     body = zstandard.ZstdDecompressor().decompress(payload, max_output_size=params.content_size)
     assert len(body) == params.content_size
@@ -71,7 +213,7 @@ def apply_payload(encoding: str, old: bytes, payload: bytes) -> bytes:
         out = np.frombuffer(old, np.uint8).copy()
         out[pos] = np.frombuffer(body, np.uint8, offset=4 + 4 * count)
         return out.tobytes()
-    raise ValueError(f"unsupported delta_encoding {encoding!r}; supported ['overwrite', 'xor']")
+    raise ValueError(f"unsupported delta_encoding {encoding!r}; supported ['overwrite', 'sparse-v2', 'xor']")
 
 
 # --- the writer ---------------------------------------------------------------------------------

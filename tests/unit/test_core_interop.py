@@ -116,7 +116,35 @@ def test_independent_reader_agrees_with_itself_on_the_upstream_chain(upstream_ch
         assert upstream.read_version(upstream_chain["source"], v, seed) == upstream_chain["expected"][v]
 
 
-@pytest.mark.parametrize("encoding", ["xor", "overwrite"])
+def test_a_sparse_v2_chain_of_the_independent_writer_pulls_bit_exact(fast_tmp_path):
+    """Written from FORMAT.md alone (its own class boundaries, segments of 2^12, widths from the
+    byte length), applied by our pull, step by step and folded."""
+    rng = np.random.default_rng(13)
+    seed, source = str(fast_tmp_path / "seed"), str(fast_tmp_path / "src")
+    sizes = dict(SIZES, big=("float32", (100, 123)))
+    arrays = random_tensors(rng, sizes)
+    arrays["big"] = (0.02 * rng.standard_normal((100, 123))).astype(np.float32)
+    write_hf_checkpoint(seed, arrays)
+    expected = {0: tensor_bytes(arrays)}
+    for version in range(1, 5):
+        new = mutate(arrays, rng, 0.05)
+        new["big"] = arrays["big"] * (1 + np.float32(1e-3) * (rng.random((100, 123)) < 0.2))
+        upstream.write_delta_version(source, version, tensor_bytes(arrays), tensor_bytes(new), encoding="sparse-v2",
+                                     checksum="xxh3-128", shards=2)
+        assert upstream.read_version(source, version, expected[0]) == tensor_bytes(new)
+        arrays = new
+        expected[version] = tensor_bytes(new)
+    step = str(fast_tmp_path / "step")
+    for version in (1, 2):
+        assert pull(step, seed, source, version, workers=2).applied_version == version
+        assert_checkpoint_is(step, expected[version])
+    folded = str(fast_tmp_path / "folded")
+    res = pull(folded, seed, source, 4, workers=2)
+    assert res.applied_version == 4 and not res.reseeded
+    assert_checkpoint_is(folded, expected[4])
+
+
+@pytest.mark.parametrize("encoding", ["xor", "overwrite", "sparse-v2"])
 def test_versions_our_publisher_writes_are_read_by_the_independent_reader(fast_tmp_path, encoding):
     rng = np.random.default_rng(11)
     source = str(fast_tmp_path / "src")
