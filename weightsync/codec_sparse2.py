@@ -33,7 +33,7 @@ from typing import NamedTuple
 import numpy as np
 
 from .codec_sparse import LE_UINT, _gap_width, _planes, _signed, _width
-from .codecs import SCRATCH, Encoded, register_codec
+from .codecs import SCRATCH, Encoded, PayloadDensity, register_codec
 from .errors import LocalTensorMismatchError, PayloadBoundError
 from .zstd_frames import check_frame, compress, decompress_exact
 
@@ -279,6 +279,16 @@ class Sparse2Codec:
 
     def apply(self, region, payload, itemsize, tensor, chunk_nbytes):
         apply_sparse2_chain(region, [payload], tensor, chunk_nbytes, hasher=None)
+
+    def density(self, payload, nbytes, itemsize, tensor) -> PayloadDensity:
+        """From the segment table alone, like sparse-v1 (changed bytes would need the old bytes)."""
+        mv = memoryview(payload).cast("B")
+        if mv.nbytes < HEADER.size:
+            raise PayloadBoundError(tensor, f"sparse-v2 payload of {mv.nbytes} bytes is shorter than its {HEADER.size}-byte header")
+        _, _, width, _, _, n, _, _ = HEADER.unpack_from(mv, 0)
+        parsed = parse(payload, n * width if nbytes is None else nbytes, tensor, check_frames=True)
+        changed = sum(seg.nchanged for seg in parsed.segments)
+        return PayloadDensity(parsed.nelements * parsed.width, parsed.nelements, changed, None)
 
 
 _POPCOUNT = np.array([bin(i).count("1") for i in range(256)], np.uint8)
