@@ -11,7 +11,8 @@ need them (``gather``, ``updater``, ``cpu_trainer``), not here.
     hf_mapping   Megatron <-> HF names and layouts (Qwen3, Llama; dense and MoE)
     gather       TP/EP gathers, dtype cast, checks against --hf-checkpoint, PP de-duplication
     engines      the sglang HTTP client (timeouts, retries) and engine groups (threads, Ray)
-    updater      EngineSync (the engine call order) and DiskDeltaWeightUpdater (every rank)
+    engine_sync  EngineSync: the engine call order, live apply or reload, SyncMetrics (no torch)
+    updater      DiskDeltaWeightUpdater (every rank): gather, publish, then EngineSync
     megatron_cpu CPU scaffolding: Megatron's CPU shims, a GPTModel from an HF config
     cpu_trainer  a Megatron trainer as Ray actors on the CPU (demo, end-to-end tests)
     demo         ``python -m miles_updater.demo``
@@ -43,10 +44,14 @@ __all__ = [
 
 
 def __getattr__(name):  # lazy: torch/megatron load only when these are used
-    if name in ("DiskDeltaWeightUpdater", "EngineSync", "SyncMetrics"):
-        from . import updater
+    if name in ("EngineSync", "SyncMetrics"):
+        from . import engine_sync
 
-        return getattr(updater, name)
+        return getattr(engine_sync, name)
+    if name == "DiskDeltaWeightUpdater":
+        from .updater import DiskDeltaWeightUpdater
+
+        return DiskDeltaWeightUpdater
     if name == "HFWeightGatherer":
         from .gather import HFWeightGatherer
 

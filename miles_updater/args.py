@@ -21,6 +21,7 @@ from dataclasses import dataclass
 ENCODINGS = ("sparse-v1", "xor", "overwrite")
 CHECKSUMS = ("xxh3-128", "blake3", "adler32")
 PAUSE_MODES = ("retract", "abort", "in_place")
+APPLY_MODES = ("auto", "live", "reload")  # the same registry as engine_sync.APPLY_MODES (a test pins it)
 TRANSFER_MODE_DISK_DELTA = "disk-delta"
 
 
@@ -43,6 +44,7 @@ class DiskDeltaConfig:
     keep_versions: int | None = None
     post_write_path: str | None = None
     pause_mode: str = "retract"
+    apply_mode: str = "auto"
     engine_timeout_s: float = 120.0
     pull_timeout_s: float = 1800.0
     not_ready_retry_s: float = 60.0
@@ -86,6 +88,11 @@ def add_update_weight_arguments(parser: argparse.ArgumentParser) -> argparse.Arg
     _add(g, parser, "--update-weight-pause-mode", type=str, default="retract", choices=PAUSE_MODES,
          help="sglang pause_generation mode during the reload; 'in_place' keeps the KV cache "
               "(no flush_cache).")
+    _add(g, parser, "--update-weight-apply", type=str, default="auto", choices=APPLY_MODES,
+         help="How a pulled version reaches the engine's weights in the pause: 'auto' applies the changed "
+              "elements live (/update_weights_from_pulled; the engine reloads by itself when it cannot, "
+              "and an engine without the route is reloaded), 'live' the same but tried on every sync, "
+              "'reload' always /update_weights_from_disk.")
     _add(g, parser, "--update-weight-engine-timeout-s", type=float, default=120.0,
          help="HTTP timeout of pause/flush/reload/continue calls to an engine.")
     _add(g, parser, "--update-weight-pull-timeout-s", type=float, default=1800.0,
@@ -198,6 +205,7 @@ def validate_update_weight_args(args: argparse.Namespace) -> DiskDeltaConfig | N
         keep_versions=None if keep is None else int(keep),
         post_write_path=post,
         pause_mode=g("update_weight_pause_mode", "retract"),
+        apply_mode=g("update_weight_apply", "auto"),
         engine_timeout_s=float(g("update_weight_engine_timeout_s", 120.0)),
         pull_timeout_s=float(g("update_weight_pull_timeout_s", 1800.0)),
         not_ready_retry_s=float(g("update_weight_not_ready_retry_s", 60.0)),

@@ -41,6 +41,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=4e-4, help="Adam learning rate (sets how many bytes change)")
     p.add_argument("--encoding", default="sparse-v1", choices=("sparse-v1", "xor", "overwrite"))
     p.add_argument("--full-every", type=int, default=4, help="publish a full version every N versions")
+    p.add_argument("--apply", default="auto", choices=("auto", "live", "reload"),
+                   help="--update-weight-apply: live apply of the changed elements, or a full reload")
     p.add_argument("--workdir", default=None, help="where everything goes (default: a fresh temp dir)")
     p.add_argument("--keep", action="store_true", help="keep the workdir of a temp run")
     return p.parse_args(argv)
@@ -57,6 +59,7 @@ def _updater_config(hf_dir: str, workdir: Path, ns: argparse.Namespace):
         "--update-weight-local-checkpoint-dir", str(workdir / "local" / "ckpt"),
         "--update-weight-delta-encoding", ns.encoding,
         "--update-weight-full-every", str(ns.full_every),
+        "--update-weight-apply", ns.apply,
         "--hf-checkpoint", hf_dir,
         "--update-weight-engine-timeout-s", "120",
     ])
@@ -83,7 +86,8 @@ def _differing_tensors(published: dict, local: dict) -> list[str]:
 
 def print_table(rows: list[dict]) -> None:
     head = (f"{'ver':>3} {'kind':<5} {'changed B':>9} {'changed el':>10} {'wire':>10} {'full':>10} "
-            f"{'publish s':>9} {'pull s':>7} {'reload s':>8} {'loss':>7}  engine==trainer  files==bytes")
+            f"{'publish s':>9} {'pull s':>7} {'pause s':>7} {'apply':<6} {'scattered':>9} {'loss':>7}  "
+            f"engine==trainer  files==bytes")
     print(head)
     print("-" * len(head))
     for r in rows:
@@ -92,8 +96,13 @@ def print_table(rows: list[dict]) -> None:
         print(f"{r['version']:>3} {r['kind']:<5} {r['changed_fraction_bytes']:>9.2%} "
               f"{r['changed_fraction_elements']:>10.2%} {_fmt_bytes(r['wire_nbytes']):>10} "
               f"{_fmt_bytes(r['full_nbytes']):>10} {r['publish_s']:>9.3f} {r['pull_s']:>7.3f} "
-              f"{r['reload_s']:>8.3f} {'-' if r['loss'] is None else format(r['loss'], '.3f'):>7}  "
+              f"{r['pause_s']:>7.3f} {r.get('apply_mode') or '-':<6} {r.get('elements_scattered') or 0:>9} "
+              f"{'-' if r['loss'] is None else format(r['loss'], '.3f'):>7}  "
               f"{'yes' if r['match'] else 'NO':>15}  {'yes' if r['files_equal'] else 'NO':>11}")
+    reasons = [(r["version"], a["engine"], a["reason"]) for r in rows for a in r.get("applies") or []
+               if a.get("mode") != "live" and a.get("reason")]
+    for version, engine, reason in reasons:
+        print(f"  v{version} {engine}: reload ({reason})")
 
 
 def plot(rows: list[dict], path: Path) -> None:
@@ -119,15 +128,22 @@ def plot(rows: list[dict], path: Path) -> None:
     a2.legend(loc="upper right", fontsize=8)
     a.set_title("what each version put on the shared filesystem")
     bottom = [0.0] * len(rows)
-    for key, color in (("publish_s", "tab:purple"), ("pull_s", "tab:green"), ("reload_s", "tab:red")):
+    for key, color in (("publish_s", "tab:purple"), ("pull_s", "tab:green")):
         vals = [r[key] for r in rows]
-        b.bar(v, vals, bottom=bottom, color=color, label=key[:-2])
+        b.bar(v, vals, bottom=bottom, color=color, label=key[:-2] + " (while generating)")
         bottom = [x + y for x, y in zip(bottom, vals)]
+    # The pause is what rollouts feel: red for a full reload, cyan for a live apply of the changes.
+    for mode, color in (("reload", "tab:red"), ("live", "tab:cyan"), ("mixed", "tab:olive")):
+        pick = [i for i, r in enumerate(rows) if (r.get("apply_mode") or "reload") == mode]
+        if pick:
+            b.bar([v[i] for i in pick], [rows[i]["pause_s"] for i in pick], bottom=[bottom[i] for i in pick],
+                  color=color, label=f"pause, {mode}")
+    bottom = [x + r["pause_s"] for x, r in zip(bottom, rows)]
     for x, r, top in zip(v, rows, bottom):
         b.text(x, top, "=" if r["match"] else "X", ha="center", va="bottom")
     b.set_xlabel("version  ('=' engine output equals the trainer's)")
     b.set_ylabel("seconds")
-    b.set_title("time per sync")
+    b.set_title("time per sync (the pause: generation stopped)")
     b.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -179,7 +195,7 @@ def run(ns: argparse.Namespace) -> list[dict]:
         ref0 = greedy_from_tensors(hf_dir, read_state_dict(hf_dir), PROMPT, MAX_NEW_TOKENS)
         got0 = ray.get(engines[0].generate_ids.remote(PROMPT, MAX_NEW_TOKENS))
         rows.append(dict(version=0, kind="seed", changed_fraction_bytes=0.0, changed_fraction_elements=0.0,
-                         wire_nbytes=0, full_nbytes=0, publish_s=0.0, pull_s=0.0, reload_s=0.0, loss=None,
+                         wire_nbytes=0, full_nbytes=0, publish_s=0.0, pull_s=0.0, pause_s=0.0, loss=None,
                          match=ref0 == got0, files_equal=True, engine_ids=got0, trainer_ids=ref0))
         for step in range(1, ns.steps + 1):
             losses = ray.get([t.train_step.remote() for t in trainers])
@@ -197,7 +213,7 @@ def run(ns: argparse.Namespace) -> list[dict]:
             _say(f"step {step}: loss {losses[0]:.3f} -> v{metrics['version']} {metrics['kind']}: "
                  f"{metrics['changed_fraction_bytes']:.1%} bytes changed, wire {_fmt_bytes(metrics['wire_nbytes'])} "
                  f"of {_fmt_bytes(metrics['full_nbytes'])}; pull {metrics['pull_s']:.2f}s ({actions}), "
-                 f"reload {metrics['reload_s']:.2f}s; engine output {'==' if match else '!='} trainer's"
+                 f"pause {metrics['pause_s']:.2f}s ({metrics['apply_mode']}); engine output {'==' if match else '!='} trainer's"
                  + (f"; local files differ in {differ[:3]}" if differ else ", local files == published bytes"))
         ray.get([t.close.remote() for t in trainers])
     finally:

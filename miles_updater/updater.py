@@ -27,17 +27,15 @@ import logging
 import os
 import time
 import uuid
-from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import torch.distributed as dist
 
 from weightsync import Publisher
-from weightsync.hooks import load_callable
 from weightsync.layout import version_dir
 
 from .args import DiskDeltaConfig
-from .engines import EngineGroup, RayEngineGroup, ThreadEngineGroup
+from .engine_sync import EngineSync, SyncMetrics, as_engine_group
 from .gather import HFWeightGatherer
 
 log = logging.getLogger(__name__)
@@ -45,158 +43,6 @@ log = logging.getLogger(__name__)
 
 class WeightSyncFailed(RuntimeError):
     """A sync step failed on some rank; raised on every rank with that rank's message."""
-
-
-@dataclass
-class SyncMetrics:
-    """What one sync cost and changed; returned to the caller and logged."""
-
-    version: int
-    kind: str = ""
-    reason: str = ""
-    changed_bytes: int = 0
-    changed_elements: int = 0
-    total_elements: int = 0
-    full_nbytes: int = 0
-    wire_nbytes: int = 0
-    gather_s: float = 0.0
-    encode_s: float = 0.0
-    publish_s: float = 0.0
-    hook_s: float = 0.0
-    baseline_wait_s: float = 0.0
-    pull_s: float = 0.0
-    reload_s: float = 0.0
-    total_s: float = 0.0
-    staging_nbytes: int = 0
-    snapshot_nbytes: int = 0
-    pulls: list = field(default_factory=list)
-
-    @property
-    def changed_fraction_bytes(self) -> float:
-        return self.changed_bytes / self.full_nbytes if self.full_nbytes else 0.0
-
-    @property
-    def changed_fraction_elements(self) -> float:
-        return self.changed_elements / self.total_elements if self.total_elements else 0.0
-
-    def as_dict(self) -> dict:
-        d = asdict(self)
-        d["changed_fraction_bytes"] = self.changed_fraction_bytes
-        d["changed_fraction_elements"] = self.changed_fraction_elements
-        return d
-
-    def summary(self) -> str:
-        return (f"v{self.version} {self.kind} ({self.reason}): changed {self.changed_fraction_bytes:.2%} of bytes, "
-                f"{self.changed_fraction_elements:.2%} of elements; wire {self.wire_nbytes} B of {self.full_nbytes} B "
-                f"full; gather {self.gather_s:.2f}s encode {self.encode_s:.2f}s publish {self.publish_s:.2f}s "
-                f"pull {self.pull_s:.2f}s reload {self.reload_s:.2f}s")
-
-
-def load_hook(path: str | Callable | None) -> Callable | None:
-    return load_callable(path, what="--custom-update-weight-post-write-path", error=ValueError)
-
-
-class EngineSync:
-    """The engine side of a sync, run by one trainer rank (rank 0).
-
-    Args:
-        engines: an ``EngineGroup`` (Ray actor handles or HTTP clients).
-        source_dir: the run's source dir (holding ``weight_vNNNNNN/``).
-        local_checkpoint_dir: the host-local checkpoint dir on every engine host.
-        pause_mode: sglang's pause mode; ``in_place`` keeps the KV cache, so no flush.
-        post_write_hook: called ``hook(args, version_dir, rollout_engines)`` before the pulls.
-        hook_args: the ``args`` passed to the hook; rollout_engines: what the hook gets as engines.
-    """
-
-    def __init__(self, engines: EngineGroup, *, source_dir: str, local_checkpoint_dir: str,
-                 pause_mode: str = "retract", post_write_hook: str | Callable | None = None,
-                 hook_args: Any = None, rollout_engines: Any = None):
-        self.engines = engines
-        self.source_dir = source_dir
-        self.local_checkpoint_dir = local_checkpoint_dir
-        self.pause_mode = pause_mode
-        self.hook = load_hook(post_write_hook)
-        self.hook_args = hook_args
-        self.rollout_engines = rollout_engines if rollout_engines is not None else engines
-        self._baseline = None
-        self.baseline_results: list | None = None
-
-    def start_baseline(self) -> None:
-        """Send ``pull_weights(0)`` to every engine without waiting (overlaps the first rollout)."""
-        log.info("baseline: asking %d engine(s) to reset their local checkpoint to version 0", len(self.engines.names))
-        self._baseline = self.engines.submit("pull_weights", self.local_checkpoint_dir, self.source_dir, 0)
-
-    def finish_baseline(self) -> list | None:
-        """Wait for the baseline pulls (raises if any failed); None when none is pending."""
-        if self._baseline is None:
-            return None
-        pending, self._baseline = self._baseline, None
-        self.baseline_results = self.engines.wait(pending)
-        return self.baseline_results
-
-    def update(self, version: int, version_dir: str, metrics: SyncMetrics) -> SyncMetrics:
-        """Hook -> pull everywhere -> pause -> flush -> reload -> continue, timing each part."""
-        t0 = time.perf_counter()
-        self.finish_baseline()
-        metrics.baseline_wait_s = time.perf_counter() - t0
-        if self.hook is not None:
-            t = time.perf_counter()
-            self.hook(self.hook_args, version_dir, self.rollout_engines)
-            metrics.hook_s = time.perf_counter() - t
-        t = time.perf_counter()
-        pulls = self.engines.wait(self.engines.submit(
-            "pull_weights", self.local_checkpoint_dir, self.source_dir, version))
-        metrics.pull_s = time.perf_counter() - t
-        metrics.pulls = [_pull_summary(name, r) for name, r in zip(self.engines.names, pulls)]
-        t = time.perf_counter()
-        failure: BaseException | None = None
-        try:
-            self.engines.wait(self.engines.submit("pause_generation", self.pause_mode))
-            in_place = self.pause_mode == "in_place"
-            if not in_place:
-                self.engines.wait(self.engines.submit("flush_cache"))
-            self.engines.wait(self.engines.submit(
-                "update_weights_from_disk", self.local_checkpoint_dir, str(version), not in_place))
-        except BaseException as e:  # noqa: BLE001 - re-raised below, after resuming
-            failure = e
-        # Resume every engine even after a failed pause or reload: some may have paused, sglang
-        # restores the old weights when a reload fails, and a paused engine stalls the rollout.
-        try:
-            self.engines.wait(self.engines.submit("continue_generation"))
-        except BaseException:
-            if failure is None:
-                raise
-            log.exception("continue_generation also failed after: %s", failure)
-        if failure is not None:
-            raise failure
-        metrics.reload_s = time.perf_counter() - t
-        return metrics
-
-
-def _pull_summary(name: str, result: Any) -> dict:
-    """One engine's pull reply, reduced to what the metrics need (per-host actions kept)."""
-    if not isinstance(result, dict):
-        return {"engine": name, "result": result}
-    hosts = result.get("hosts") or []
-    return {
-        "engine": name,
-        "applied_version": result.get("applied_version"),
-        "seconds": result.get("seconds"),
-        "actions": [h.get("action") for h in hosts] or [result.get("action")],
-        "nbytes_read": sum(int(h.get("nbytes_read") or 0) for h in hosts) or int(result.get("nbytes_read") or 0),
-        "message": result.get("message"),
-    }
-
-
-def as_engine_group(engines: Any, names: Sequence[str] | None = None) -> EngineGroup:
-    """Accept an EngineGroup, a list of Ray actor handles, or a list of HTTP clients."""
-    if hasattr(engines, "submit") and hasattr(engines, "wait"):
-        return engines
-    engines = list(engines)
-    if engines and all(hasattr(e, "pull_weights") and not hasattr(getattr(e, "pull_weights"), "remote")
-                       for e in engines):
-        return ThreadEngineGroup(engines)
-    return RayEngineGroup(engines, names)
 
 
 class DiskDeltaWeightUpdater:
@@ -243,10 +89,14 @@ class DiskDeltaWeightUpdater:
         """Rank 0 drives the engines (Ray actor handles, clients or an EngineGroup)."""
         if self.rank != 0:
             return
+        if self.engine_sync is not None:  # reconnecting: release the previous group's threads
+            self.engine_sync.close()
+        group, owned = as_engine_group(rollout_engines, names)
         self.engine_sync = EngineSync(
-            as_engine_group(rollout_engines, names), source_dir=self.source_dir,
-            local_checkpoint_dir=self.config.local_checkpoint_dir, pause_mode=self.config.pause_mode,
+            group, source_dir=self.source_dir, local_checkpoint_dir=self.config.local_checkpoint_dir,
+            pause_mode=self.config.pause_mode, apply_mode=self.config.apply_mode,
             post_write_hook=self.config.post_write_path, hook_args=self.args, rollout_engines=rollout_engines,
+            owns_engines=owned,
         )
 
     def start(self) -> None:
@@ -384,5 +234,8 @@ class DiskDeltaWeightUpdater:
         self._all_gather(None, None if error is None else f"{what}: {error}")
 
     def close(self) -> None:
+        if self.engine_sync is not None:
+            self.engine_sync.close()
+            self.engine_sync = None
         if self.publisher is not None:
             self.publisher.close()

@@ -96,7 +96,7 @@ def test_engine_greedy_equals_transformers_after_each_real_optimizer_step(loop):
         assert m["kind"] == "delta"
         assert 0 < m["changed_fraction_bytes"] < 1 and 0 < m["wire_nbytes"] < m["full_nbytes"]
         assert m["pulls"][0]["applied_version"] == step and m["pulls"][0]["actions"] == ["chain"]
-        assert min(m["publish_s"], m["pull_s"], m["reload_s"]) > 0
+        assert min(m["publish_s"], m["pull_s"], m["pause_s"]) > 0
         outputs.append(_assert_engine_matches_trainer(loop))
     # The server answered with the weights of each version: at least one step changed its output
     # relative to the seed model (otherwise equality above could be a stale engine).

@@ -1,8 +1,9 @@
-"""The engine side of a sync: call order, the baseline, retry on "not ready", no retry on corrupt.
+"""The engine side of a sync: call order, live apply and its fallbacks, the baseline, retries.
 
 An in-process HTTP engine double records each call (order and body) and answers from a script;
-it exists only to cause faults and observe order. The real sglang server is exercised in
-tests/e2e/test_trainer_e2e.py.
+it exists only to cause faults and observe order (and to stand for the engine's
+``/update_weights_from_pulled`` contract where a fault on it is needed). The real sglang server
+is exercised in tests/e2e/test_trainer_e2e.py.
 """
 
 from __future__ import annotations
@@ -14,8 +15,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
+from miles_updater.engine_sync import APPLY_MODES, EngineSync, SyncMetrics
 from miles_updater.engines import EngineCallError, EngineSyncError, SGLangEngineClient, ThreadEngineGroup
-from miles_updater.updater import EngineSync, SyncMetrics
 
 CALLS: list = []  # (engine, path, body, time) across engines, in arrival order
 
@@ -27,24 +28,39 @@ class EngineDouble:
         self.name = name
         self.script: dict[str, list[tuple[int, dict]]] = {}
         self.pull_delay_s = 0.0
+        self.has_live_route = True
+        self.weight_version = "default"
         outer = self
 
         class Handler(BaseHTTPRequestHandler):
             def log_message(self, *a):
                 pass
 
+            def do_GET(self):
+                if self.path == "/model_info":
+                    self._answer(200, {"model_path": "/local/ckpt", "weight_version": outer.weight_version})
+                else:
+                    self._answer(404, {"detail": "Not Found"})
+
             def do_POST(self):
                 n = int(self.headers.get("Content-Length") or 0)
                 raw = self.rfile.read(n) if n else b""
                 body = json.loads(raw) if raw and raw != b"null" else None
-                CALLS.append((outer.name, self.path.split("?")[0], body, time.monotonic()))
-                if self.path.startswith("/pull_weights") and outer.pull_delay_s:
+                path = self.path.split("?")[0]
+                CALLS.append((outer.name, path, body, time.monotonic()))
+                if path == "/pull_weights" and outer.pull_delay_s:
                     time.sleep(outer.pull_delay_s)
-                queue = outer.script.get(self.path.split("?")[0]) or []
+                queue = outer.script.get(path) or []
                 status, reply = queue.pop(0) if queue else (200, {"success": True})
-                if status == 200 and self.path.startswith("/pull_weights") and reply == {"success": True}:
-                    reply = {"success": True, "applied_version": body["target_version"], "action": "chain",
-                             "reason": "double", "seconds": 0.0}
+                if path == "/update_weights_from_pulled" and not outer.has_live_route:
+                    status, reply = 404, {"detail": "Not Found"}  # FastAPI's answer for an unknown route
+                elif status == 200 and reply == {"success": True}:
+                    reply = outer.default_reply(path, body)
+                if status == 200 and path in ("/update_weights_from_pulled", "/update_weights_from_disk"):
+                    outer.weight_version = str(body.get("target_version", body.get("weight_version")))
+                self._answer(status, reply)
+
+            def _answer(self, status, reply):
                 data = json.dumps(reply).encode()
                 self.send_response(status)
                 self.send_header("Content-Type", "application/json")
@@ -56,6 +72,17 @@ class EngineDouble:
         self.thread = threading.Thread(target=self.server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
         self.thread.start()
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+
+    @staticmethod
+    def default_reply(path: str, body: dict) -> dict:
+        if path == "/pull_weights":
+            return {"success": True, "applied_version": body["target_version"], "action": "chain",
+                    "reason": "double", "seconds": 0.0}
+        if path == "/update_weights_from_pulled":
+            return {"success": True, "mode": "live", "reason": "", "message": "applied",
+                    "weight_version": str(body["target_version"]), "elements_scattered": 123, "pause_s": 0.01,
+                    "rolled_back": False, "hosts": []}
+        return {"success": True}
 
     def close(self):
         self.server.shutdown()
@@ -72,7 +99,8 @@ def doubles():
 
 
 def make_sync(doubles, **kw):
-    clients = [SGLangEngineClient(d.url, name=d.name, timeout_s=5, not_ready_retry_s=kw.pop("retry_s", 5),
+    retry_s = kw.pop("retry_s", 5)
+    clients = [SGLangEngineClient(d.url, name=d.name, timeout_s=5, not_ready_retry_s=retry_s,
                                   backoff_initial_s=0.01) for d in doubles]
     return EngineSync(ThreadEngineGroup(clients), source_dir="/shared/run-x", local_checkpoint_dir="/local/ckpt", **kw)
 
@@ -81,14 +109,14 @@ def paths_of(engine):
     return [p for e, p, _, _ in CALLS if e == engine]
 
 
-def test_sync_calls_engines_in_order_pull_pause_flush_reload_continue(doubles):
+def test_sync_calls_engines_in_order_pull_pause_apply_continue(doubles):
     hook_calls = []
     sync = make_sync(doubles, post_write_hook=lambda args, vdir, engines: hook_calls.append((args, vdir, len(CALLS))),
                      hook_args="ARGS")
     m = sync.update(3, "/shared/run-x/weight_v000003", SyncMetrics(version=3))
     for d in doubles:
-        assert paths_of(d.name) == ["/pull_weights", "/pause_generation", "/flush_cache",
-                                    "/update_weights_from_disk", "/continue_generation"]
+        assert paths_of(d.name) == ["/pull_weights", "/pause_generation", "/update_weights_from_pulled",
+                                    "/continue_generation"]
     # The hook runs before any engine call; every pull precedes every pause.
     assert hook_calls == [("ARGS", "/shared/run-x/weight_v000003", 0)]
     order = [p for _, p, _, _ in CALLS]
@@ -97,10 +125,103 @@ def test_sync_calls_engines_in_order_pull_pause_flush_reload_continue(doubles):
     bodies = {p: b for e, p, b, _ in CALLS if e == "e0"}
     assert bodies["/pull_weights"] == {"local_checkpoint_dir": "/local/ckpt", "source_dir": "/shared/run-x",
                                        "target_version": 3}
-    assert bodies["/update_weights_from_disk"] == {"model_path": "/local/ckpt", "flush_cache": True,
-                                                   "weight_version": "3"}
+    assert bodies["/update_weights_from_pulled"] == {"local_checkpoint_dir": "/local/ckpt", "target_version": 3,
+                                                     "flush_cache": True}
     assert bodies["/pause_generation"] == {"mode": "retract"}
     assert [p["engine"] for p in m.pulls] == ["e0", "e1"]
+    assert m.apply_mode == "live" and m.elements_scattered == 2 * 123
+    assert [a["engine_pause_s"] for a in m.applies] == [0.01, 0.01]
+    assert m.pause_s >= m.apply_s > 0
+
+
+def test_reload_mode_flushes_the_cache_once_inside_the_reload(doubles):
+    m = make_sync(doubles, apply_mode="reload").update(3, "/v", SyncMetrics(version=3))
+    for d in doubles:
+        assert paths_of(d.name) == ["/pull_weights", "/pause_generation", "/update_weights_from_disk",
+                                    "/continue_generation"]
+    body = next(b for e, p, b, _ in CALLS if p == "/update_weights_from_disk")
+    assert body == {"model_path": "/local/ckpt", "flush_cache": True, "weight_version": "3"}
+    assert m.apply_mode == "reload" and m.elements_scattered == 0
+    assert {a["reason"] for a in m.applies} == {"--update-weight-apply reload"}
+
+
+def test_failed_live_apply_falls_back_to_a_reload_in_the_same_pause(doubles):
+    doubles[1].script["/update_weights_from_pulled"] = [
+        (500, {"success": False, "error_type": "internal_error", "message": "scatter failed on dp0/tp1",
+               "rolled_back": True})]
+    m = make_sync(doubles).update(2, "/v", SyncMetrics(version=2))
+    assert paths_of("e0") == ["/pull_weights", "/pause_generation", "/update_weights_from_pulled",
+                              "/continue_generation"]
+    assert paths_of("e1") == ["/pull_weights", "/pause_generation", "/update_weights_from_pulled",
+                              "/update_weights_from_disk", "/continue_generation"]
+    assert m.apply_mode == "mixed" and [a["mode"] for a in m.applies] == ["live", "reload"]
+    assert "scatter failed on dp0/tp1" in m.applies[1]["reason"]
+    assert doubles[1].weight_version == "2"
+
+
+def test_live_reply_naming_another_weight_version_is_not_trusted(doubles):
+    doubles[0].script["/update_weights_from_pulled"] = [
+        (200, {"success": True, "mode": "live", "weight_version": "1", "elements_scattered": 5})]
+    m = make_sync(doubles).update(2, "/v", SyncMetrics(version=2))
+    assert "/update_weights_from_disk" in paths_of("e0")
+    assert "weight version '1' after applying v2" in m.applies[0]["reason"]
+
+
+def test_engine_reloading_by_itself_reports_reload_with_its_reason(doubles):
+    doubles[0].script["/update_weights_from_pulled"] = [
+        (200, {"success": True, "mode": "reload", "reason": "a full version in the chain", "weight_version": "4",
+               "elements_scattered": 0, "pause_s": 0.3})]
+    m = make_sync(doubles).update(4, "/v", SyncMetrics(version=4))
+    assert "/update_weights_from_disk" not in paths_of("e0")
+    assert m.applies[0] == dict(engine="e0", mode="reload", call="update_weights_from_pulled",
+                                reason="a full version in the chain", elements_scattered=0, engine_pause_s=0.3,
+                                call_s=None)
+
+
+def test_engine_without_the_live_route_is_reloaded_and_remembered_in_auto(doubles):
+    doubles[0].has_live_route = False
+    sync = make_sync(doubles)
+    for v in (1, 2):
+        m = sync.update(v, "/v", SyncMetrics(version=v))
+        assert [a["mode"] for a in m.applies] == ["reload", "live"]
+        assert doubles[0].weight_version == str(v)
+    # Asked once; the second sync went straight to the reload.
+    assert paths_of("e0").count("/update_weights_from_pulled") == 1
+    assert paths_of("e0").count("/update_weights_from_disk") == 2
+    assert "has no /update_weights_from_pulled" in m.applies[0]["reason"]
+
+
+def test_live_mode_tries_the_live_route_on_every_sync(doubles):
+    doubles[0].has_live_route = False
+    sync = make_sync(doubles, apply_mode="live")
+    for v in (1, 2):
+        sync.update(v, "/v", SyncMetrics(version=v))
+    assert paths_of("e0").count("/update_weights_from_pulled") == 2
+    assert paths_of("e0").count("/update_weights_from_disk") == 2
+
+
+def test_unknown_apply_mode_names_the_valid_ones():
+    with pytest.raises(ValueError, match="not one of auto, live, reload"):
+        EngineSync(ThreadEngineGroup([]), source_dir="/s", local_checkpoint_dir="/l", apply_mode="fast")
+    from miles_updater.args import APPLY_MODES as FLAG_CHOICES
+
+    assert FLAG_CHOICES == APPLY_MODES
+
+
+def test_reload_failing_after_a_failed_live_apply_fails_the_sync_and_resumes(doubles):
+    doubles[0].script["/update_weights_from_pulled"] = [(500, {"success": False, "message": "boom"})]
+    doubles[0].script["/update_weights_from_disk"] = [(400, {"success": False, "message": "shape mismatch"})]
+    with pytest.raises(EngineSyncError, match="engine e0: update_weights_from_disk failed.*shape mismatch"):
+        make_sync(doubles).update(1, "/v", SyncMetrics(version=1))
+    for d in doubles:
+        assert paths_of(d.name)[-1] == "/continue_generation"
+
+
+def test_weight_version_is_read_from_model_info(doubles):
+    client = SGLangEngineClient(doubles[0].url, name="e0", timeout_s=5)
+    assert client.weight_version() == "default"
+    make_sync(doubles).update(7, "/v", SyncMetrics(version=7))
+    assert client.weight_version() == "7"
 
 
 def test_pulls_run_concurrently_on_every_engine(doubles):
@@ -111,11 +232,12 @@ def test_pulls_run_concurrently_on_every_engine(doubles):
     assert abs(starts[0] - starts[1]) < 0.4  # the second did not wait for the first
 
 
-def test_in_place_pause_skips_flush_and_keeps_the_cache(doubles):
-    make_sync(doubles, pause_mode="in_place").update(1, "/v", SyncMetrics(version=1))
-    assert paths_of("e0") == ["/pull_weights", "/pause_generation", "/update_weights_from_disk",
-                              "/continue_generation"]
-    body = next(b for e, p, b, _ in CALLS if p == "/update_weights_from_disk")
+@pytest.mark.parametrize("apply_mode,call", [("auto", "/update_weights_from_pulled"),
+                                              ("reload", "/update_weights_from_disk")])
+def test_in_place_pause_skips_flush_and_keeps_the_cache(doubles, apply_mode, call):
+    make_sync(doubles, pause_mode="in_place", apply_mode=apply_mode).update(1, "/v", SyncMetrics(version=1))
+    assert paths_of("e0") == ["/pull_weights", "/pause_generation", call, "/continue_generation"]
+    body = next(b for e, p, b, _ in CALLS if p == call)
     assert body["flush_cache"] is False
 
 
@@ -169,7 +291,7 @@ def test_corrupt_artifact_is_not_retried(doubles):
 def test_failed_reload_still_resumes_generation_and_names_the_engine(doubles):
     doubles[1].script["/update_weights_from_disk"] = [(400, {"success": False, "message": "shape mismatch"})]
     with pytest.raises(EngineSyncError, match="engine e1: update_weights_from_disk failed.*shape mismatch"):
-        make_sync(doubles).update(1, "/v", SyncMetrics(version=1))
+        make_sync(doubles, apply_mode="reload").update(1, "/v", SyncMetrics(version=1))
     for d in doubles:
         assert paths_of(d.name)[-1] == "/continue_generation"
 
@@ -184,3 +306,64 @@ def test_unreachable_engine_fails_with_its_name():
     client = SGLangEngineClient("http://127.0.0.1:9", name="dead", timeout_s=1)
     with pytest.raises(EngineCallError, match="engine dead: pause_generation failed \\(no reply\\): cannot reach"):
         client.pause_generation()
+
+
+def test_failed_baseline_is_logged_and_the_first_sync_goes_on(doubles, caplog):
+    doubles[1].script["/pull_weights"] = [
+        (500, {"success": False, "error_type": "local_state_corrupt", "message": "disk full while seeding"})]
+    sync = make_sync(doubles)
+    sync.start_baseline()
+    with caplog.at_level("WARNING", logger="miles_updater.engine_sync"):
+        m = sync.update(1, "/v", SyncMetrics(version=1))
+    assert "baseline pull_weights(0) failed on 1 engine(s)" in caplog.text and "disk full while seeding" in caplog.text
+    assert list(m.baseline_errors) == ["e1"]
+    assert [p["applied_version"] for p in m.pulls] == [1, 1]
+    assert paths_of("e1") == ["/pull_weights", "/pull_weights", "/pause_generation", "/update_weights_from_pulled",
+                              "/continue_generation"]
+
+
+def _in_progress(target):
+    return (409, {"success": False, "error_type": "PullInProgress", "target_version": target,
+                  "message": f"a pull to v{target} is still running"})
+
+
+def test_same_target_pull_still_running_is_waited_for(doubles):
+    doubles[0].script["/pull_weights"] = [_in_progress(4), _in_progress(4)]
+    m = make_sync(doubles).update(4, "/v", SyncMetrics(version=4))
+    assert paths_of("e0").count("/pull_weights") == 3
+    assert m.pulls[0]["applied_version"] == 4
+
+
+def test_pull_in_progress_to_another_target_is_a_failure(doubles):
+    doubles[0].script["/pull_weights"] = [_in_progress(3)]
+    with pytest.raises(EngineSyncError, match=r"engine e0: pull_weights failed \(HTTP 409 PullInProgress\)"):
+        make_sync(doubles).update(4, "/v", SyncMetrics(version=4))
+    assert paths_of("e0") == ["/pull_weights"]
+
+
+def test_plain_conflict_is_a_failure(doubles):
+    doubles[0].script["/pull_weights"] = [(409, {"success": False, "error_type": "conflict", "target_version": 4,
+                                                 "message": "another pull (to v3) is still running"})]
+    with pytest.raises(EngineSyncError, match="HTTP 409 conflict"):
+        make_sync(doubles).update(4, "/v", SyncMetrics(version=4))
+
+
+def test_same_target_pull_in_progress_is_waited_for_only_up_to_the_pull_timeout(doubles):
+    doubles[0].script["/pull_weights"] = [_in_progress(4)] * 1000
+    client = SGLangEngineClient(doubles[0].url, name="e0", pull_timeout_s=0.3, backoff_initial_s=0.01,
+                                backoff_max_s=0.05)
+    with pytest.raises(EngineCallError, match=r"still running \(an earlier request's pull to the same version\) after"):
+        client.pull_weights("/local/ckpt", "/shared/run-x", 4)
+
+
+def test_closing_a_thread_group_ends_its_threads(doubles):
+    def engine_threads():
+        return [t for t in threading.enumerate() if t.name.startswith("engine-call")]
+
+    before = len(engine_threads())
+    for _ in range(3):
+        sync = make_sync(doubles, owns_engines=True)
+        sync.update(1, "/v", SyncMetrics(version=1))
+        assert len(engine_threads()) > before
+        sync.close()
+    assert len(engine_threads()) == before

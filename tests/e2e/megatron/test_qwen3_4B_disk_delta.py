@@ -174,7 +174,7 @@ def test_qwen3_4B_disk_delta_engines_hold_the_trainers_weights_after_each_sync(t
             assert outs[0] == outs[1]
             print(f"v{step} {m['kind']}: changed {m['changed_fraction_bytes']:.2%} of bytes, wire "
                   f"{m['wire_nbytes']} B of {m['full_nbytes']} B; publish {m['publish_s']:.1f}s pull "
-                  f"{m['pull_s']:.1f}s reload {m['reload_s']:.1f}s")
+                  f"{m['pull_s']:.1f}s pause {m['pause_s']:.1f}s ({m['apply_mode']})")
         ray.get([t.close.remote() for t in trainers])
     finally:
         ray.shutdown()

@@ -1,0 +1,296 @@
+"""Driving rollout engines to a published version: the engine half of every sync (no torch here).
+
+Role: whatever publishes (the Megatron updater, a plain PyTorch trainer), the engines are driven
+the same way, by ``EngineSync`` on one trainer process:
+
+    post-write hook -> pull_weights(v) on every engine at once, while they keep generating ->
+    pause_generation -> apply v -> continue_generation (always, once paused)
+
+Applying v (``--update-weight-apply``, one registry ``APPLY_MODES``):
+- ``auto`` (default): ``/update_weights_from_pulled`` (live apply of the changed elements; the
+  engine itself falls back to a full reload and says ``mode: "reload"`` with the reason when live
+  apply is impossible). An engine whose live call fails is reloaded with
+  ``/update_weights_from_disk`` in the same pause; one without the route (HTTP 404: an older
+  engine) is remembered and reloaded directly from then on.
+- ``live``: the same, but the live route is tried on every sync, and each fallback is a warning.
+- ``reload``: ``/update_weights_from_disk`` only (the engine re-reads every tensor).
+Either call flushes the cache itself (once per sync), except with pause mode ``in_place``, which
+keeps the KV cache on purpose.
+
+The baseline: at start ``pull_weights(0)`` goes to every engine without waiting, so the local
+copy of the seed overlaps the first rollout. It is only a head start: a failed baseline is
+logged and the sync goes on (the first pull seeds by itself).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable, Sequence
+
+from weightsync.hooks import load_callable
+
+from .engines import EngineCallError, EngineGroup, RayEngineGroup, ThreadEngineGroup
+
+log = logging.getLogger(__name__)
+
+APPLY_AUTO, APPLY_LIVE, APPLY_RELOAD = "auto", "live", "reload"
+APPLY_MODES = (APPLY_AUTO, APPLY_LIVE, APPLY_RELOAD)
+LIVE_CALL, RELOAD_CALL = "update_weights_from_pulled", "update_weights_from_disk"
+
+
+@dataclass
+class SyncMetrics:
+    """What one sync cost and changed; returned to the caller and logged."""
+
+    version: int
+    kind: str = ""
+    reason: str = ""
+    changed_bytes: int = 0
+    changed_elements: int = 0
+    total_elements: int = 0
+    full_nbytes: int = 0
+    wire_nbytes: int = 0
+    gather_s: float = 0.0
+    encode_s: float = 0.0
+    publish_s: float = 0.0
+    publish_attempts: int = 0
+    hook_s: float = 0.0
+    baseline_wait_s: float = 0.0
+    pull_s: float = 0.0
+    pause_s: float = 0.0  # generation paused -> resumed, as the trainer saw it
+    apply_s: float = 0.0  # the weight-apply call(s) inside the pause (live or reload)
+    apply_mode: str = ""  # "live", "reload" or "mixed" (engines differed)
+    elements_scattered: int = 0  # by live applies, summed over engines
+    total_s: float = 0.0
+    staging_nbytes: int = 0
+    snapshot_nbytes: int = 0
+    pulls: list = field(default_factory=list)
+    applies: list = field(default_factory=list)  # per engine: mode, call, reason, elements, engine pause
+    baseline_errors: dict = field(default_factory=dict)  # engine -> why its pull_weights(0) failed
+
+    @property
+    def changed_fraction_bytes(self) -> float:
+        return self.changed_bytes / self.full_nbytes if self.full_nbytes else 0.0
+
+    @property
+    def changed_fraction_elements(self) -> float:
+        return self.changed_elements / self.total_elements if self.total_elements else 0.0
+
+    def as_dict(self) -> dict:
+        d = asdict(self)
+        d["changed_fraction_bytes"] = self.changed_fraction_bytes
+        d["changed_fraction_elements"] = self.changed_fraction_elements
+        return d
+
+    def summary(self) -> str:
+        return (f"v{self.version} {self.kind} ({self.reason}): changed {self.changed_fraction_bytes:.2%} of bytes, "
+                f"{self.changed_fraction_elements:.2%} of elements; wire {self.wire_nbytes} B of {self.full_nbytes} B "
+                f"full; gather {self.gather_s:.2f}s encode {self.encode_s:.2f}s publish {self.publish_s:.2f}s "
+                f"pull {self.pull_s:.2f}s pause {self.pause_s:.2f}s ({self.apply_mode or 'no apply'}, "
+                f"{self.elements_scattered} elements scattered)")
+
+
+def load_hook(path: str | Callable | None) -> Callable | None:
+    return load_callable(path, what="--custom-update-weight-post-write-path", error=ValueError)
+
+
+class EngineSync:
+    """The engine side of a sync, run by one trainer process (rank 0).
+
+    Args:
+        engines: an ``EngineGroup`` (Ray actor handles or HTTP clients).
+        source_dir: the run's source dir (holding ``weight_vNNNNNN/``).
+        local_checkpoint_dir: the host-local checkpoint dir on every engine host.
+        pause_mode: sglang's pause mode; ``in_place`` keeps the KV cache, so no flush.
+        apply_mode: ``auto``, ``live`` or ``reload`` (see the module docstring).
+        post_write_hook: called ``hook(args, version_dir, rollout_engines)`` before the pulls.
+        hook_args: the ``args`` passed to the hook; rollout_engines: what the hook gets as engines.
+        owns_engines: ``close`` also closes the group (True when this side built it).
+    """
+
+    def __init__(self, engines: EngineGroup, *, source_dir: str, local_checkpoint_dir: str,
+                 pause_mode: str = "retract", apply_mode: str = APPLY_AUTO,
+                 post_write_hook: str | Callable | None = None, hook_args: Any = None,
+                 rollout_engines: Any = None, owns_engines: bool = False):
+        if apply_mode not in APPLY_MODES:
+            raise ValueError(f"apply mode {apply_mode!r} is not one of {', '.join(APPLY_MODES)}")
+        self.engines = engines
+        self.source_dir = source_dir
+        self.local_checkpoint_dir = local_checkpoint_dir
+        self.pause_mode = pause_mode
+        self.apply_mode = apply_mode
+        self.hook = load_hook(post_write_hook)
+        self.hook_args = hook_args
+        self.rollout_engines = rollout_engines if rollout_engines is not None else engines
+        self.owns_engines = owns_engines
+        self._baseline = None
+        self.baseline_results: list | None = None
+        self.baseline_errors: dict[str, str] = {}
+        self._no_live_route: dict[str, str] = {}  # engine -> why it is reloaded directly (auto)
+
+    # --- the baseline ---------------------------------------------------------------------
+
+    def start_baseline(self) -> None:
+        """Send ``pull_weights(0)`` to every engine without waiting (overlaps the first rollout)."""
+        log.info("baseline: asking %d engine(s) to reset their local checkpoint to version 0", len(self.engines.names))
+        self._baseline = self.engines.submit("pull_weights", self.local_checkpoint_dir, self.source_dir, 0)
+
+    def finish_baseline(self) -> list | None:
+        """Wait for the baseline pulls; a failure is logged, never raised (None: none pending)."""
+        if self._baseline is None:
+            return None
+        pending, self._baseline = self._baseline, None
+        outcomes = self.engines.settle(pending)
+        self.baseline_errors = {self.engines.names[i]: str(err)
+                                for i, (_, err) in zip(pending.indices, outcomes) if err is not None}
+        if self.baseline_errors:
+            log.warning("baseline pull_weights(0) failed on %d engine(s), going on (the first pull seeds by "
+                        "itself): %s", len(self.baseline_errors), "; ".join(self.baseline_errors.values()))
+        self.baseline_results = [result for result, _ in outcomes]
+        return self.baseline_results
+
+    # --- a sync ---------------------------------------------------------------------------
+
+    def update(self, version: int, version_dir: str, metrics: SyncMetrics) -> SyncMetrics:
+        """Hook -> pull everywhere -> pause -> apply -> continue, timing each part."""
+        t0 = time.perf_counter()
+        self.finish_baseline()
+        metrics.baseline_wait_s = time.perf_counter() - t0
+        metrics.baseline_errors = dict(self.baseline_errors)
+        if self.hook is not None:
+            t = time.perf_counter()
+            self.hook(self.hook_args, version_dir, self.rollout_engines)
+            metrics.hook_s = time.perf_counter() - t
+        t = time.perf_counter()
+        pulls = self.engines.wait(self.engines.submit(
+            "pull_weights", self.local_checkpoint_dir, self.source_dir, version))
+        metrics.pull_s = time.perf_counter() - t
+        metrics.pulls = [_pull_summary(name, r) for name, r in zip(self.engines.names, pulls)]
+        t_pause = time.perf_counter()
+        failure: BaseException | None = None
+        try:
+            self.engines.wait(self.engines.submit("pause_generation", self.pause_mode))
+            t = time.perf_counter()
+            metrics.applies = self.apply(version)
+            metrics.apply_s = time.perf_counter() - t
+        except BaseException as e:  # noqa: BLE001 - re-raised below, after resuming
+            failure = e
+        # Resume every engine even after a failed pause or reload: some may have paused, sglang
+        # restores the old weights when a reload fails, and a paused engine stalls the rollout.
+        try:
+            self.engines.wait(self.engines.submit("continue_generation"))
+        except BaseException:
+            if failure is None:
+                raise
+            log.exception("continue_generation also failed after: %s", failure)
+        metrics.pause_s = time.perf_counter() - t_pause
+        if failure is not None:
+            raise failure
+        modes = {a["mode"] for a in metrics.applies}
+        metrics.apply_mode = modes.pop() if len(modes) == 1 else "mixed"
+        metrics.elements_scattered = sum(a["elements_scattered"] for a in metrics.applies)
+        return metrics
+
+    def apply(self, version: int) -> list[dict]:
+        """Apply ``version`` (already pulled) on every paused engine; one outcome per engine.
+
+        Raises:
+            EngineSyncError: some engine could apply it neither live nor by a reload.
+        """
+        names = self.engines.names
+        flush = self.pause_mode != "in_place"
+        outcomes: dict[int, dict] = {}
+        reload_why: dict[int, str] = {}
+        live: list[int] = []
+        for i, name in enumerate(names):
+            if self.apply_mode == APPLY_RELOAD:
+                reload_why[i] = "--update-weight-apply reload"
+            elif name in self._no_live_route:
+                reload_why[i] = self._no_live_route[name]
+            else:
+                live.append(i)
+        if live:
+            replies = self.engines.settle(self.engines.submit_to(
+                live, LIVE_CALL, self.local_checkpoint_dir, version, flush))
+            for i, (reply, err) in zip(live, replies):
+                problem = _live_reply_problem(reply, version) if err is None else str(err)
+                if problem is None:
+                    outcomes[i] = _live_outcome(names[i], reply)
+                    continue
+                if _is_missing_route(err) and self.apply_mode == APPLY_AUTO:
+                    self._no_live_route[names[i]] = f"engine has no /{LIVE_CALL} (an older engine): reloading"
+                    log.warning("engine %s has no /%s; reloading it from the local checkpoint from now on",
+                                names[i], LIVE_CALL)
+                else:
+                    log.warning("engine %s: live apply of v%d failed, reloading it instead: %s",
+                                names[i], version, problem)
+                reload_why[i] = f"live apply failed, reloaded instead: {problem}"
+        if reload_why:
+            indices = sorted(reload_why)
+            t = time.perf_counter()
+            self.engines.wait(self.engines.submit_to(
+                indices, RELOAD_CALL, self.local_checkpoint_dir, str(version), flush))
+            seconds = time.perf_counter() - t
+            for i in indices:
+                outcomes[i] = dict(engine=names[i], mode="reload", call=RELOAD_CALL, reason=reload_why[i],
+                                   elements_scattered=0, engine_pause_s=None, call_s=seconds)
+        return [outcomes[i] for i in range(len(names))]
+
+    def close(self) -> None:
+        if self.owns_engines:
+            self.engines.close()
+
+
+def _is_missing_route(err: BaseException | None) -> bool:
+    if isinstance(err, EngineCallError):
+        return err.is_missing_route
+    return isinstance(err, AttributeError)  # a Ray engine actor without the method
+
+
+def _live_reply_problem(reply: Any, version: int) -> str | None:
+    """Why a 200 reply of the live route cannot be taken as "the engine serves ``version``"."""
+    if not isinstance(reply, dict) or reply.get("success") is not True:
+        return f"unexpected reply {reply!r:.200}"
+    if reply.get("mode") not in ("live", "reload"):
+        return f"reply has mode {reply.get('mode')!r}, expected 'live' or 'reload'"
+    served = reply.get("weight_version")
+    if served is not None and str(served) != str(version):
+        return f"engine reports weight version {served!r} after applying v{version}"
+    return None
+
+
+def _live_outcome(name: str, reply: dict) -> dict:
+    return dict(engine=name, mode=reply["mode"], call=LIVE_CALL, reason=reply.get("reason") or "",
+                elements_scattered=int(reply.get("elements_scattered") or 0),
+                engine_pause_s=reply.get("pause_s"), call_s=None)
+
+
+def _pull_summary(name: str, result: Any) -> dict:
+    """One engine's pull reply, reduced to what the metrics need (per-host actions kept)."""
+    if not isinstance(result, dict):
+        return {"engine": name, "result": result}
+    hosts = result.get("hosts") or []
+    return {
+        "engine": name,
+        "applied_version": result.get("applied_version"),
+        "seconds": result.get("seconds"),
+        "actions": [h.get("action") for h in hosts] or [result.get("action")],
+        "nbytes_read": sum(int(h.get("nbytes_read") or 0) for h in hosts) or int(result.get("nbytes_read") or 0),
+        "message": result.get("message"),
+    }
+
+
+def as_engine_group(engines: Any, names: Sequence[str] | None = None) -> tuple[EngineGroup, bool]:
+    """(group, built here) from an EngineGroup, a list of Ray actor handles, or a list of HTTP clients."""
+    if hasattr(engines, "submit_to") and hasattr(engines, "settle"):
+        return engines, False
+    engines = list(engines)
+    if engines and all(hasattr(e, "pull_weights") and not hasattr(getattr(e, "pull_weights"), "remote")
+                       for e in engines):
+        return ThreadEngineGroup(engines), True
+    return RayEngineGroup(engines, names), True
+
+
+__all__ = ["APPLY_MODES", "EngineSync", "SyncMetrics", "as_engine_group"]
