@@ -42,6 +42,9 @@ class DiskDeltaConfig:
     fallback_fraction: float = 0.5
     full_above_changed_fraction: float = 0.5
     keep_versions: int | None = None
+    keep_runs: int = 2
+    publish_attempts: int = 3
+    publish_retry_backoff_s: float = 1.0
     post_write_path: str | None = None
     pause_mode: str = "retract"
     apply_mode: str = "auto"
@@ -85,6 +88,15 @@ def add_update_weight_arguments(parser: argparse.ArgumentParser) -> argparse.Arg
     _add(g, parser, "--update-weight-keep-versions", type=int, default=None,
          help="After each publish, prune versions older than the newest full version except the newest N "
               "(default: never prune).")
+    _add(g, parser, "--update-weight-keep-runs", type=int, default=2,
+         help="Run dirs (run-<id>/) kept in --update-weight-disk-dir, this run included, ordered by their "
+              "newest version; older ones are removed once this run has published its first version "
+              "(0: keep all).")
+    _add(g, parser, "--update-weight-publish-attempts", type=int, default=3,
+         help="Attempts at publishing one version (a failed step is retried from that step, with the same "
+              "bytes, on every rank); after the last one the sync fails and the next sync publishes it first.")
+    _add(g, parser, "--update-weight-publish-retry-backoff-s", type=float, default=1.0,
+         help="Wait before the first publish retry (doubling after each).")
     _add(g, parser, "--update-weight-pause-mode", type=str, default="retract", choices=PAUSE_MODES,
          help="sglang pause_generation mode during the reload; 'in_place' keeps the KV cache "
               "(no flush_cache).")
@@ -188,6 +200,16 @@ def validate_update_weight_args(args: argparse.Namespace) -> DiskDeltaConfig | N
         raise UpdateWeightArgsError(
             f"--update-weight-keep-versions must be >= 0 (versions older than the newest full version "
             f"are pruned, except the newest N), got {keep}.")
+    keep_runs = int(g("update_weight_keep_runs", 2))
+    if keep_runs < 0:
+        raise UpdateWeightArgsError(
+            f"--update-weight-keep-runs must be >= 0 (run dirs kept, this run included; 0 keeps all), got {keep_runs}.")
+    attempts = int(g("update_weight_publish_attempts", 3))
+    if attempts < 1:
+        raise UpdateWeightArgsError(f"--update-weight-publish-attempts must be >= 1, got {attempts}.")
+    backoff = float(g("update_weight_publish_retry_backoff_s", 1.0))
+    if backoff < 0:
+        raise UpdateWeightArgsError(f"--update-weight-publish-retry-backoff-s must be >= 0, got {backoff}.")
     post = g("custom_update_weight_post_write_path")
     if post is not None and "." not in post:
         raise UpdateWeightArgsError(
@@ -203,6 +225,9 @@ def validate_update_weight_args(args: argparse.Namespace) -> DiskDeltaConfig | N
         fallback_fraction=fallback,
         full_above_changed_fraction=dense,
         keep_versions=None if keep is None else int(keep),
+        keep_runs=keep_runs,
+        publish_attempts=attempts,
+        publish_retry_backoff_s=backoff,
         post_write_path=post,
         pause_mode=g("update_weight_pause_mode", "retract"),
         apply_mode=g("update_weight_apply", "auto"),

@@ -3,20 +3,23 @@
 Role: runs in every trainer rank (a miles/slime Megatron actor). Each sync:
 
 1. gather: every rank joins the TP/EP gathers; one source rank per PP stage stages its HF tensors;
-2. publish version v: every source rank diffs against its snapshot (the previous version's bytes,
-   seeded from ``--hf-checkpoint`` at start, not from the gathered values) and writes its shards;
-   all ranks agree on delta vs full from the summed sizes; after a barrier rank 0 writes the
-   index (the commit point);
-3. on rank 0 only, the engines: post-write hook -> ``pull_weights(v)`` on every engine at once
-   while they keep generating -> ``pause_generation`` -> ``flush_cache`` (not when pausing in
-   place) -> ``update_weights_from_disk(local checkpoint dir, weight_version=v)`` ->
-   ``continue_generation`` (always, once paused, even when the reload failed).
+2. publish version v, in three collective steps that every rank runs in the same order:
+   *prepare* (each source rank diffs against its snapshot, the previous version's bytes, and all
+   ranks agree on delta vs full from the summed sizes), *write* (each source rank writes its
+   shards; the all-gather of their manifests is the barrier), *commit* (rank 0 writes the index);
+3. on rank 0 only, the engines (``engine_sync.EngineSync``): post-write hook -> ``pull_weights(v)``
+   everywhere while they generate -> pause -> live apply or reload -> continue.
 
-At start nothing is published: ``pull_weights(0)`` goes to every engine without waiting, so the
-local copy of the seed overlaps the first rollout; the first sync waits for it. Each run
-publishes under its own ``run-<id>/`` source dir and starts every engine host from version 0, so
-a host's local state from an earlier run is never taken for this run's (the core also refuses
-local state recorded for another source dir).
+A failed publish step is retried, from that step, with the same bytes, up to
+``--update-weight-publish-attempts`` times: a source rank that wrote keeps its manifest, one that
+failed writes again, rank 0 commits again. Every step ends in an all-gather that raises the same
+error on every rank, so the ranks always agree on where the version stands. When every attempt
+fails, ``update_weights`` raises ``WeightSyncFailed`` on every rank, and the next call publishes
+that same version first (its staged bytes are intact until the next gather), then the new one.
+
+Runs and restarts (``runs``): each run publishes under ``run-<id>/``; version numbers continue
+after the newest version of any run in the disk dir, a stable ``run_id`` reopens its dir, the
+first version after a restart is full, and old run dirs are removed by ``--update-weight-keep-runs``.
 
 Invariant: a failure on any rank is raised on every rank (no rank is left in a collective).
 """
@@ -24,11 +27,11 @@ Invariant: a failure on any rank is raised on every rank (no rank is left in a c
 from __future__ import annotations
 
 import logging
-import os
 import time
 import uuid
 from typing import Any, Sequence
 
+import msgspec
 import torch.distributed as dist
 
 from weightsync import Publisher
@@ -37,12 +40,25 @@ from weightsync.layout import version_dir
 from .args import DiskDeltaConfig
 from .engine_sync import EngineSync, SyncMetrics, as_engine_group
 from .gather import HFWeightGatherer
+from .runs import RunStart, plan_run_start, prune_runs, run_dir
 
 log = logging.getLogger(__name__)
 
 
 class WeightSyncFailed(RuntimeError):
     """A sync step failed on some rank; raised on every rank with that rank's message."""
+
+
+class PendingVersion(msgspec.Struct):
+    """One rank's progress through publishing one version (kept until it is committed)."""
+
+    version: int
+    prepared: Any = None  # this source rank's PreparedVersion, until its shards are written
+    stats: tuple | None = None  # this rank's sizes, for the agreed choice
+    kind: str = ""  # agreed by every rank once the prepare step succeeded everywhere
+    reason: str = ""
+    manifest: Any = None  # this source rank's ShardManifest, once its shards are durable
+    attempts: int = 0
 
 
 class DiskDeltaWeightUpdater:
@@ -53,7 +69,8 @@ class DiskDeltaWeightUpdater:
         model_chunks: this rank's Megatron model chunks.
         args: the trainer's args namespace (passed to the post-write hook).
         group: a process group spanning every trainer rank (default: the world).
-        run_id: names this run's source subdir (default: a fresh id agreed by all ranks).
+        run_id: names this run's source dir ``run-<id>``; pass the same id on a restart to reopen
+            it (default: a fresh id agreed by all ranks).
     """
 
     def __init__(self, config: DiskDeltaConfig, model_chunks, *, args: Any = None, group=None,
@@ -67,7 +84,7 @@ class DiskDeltaWeightUpdater:
         box = [run_id or f"{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:8]}"]
         dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
         self.run_id = box[0]
-        self.source_dir = os.path.join(config.source_dir, f"run-{self.run_id}")
+        self.source_dir = run_dir(config.source_dir, self.run_id)
         self.publisher: Publisher | None = None
         if self.plan.is_source:
             self.publisher = Publisher(
@@ -79,7 +96,11 @@ class DiskDeltaWeightUpdater:
             )
         self.engine_sync: EngineSync | None = None
         self.version = 0
+        self.run_start: RunStart | None = None
         self.history: list[SyncMetrics] = []
+        self._pending: PendingVersion | None = None
+        self._full_reason: str | None = None  # set: the next version must be full (after a restart)
+        self._published_in_run = False
         self._version_dirs: dict[int, str] = {}  # version -> its dir (rank 0 knows it from commit)
         self._started = False
 
@@ -100,20 +121,37 @@ class DiskDeltaWeightUpdater:
         )
 
     def start(self) -> None:
-        """Seed the snapshot from ``--hf-checkpoint`` and start the baseline pulls (collective)."""
+        """Plan the run's numbering, seed the snapshot, start the baseline pulls (collective).
+
+        A first run starts after version 0 and sends ``pull_weights(0)`` to every engine without
+        waiting. A restart (this run dir or an earlier one already published up to v K) continues
+        at K+1, a full version, which every engine seeds from by itself: no baseline.
+        """
+        error, plan = None, None
+        try:
+            if self.rank == 0:
+                plan = plan_run_start(self.config.source_dir, self.source_dir)
+        except Exception as e:  # noqa: BLE001 - reported on every rank below
+            log.exception("planning the run start failed")
+            error = f"start: {type(e).__name__}: {e}"
+        self.run_start = self._all_gather(plan, error)[0]
+        self.version = self.run_start.newest_version
+        self._full_reason = self.run_start.reason if self.run_start.first_is_full else None
         error = None
         try:
             if self.publisher is not None:
-                self.publisher.seed_snapshot_from_checkpoint(self.config.hf_checkpoint, names=set(self.plan.owned))
-            if self.rank == 0 and self.engine_sync is not None:
+                self.publisher.seed_snapshot_from_checkpoint(
+                    self.config.hf_checkpoint, names=set(self.plan.owned), version=self.version)
+            if self.rank == 0 and self.engine_sync is not None and not self.run_start.first_is_full:
                 self.engine_sync.start_baseline()
         except Exception as e:  # noqa: BLE001 - reported on every rank below
             log.exception("start failed")
             error = f"{type(e).__name__}: {e}"
         self._raise_if_any(error, "start")
         self._started = True
-        log.info("disk-delta updater ready: run %s, source dir %s, %d source rank(s), snapshot %d B on this rank",
-                 self.run_id, self.source_dir, self.plan.num_sources, self.snapshot_nbytes())
+        log.info("disk-delta updater ready: run %s, source dir %s, next version v%d (%s), %d source rank(s), "
+                 "snapshot %d B on this rank", self.run_id, self.source_dir, self.version + 1,
+                 self.run_start.reason, self.plan.num_sources, self.snapshot_nbytes())
 
     def snapshot_nbytes(self) -> int:
         return self.publisher.snapshot_nbytes() if self.publisher is not None else 0
@@ -125,9 +163,15 @@ class DiskDeltaWeightUpdater:
 
         With ``update_engines=False`` only the publish happens; ``update_engines_to`` then brings
         the engines to it (also the way to retry the engine part of a sync that failed).
+
+        Raises:
+            WeightSyncFailed: on every rank, when a step failed on some rank (after the publish
+                attempts); the version stays pending and the next call publishes it first.
         """
         if not self._started:
             self.start()
+        if self._pending is not None:
+            self._finish_pending()
         version = self.version + 1
         m = SyncMetrics(version=version)
         t_start = time.perf_counter()
@@ -135,56 +179,118 @@ class DiskDeltaWeightUpdater:
         tensors = self.gatherer.gather()  # raises on every rank together
         m.gather_s = time.perf_counter() - t
         m.staging_nbytes = self.gatherer.staging_nbytes()
-
         t = time.perf_counter()
-        error, prepared = None, None
-        try:
-            if self.publisher is not None:
-                prepared = self.publisher.prepare(version, tensors)
-        except Exception as e:  # noqa: BLE001
-            log.exception("prepare v%d failed", version)
-            error = f"prepare: {type(e).__name__}: {e}"
-        stats = self._all_gather(None if prepared is None else (
-            prepared.delta_nbytes, prepared.full_nbytes, prepared.changed_bytes, prepared.changed_elements,
-            prepared.total_elements, prepared.encode_s), error)
-        totals = [sum(s[i] for s in stats if s) for i in range(5)]
-        m.encode_s = max((s[5] for s in stats if s), default=0.0)
-        m.changed_bytes, m.changed_elements, m.total_elements = totals[2], totals[3], totals[4]
-        m.full_nbytes = totals[1]
-        # Same totals everywhere -> the same choice on every source rank.
-        if self.publisher is not None:
-            m.kind, m.reason = self.publisher.choose_kind(version, totals[0], totals[1], totals[3], totals[4])
-
-        error, manifest = None, None
-        try:
-            if self.publisher is not None:
-                manifest = self.publisher.write(prepared, m.kind)
-        except Exception as e:  # noqa: BLE001
-            log.exception("write v%d failed", version)
-            error = f"write: {type(e).__name__}: {e}"
-        prepared = None  # release the compressed payloads before the engines pull
-        manifests = self._all_gather(manifest, error)  # also the barrier: every shard is durable
-        m.wire_nbytes = sum(x.nbytes for x in manifests if x)
-        error, vdir = None, None
-        try:
-            if self.rank == 0:
-                vdir = self.publisher.commit(version, m.kind, [x for x in manifests if x])
-        except Exception as e:  # noqa: BLE001
-            log.exception("commit v%d failed", version)
-            error = f"commit: {type(e).__name__}: {e}"
-        kinds = self._all_gather((m.kind, m.reason), error)
-        m.kind, m.reason = next(k for k in kinds if k and k[0])
+        self._pending = PendingVersion(version)
+        self._publish_pending(tensors, m)
         m.publish_s = time.perf_counter() - t
-        self.version = version
         m.snapshot_nbytes = self.snapshot_nbytes()
-
-        self._version_dirs[version] = vdir
         if update_engines:
             m = self._update_engines(version, m, t_start)
         else:
             m = self._share(m, None, t_start)
         self.history.append(m)
         return m
+
+    def _finish_pending(self) -> None:
+        """Publish the version a failed call left pending, with its own staged bytes (before a gather)."""
+        p = self._pending
+        assert p is not None
+        if not p.kind:  # no rank got past prepare: nothing was written, publish it afresh
+            self._pending = None
+            return
+        log.info("finishing v%d, left pending by a failed publish (%d attempt(s) so far)", p.version, p.attempts)
+        m = SyncMetrics(version=p.version)
+        self._publish_pending(None, m)
+        self.history.append(m)
+
+    def _publish_pending(self, tensors: dict | None, m: SyncMetrics) -> None:
+        """Run the pending version's remaining steps, retrying; on success the version is published."""
+        p = self._pending
+        assert p is not None
+        attempts = max(1, self.config.publish_attempts)
+        delay = self.config.publish_retry_backoff_s
+        for attempt in range(1, attempts + 1):
+            p.attempts += 1
+            try:
+                self._publish_steps(p, tensors, m)
+                break
+            except WeightSyncFailed as e:
+                if attempt == attempts:
+                    raise WeightSyncFailed(
+                        f"publishing v{p.version} failed {attempt} time(s); it stays pending and the next "
+                        f"sync publishes it first. Last error: {e}") from None
+                log.warning("publishing v%d failed (attempt %d of %d), retrying in %.1fs: %s",
+                            p.version, attempt, attempts, delay, e)
+                time.sleep(delay)
+                delay = min(2 * delay, 30.0)
+        m.kind, m.reason, m.publish_attempts = p.kind, p.reason, p.attempts
+        self.version = p.version
+        self._pending = None
+        self._full_reason = None
+        if not self._published_in_run:
+            self._published_in_run = True
+            self._prune_old_runs()
+
+    def _publish_steps(self, p: PendingVersion, tensors: dict | None, m: SyncMetrics) -> None:
+        """prepare -> agree on the kind -> write -> barrier -> commit, skipping steps already done."""
+        if not p.kind:
+            error = None
+            try:
+                if self.publisher is not None and p.prepared is None:
+                    p.prepared = self.publisher.prepare(p.version, tensors)
+                    pr = p.prepared
+                    p.stats = (pr.delta_nbytes, pr.full_nbytes, pr.changed_bytes, pr.changed_elements,
+                               pr.total_elements, pr.encode_s)
+            except Exception as e:  # noqa: BLE001
+                log.exception("prepare v%d failed", p.version)
+                p.prepared = None
+                error = f"prepare: {type(e).__name__}: {e}"
+            stats = self._all_gather(p.stats, error)
+            totals = [sum(s[i] for s in stats if s) for i in range(5)]
+            m.encode_s = max((s[5] for s in stats if s), default=0.0)
+            m.full_nbytes, m.changed_bytes, m.changed_elements, m.total_elements = totals[1:5]
+            # Same totals everywhere -> the same choice on every rank.
+            if self._full_reason is not None:
+                p.kind, p.reason = "full", self._full_reason
+            elif self.publisher is not None:
+                p.kind, p.reason = self.publisher.choose_kind(p.version, totals[0], totals[1], totals[3], totals[4])
+            else:
+                p.kind, p.reason = "pending", ""  # a rank without shards learns the kind at commit
+        error = None
+        try:
+            if self.publisher is not None and p.manifest is None:
+                p.manifest = self.publisher.write(p.prepared, p.kind)
+                p.prepared = None  # release the compressed payloads before the engines pull
+        except Exception as e:  # noqa: BLE001
+            log.exception("write v%d failed", p.version)
+            error = f"write: {type(e).__name__}: {e}"
+        manifests = self._all_gather(p.manifest, error, step="barrier")  # every shard is durable
+        m.wire_nbytes = sum(x.nbytes for x in manifests if x)
+        error, vdir = None, None
+        try:
+            if self.rank == 0:
+                assert self.publisher is not None  # rank 0 is TP 0, DP 0, PP 0: a source rank
+                vdir = self.publisher.commit(p.version, p.kind, [x for x in manifests if x])
+        except Exception as e:  # noqa: BLE001
+            log.exception("commit v%d failed", p.version)
+            error = f"commit: {type(e).__name__}: {e}"
+        kinds = self._all_gather((p.kind, p.reason) if self.publisher is not None else None, error, step="commit")
+        p.kind, p.reason = next(k for k in kinds if k)
+        self._version_dirs[p.version] = vdir or version_dir(self.source_dir, p.version)
+
+    def _first_version_in_dir(self) -> int:
+        start = self.run_start
+        continues_another_run = start is not None and start.first_is_full and not start.reopened
+        return start.newest_version + 1 if continues_another_run else 1
+
+    def _prune_old_runs(self) -> None:
+        """After this run's first published version, old run dirs go (rank 0; never fails a sync)."""
+        if self.rank != 0:
+            return
+        try:
+            prune_runs(self.config.source_dir, self.config.keep_runs, self.source_dir)
+        except OSError as e:
+            log.warning("could not remove old run dirs under %s: %s", self.config.source_dir, e)
 
     def update_engines_to(self, version: int | None = None) -> SyncMetrics:
         """Bring every engine to an already published version (collective; default: the newest).
@@ -193,8 +299,10 @@ class DiskDeltaWeightUpdater:
         (a killed process, a torn local checkpoint) is redone from a verified state by the core.
         """
         version = self.version if version is None else version
-        if not 0 < version <= self.version:
-            raise ValueError(f"version {version} is not published yet (newest: v{self.version})")
+        first = self._first_version_in_dir()
+        if not first <= version <= self.version:
+            raise ValueError(f"v{version} is not a version of this run's source dir {self.source_dir} "
+                             f"(it holds v{first}..v{self.version})")
         prior = next((h for h in reversed(self.history) if h.version == version), None)
         m = SyncMetrics(version=version, kind=prior.kind if prior else "", reason="engine update retried")
         return self._update_engines(version, m, time.perf_counter())
@@ -221,7 +329,8 @@ class DiskDeltaWeightUpdater:
 
     # --- collectives with error propagation ---------------------------------------------------
 
-    def _all_gather(self, value: Any, error: str | None) -> list:
+    def _all_gather(self, value: Any, error: str | None, step: str = "") -> list:
+        """Every rank's value; raises ``WeightSyncFailed`` on every rank if any rank had an error."""
         world = dist.get_world_size(self.group)
         out: list = [None] * world
         dist.all_gather_object(out, (value, error), group=self.group)

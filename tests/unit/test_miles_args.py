@@ -114,6 +114,18 @@ def test_out_of_range_knobs_are_refused(hf_dir, tmp_path):
         validate_update_weight_args(parse(base + ["--update-weight-keep-versions", "-1"]))
     with pytest.raises(UpdateWeightArgsError, match="not an import path"):
         validate_update_weight_args(parse(base + ["--custom-update-weight-post-write-path", "nodots"]))
+    with pytest.raises(UpdateWeightArgsError, match="keep-runs must be >= 0"):
+        validate_update_weight_args(parse(base + ["--update-weight-keep-runs", "-1"]))
+    with pytest.raises(UpdateWeightArgsError, match="publish-attempts must be >= 1"):
+        validate_update_weight_args(parse(base + ["--update-weight-publish-attempts", "0"]))
+
+
+def test_apply_mode_defaults_to_auto_and_takes_live_or_reload(hf_dir, tmp_path):
+    base = ["--update-weight-transfer-mode", "disk-delta", *good(hf_dir, tmp_path)]
+    assert validate_update_weight_args(parse(base)).apply_mode == "auto"
+    assert validate_update_weight_args(parse(base + ["--update-weight-apply", "reload"])).apply_mode == "reload"
+    with pytest.raises(SystemExit):
+        parse(base + ["--update-weight-apply", "fast"])
 
 
 def test_unknown_encoding_is_refused_by_the_parser():

@@ -1,0 +1,129 @@
+"""The runs under ``--update-weight-disk-dir``: one source dir per trainer run, versions that never go back.
+
+    disk_dir/
+    ├── run-20261201-083000-1a2b3c4d/   an earlier run (crashed at v5): weight_v000001 .. v000005
+    └── run-20261201-091500-5e6f7a8b/   this run: its first version is weight_v000006, a full version
+
+Rules (the updater applies them at start, on rank 0, and every rank follows rank 0's plan):
+- Version numbers continue across runs: a run's first version is one past the newest version
+  published by any run in the disk dir. An engine's ``weight_version`` therefore never goes
+  backwards across a trainer restart, with a fresh run id or a stable one.
+- A run id given again (a stable id, e.g. the job's own id on a restart) reopens its own dir and
+  continues after its newest published version. A version dir above that with no complete index
+  (the crashed trainer's partial write) is removed before anything is written.
+- The first version after a restart is a full version: the restarted trainer's snapshot holds
+  ``--hf-checkpoint``, not the newest version's bytes, so a delta against it would not apply.
+  Every engine seeds from that full version, whatever its local state, so no baseline is needed.
+- Retention: once this run has published its first version, only the newest ``keep_runs`` run
+  dirs stay, this one included, ordered by their newest published version; older ones are
+  removed, index files first (a reader then sees "not ready", never half a version).
+  ``keep_runs=0`` removes nothing. Engines never read an older run again once they pulled this
+  run's first version, which is a full one (or v1 from the seed).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+
+import msgspec
+
+from weightsync.layout import index_path, list_versions, version_dir
+
+log = logging.getLogger(__name__)
+
+RUN_PREFIX = "run-"
+
+
+class RunStart(msgspec.Struct, frozen=True):
+    """How a run starts: after which version, and why (agreed by every rank)."""
+
+    newest_version: int  # the version the run continues after (0: a first run)
+    reason: str
+    reopened: bool = False  # this run's own dir held versions (a stable run id)
+    removed: list[str] = []  # unpublished version dirs of this run that were removed
+
+    @property
+    def first_is_full(self) -> bool:
+        return self.newest_version > 0
+
+
+def run_dir(disk_dir: str, run_id: str) -> str:
+    if not run_id or "/" in run_id or run_id in (".", ".."):
+        raise ValueError(f"run id {run_id!r} must be a plain name (it names the dir {RUN_PREFIX}<id>)")
+    return os.path.join(disk_dir, f"{RUN_PREFIX}{run_id}")
+
+
+def newest_published_version(source_dir: str) -> int:
+    """The newest version of ``source_dir`` with a complete index (0 when none)."""
+    for v in reversed(list_versions(source_dir)):
+        if _is_published(source_dir, v):
+            return v
+    return 0
+
+
+def list_runs(disk_dir: str) -> list[tuple[int, str]]:
+    """(newest published version, path) of every run dir, oldest first."""
+    try:
+        names = sorted(n for n in os.listdir(disk_dir) if n.startswith(RUN_PREFIX))
+    except FileNotFoundError:
+        return []
+    runs = [(newest_published_version(os.path.join(disk_dir, n)), os.path.join(disk_dir, n)) for n in names]
+    return sorted(r for r in runs if os.path.isdir(r[1]))
+
+
+def plan_run_start(disk_dir: str, source_dir: str) -> RunStart:
+    """Where this run's numbering continues, removing its own unpublished leftovers (rank 0)."""
+    own = newest_published_version(source_dir)
+    removed = remove_unpublished_above(source_dir, own)
+    newest = max([own] + [v for v, path in list_runs(disk_dir) if not _same(path, source_dir)])
+    if newest == 0:
+        return RunStart(0, "a first run: v1 follows the seed", removed=removed)
+    if own == newest:
+        why = f"run dir reopened (a stable run id): continuing after its v{own}"
+    else:
+        why = f"an earlier run in {disk_dir} published up to v{newest}: continuing after it"
+    return RunStart(newest, f"{why}; the first version is full (this trainer's snapshot is the seed)",
+                    reopened=own > 0, removed=removed)
+
+
+def remove_unpublished_above(source_dir: str, version: int) -> list[str]:
+    """Remove version dirs above ``version`` that have no complete index (a crashed write)."""
+    removed = []
+    for v in list_versions(source_dir):
+        if v > version and not _is_published(source_dir, v):
+            path = version_dir(source_dir, v)
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+            log.info("removed %s: never published (no complete index), left by an earlier trainer", path)
+    return removed
+
+
+def prune_runs(disk_dir: str, keep_runs: int, current: str) -> list[str]:
+    """Remove run dirs older than the newest ``keep_runs`` (this one always stays); the removed paths."""
+    if keep_runs <= 0:
+        return []
+    others = [path for _, path in list_runs(disk_dir) if not _same(path, current)]
+    doomed = others[: max(0, len(others) - (keep_runs - 1))]
+    for path in doomed:
+        for v in list_versions(path):  # index files first: a reader sees "not ready", not half a version
+            try:
+                os.unlink(index_path(version_dir(path, v)))
+            except FileNotFoundError:
+                pass
+        shutil.rmtree(path, ignore_errors=True)
+        log.info("removed old run dir %s (keeping the newest %d run(s))", path, keep_runs)
+    return doomed
+
+
+def _is_published(source_dir: str, version: int) -> bool:
+    # An index that exists counts, even a bad one: never rewrite what a reader may have judged.
+    return os.path.exists(index_path(version_dir(source_dir, version)))
+
+
+def _same(a: str, b: str) -> bool:
+    return os.path.realpath(a) == os.path.realpath(b)
+
+
+__all__ = ["RunStart", "run_dir", "plan_run_start", "prune_runs", "newest_published_version", "list_runs"]
