@@ -330,14 +330,25 @@ class DiskDeltaWeightUpdater:
     # --- collectives with error propagation ---------------------------------------------------
 
     def _all_gather(self, value: Any, error: str | None, step: str = "") -> list:
-        """Every rank's value; raises ``WeightSyncFailed`` on every rank if any rank had an error."""
+        """Every rank's value; raises ``WeightSyncFailed`` on every rank if any rank had an error.
+
+        A collective that itself fails (a gloo/NCCL timeout, seen by every waiting rank) is a
+        ``WeightSyncFailed`` too, so the publish retry treats it like any failed step.
+        """
         world = dist.get_world_size(self.group)
         out: list = [None] * world
-        dist.all_gather_object(out, (value, error), group=self.group)
+        try:
+            self._gather_objects(out, (value, error), step)
+        except RuntimeError as e:
+            raise WeightSyncFailed(f"the {step or 'all-gather'} collective failed: {e}") from e
         errors = [(r, e) for r, (_, e) in enumerate(out) if e]
         if errors:
             raise WeightSyncFailed("; ".join(f"rank {r}: {e}" for r, e in errors[:5]))
         return [v for v, _ in out]
+
+    def _gather_objects(self, out: list, obj: Any, step: str) -> None:
+        """The one collective of ``_all_gather`` (a seam for fault injection in tests)."""
+        dist.all_gather_object(out, obj, group=self.group)
 
     def _raise_if_any(self, error: str | None, what: str) -> None:
         self._all_gather(None, None if error is None else f"{what}: {error}")
