@@ -27,7 +27,7 @@ class MegatronCPUTrainer:
 
     def __init__(self, rank: int, world: int, master_port: int, config, *, tp: int = 1, pp: int = 1,
                  lr: float = 3e-4, seed: int = 0, run_id: str | None = None, threads: int = 1,
-                 device: str = "cpu"):
+                 device: str = "cpu", resume_from: str | None = None):
         import warnings
 
         warnings.filterwarnings("ignore")
@@ -50,6 +50,10 @@ class MegatronCPUTrainer:
         load_hf_checkpoint([self.model], config.hf_checkpoint)
         self.model.to(device)
         self.optimizer = torch.optim.Adam(self.model.parameters(), lr=lr)
+        if resume_from is not None:  # a restarted trainer: the model and optimizer of a saved step
+            state = torch.load(os.path.join(resume_from, f"rank{rank}.pt"), map_location=device)
+            self.model.load_state_dict(state["model"])
+            self.optimizer.load_state_dict(state["optimizer"])
         self.updater = DiskDeltaWeightUpdater(config, [self.model], run_id=run_id)
         self.batch = self._make_batch(seed)
         self._reference_model = None
@@ -90,6 +94,14 @@ class MegatronCPUTrainer:
         loss.backward()
         self.optimizer.step()
         return float(loss.detach())
+
+    def save_checkpoint(self, directory: str) -> None:
+        """This rank's model and optimizer state (what a resumed trainer loads with ``resume_from``)."""
+        import torch
+
+        os.makedirs(directory, exist_ok=True)
+        torch.save({"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict()},
+                   os.path.join(directory, f"rank{self.rank}.pt"))
 
     def update_weights(self, update_engines: bool = True) -> dict:
         """Publish the next version and (by default) bring the engines to it (every rank calls this)."""

@@ -3,8 +3,10 @@
 One sglang server and one Ray cluster serve the whole module (they take most of the time).
 After each real optimizer step the trainer publishes a version and drives the engine to it;
 the engine's greedy output must equal transformers' greedy output on the trainer's published
-bytes, and the engine host's local checkpoint must hold exactly those bytes. A pull killed
-midway (SIGKILL while applying) and then retried must still end bit-exact.
+bytes, the engine host's local checkpoint must hold exactly those bytes, and the engine's
+``weight_version`` (``GET /model_info``) must name the version. A pull killed midway (SIGKILL
+while applying) and then retried must still end bit-exact. A trainer killed and resumed from a
+saved step, with its run id and then with a fresh one, continues the engine's versions upward.
 """
 
 from __future__ import annotations
@@ -59,7 +61,9 @@ def loop(tmp_path_factory):
         engine = make_engine_actor_class().remote(server.base_url, name="engine0", timeout_s=120)
         ray.get(trainers[0].connect_rollout_engines.remote([engine], ["engine0"]))
         ray.get([t.start.remote() for t in trainers])
-        yield dict(ray=ray, trainers=trainers, engine=engine, server=server, config=config, hf=hf, work=work)
+        yield dict(ray=ray, trainers=trainers, engine=engine, server=server, config=config, hf=hf, work=work,
+                   make_trainers=lambda **kw: [MegatronCPUTrainer.remote(r, 2, kw.pop("port"), config, tp=2, lr=4e-4,
+                                                                         seed=0, **kw) for r in range(2)])
     finally:
         ray.shutdown()
         server.stop()
@@ -71,12 +75,14 @@ def _step(loop, update_engines=True):
     return ray.get([t.update_weights.remote(update_engines) for t in loop["trainers"]])[0]
 
 
-def _assert_engine_matches_trainer(loop):
+def _assert_engine_matches_trainer(loop, version=None):
     import torch
 
     from testbed.tiny_qwen3 import read_state_dict
 
     ray = loop["ray"]
+    if version is not None:
+        assert ray.get(loop["engine"].weight_version.remote()) == str(version)
     published = ray.get(loop["trainers"][0].published_tensors.remote())
     local = read_state_dict(loop["config"].local_checkpoint_dir)
     assert sorted(published) == sorted(local)
@@ -97,7 +103,8 @@ def test_engine_greedy_equals_transformers_after_each_real_optimizer_step(loop):
         assert 0 < m["changed_fraction_bytes"] < 1 and 0 < m["wire_nbytes"] < m["full_nbytes"]
         assert m["pulls"][0]["applied_version"] == step and m["pulls"][0]["actions"] == ["chain"]
         assert min(m["publish_s"], m["pull_s"], m["pause_s"]) > 0
-        outputs.append(_assert_engine_matches_trainer(loop))
+        _assert_applied(m)
+        outputs.append(_assert_engine_matches_trainer(loop, step))
     # The server answered with the weights of each version: at least one step changed its output
     # relative to the seed model (otherwise equality above could be a stale engine).
     from miles_updater.cpu_trainer import greedy_from_tensors
@@ -149,3 +156,45 @@ def test_pull_killed_midway_then_retried_ends_bit_exact(loop):
     m = _step(loop)
     assert m["pulls"][0]["actions"] == ["chain"]
     _assert_engine_matches_trainer(loop)
+
+
+def _assert_applied(m):
+    """The pause applied the version: live, or a reload with its reason (an engine without the route)."""
+    [apply] = m["applies"]
+    assert apply["mode"] in ("live", "reload")
+    if apply["mode"] == "reload":
+        assert apply["reason"]
+    assert m["apply_mode"] == apply["mode"]
+
+
+def test_a_trainer_resumed_from_a_saved_step_continues_the_engine_versions(loop):
+    from testbed.sglang_cpu import find_free_port
+
+    ray = loop["ray"]
+    checkpoint = str(loop["work"] / "trainer-step")
+    ray.get([t.save_checkpoint.remote(checkpoint) for t in loop["trainers"]])
+    m = _step(loop)  # one more version after the saved step, then the trainer dies
+    newest = m["version"]
+    _assert_engine_matches_trainer(loop, newest)
+    run_id = os.path.basename(ray.get(loop["trainers"][0].source_dir.remote())).removeprefix("run-")
+    first_run_dir = ray.get(loop["trainers"][0].source_dir.remote())
+    for run, label in ((run_id, "the same run id"), (None, "a fresh run id")):
+        for t in loop["trainers"]:
+            ray.kill(t)
+        loop["trainers"] = loop["make_trainers"](port=find_free_port(), run_id=run, resume_from=checkpoint)
+        ray.get(loop["trainers"][0].connect_rollout_engines.remote([loop["engine"]], ["engine0"]))
+        ray.get([t.start.remote() for t in loop["trainers"]])
+        source_dir = ray.get(loop["trainers"][0].source_dir.remote())
+        assert (source_dir == first_run_dir) == (run is not None), label
+        m = _step(loop)
+        # Numbered after the newest version the engine has seen, and a full version (the resumed
+        # trainer's snapshot is the seed), which the engine host seeds from.
+        assert m["version"] == newest + 1, label
+        assert m["kind"] == "full" and m["pulls"][0]["actions"] == ["seed"], label
+        _assert_applied(m)
+        _assert_engine_matches_trainer(loop, newest + 1)
+        m = _step(loop)
+        assert m["version"] == newest + 2 and m["kind"] == "delta", label
+        assert m["pulls"][0]["actions"] == ["chain"], label
+        _assert_engine_matches_trainer(loop, newest + 2)
+        newest = m["version"]
