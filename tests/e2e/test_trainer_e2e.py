@@ -6,7 +6,7 @@ the engine's greedy output must equal transformers' greedy output on the trainer
 bytes, the engine host's local checkpoint must hold exactly those bytes, and the engine's
 ``weight_version`` (``GET /model_info``) must name the version. A pull killed midway (SIGKILL
 while applying) and then retried must still end bit-exact. A trainer killed and resumed from a
-saved step, with its run id and then with a fresh one, continues the engine's versions upward.
+saved step, with the same run id, continues the engine's versions upward.
 """
 
 from __future__ import annotations
@@ -61,9 +61,12 @@ def loop(tmp_path_factory):
         engine = make_engine_actor_class().remote(server.base_url, name="engine0", timeout_s=120)
         ray.get(trainers[0].connect_rollout_engines.remote([engine], ["engine0"]))
         ray.get([t.start.remote() for t in trainers])
+
+        def make_trainers(port, **kw):
+            return [MegatronCPUTrainer.remote(r, 2, port, config, tp=2, lr=4e-4, seed=0, **kw) for r in range(2)]
+
         yield dict(ray=ray, trainers=trainers, engine=engine, server=server, config=config, hf=hf, work=work,
-                   make_trainers=lambda **kw: [MegatronCPUTrainer.remote(r, 2, kw.pop("port"), config, tp=2, lr=4e-4,
-                                                                         seed=0, **kw) for r in range(2)])
+                   make_trainers=make_trainers)
     finally:
         ray.shutdown()
         server.stop()
@@ -178,7 +181,9 @@ def test_a_trainer_resumed_from_a_saved_step_continues_the_engine_versions(loop)
     _assert_engine_matches_trainer(loop, newest)
     run_id = os.path.basename(ray.get(loop["trainers"][0].source_dir.remote())).removeprefix("run-")
     first_run_dir = ray.get(loop["trainers"][0].source_dir.remote())
-    for run, label in ((run_id, "the same run id"), (None, "a fresh run id")):
+    # The same run id (it used to fail with "version 1 is already published"); a fresh run id is
+    # covered, with pruning, on gloo ranks in tests/unit/test_miles_updater_faults.py.
+    for run, label in ((run_id, "the same run id"),):
         for t in loop["trainers"]:
             ray.kill(t)
         loop["trainers"] = loop["make_trainers"](port=find_free_port(), run_id=run, resume_from=checkpoint)
