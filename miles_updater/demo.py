@@ -105,7 +105,8 @@ def print_table(rows: list[dict]) -> None:
         print(f"  v{version} {engine}: reload ({reason})")
 
 
-def plot(rows: list[dict], path: Path) -> None:
+def plot(rows: list[dict], path: Path) -> list[str]:
+    """Write the two-panel plot to ``path``; returns the time panel's legend labels."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -144,10 +145,11 @@ def plot(rows: list[dict], path: Path) -> None:
     b.set_xlabel("version  ('=' engine output equals the trainer's)")
     b.set_ylabel("seconds")
     b.set_title("time per sync (the pause: generation stopped)")
-    b.legend(fontsize=8)
+    labels = [t.get_text() for t in b.legend(fontsize=8).get_texts()]
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+    return labels
 
 
 def run(ns: argparse.Namespace) -> list[dict]:
