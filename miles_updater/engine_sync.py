@@ -66,6 +66,7 @@ class SyncMetrics:
     total_s: float = 0.0
     staging_nbytes: int = 0
     snapshot_nbytes: int = 0
+    d2h_nbytes: int = 0  # device -> host bytes of the staging (CUDA: changed elements only)
     pulls: list = field(default_factory=list)
     applies: list = field(default_factory=list)  # per engine: mode, call, reason, elements, engine pause
     baseline_errors: dict = field(default_factory=dict)  # engine -> why its pull_weights(0) failed
