@@ -27,7 +27,7 @@ class EngineDouble:
     def __init__(self, name: str):
         self.name = name
         self.script: dict[str, list[tuple[int, dict]]] = {}
-        self.pull_delay_s = 0.0
+        self.pull_gate = None  # a callable run inside the pull handler before it answers
         self.has_live_route = True
         self.weight_version = "default"
         outer = self
@@ -48,8 +48,8 @@ class EngineDouble:
                 body = json.loads(raw) if raw and raw != b"null" else None
                 path = self.path.split("?")[0]
                 CALLS.append((outer.name, path, body, time.monotonic()))
-                if path == "/pull_weights" and outer.pull_delay_s:
-                    time.sleep(outer.pull_delay_s)
+                if path == "/pull_weights" and outer.pull_gate is not None:
+                    outer.pull_gate()
                 queue = outer.script.get(path) or []
                 status, reply = queue.pop(0) if queue else (200, {"success": True})
                 if path == "/update_weights_from_pulled" and not outer.has_live_route:
@@ -225,11 +225,13 @@ def test_weight_version_is_read_from_model_info(doubles):
 
 
 def test_pulls_run_concurrently_on_every_engine(doubles):
+    # Each pull answers only once both engines' pulls have arrived: one at a time would time out.
+    both_arrived = threading.Barrier(2, timeout=20)
     for d in doubles:
-        d.pull_delay_s = 0.5
-    make_sync(doubles).update(1, "/v", SyncMetrics(version=1))
-    starts = [t for _, p, _, t in CALLS if p == "/pull_weights"]
-    assert abs(starts[0] - starts[1]) < 0.4  # the second did not wait for the first
+        d.pull_gate = both_arrived.wait
+    m = make_sync(doubles).update(1, "/v", SyncMetrics(version=1))
+    assert [p["applied_version"] for p in m.pulls] == [1, 1]
+    assert not both_arrived.broken
 
 
 @pytest.mark.parametrize("apply_mode,call", [("auto", "/update_weights_from_pulled"),
@@ -242,20 +244,20 @@ def test_in_place_pause_skips_flush_and_keeps_the_cache(doubles, apply_mode, cal
 
 
 def test_baseline_sends_version_0_without_waiting_and_the_first_sync_waits_for_it(doubles):
+    # The baseline pulls answer only after start_baseline has returned: had it waited, it would hang.
+    returned, released = threading.Event(), []
     for d in doubles:
-        d.pull_delay_s = 0.6
+        d.pull_gate = lambda: released.append(returned.wait(20))
     sync = make_sync(doubles)
-    t0 = time.monotonic()
     sync.start_baseline()
-    assert time.monotonic() - t0 < 0.3  # did not wait for the pulls
-    time.sleep(0.1)
-    assert [(e, p, b["target_version"]) for e, p, b, _ in CALLS] in (
-        [("e0", "/pull_weights", 0), ("e1", "/pull_weights", 0)],
-        [("e1", "/pull_weights", 0), ("e0", "/pull_weights", 0)])
+    returned.set()
     m = sync.update(1, "/v", SyncMetrics(version=1))
-    pulls = [b["target_version"] for e, p, b, _ in CALLS if e == "e0" and p == "/pull_weights"]
-    assert pulls == [0, 1]
-    assert m.baseline_wait_s > 0.2
+    assert sorted((e, b["target_version"]) for e, p, b, _ in CALLS if p == "/pull_weights") == [
+        ("e0", 0), ("e0", 1), ("e1", 0), ("e1", 1)]
+    # Every engine's v1 pull came after its baseline answered (the sync waited for it).
+    assert [b["target_version"] for e, p, b, _ in CALLS if e == "e0" and p == "/pull_weights"] == [0, 1]
+    assert released == [True] * 4  # released by start_baseline's return, not by the timeout
+    assert m.baseline_errors == {} and sync.baseline_results is not None
 
 
 def test_source_not_ready_is_retried_with_backoff(doubles):
