@@ -39,6 +39,14 @@ FULL_ABOVE_CHANGED_FRACTION = Knob(
     "WEIGHTSYNC_FULL_ABOVE_CHANGED_FRACTION", 0.5, "publish a full version when more than this fraction of elements changed"
 )
 FALLBACK_FRACTION = Knob("WEIGHTSYNC_FALLBACK_FRACTION", 0.5, "publish a full version when delta > this x full")
+ANCHOR_FRACTION = Knob(
+    "WEIGHTSYNC_ANCHOR_FRACTION", 1.0,
+    "write a side anchor once the deltas since the last anchor exceed this x the full size (0: never by size)",
+)
+ANCHOR_MAX_DELTAS = Knob(
+    "WEIGHTSYNC_ANCHOR_MAX_DELTAS", 64, "write a side anchor after this many deltas since the last one (0: no limit)"
+)
+KEEP_VERSIONS = Knob("WEIGHTSYNC_KEEP_VERSIONS", 8, "newest versions the publisher's pruning never removes")
 
 
 def workers(knob: Knob, requested: int | None = None) -> int:

@@ -3,19 +3,23 @@
 Nobody else formats ``weight_v{N:06d}``. Layout of a source dir and a local checkpoint dir::
 
     source_dir/
+    ├── weightsync-run.json                the run's identity, written once by our publisher
     ├── weight_v000001/                    a delta version
     │   ├── model.safetensors.index.json   written last: the commit point
     │   └── delta-r00000-00001.safetensors
-    └── weight_v000002/                    a full version (an ordinary HF checkpoint)
-        ├── config.json
-        ├── model.safetensors.index.json
+    ├── weight_v000002/                    a full version (an ordinary HF checkpoint)
+    │   ├── config.json
+    │   ├── model.safetensors.index.json
+    │   └── model-r00000-00001.safetensors
+    └── anchor_v000009/                    a side anchor: v9's full bytes beside its delta
+        ├── model.safetensors.index.json   (upstream readers look only at weight_v*)
         └── model-r00000-00001.safetensors
 
     local_checkpoint_dir/                  a complete HF checkpoint
     ├── config.json, *.safetensors, ...
     └── .weight_sync/
         ├── lock                           per-host flock
-        ├── state.json                     {"version": "000002"}: the applied-version marker
+        ├── state.json                     {"version": "000002", ...}: the applied-version marker
         └── verified.json                  only while a deferred flush runs (advisory)
 """
 
@@ -32,7 +36,9 @@ SYNC_DIR = ".weight_sync"
 LOCK_NAME = "lock"
 STATE_NAME = "state.json"
 VERIFIED_NAME = "verified.json"
+RUN_NAME = "weightsync-run.json"
 VERSION_DIR_RE = re.compile(r"^weight_v(\d{6,})$")
+ANCHOR_DIR_RE = re.compile(r"^anchor_v(\d{6,})$")
 
 
 def version_dir_name(version: int) -> str:
@@ -41,6 +47,20 @@ def version_dir_name(version: int) -> str:
 
 def version_dir(source_dir: str, version: int) -> str:
     return os.path.join(source_dir, version_dir_name(version))
+
+
+def anchor_dir_name(version: int) -> str:
+    return f"anchor_v{version:06d}"
+
+
+def anchor_dir(source_dir: str, version: int) -> str:
+    """A side anchor: the full bytes of version ``version``, which stays a delta in the chain."""
+    return os.path.join(source_dir, anchor_dir_name(version))
+
+
+def run_path(source_dir: str) -> str:
+    """The run identity file our publisher writes once into a source dir."""
+    return os.path.join(source_dir, RUN_NAME)
 
 
 def index_path(directory: str) -> str:
@@ -57,13 +77,22 @@ def parse_version_dir_name(name: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
-def list_versions(source_dir: str) -> list[int]:
-    """Version numbers present as directories (for inspect/prune, never for pulling)."""
+def _list_numbered(source_dir: str, pattern: "re.Pattern[str]") -> list[int]:
     try:
         names = os.listdir(source_dir)
     except FileNotFoundError:
         return []
-    return sorted(v for v in map(parse_version_dir_name, names) if v is not None)
+    return sorted(int(m.group(1)) for m in map(pattern.match, names) if m)
+
+
+def list_versions(source_dir: str) -> list[int]:
+    """Version numbers present as directories (for inspect/prune, never for pulling)."""
+    return _list_numbered(source_dir, VERSION_DIR_RE)
+
+
+def list_anchors(source_dir: str) -> list[int]:
+    """Versions that have a side anchor directory (complete or not: the caller reads its index)."""
+    return _list_numbered(source_dir, ANCHOR_DIR_RE)
 
 
 def delta_shard_name(rank: int, part: int) -> str:

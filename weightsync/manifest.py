@@ -24,7 +24,15 @@ from .errors import (
     UnsupportedFormatError,
     VersionMissingError,
 )
-from .layout import INDEX_NAME, SINGLE_FILE_NAME, checked_file_name, format_version, index_path, version_dir
+from .layout import (
+    INDEX_NAME,
+    SINGLE_FILE_NAME,
+    anchor_dir,
+    checked_file_name,
+    format_version,
+    index_path,
+    version_dir,
+)
 
 SUPPORTED_COMPRESSION = ("zstd",)
 VersionKind = Literal["delta", "full"]
@@ -68,6 +76,31 @@ def parse_version_number(value: object, field: str, path: str) -> int:
     return v
 
 
+class TruncatedIndex(Exception):
+    """The index ends before its JSON does: a file still being written (no atomic rename)."""
+
+
+def _ends_mid_json(raw: bytes) -> bool:
+    """True when ``raw`` is empty or a proper prefix of some JSON text: every error is at the end.
+
+    A publisher without rename writes the index in place, so a reader can see any prefix of
+    it. A prefix of one JSON object always fails to parse at its end (or mid-character at its
+    end), never earlier; a byte that is wrong in the middle is corruption.
+    """
+    text_end = len(raw.rstrip())
+    if text_end == 0:
+        return True
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        return e.reason == "unexpected end of data" and e.end >= text_end
+    try:
+        json.loads(text)
+    except json.JSONDecodeError as e:
+        return e.pos >= len(text.rstrip())
+    return False
+
+
 def _load_index_json(path: str) -> dict:
     limit = int(knobs.MAX_INDEX_NBYTES.get())
     size = os.path.getsize(path)
@@ -78,10 +111,27 @@ def _load_index_json(path: str) -> dict:
     try:
         obj = json.loads(raw)
     except (UnicodeDecodeError, ValueError) as e:
+        if _ends_mid_json(raw):
+            raise TruncatedIndex(f"{len(raw)} bytes that end mid-JSON") from None
         raise MalformedHeaderError(path, f"index is not valid JSON ({e})") from None
     if not isinstance(obj, dict):
         raise MalformedHeaderError(path, "index is not a JSON object")
     return obj
+
+
+def is_committed(directory: str) -> bool:
+    """A version (or anchor) dir whose index is complete: what a publisher must not rewrite.
+
+    An index that is absent or still being written (a prefix of its JSON) does not count, so a
+    publisher restarted after a crash mid-index can write that version again.
+    """
+    try:
+        _load_index_json(index_path(directory))
+    except (FileNotFoundError, TruncatedIndex):
+        return False
+    except MalformedHeaderError:
+        return True  # complete but bad: never overwrite what a reader may have judged
+    return True
 
 
 def read_version_index(source_dir: str, version: int) -> VersionIndex:
@@ -94,6 +144,8 @@ def read_version_index(source_dir: str, version: int) -> VersionIndex:
         obj = _load_index_json(ipath)
     except FileNotFoundError:
         return _read_indexless_full(vdir, version)
+    except TruncatedIndex as e:
+        raise IndexMissingError(version, vdir, f"the index holds {e}: still being written") from None
     meta = obj.get("metadata") or {}
     wmap = obj.get("weight_map")
     if not isinstance(meta, dict):
@@ -141,6 +193,30 @@ def read_version_index(source_dir: str, version: int) -> VersionIndex:
     )
 
 
+def read_anchor_index(source_dir: str, version: int) -> VersionIndex:
+    """The index of a side anchor (``anchor_vNNNNNN/``): a full checkpoint of ``version``.
+
+    Raises SourceNotReadyError (absent, or its index not complete yet) or CorruptArtifactError.
+    """
+    adir = anchor_dir(source_dir, version)
+    ipath = index_path(adir)
+    try:
+        obj = _load_index_json(ipath)
+    except FileNotFoundError:
+        raise IndexMissingError(version, adir, "side anchor without an index") from None
+    except TruncatedIndex as e:
+        raise IndexMissingError(version, adir, f"the anchor index holds {e}: still being written") from None
+    meta, wmap = obj.get("metadata"), obj.get("weight_map")
+    if not isinstance(meta, dict) or not isinstance(wmap, dict) or "delta_encoding" in meta:
+        raise MalformedHeaderError(ipath, "an anchor index is a full HF index: metadata and weight_map objects")
+    for name, fname in wmap.items():
+        checked_file_name(fname, f"{ipath} weight_map[{name!r}]")
+    declared = parse_version_number(meta.get("version"), "version", ipath)
+    if declared != version:
+        raise CorruptArtifactError(f"{ipath} declares version {declared} but lives in the dir of anchor {version}")
+    return VersionIndex(version, "full", adir, dict(wmap), metadata={str(k): str(v) for k, v in meta.items()})
+
+
 def _read_indexless_full(vdir: str, version: int) -> VersionIndex:
     """An index-less dir is a full version only if it is a complete single-file checkpoint."""
     from .safetensors_io import read_header
@@ -176,7 +252,8 @@ def build_delta_index(
 
 
 def build_full_index(version: int, weight_map: dict[str, str], total_size: int) -> bytes:
-    meta = {"version": format_version(version), "total_size": str(total_size)}
+    """An HF index; ``total_size`` is the tensor bytes, an integer (the HF convention)."""
+    meta: dict[str, object] = {"version": format_version(version), "total_size": int(total_size)}
     return json.dumps({"metadata": meta, "weight_map": dict(sorted(weight_map.items()))}, indent=1).encode()
 
 
@@ -199,11 +276,20 @@ def checkpoint_weight_files(checkpoint_dir: str) -> list[str]:
 
 
 class AppliedState(msgspec.Struct, frozen=True):
-    """``.weight_sync/state.json``. ``version`` is the only field upstream readers need; the
-    source dir lets a pull refuse to chain deltas of one source onto the state of another."""
+    """``.weight_sync/state.json``. ``version`` is the only field upstream readers need. The
+    rest binds the local bytes to where they came from, so a pull never mistakes another
+    origin's state for its own: ``source_dir`` (real path), ``run`` (the source dir's run id,
+    when it has one) and ``seed`` (the fingerprint of the seed dir the state grew from)."""
 
     version: str
     source_dir: str | None = None
+    run: str | None = None
+    seed: str | None = None
+
+
+def _optional_str(obj: dict, key: str) -> str | None:
+    value = obj.get(key)
+    return value if isinstance(value, str) else None
 
 
 def read_applied_state(path: str) -> AppliedState | None:
@@ -212,25 +298,60 @@ def read_applied_state(path: str) -> AppliedState | None:
         with open(path, "rb") as f:
             raw = f.read(1 << 16)
         obj = json.loads(raw)
-        state = AppliedState(version=str(obj["version"]), source_dir=obj.get("source_dir"))
+        state = AppliedState(
+            version=str(obj["version"]), source_dir=_optional_str(obj, "source_dir"),
+            run=_optional_str(obj, "run"), seed=_optional_str(obj, "seed"),
+        )
         if parse_version_number(state.version, "version", path) < 0:
             return None
         return state
-    except (OSError, ValueError, KeyError, TypeError, MalformedHeaderError):
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, MalformedHeaderError):
         return None
 
 
-def encode_applied_state(version: int, source_dir: str | None) -> bytes:
+def encode_applied_state(version: int, source_dir: str | None, run: str | None = None, seed: str | None = None) -> bytes:
     obj: dict[str, str] = {"version": format_version(version)}
-    if source_dir is not None:
-        obj["source_dir"] = source_dir
+    for key, value in (("source_dir", source_dir), ("run", run), ("seed", seed)):
+        if value is not None:
+            obj[key] = value
     return json.dumps(obj).encode()
+
+
+# --- the run identity of a source dir ---------------------------------------------------------
+
+
+class RunIdentity(msgspec.Struct, frozen=True):
+    """``weightsync-run.json``: written once by our publisher into a fresh source dir."""
+
+    run_id: str
+    created_unix_s: float = 0.0
+
+
+def read_run_id(path: str) -> str | None:
+    """The run id of a source dir, or None when it has none (an upstream writer's dir).
+
+    An unreadable file (torn by a filesystem without rename) also reads as None: a marker that
+    recorded a run id then no longer matches, and the pull reseeds, which is the safe side.
+    """
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(1 << 12)
+        return msgspec.json.decode(raw, type=RunIdentity).run_id or None
+    except (OSError, msgspec.DecodeError, msgspec.ValidationError):
+        return None
+
+
+def encode_run_identity(run_id: str, created_unix_s: float) -> bytes:
+    return msgspec.json.encode(RunIdentity(run_id, created_unix_s))
 
 
 __all__ = [
     "VersionIndex",
     "AppliedState",
     "read_version_index",
+    "read_anchor_index",
+    "is_committed",
+    "read_run_id",
     "read_applied_state",
     "encode_applied_state",
     "build_delta_index",

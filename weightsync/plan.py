@@ -1,26 +1,42 @@
 """Plan a pull before touching anything: no-op, seed, or a chain of deltas, with the reason.
 
-Seed from the newest full version at or below the target that is newer than the local state
-(or from the seed dir, version 0, when there is no usable local state), then chain the deltas
-after it. Planning reads only index files.
+A local state counts only if its marker matches this pull's origin (the seed dir's fingerprint,
+the source dir's path and run id; see ``identity``); otherwise there is none and the pull seeds.
+Candidates, priced by the bytes they read:
+
+- chain the deltas after the applied version (the local state);
+- seed from a full version in the chain (a chain cannot cross one) and chain the tail;
+- seed from the newest side anchor (``anchor_vNNNNNN/``) at or below the target and chain the tail;
+- seed from the seed dir (version 0) and chain every delta, when nothing else is there.
+
+The walk goes down from the target, reading one index per version, and stops as soon as the
+tail alone costs more than the best candidate found, so it reads a bounded number of indexes
+however long the run. Planning reads index files and file sizes only.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import Literal
 
 import msgspec
 
-from .errors import BackwardPullError, ChainBrokenError, InvalidRequestError, VersionMissingError
-from .layout import state_path, version_dir_name
-from .manifest import VersionIndex, parse_version_number, read_applied_state, read_version_index
+from .errors import BackwardPullError, ChainBrokenError, CorruptArtifactError, InvalidRequestError, SourceNotReadyError
+from .errors import VersionMissingError
+from .identity import Origin, mismatch, source_origin
+from .layout import anchor_dir_name, checked_join, list_anchors, state_path, version_dir_name
+from .manifest import VersionIndex, checkpoint_weight_files, parse_version_number, read_anchor_index
+from .manifest import read_applied_state, read_version_index
+
+log = logging.getLogger(__name__)
 
 
 class SeedSource(msgspec.Struct, frozen=True):
-    kind: Literal["seed_dir", "full"]
+    kind: Literal["seed_dir", "full", "anchor"]
     version: int
     path: str
+    shard_files: tuple[str, ...] = ()  # the weight files its index names (full versions, anchors)
 
 
 class PullPlan(msgspec.Struct, frozen=True):
@@ -29,6 +45,8 @@ class PullPlan(msgspec.Struct, frozen=True):
     seed: SeedSource | None
     deltas: list[int]
     reason: str
+    read_nbytes: int = 0  # what the plan reads from the source dir (file sizes), seed included
+    origin: Origin | None = None
 
     @property
     def action(self) -> str:
@@ -39,73 +57,146 @@ class PullPlan(msgspec.Struct, frozen=True):
         return "chain" if self.deltas else "noop"
 
 
+class _Candidate(msgspec.Struct, frozen=True):
+    cost: int  # bytes to read
+    start: int  # the version the local dir holds before the tail is applied
+    seed: SeedSource | None
+    why: str
+
+
 def check_target_version(target_version: object) -> int:
     if isinstance(target_version, bool) or not isinstance(target_version, int) or target_version < 0:
         raise InvalidRequestError(f"target_version must be an integer >= 0, got {target_version!r}")
     return target_version
 
 
-def read_applied_version(local_checkpoint_dir: str, source_dir: str | None = None) -> tuple[int | None, str]:
-    """(applied version or None, why). A marker from another source dir counts as unknown."""
+def read_applied_version(local_checkpoint_dir: str, origin: Origin | None = None) -> tuple[int | None, str]:
+    """(applied version or None, why). With ``origin``, a marker of another origin counts as none."""
     state = read_applied_state(state_path(local_checkpoint_dir))
     if state is None:
         return None, "no applied-version marker (fresh or torn local state)"
     applied = parse_version_number(state.version, "version", state_path(local_checkpoint_dir))
-    if (
-        applied > 0
-        and source_dir is not None
-        and state.source_dir is not None
-        and state.source_dir != os.path.realpath(source_dir)
-    ):
-        return None, f"local state came from another source dir ({state.source_dir})"
+    if origin is not None:
+        why = mismatch(state, applied, origin)
+        if why is not None:
+            return None, why
     return applied, f"local state at v{applied}"
 
 
+def files_nbytes(directory: str, names: "set[str] | list[str] | tuple[str, ...]") -> int:
+    """Sum of the sizes of the named files (absent ones count 0: loading reports them)."""
+    total = 0
+    for name in names:
+        try:
+            total += os.stat(checked_join(directory, name, directory)).st_size
+        except OSError:
+            pass
+    return total
+
+
+def _seed_dir_nbytes(seed_dir: str) -> int:
+    try:
+        return files_nbytes(seed_dir, checkpoint_weight_files(seed_dir))
+    except (OSError, CorruptArtifactError):
+        return 0
+
+
+def newest_anchor(source_dir: str, target: int, above: int | None) -> tuple[VersionIndex, int] | None:
+    """(index, bytes) of the newest complete side anchor in (above, target], or None.
+
+    An anchor is an optimisation beside the chain, so one that is incomplete or unreadable is
+    skipped (with a log line) in favour of the chain, which is verified on its own.
+    """
+    for a in reversed(list_anchors(source_dir)):
+        if a > target or (above is not None and a <= above):
+            continue
+        try:
+            idx = read_anchor_index(source_dir, a)
+        except SourceNotReadyError:
+            continue
+        except CorruptArtifactError as e:
+            log.warning("ignoring side anchor %s: %s", anchor_dir_name(a), e)
+            continue
+        files = sorted(set(idx.weight_map.values()))
+        if not all(os.path.exists(os.path.join(idx.path, f)) for f in files):
+            continue
+        return idx, files_nbytes(idx.path, files)
+    return None
+
+
 def plan_pull(
-    local_checkpoint_dir: str, seed_dir: str, source_dir: str, target_version: int, *, force_reseed: bool = False
+    local_checkpoint_dir: str, seed_dir: str, source_dir: str, target_version: int, *, force_reseed: bool = False,
+    origin: Origin | None = None,
 ) -> tuple[PullPlan, dict[int, VersionIndex]]:
-    """The plan and the indexes it read (the executor reuses them)."""
+    """The plan and the delta indexes it read (the executor reuses them)."""
     check_target_version(target_version)
-    applied, why = read_applied_version(local_checkpoint_dir, source_dir)
+    origin = origin or source_origin(source_dir, seed_dir)
+    applied, why = read_applied_version(local_checkpoint_dir, origin)
     if force_reseed:
         applied, why = None, "reseeding after a failed apply"
     seed0 = SeedSource("seed_dir", 0, seed_dir)
     if target_version == 0:
         if applied == 0:
-            return PullPlan(0, 0, None, [], "no-op: already at version 0"), {}
-        return PullPlan(0, applied, seed0, [], f"reset to the engine's own model ({why})"), {}
+            return PullPlan(0, 0, None, [], "no-op: already at version 0", origin=origin), {}
+        return PullPlan(0, applied, seed0, [], f"reset to the engine's own model ({why})", origin=origin), {}
     if applied == target_version:
-        return PullPlan(target_version, applied, None, [], f"no-op: already at v{target_version}"), {}
+        return PullPlan(target_version, applied, None, [], f"no-op: already at v{target_version}", origin=origin), {}
     if applied is not None and target_version < applied:
         raise BackwardPullError(target_version, applied)
-    floor = applied if applied is not None else 0
-    indexes: dict[int, VersionIndex] = {}
-    full_at = None
-    v = target_version
-    while v > floor:
-        try:
-            idx = read_version_index(source_dir, v)
-        except VersionMissingError as e:
-            if v == target_version:
-                raise
-            raise ChainBrokenError(v, target_version, e.path) from None
-        indexes[v] = idx
-        if idx.kind == "full":
-            full_at = v
-            break
-        v -= 1
-    if full_at is not None:
-        deltas = list(range(full_at + 1, target_version + 1))
-        seed = SeedSource("full", full_at, indexes[full_at].path)
-        reason = f"seed from {version_dir_name(full_at)} (newest full version <= v{target_version}; {why})"
-    elif applied is None:
-        deltas = list(range(1, target_version + 1))
-        seed = seed0
-        reason = f"seed from the engine's own model, version 0 ({why})"
-    else:
-        deltas = list(range(applied + 1, target_version + 1))
-        seed = None
-        reason = f"{why}"
+    indexes: dict[int, VersionIndex] = {target_version: read_version_index(source_dir, target_version)}
+    best = _cheapest_plan(source_dir, seed_dir, target_version, applied, why, indexes, seed0)
+    deltas = list(range(best.start + 1, target_version + 1))
+    reason = best.why
     if deltas:
         reason += f"; chain {len(deltas)} delta(s) v{deltas[0]}..v{deltas[-1]}"
-    return PullPlan(target_version, applied, seed, deltas, reason), indexes
+    reason += f" ({best.cost} bytes to read)"
+    used = {v: indexes[v] for v in deltas}
+    return PullPlan(target_version, applied, best.seed, deltas, reason, best.cost, origin), used
+
+
+def _cheapest_plan(
+    source_dir: str, seed_dir: str, target: int, applied: int | None, why: str, indexes: dict[int, VersionIndex],
+    seed0: SeedSource,
+) -> _Candidate:
+    anchor = newest_anchor(source_dir, target, applied)
+    best: _Candidate | None = None
+
+    def consider(c: _Candidate) -> None:
+        nonlocal best
+        if best is None or c.cost < best.cost:
+            best = c
+
+    tail = 0  # bytes of the deltas v+1..target
+    v = target
+    while True:
+        if anchor is not None and v == anchor[0].version:
+            idx, nbytes = anchor
+            files = tuple(sorted(set(idx.weight_map.values())))
+            consider(_Candidate(nbytes + tail, v, SeedSource("anchor", v, idx.path, files),
+                                f"seed from side anchor {anchor_dir_name(v)} (cheaper than the chain; {why})"))
+        if v == applied:
+            consider(_Candidate(tail, v, None, why))
+            break
+        if applied is None and v == 0:
+            consider(_Candidate(_seed_dir_nbytes(seed_dir) + tail, 0, seed0,
+                                f"seed from the engine's own model, version 0 ({why})"))
+            break
+        if best is not None and tail >= best.cost:
+            break  # going further down only adds bytes
+        if v not in indexes:
+            try:
+                indexes[v] = read_version_index(source_dir, v)
+            except VersionMissingError as e:
+                if best is not None:
+                    break  # pruned below a cheaper start: nobody needs it
+                raise ChainBrokenError(v, target, e.path) from None
+        idx = indexes[v]
+        if idx.kind == "full":
+            files = tuple(sorted(set(idx.weight_map.values())))
+            consider(_Candidate(files_nbytes(idx.path, files) + tail, v, SeedSource("full", v, idx.path, files),
+                                f"seed from {version_dir_name(v)} (newest full version <= v{target}; {why})"))
+            break
+        tail += files_nbytes(idx.path, set(idx.weight_map.values()))
+        v -= 1
+    assert best is not None  # every exit of the walk considers a candidate or raises
+    return best

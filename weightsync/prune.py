@@ -1,8 +1,17 @@
-"""Prune versions no pull can need: those older than the newest full version (the anchor).
+"""Prune what no cheap pull needs, in O(1) amortized per commit.
 
-A pull to any target at or above the anchor seeds from the anchor (or chains from a local state
-at or above it), so nothing below it is read again. The newest ``keep`` versions stay regardless.
-A pruned version loses its index first, so a reader never sees a half-deleted version as published.
+*Anchor points* are full versions and side anchors (``anchor_vNNNNNN/``). The *prune point* P is
+the newer of the newest full version F and the second-newest anchor point A2:
+
+- nothing below F is read by a pull to a target at or above F (a chain cannot cross a full
+  version: a pull seeds from it or from a newer anchor);
+- a plan that chains across A2 reads the deltas between A2 and the newest anchor point, which
+  weigh about one full size (the anchor budget): seeding from the newest anchor costs no
+  more, so the planner takes that, and nothing below A2 is needed either.
+
+Versions below P go, except the newest ``keep``; side anchors below P go. Each is deleted once,
+index first, so a reader never sees a half-deleted version as published. The publisher keeps
+this record itself (a restarted one scans the source dir once), so a commit reads no index.
 """
 
 from __future__ import annotations
@@ -10,13 +19,122 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+from collections import deque
 
 from .errors import WeightSyncError
 from .fsio import fsync_dir
-from .layout import index_path, list_versions, version_dir
-from .manifest import read_version_index
+from .layout import anchor_dir, index_path, list_anchors, list_versions, version_dir
+from .manifest import is_committed, read_version_index
 
 log = logging.getLogger(__name__)
+
+
+class Retention:
+    """What the source dir holds, as far as pruning cares: versions, and the anchor points."""
+
+    def __init__(self, source_dir: str, keep: int):
+        self.source_dir = source_dir
+        self.keep = max(0, int(keep))
+        self.versions: deque[int] = deque()  # on disk, ascending
+        self.fulls: deque[int] = deque()  # full versions still on disk, ascending
+        self.anchors: deque[int] = deque()  # side anchors still on disk, ascending
+        self.points: deque[int] = deque()  # anchor points (fulls and side anchors), ascending
+
+    def load(self, upto: int | None = None) -> None:
+        """Scan the source dir once (a restarted publisher, or the command line)."""
+        for v in list_versions(self.source_dir):
+            if upto is not None and v > upto:
+                continue
+            try:
+                kind = read_version_index(self.source_dir, v).kind
+            except WeightSyncError:
+                kind = None  # unpublished or broken: still a version dir to prune in turn
+            self.versions.append(v)
+            if kind == "full":
+                self.fulls.append(v)
+                self.points.append(v)
+        for a in list_anchors(self.source_dir):
+            if (upto is None or a <= upto) and is_committed(anchor_dir(self.source_dir, a)):
+                self.anchors.append(a)
+        self.points = deque(sorted(set(self.points) | set(self.anchors)))
+
+    def since_anchor(self, upto: int) -> tuple[int, int]:
+        """(bytes, count) of the delta versions after the newest anchor point at or below ``upto``."""
+        newest = max((p for p in self.points if p <= upto), default=0)
+        nbytes = count = 0
+        for v in self.versions:
+            if newest < v <= upto:
+                try:
+                    idx = read_version_index(self.source_dir, v)
+                except WeightSyncError:
+                    continue
+                count += 1
+                for fname in set(idx.weight_map.values()):
+                    try:
+                        nbytes += os.path.getsize(os.path.join(idx.path, fname))
+                    except OSError:
+                        pass
+        return nbytes, count
+
+    def record(self, version: int, kind: str, anchor: bool) -> None:
+        if not self.versions or self.versions[-1] < version:
+            self.versions.append(version)
+        if kind == "full":
+            self.fulls.append(version)
+        if anchor:
+            self.anchors.append(version)
+        if kind == "full" or anchor:
+            self.points.append(version)
+
+    def prune_point(self) -> int | None:
+        candidates = []
+        if self.fulls:
+            candidates.append(self.fulls[-1])
+        if len(self.points) >= 2:
+            candidates.append(self.points[-2])
+        return max(candidates) if candidates else None
+
+    def doomed(self) -> tuple[list[int], list[int]]:
+        """(versions, side anchors) that pruning would delete now."""
+        p = self.prune_point()
+        if p is None:
+            return [], []
+        n_old = max(0, len(self.versions) - self.keep)
+        versions = [v for i, v in enumerate(self.versions) if i < n_old and v < p]
+        return versions, [a for a in self.anchors if a < p]
+
+    def prune(self) -> list[int]:
+        """Delete what ``doomed`` names; returns the versions deleted. Amortized O(1) per commit:
+        only the front of each queue is looked at, and each item leaves once."""
+        p = self.prune_point()
+        if p is None:
+            return []
+        gone: list[int] = []
+        while len(self.versions) > self.keep and self.versions[0] < p:
+            v = self.versions.popleft()
+            _delete(version_dir(self.source_dir, v))
+            gone.append(v)
+            log.info("pruned v%d (older than the prune point v%d)", v, p)
+        while self.anchors and self.anchors[0] < p:
+            a = self.anchors.popleft()
+            _delete(anchor_dir(self.source_dir, a))
+            log.info("pruned side anchor of v%d (older than the prune point v%d)", a, p)
+        while self.fulls and self.fulls[0] < p:
+            self.fulls.popleft()
+        while self.points and self.points[0] < p:
+            self.points.popleft()
+        if gone:
+            fsync_dir(self.source_dir)
+        return gone
+
+
+def _delete(directory: str) -> None:
+    try:
+        os.unlink(index_path(directory))  # first: the dir stops being published
+    except FileNotFoundError:
+        pass
+    fsync_dir(directory)
+    shutil.rmtree(directory, ignore_errors=True)
 
 
 def newest_full_version(source_dir: str) -> int | None:
@@ -30,31 +148,18 @@ def newest_full_version(source_dir: str) -> int | None:
 
 
 def prunable_versions(source_dir: str, keep: int) -> list[int]:
-    anchor = newest_full_version(source_dir)
-    if anchor is None:
-        return []
-    versions = list_versions(source_dir)
-    protected = set(versions[-keep:]) if keep > 0 else set()
-    return [v for v in versions if v < anchor and v not in protected]
+    retention = Retention(source_dir, keep)
+    retention.load()
+    return retention.doomed()[0]
 
 
 def prune_versions(source_dir: str, keep: int = 0, *, dry_run: bool = False) -> list[int]:
-    """Delete versions older than the newest full version, keeping the newest ``keep``.
+    """Delete the versions (and side anchors) below the prune point, keeping the newest ``keep``.
 
-    Returns the versions deleted (or that would be, with ``dry_run``).
+    Returns the versions deleted (or that would be, with ``dry_run``). Reads every index once.
     """
-    doomed = prunable_versions(source_dir, keep)
+    retention = Retention(source_dir, keep)
+    retention.load()
     if dry_run:
-        return doomed
-    for v in doomed:
-        vdir = version_dir(source_dir, v)
-        try:
-            os.unlink(index_path(vdir))
-        except FileNotFoundError:
-            pass
-        fsync_dir(vdir)
-        shutil.rmtree(vdir, ignore_errors=True)
-        log.info("pruned v%d (older than the newest full version)", v)
-    if doomed:
-        fsync_dir(source_dir)
-    return doomed
+        return retention.doomed()[0]
+    return retention.prune()

@@ -1,13 +1,21 @@
 """Publish: write one version from named tensors (raw bytes in, files out).
 
-A delta version diffs each tensor against the previous version's bytes (the snapshot the
-publisher keeps), encodes, compresses and checksums it, and writes shards; the index goes last
-and is the commit point. Several ranks may each write the shards of the tensors they own
-(shard names carry the rank, so numbering never depends on a directory listing); the caller
-coordinates them and one rank commits. Single-process callers use ``Publisher.publish``.
+A delta version diffs each tensor against the previous version's bytes (the snapshot),
+encodes, compresses and checksums it, and writes shards; the index goes last and is the commit
+point. Several ranks may each write the shards of the tensors they own (shard names carry the
+rank, so numbering never depends on a directory listing); the caller coordinates them and one
+rank commits. Single-process callers use ``Publisher.publish``.
 
-Invariant: the snapshot advances only after this rank's shards are durable, so a failed write
-can be retried with the same inputs.
+The ``Publisher`` is a facade over one unit per responsibility: ``Snapshot`` (the bytes the
+next delta diffs against), ``Encoder`` (encode scheduling), ``ShardWriter`` (this rank's files),
+``Committer`` (the indexes, the commit point), ``AnchorBudget`` (when a side anchor is due) and
+``Retention`` (what to prune). The multi-rank protocol, and what to call after a failure, is in
+the ``Publisher`` docstring and docs/FORMAT.md "Publishing".
+
+Invariants: the snapshot takes a version's bytes only after this rank's shards are durable, and
+the publisher counts a version as committed only once its index landed (rank 0) or the caller
+confirmed it (the other ranks). Until then the version can be retried, on every rank, with the
+same version number, giving the same bytes.
 """
 
 from __future__ import annotations
@@ -16,87 +24,38 @@ import logging
 import os
 import shutil
 import time
+import uuid
 from concurrent.futures import ThreadPoolExecutor
-from typing import Callable, Literal, Mapping, cast
+from typing import Callable, Literal, Mapping
 
 import msgspec
 import numpy as np
 
 from . import knobs
 from .checksum import DEFAULT_CHECKSUM, new_hasher, supported_checksums
-from .codecs import SegmentedCodec, get_codec
+from .codecs import get_codec
+from .encode import PreparedTensor, PreparedVersion, Encoder
 from .errors import PublishError, UnsupportedFormatError
 from .fsio import fsync_dir, write_bytes, write_file
 from .hooks import load_callable
 from .layout import (
     INDEX_NAME,
+    anchor_dir,
     delta_shard_name,
     full_shard_name,
-    index_path,
     is_model_side_file,
+    run_path,
     version_dir,
 )
-from .manifest import build_delta_index, build_full_index, checkpoint_weight_files
-from .safetensors_io import DTYPE_NBYTES, as_byte_view, iter_file_chunks, local_tensor_table, read_header
+from .manifest import build_delta_index, build_full_index, encode_run_identity, is_committed, read_run_id
+from .prune import Retention
+from .safetensors_io import iter_file_chunks
+from .snapshot import RawTensor, Snapshot, as_raw, read_checkpoint_tensors
 
 log = logging.getLogger(__name__)
 
-SPLIT_MIN_NBYTES = 64 << 20  # smallest tensor a sparse-v1 publish may encode on several workers
 DEFAULT_ENCODING = "sparse-v1"  # ours; "xor" and "overwrite" stay available for upstream readers
 Kind = Literal["delta", "full"]
-
-_NP_TO_ST = {
-    "bool": "BOOL", "uint8": "U8", "int8": "I8", "int16": "I16", "uint16": "U16", "float16": "F16",
-    "int32": "I32", "uint32": "U32", "float32": "F32", "int64": "I64", "uint64": "U64", "float64": "F64",
-}
-
-
-class RawTensor(msgspec.Struct, frozen=True):
-    """A tensor as bytes: safetensors dtype name, shape, and a C-contiguous buffer."""
-
-    dtype: str
-    shape: tuple[int, ...]
-    data: object
-
-    def bytes_view(self) -> np.ndarray:
-        arr = np.frombuffer(as_byte_view(self.data), dtype=np.uint8)
-        return arr
-
-
-def as_raw(value: "RawTensor | np.ndarray") -> RawTensor:
-    if isinstance(value, RawTensor):
-        return value
-    if isinstance(value, np.ndarray):
-        st = _NP_TO_ST.get(value.dtype.name)
-        if st is None:
-            raise PublishError(f"numpy dtype {value.dtype} has no safetensors name; pass a RawTensor")
-        return RawTensor(st, tuple(value.shape), np.ascontiguousarray(value))
-    raise PublishError(f"expected a RawTensor or numpy array, got {type(value).__name__}")
-
-
-class PreparedTensor(msgspec.Struct):
-    name: str
-    dtype: str
-    shape: tuple[int, ...]
-    new: np.ndarray  # uint8 view of the new bytes
-    payload: bytes | None  # compressed delta; None when the tensor did not change
-    digest: str
-    changed_bytes: int
-    changed_elements: int
-    nbytes: int
-    nelements: int
-
-
-class PreparedVersion(msgspec.Struct):
-    version: int
-    rank: int
-    tensors: list[PreparedTensor]
-    delta_nbytes: int  # payload bytes of the changed tensors
-    full_nbytes: int  # bytes of every tensor this rank owns
-    changed_bytes: int
-    changed_elements: int
-    total_elements: int
-    encode_s: float
 
 
 class ShardManifest(msgspec.Struct, frozen=True):
@@ -107,6 +66,9 @@ class ShardManifest(msgspec.Struct, frozen=True):
     kind: str
     weight_map: dict[str, str]
     nbytes: int
+    tensor_nbytes: int = 0  # bytes of the tensors this rank owns (a full index's total_size)
+    anchor_weight_map: dict[str, str] | None = None  # this rank's shards of the side anchor, if one is due
+    anchor_nbytes: int = 0
 
 
 class PublishResult(msgspec.Struct):
@@ -120,20 +82,167 @@ class PublishResult(msgspec.Struct):
     total_elements: int
     encode_s: float
     write_s: float
+    anchor_nbytes: int = 0  # bytes of the side anchor written beside this version (0: none)
 
     @property
     def changed_fraction(self) -> float:
         return self.changed_elements / self.total_elements if self.total_elements else 0.0
 
 
-class _SnapEntry(msgspec.Struct):
-    dtype: str
-    shape: tuple[int, ...]
-    buf: np.ndarray  # uint8, owned
+class _Decision(msgspec.Struct, frozen=True):
+    """choose_kind's answer for one version, from totals over all ranks (so every rank agrees)."""
+
+    kind: str
+    anchor: bool
+    delta_nbytes: int
+
+
+class _Staged(msgspec.Struct):
+    """A version this rank wrote whose commit is not confirmed yet: what a retry reuses."""
+
+    version: int
+    kind: str
+    prepared: PreparedVersion  # its tensors' ``new`` are the snapshot's own buffers
+
+
+# --- units ------------------------------------------------------------------------------------
+
+
+class AnchorBudget:
+    """When to write a side anchor: once the delta bytes since the last anchor point (a side
+    anchor or a full version) exceed ``fraction`` x the full size, or after ``max_deltas``
+    deltas. A host joining then reads one anchor plus a tail of at most about one full size."""
+
+    def __init__(self, fraction: float, max_deltas: int):
+        self.fraction = fraction
+        self.max_deltas = max_deltas
+        self.since_nbytes = 0
+        self.since_count = 0
+
+    def wants_anchor(self, delta_nbytes: int, full_nbytes: int) -> str | None:
+        if self.fraction <= 0 and self.max_deltas <= 0:
+            return None
+        if self.fraction > 0 and self.since_nbytes + delta_nbytes > self.fraction * full_nbytes:
+            return (
+                f"side anchor: deltas since the last anchor reach {(self.since_nbytes + delta_nbytes) / max(full_nbytes, 1):.0%} "
+                f"of the full size (budget {self.fraction:.0%})"
+            )
+        if self.max_deltas > 0 and self.since_count + 1 >= self.max_deltas:
+            return f"side anchor: {self.since_count + 1} deltas since the last anchor (at most {self.max_deltas})"
+        return None
+
+    def record(self, kind: str, anchor: bool, delta_nbytes: int) -> None:
+        if kind == "full" or anchor:
+            self.since_nbytes, self.since_count = 0, 0
+        else:
+            self.since_nbytes += delta_nbytes
+            self.since_count += 1
+
+
+class ShardWriter:
+    """Writes this rank's shards: a delta's payloads, or full tensors (a full version or an anchor)."""
+
+    def __init__(self, rank: int, atomic: bool):
+        self.rank = rank
+        self.atomic = atomic
+
+    def write_delta(self, vdir: str, tensors: list[PreparedTensor]) -> tuple[dict[str, str], int]:
+        os.makedirs(vdir, exist_ok=True)
+        weight_map: dict[str, str] = {}
+        written = 0
+        changed = [t for t in tensors if t.payload is not None]
+        for part, group in enumerate(_group_by_size(changed, _payload_len, int(knobs.DELTA_SHARD_NBYTES.get())), start=1):
+            fname = delta_shard_name(self.rank, part)
+            entries = [(t.name, "U8", (_payload_len(t),), t.payload) for t in group]
+            meta = {t.name: t.digest for t in group}
+            written += write_file(os.path.join(vdir, fname), iter_file_chunks(entries, meta), atomic=self.atomic)
+            weight_map.update({t.name: fname for t in group})
+        return weight_map, written
+
+    def write_full(self, vdir: str, tensors: list[PreparedTensor]) -> tuple[dict[str, str], int]:
+        os.makedirs(vdir, exist_ok=True)
+        weight_map: dict[str, str] = {}
+        written = 0
+        for part, group in enumerate(_group_by_size(tensors, lambda t: t.nbytes, int(knobs.FULL_SHARD_NBYTES.get())), start=1):
+            fname = full_shard_name(self.rank, part)
+            entries = [(t.name, t.dtype, t.shape, t.new) for t in group]
+            written += write_file(os.path.join(vdir, fname), iter_file_chunks(entries, {"format": "pt"}), atomic=self.atomic)
+            weight_map.update({t.name: fname for t in group})
+        return weight_map, written
+
+
+class Committer:
+    """Writes the indexes (the commit points) from every rank's manifests. One rank."""
+
+    def __init__(self, source_dir: str, encoding: str, checksum: str, template_dir: str | None, atomic: bool):
+        self.source_dir = source_dir
+        self.encoding = encoding
+        self.checksum = checksum
+        self.template_dir = template_dir
+        self.atomic = atomic
+
+    def commit(self, version: int, kind: Kind, manifests: list[ShardManifest]) -> tuple[str, int]:
+        """Write the anchor's index (when every rank wrote its part), then the version's. Returns
+        (version dir, anchor bytes). The version's index is last: once it exists the version is
+        published, and its anchor, if any, is complete."""
+        weight_map = _merged(manifests, version, kind, lambda m: m.weight_map)
+        anchor_nbytes = 0
+        if kind == "delta" and manifests and all(m.anchor_weight_map is not None for m in manifests):
+            adir = anchor_dir(self.source_dir, version)
+            index = build_full_index(version, _merged(manifests, version, kind, lambda m: m.anchor_weight_map or {}),
+                                     sum(m.tensor_nbytes for m in manifests))
+            self._write_index(adir, index)
+            anchor_nbytes = sum(m.anchor_nbytes for m in manifests)
+        vdir = version_dir(self.source_dir, version)
+        os.makedirs(vdir, exist_ok=True)
+        if kind == "full":
+            self._copy_template_files(vdir)
+            index = build_full_index(version, weight_map, sum(m.tensor_nbytes for m in manifests))
+        else:
+            index = build_delta_index(version, self.encoding, self.checksum, weight_map)
+        self._write_index(vdir, index)
+        return vdir, anchor_nbytes
+
+    def _write_index(self, directory: str, index: bytes) -> None:
+        fsync_dir(directory)
+        write_bytes(os.path.join(directory, INDEX_NAME), index, atomic=self.atomic)
+        fsync_dir(directory)
+
+    def _copy_template_files(self, vdir: str) -> None:
+        if not self.template_dir:
+            return
+        for entry in os.scandir(self.template_dir):
+            if entry.is_file() and is_model_side_file(entry.name):
+                shutil.copyfile(entry.path, os.path.join(vdir, entry.name))
+
+
+# --- the facade -------------------------------------------------------------------------------
 
 
 class Publisher:
     """Publishes versions into ``source_dir`` from the tensors one rank owns.
+
+    One rank: ``publish(v, tensors)``; after any failure, call ``publish(v, tensors)`` again
+    with the same bytes.
+
+    Several ranks (each with its own Publisher, ``rank``/``world_size`` set), per version ``v``:
+
+    1. every rank: ``prepared = prepare(v, tensors)``;
+    2. every rank: ``kind, reason = choose_kind(v, *totals)`` with the totals over all ranks
+       of ``delta_nbytes, full_nbytes, changed_elements, total_elements`` (the same totals give
+       the same kind, and the same side-anchor decision, everywhere);
+    3. every rank: ``manifest = write(prepared, kind)``; then a barrier that gathers the
+       manifests (every shard is durable once it passes);
+    4. rank 0: ``commit(v, kind, manifests)`` (writes the index: the commit point);
+    5. the other ranks, once told that rank 0's commit succeeded: ``confirm(v)``. (A rank
+       that skips it confirms on its next ``prepare(v + 1)`` if it sees v's index.)
+
+    After a failure at any step on any rank (an encode error, one rank's ENOSPC, a failed
+    barrier, a failed index write), every rank starts again at step 1 with the same ``v`` and
+    the same bytes. A rank that already wrote v reuses what it wrote, and one that did not
+    encodes from the same snapshot, so the retry publishes the same bytes. ``prepare(v + 1)``
+    is refused while v is written but not committed. Keep the tensors passed to ``prepare``
+    unchanged until ``write`` returns.
 
     Args:
         source_dir: the shared directory holding ``weight_vNNNNNN/`` dirs.
@@ -147,8 +256,12 @@ class Publisher:
             of the full size.
         full_above_changed_fraction: publish a full version when more than this fraction of
             the elements changed (a dense step: cheaper to copy than to apply).
-        keep_versions: after each commit, prune versions no pull can need, keeping this many
-            newest (None: never prune).
+        anchor_fraction, anchor_max_deltas: write a side anchor (``anchor_vNNNNNN/``, a full
+            checkpoint beside a delta that stays a delta) once the deltas since the last anchor
+            exceed this fraction of the full size, or number this many (0 disables either).
+        keep_versions: the newest versions pruning never removes (default: the
+            ``WEIGHTSYNC_KEEP_VERSIONS`` knob).
+        prune: after each commit, prune what no cheap pull needs (see ``prune``).
         post_write_hook: callable or import path, called ``hook(version_dir)`` after a commit.
         atomic_rename: write files under a temporary name and rename (False for filesystems
             without rename; files are then written once under their final name).
@@ -166,7 +279,10 @@ class Publisher:
         full_every: int = 0,
         fallback_fraction: float | None = None,
         full_above_changed_fraction: float | None = None,
+        anchor_fraction: float | None = None,
+        anchor_max_deltas: int | None = None,
         keep_versions: int | None = None,
+        prune: bool = True,
         post_write_hook: "str | Callable | None" = None,
         atomic_rename: bool = True,
         workers: int | None = None,
@@ -188,32 +304,44 @@ class Publisher:
         self.full_above_changed_fraction = float(
             knobs.FULL_ABOVE_CHANGED_FRACTION.get() if full_above_changed_fraction is None else full_above_changed_fraction
         )
-        self.keep_versions = keep_versions
+        self.keep_versions = int(knobs.KEEP_VERSIONS.get() if keep_versions is None else keep_versions)
+        self.prune = prune
         self.post_write_hook = load_callable(post_write_hook, what="post-write hook", error=PublishError)
         self.atomic_rename = atomic_rename
         self.workers = knobs.workers(knobs.PUBLISH_WORKERS, workers)
-        self.level = int(knobs.ZSTD_LEVEL.get())
-        self.version = 0  # the version the snapshot holds
-        self._snapshot: dict[str, _SnapEntry] = {}
-        self._pending_commit: tuple | None = None  # (version, kind, manifests, result) until the index lands
         self._pool = ThreadPoolExecutor(self.workers, thread_name_prefix="weightsync-publish")
+        self.snapshot = Snapshot()
+        self.encoder = Encoder(encoding, checksum, int(knobs.ZSTD_LEVEL.get()), self.workers, self._pool)
+        self.writer = ShardWriter(rank, atomic_rename)
+        self.committer = Committer(source_dir, encoding, checksum, template_dir, atomic_rename)
+        self.budget = AnchorBudget(
+            float(knobs.ANCHOR_FRACTION.get() if anchor_fraction is None else anchor_fraction),
+            int(knobs.ANCHOR_MAX_DELTAS.get() if anchor_max_deltas is None else anchor_max_deltas),
+        )
+        self.retention = Retention(source_dir, self.keep_versions)
+        self._committed = 0  # the newest version this rank knows is committed
+        self._staged: _Staged | None = None
+        self._decisions: dict[int, _Decision] = {}
+        self._scanned = False
         os.makedirs(source_dir, exist_ok=True)
+        if rank == 0:
+            self._write_run_identity()
+
+    @property
+    def version(self) -> int:
+        """The newest committed version (what the next ``prepare`` follows)."""
+        return self._committed
+
+    @property
+    def run_id(self) -> str | None:
+        return read_run_id(run_path(self.source_dir))
 
     # --- the snapshot ----------------------------------------------------------------------
 
     def seed_snapshot(self, tensors: Mapping[str, "RawTensor | np.ndarray"], version: int = 0) -> None:
         """Set the bytes the next delta diffs against (version 0: the engine's own model)."""
-        for name, value in tensors.items():
-            raw = as_raw(value)
-            src = raw.bytes_view()
-            self._check_len(name, raw, src)
-            entry = self._snapshot.get(name)
-            if entry is None or entry.buf.nbytes != src.nbytes:
-                entry = _SnapEntry(raw.dtype, raw.shape, np.empty(src.nbytes, np.uint8))
-                self._snapshot[name] = entry
-            entry.dtype, entry.shape = raw.dtype, raw.shape
-            np.copyto(entry.buf, src)
-        self.version = version
+        self.snapshot.seed(tensors, version)
+        self._committed, self._staged = version, None
 
     def seed_snapshot_from_checkpoint(self, checkpoint_dir: str, names: "set[str] | None" = None, version: int = 0) -> None:
         """Seed from an HF checkpoint's safetensors files (optionally only ``names``)."""
@@ -224,12 +352,12 @@ class Publisher:
         self.seed_snapshot(tensors, version)
 
     def snapshot_nbytes(self) -> int:
-        return sum(e.buf.nbytes for e in self._snapshot.values())
+        return self.snapshot.nbytes()
 
     def snapshot_names(self) -> list[str]:
-        return list(self._snapshot)
+        return self.snapshot.names()
 
-    # --- publish ---------------------------------------------------------------------------
+    # --- one rank --------------------------------------------------------------------------
 
     def publish(
         self, version: int, tensors: Mapping[str, "RawTensor | np.ndarray"], *, full: bool | None = None
@@ -237,31 +365,19 @@ class Publisher:
         """Publish one version from this (only) rank: prepare, choose, write, commit."""
         if self.world_size != 1:
             raise PublishError("publish() is for one rank; with several ranks use prepare/write/commit")
-        pending = self._pending_commit
-        if pending is not None and pending[0] == version == self.version:
-            # The shards are written and the snapshot advanced; only the index failed. Retrying
-            # with the same inputs commits again (the caller's tensors are the same bytes).
-            _, kind, manifests, result = pending
-            self.commit(version, kind, manifests)
-            self._pending_commit = None
-            return result
-        prepared = self.prepare(version, tensors)
-        if full is None:
-            kind, reason = self.choose_kind(
-                version, prepared.delta_nbytes, prepared.full_nbytes, prepared.changed_elements, prepared.total_elements
-            )
-        else:
-            kind, reason = ("full", "requested by the caller") if full else ("delta", "requested by the caller")
+        prepared = self.prepare(version, tensors, kind="full" if full else None)
+        kind, reason = self.choose_kind(
+            version, prepared.delta_nbytes, prepared.full_nbytes, prepared.changed_elements, prepared.total_elements,
+            requested=None if full is None else ("full" if full else "delta"),
+        )
         t0 = time.perf_counter()
         manifest = self.write(prepared, kind)
+        _, anchor_nbytes = self._commit(version, kind, [manifest])
         result = PublishResult(
             version, kind, reason, manifest.nbytes, prepared.full_nbytes, prepared.changed_bytes,
-            prepared.changed_elements, prepared.total_elements, prepared.encode_s, 0.0,
+            prepared.changed_elements, prepared.total_elements, prepared.encode_s, time.perf_counter() - t0,
+            anchor_nbytes,
         )
-        self._pending_commit = (version, kind, [manifest], result)
-        self.commit(version, kind, [manifest])
-        self._pending_commit = None
-        result.write_s = time.perf_counter() - t0
         log.info(
             "published v%d as %s (%s): %d wire bytes of %d full, %.3f%% elements changed, encode %.3fs write %.3fs",
             version, kind, reason, result.wire_nbytes, result.full_nbytes, 100 * result.changed_fraction,
@@ -269,118 +385,35 @@ class Publisher:
         )
         return result
 
-    def prepare(self, version: int, tensors: Mapping[str, "RawTensor | np.ndarray"]) -> PreparedVersion:
-        """Diff, encode, compress and checksum in memory (parallel over tensors)."""
-        if version != self.version + 1:
+    # --- the multi-rank protocol -------------------------------------------------------------
+
+    def prepare(
+        self, version: int, tensors: Mapping[str, "RawTensor | np.ndarray"], *, kind: Kind | None = None
+    ) -> PreparedVersion:
+        """Diff, encode, compress and checksum in memory (parallel over tensors).
+
+        ``kind="full"`` (or a version that ``full_every`` makes full) skips the encoding: a full
+        version stores the bytes. Preparing a version this rank already wrote (a retry) checks
+        that the bytes are the same and returns what was written.
+        """
+        self._settle(version)
+        staged = self._staged
+        if staged is not None and staged.version == version:
+            self._check_same_bytes(staged, tensors)
+            return staged.prepared
+        if version != self._committed + 1:
             raise PublishError(
-                f"version {version} does not follow the snapshot's version {self.version}; "
-                f"publish {self.version + 1} next (deltas chain one version at a time)"
+                f"version {version} does not follow the snapshot's version {self._committed}; "
+                f"publish {self._committed + 1} next (deltas chain one version at a time)"
             )
-        if os.path.exists(index_path(version_dir(self.source_dir, version))):
+        if is_committed(version_dir(self.source_dir, version)):
             raise PublishError(
                 f"version {version} is already published in {self.source_dir}; versions are immutable, "
                 "publish the next one or remove the source dir for a new run"
             )
-        unknown = [n for n in tensors if n not in self._snapshot]
-        if unknown:
-            raise PublishError(
-                f"tensors {unknown[:5]} are not in the snapshot; seed the snapshot with every tensor this rank owns"
-            )
-        jobs = []
-        for name, value in tensors.items():
-            raw = as_raw(value)
-            new = raw.bytes_view()
-            snap = self._snapshot[name]
-            self._check_len(name, raw, new)
-            if (raw.dtype, tuple(raw.shape)) != (snap.dtype, tuple(snap.shape)):
-                raise PublishError(
-                    f"tensor {name}: got {raw.dtype} {list(raw.shape)}, the snapshot holds "
-                    f"{snap.dtype} {list(snap.shape)}; dtype and shape must not change between versions"
-                )
-            jobs.append((name, raw, new, snap))
-        # Tensors not passed this time are unchanged: carry their snapshot bytes.
-        for name, snap in self._snapshot.items():
-            if name not in tensors:
-                jobs.append((name, RawTensor(snap.dtype, snap.shape, snap.buf), snap.buf, snap))
-        codec = get_codec(self.encoding)
-        t0 = time.perf_counter()
-        plan = self._split_plan(codec, jobs)
-        # _split_plan plans parts only for a codec that has them: used only when plan is non-empty
-        parted = cast(SegmentedCodec, codec)
-
-        def encode_one(job) -> PreparedTensor:
-            name, raw, new, snap = job
-            itemsize = DTYPE_NBYTES[raw.dtype]
-            if name in plan:  # its parts are encoded by other units; this one only hashes
-                enc = None
-            else:
-                enc = None if new is snap.buf else codec.encode(snap.buf, new, itemsize, self.level, name)
-            if enc is None:
-                payload, cb, ce = None, 0, 0
-            else:
-                payload, cb, ce = enc
-            h = new_hasher(self.checksum)
-            h.update(new)
-            return PreparedTensor(
-                name, raw.dtype, tuple(raw.shape), new, payload, h.hexdigest(), cb, ce, new.nbytes,
-                new.nbytes // itemsize,
-            )
-
-        def run_unit(unit):
-            job, seg_range = unit
-            if seg_range is None:
-                return encode_one(job)
-            name, raw, new, snap = job
-            return parted.encode_part(snap.buf, new, DTYPE_NBYTES[raw.dtype], self.level, name, seg_range)
-
-        # largest first, so no big tensor starts last; large sparse-v1 tensors in several parts
-        order = sorted(jobs, key=lambda j: -j[2].nbytes)
-        units = [(j, r) for j in order if j[0] in plan for r in plan[j[0]]] + [(j, None) for j in order]
-        results = list(self._pool.map(run_unit, units))
-        parts: dict[str, list] = {}
-        by_name: dict[str, PreparedTensor] = {}
-        for (job, seg_range), r in zip(units, results):
-            if seg_range is None:
-                by_name[job[0]] = r
-            else:
-                parts.setdefault(job[0], []).append(r)
-        for name, ps in parts.items():
-            t = by_name[name]
-            enc = parted.join(ps, t.nbytes, DTYPE_NBYTES[t.dtype])
-            if enc is not None:
-                t.payload, t.changed_bytes, t.changed_elements = enc
-        prepared = [by_name[j[0]] for j in jobs]
-        encode_s = time.perf_counter() - t0
-        return PreparedVersion(
-            version=version,
-            rank=self.rank,
-            tensors=prepared,
-            delta_nbytes=sum(len(t.payload) for t in prepared if t.payload is not None),
-            full_nbytes=sum(t.nbytes for t in prepared),
-            changed_bytes=sum(t.changed_bytes for t in prepared),
-            changed_elements=sum(t.changed_elements for t in prepared),
-            total_elements=sum(t.nelements for t in prepared),
-            encode_s=encode_s,
-        )
-
-    def _split_plan(self, codec, jobs) -> dict[str, list[tuple[int, int]]]:
-        """name -> segment ranges for the changed tensors worth encoding on several workers:
-        larger than SPLIT_MIN_NBYTES and than half a worker's fair share (one embedding would
-        otherwise keep one worker busy while the others idle). Needs a codec with parts."""
-        if self.workers <= 1 or not hasattr(codec, "encode_part"):
-            return {}
-        total = sum(j[2].nbytes for j in jobs)
-        limit = max(SPLIT_MIN_NBYTES, total // (2 * self.workers))
-        plan = {}
-        for name, raw, new, snap in jobs:
-            if new is snap.buf or new.nbytes <= limit:
-                continue
-            nseg = codec.segment_count(new.nbytes, DTYPE_NBYTES[raw.dtype])
-            nparts = min(nseg, self.workers, -(-new.nbytes // (limit // 2)))
-            if nparts >= 2:
-                bounds = [nseg * i // nparts for i in range(nparts + 1)]
-                plan[name] = [(a, b) for a, b in zip(bounds, bounds[1:]) if b > a]
-        return plan
+        jobs = self.snapshot.jobs(tensors)
+        encode = kind != "full" and not self._full_by_schedule(version)
+        return self.encoder.prepare(version, self.rank, jobs, encode=encode)
 
     def choose_kind(
         self,
@@ -389,15 +422,141 @@ class Publisher:
         full_nbytes: int,
         changed_elements: int | None = None,
         total_elements: int | None = None,
+        *,
+        requested: Kind | None = None,
     ) -> tuple[Kind, str]:
         """Delta or full, with the reason; pass totals over all ranks so every rank agrees.
 
         A full version wins on schedule (``full_every``), when the delta's bytes exceed
         ``fallback_fraction`` of the full size, or when more than ``full_above_changed_fraction``
         of the elements changed: past that, applying the delta costs a puller more than copying
-        a full version, and the chain behind it no longer saves anything.
+        a full version, and the chain behind it no longer saves anything. A delta may also get a
+        side anchor (see ``AnchorBudget``); the reason says so.
         """
-        if self.full_every > 0 and version % self.full_every == 0:
+        self._scan_once()
+        if requested is not None:
+            kind, reason = requested, "requested by the caller"
+        else:
+            kind, reason = self._kind_by_rule(version, delta_nbytes, full_nbytes, changed_elements, total_elements)
+        anchor_why = self.budget.wants_anchor(delta_nbytes, full_nbytes) if kind == "delta" else None
+        if anchor_why:
+            reason += f"; {anchor_why}"
+        self._decisions[version] = _Decision(kind, anchor_why is not None, delta_nbytes)
+        return kind, reason
+
+    def write(self, prepared: PreparedVersion, kind: Kind) -> ShardManifest:
+        """Write this rank's shards of the version (and of its side anchor, when one is due)."""
+        if kind not in ("delta", "full"):
+            raise PublishError(f"kind must be 'delta' or 'full', got {kind!r}")
+        if kind == "delta" and not prepared.encoded:
+            raise PublishError(f"v{prepared.version} was prepared for a full version (not encoded); write it as 'full'")
+        staged = self._staged
+        retry = staged is not None and staged.version == prepared.version
+        if retry and staged is not None and prepared is not staged.prepared:
+            self._check_same_bytes(staged, {t.name: t.new for t in prepared.tensors})
+            prepared = staged.prepared
+        if not retry and prepared.version != self._committed + 1:
+            raise PublishError(f"v{prepared.version} does not follow the committed v{self._committed}; prepare it again")
+        decision = self._decisions.get(prepared.version)
+        anchor = kind == "delta" and decision is not None and decision.kind == "delta" and decision.anchor
+        vdir = version_dir(self.source_dir, prepared.version)
+        if kind == "delta":
+            weight_map, nbytes = self.writer.write_delta(vdir, prepared.tensors)
+        else:
+            weight_map, nbytes = self.writer.write_full(vdir, prepared.tensors)
+        anchor_map, anchor_nbytes = None, 0
+        if anchor:
+            anchor_map, anchor_nbytes = self.writer.write_full(anchor_dir(self.source_dir, prepared.version), prepared.tensors)
+        if staged is not None and retry:
+            staged.kind = kind
+        else:
+            self._stage(prepared, kind)
+        return ShardManifest(
+            prepared.version, self.rank, kind, weight_map, nbytes, prepared.full_nbytes, anchor_map, anchor_nbytes
+        )
+
+    def commit(self, version: int, kind: Kind, manifests: list[ShardManifest]) -> str:
+        """Write the index (last: the commit point), confirm, run the post-write hook, prune. One rank."""
+        vdir, _ = self._commit(version, kind, manifests)
+        return vdir
+
+    def confirm(self, version: int) -> None:
+        """Count ``version`` as committed on this rank (after rank 0's commit succeeded).
+
+        Idempotent. Raises PublishError when this rank has not written ``version``.
+        """
+        if version == self._committed:
+            return
+        staged = self._staged
+        if staged is None or staged.version != version:
+            raise PublishError(
+                f"confirm(v{version}): this rank has not written v{version} (committed: v{self._committed}); "
+                "write it first, or retry the version from prepare()"
+            )
+        decision = self._decisions.pop(version, None)
+        delta_nbytes = decision.delta_nbytes if decision is not None else staged.prepared.delta_nbytes
+        self._scan_once()
+        self.budget.record(staged.kind, decision is not None and decision.anchor and staged.kind == "delta", delta_nbytes)
+        self._committed, self._staged = version, None
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+
+    # --- helpers ---------------------------------------------------------------------------
+
+    def _commit(self, version: int, kind: Kind, manifests: list[ShardManifest]) -> tuple[str, int]:
+        self._scan_once()
+        vdir, anchor_nbytes = self.committer.commit(version, kind, manifests)
+        staged = self._staged
+        if staged is not None and staged.version == version:
+            self.confirm(version)
+        self.retention.record(version, kind, anchor_nbytes > 0)
+        if self.post_write_hook is not None:
+            self.post_write_hook(vdir)
+        if self.prune:
+            self.retention.prune()
+        return vdir, anchor_nbytes
+
+    def _stage(self, prepared: PreparedVersion, kind: str) -> None:
+        """Take the written bytes into the snapshot and keep what a retry reuses."""
+        entries = self.snapshot.entries
+        changed: list[tuple[str, np.ndarray, str | None]]
+        if prepared.encoded:
+            changed = [(t.name, t.new, t.digest) for t in prepared.tensors if t.payload is not None]
+        else:  # not compared: any passed tensor may have changed, and no digest was computed
+            changed = [(t.name, t.new, None) for t in prepared.tensors if t.new is not entries[t.name].buf]
+        self.snapshot.advance(prepared.version, changed)
+        own = [msgspec.structs.replace(t, new=entries[t.name].buf) for t in prepared.tensors]
+        self._staged = _Staged(prepared.version, kind, msgspec.structs.replace(prepared, tensors=own))
+
+    def _check_same_bytes(self, staged: _Staged, tensors: Mapping[str, "RawTensor | np.ndarray"]) -> None:
+        differ = self.snapshot.differing(self.snapshot.jobs(tensors))
+        if differ:
+            raise PublishError(
+                f"v{staged.version} was already written by this rank with other bytes for tensors {differ[:5]}; "
+                f"a retry of v{staged.version} must pass the same bytes (its index has not landed, so nothing is lost)"
+            )
+
+    def _settle(self, version: int) -> None:
+        """Before preparing ``version``: confirm a written predecessor whose index has landed."""
+        staged = self._staged
+        if staged is None or staged.version != version - 1:
+            return
+        if is_committed(version_dir(self.source_dir, staged.version)):
+            self.confirm(staged.version)
+            return
+        raise PublishError(
+            f"v{staged.version} is written on this rank but its index has not landed: retry v{staged.version} "
+            f"(prepare/write it again with the same bytes), or call confirm({staged.version}) once rank 0's commit succeeded"
+        )
+
+    def _full_by_schedule(self, version: int) -> bool:
+        return self.full_every > 0 and version % self.full_every == 0
+
+    def _kind_by_rule(
+        self, version: int, delta_nbytes: int, full_nbytes: int, changed_elements: int | None, total_elements: int | None
+    ) -> tuple[Kind, str]:
+        if self._full_by_schedule(version):
             return "full", f"every {self.full_every} versions"
         if full_nbytes and delta_nbytes > self.fallback_fraction * full_nbytes:
             return "full", (
@@ -413,91 +572,38 @@ class Publisher:
                 )
         return "delta", f"delta is {delta_nbytes / max(full_nbytes, 1):.2%} of the full size"
 
-    def write(self, prepared: PreparedVersion, kind: Kind) -> ShardManifest:
-        """Write this rank's shards of the version, then advance the snapshot."""
-        vdir = version_dir(self.source_dir, prepared.version)
-        os.makedirs(vdir, exist_ok=True)
-        weight_map: dict[str, str] = {}
-        written = 0
-        if kind == "delta":
-            groups = _group_by_size(
-                [t for t in prepared.tensors if t.payload is not None],
-                lambda t: len(t.payload),
-                int(knobs.DELTA_SHARD_NBYTES.get()),
-            )
-            for part, group in enumerate(groups, start=1):
-                fname = delta_shard_name(self.rank, part)
-                entries = [(t.name, "U8", (len(t.payload),), t.payload) for t in group]
-                meta = {t.name: t.digest for t in group}
-                written += write_file(os.path.join(vdir, fname), iter_file_chunks(entries, meta), atomic=self.atomic_rename)
-                weight_map.update({t.name: fname for t in group})
-        elif kind == "full":
-            groups = _group_by_size(prepared.tensors, lambda t: t.nbytes, int(knobs.FULL_SHARD_NBYTES.get()))
-            for part, group in enumerate(groups, start=1):
-                fname = full_shard_name(self.rank, part)
-                entries = [(t.name, t.dtype, t.shape, t.new) for t in group]
-                written += write_file(
-                    os.path.join(vdir, fname), iter_file_chunks(entries, {"format": "pt"}), atomic=self.atomic_rename
-                )
-                weight_map.update({t.name: fname for t in group})
-        else:
-            raise PublishError(f"kind must be 'delta' or 'full', got {kind!r}")
-        for t in prepared.tensors:
-            snap = self._snapshot[t.name]
-            if t.new is not snap.buf and (kind == "full" or t.payload is not None):
-                np.copyto(snap.buf, t.new)
-        self.version = prepared.version
-        return ShardManifest(prepared.version, self.rank, kind, weight_map, written)
-
-    def commit(self, version: int, kind: Kind, manifests: list[ShardManifest]) -> str:
-        """Write the index (last: the commit point), run the post-write hook, prune. One rank."""
-        vdir = version_dir(self.source_dir, version)
-        weight_map: dict[str, str] = {}
-        for m in manifests:
-            if m.version != version or m.kind != kind:
-                raise PublishError(f"manifest of rank {m.rank} is for v{m.version} ({m.kind}), not v{version} ({kind})")
-            clash = weight_map.keys() & m.weight_map.keys()
-            if clash:
-                raise PublishError(f"tensors {sorted(clash)[:5]} were written by two ranks; each tensor needs one owner")
-            weight_map.update(m.weight_map)
-        if kind == "full":
-            self._copy_template_files(vdir)
-            total = sum(m.nbytes for m in manifests)
-            index = build_full_index(version, weight_map, total)
-        else:
-            index = build_delta_index(version, self.encoding, self.checksum, weight_map)
-        fsync_dir(vdir)
-        write_bytes(os.path.join(vdir, INDEX_NAME), index, atomic=self.atomic_rename)
-        fsync_dir(vdir)
-        if self.post_write_hook is not None:
-            self.post_write_hook(vdir)
-        if self.keep_versions is not None:
-            from .prune import prune_versions
-
-            prune_versions(self.source_dir, keep=self.keep_versions)
-        return vdir
-
-    def close(self) -> None:
-        self._pool.shutdown(wait=True)
-
-    # --- helpers ---------------------------------------------------------------------------
-
-    def _copy_template_files(self, vdir: str) -> None:
-        if not self.template_dir:
+    def _scan_once(self) -> None:
+        """A restarted publisher reads the source dir once: what retention must know, and the
+        delta bytes since the newest anchor point (so the anchor budget goes on where it was)."""
+        if self._scanned:
             return
-        for entry in os.scandir(self.template_dir):
-            if entry.is_file() and is_model_side_file(entry.name):
-                shutil.copyfile(entry.path, os.path.join(vdir, entry.name))
+        self._scanned = True
+        self.retention.load(upto=self._committed)
+        self.budget.since_nbytes, self.budget.since_count = self.retention.since_anchor(self._committed)
 
-    @staticmethod
-    def _check_len(name: str, raw: RawTensor, data: np.ndarray) -> None:
-        if raw.dtype not in DTYPE_NBYTES:
-            raise PublishError(f"tensor {name}: unknown dtype {raw.dtype!r}; expected one of {sorted(DTYPE_NBYTES)}")
-        expected = int(np.prod(raw.shape, dtype=np.int64)) * DTYPE_NBYTES[raw.dtype]
-        if data.nbytes != expected:
-            raise PublishError(
-                f"tensor {name}: {data.nbytes} bytes given, {raw.dtype} x {list(raw.shape)} needs {expected}"
-            )
+    def _write_run_identity(self) -> None:
+        path = run_path(self.source_dir)
+        if os.path.exists(path):
+            return
+        write_bytes(path, encode_run_identity(uuid.uuid4().hex, time.time()), atomic=self.atomic_rename)
+        fsync_dir(self.source_dir)
+
+
+def _payload_len(t: PreparedTensor) -> int:
+    return len(t.payload) if t.payload is not None else 0
+
+
+def _merged(manifests: list[ShardManifest], version: int, kind: str, part) -> dict[str, str]:
+    weight_map: dict[str, str] = {}
+    for m in manifests:
+        if m.version != version or m.kind != kind:
+            raise PublishError(f"manifest of rank {m.rank} is for v{m.version} ({m.kind}), not v{version} ({kind})")
+        wmap = part(m)
+        clash = weight_map.keys() & wmap.keys()
+        if clash:
+            raise PublishError(f"tensors {sorted(clash)[:5]} were written by two ranks; each tensor needs one owner")
+        weight_map.update(wmap)
+    return weight_map
 
 
 def _group_by_size(items, size_of, limit: int) -> list[list]:
@@ -517,18 +623,7 @@ def _group_by_size(items, size_of, limit: int) -> list[list]:
     return groups
 
 
-def read_checkpoint_tensors(checkpoint_dir: str, names: "set[str] | None" = None) -> dict[str, RawTensor]:
-    """The tensors of an HF checkpoint (all, or those in ``names``) as RawTensor (reads the bytes)."""
-    table = local_tensor_table(checkpoint_dir, checkpoint_weight_files(checkpoint_dir))
-    return {
-        name: RawTensor(e.dtype, e.shape, np.fromfile(p, dtype=np.uint8, count=e.nbytes, offset=e.offset))
-        for name, (p, e) in table.items()
-        if names is None or name in names
-    }
-
-
 __all__ = [
     "Publisher", "RawTensor", "PublishResult", "PreparedVersion", "ShardManifest", "read_checkpoint_tensors",
-    "DEFAULT_ENCODING",
+    "DEFAULT_ENCODING", "as_raw",
 ]
-

@@ -34,10 +34,11 @@ from .apply import (
 from .errors import CorruptArtifactError, InvalidRequestError, LocalStateError, LocalTensorMismatchError
 from .fsio import write_bytes
 from .hooks import load_callable
+from .identity import Origin, source_origin
 from .layout import format_version, verified_path
 from .lock import HeldLock, acquire_host_lock
 from .manifest import read_version_index
-from .plan import PullPlan, check_target_version, plan_pull, read_applied_version
+from .plan import PullPlan, check_target_version, files_nbytes, plan_pull, read_applied_version
 from .seed import invalidate_marker, seed_local_checkpoint, write_marker
 
 log = logging.getLogger(__name__)
@@ -53,8 +54,9 @@ class PullResult(msgspec.Struct):
     deltas_applied: int = 0
     seconds: float = 0.0
     hook_ran: bool = False
-    nbytes_read: int = 0
-    seed_nbytes: int = 0
+    nbytes_read: int = 0  # delta payload bytes loaded
+    seed_nbytes: int = 0  # bytes the seed copied (from the seed dir or the source dir)
+    source_nbytes: int = 0  # bytes read from the source dir: delta shards plus a full version's or anchor's files
     reseeded: bool = False
     lock_wait_s: float = 0.0
     seed_s: float = 0.0
@@ -66,7 +68,7 @@ class PullResult(msgspec.Struct):
 class _PendingFlush(msgspec.Struct):
     paths: list[str]
     version: int
-    source_dir: str
+    origin: Origin
 
 
 _flushers: dict[str, threading.Thread] = {}
@@ -93,9 +95,10 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
-def verified_by_peer(local_checkpoint_dir: str, target_version: int, source_real: str) -> int | None:
+def verified_by_peer(local_checkpoint_dir: str, target_version: int, source_real: str, origin: Origin | None = None) -> int | None:
     """The pid of a live pull on this host that holds ``target_version`` verified in the page
-    cache and is flushing it (deferred durability), or None."""
+    cache and is flushing it (deferred durability), or None. With ``origin``, the note's run
+    and seed (when it names them) must match too."""
     try:
         with open(verified_path(local_checkpoint_dir), "rb") as f:
             obj = json.loads(f.read(1 << 12))
@@ -105,6 +108,8 @@ def verified_by_peer(local_checkpoint_dir: str, target_version: int, source_real
         return None
     pid = obj.get("pid")
     if obj.get("version") != format_version(target_version) or obj.get("source_dir") != source_real:
+        return None
+    if origin is not None and (obj.get("run", origin.run), obj.get("seed", origin.seed)) != (origin.run, origin.seed):
         return None
     if not isinstance(pid, int) or isinstance(pid, bool) or not _pid_alive(pid):
         return None
@@ -122,14 +127,16 @@ def _finish_in_background(local: str, pending: _PendingFlush, held: HeldLock) ->
     # Co-located callers waiting for the lock read this note and return at once: the bytes they
     # would wait for are verified already. The note is removed before the lock is released,
     # whether the marker could be written or not.
-    note = {"version": format_version(pending.version), "source_dir": pending.source_dir, "pid": os.getpid()}
+    o = pending.origin
+    note = {"version": format_version(pending.version), "source_dir": o.source_dir, "pid": os.getpid()}
+    note.update({k: v for k, v in (("run", o.run), ("seed", o.seed)) if v is not None})
     write_bytes(verified_path(local), json.dumps(note).encode())
 
     def run() -> None:
         try:
             t = time.perf_counter()
             fsync_files(pending.paths)
-            write_marker(local, pending.version, pending.source_dir)
+            write_marker(local, pending.version, pending.origin)
             log.info("v%d durable: %d file(s) flushed in %.3fs, marker written", pending.version, len(pending.paths), time.perf_counter() - t)
         except Exception:
             # No marker: the next pull reseeds and replays rather than trusting these bytes.
@@ -219,11 +226,11 @@ def pull(
         # A first pull of a version that is not there yet must leave no trace (no dir, no lock).
         read_version_index(source_dir, target_version)
     os.makedirs(local_checkpoint_dir, exist_ok=True)
-    source_real = os.path.realpath(source_dir)
+    origin = source_origin(source_dir, seed_dir)
     peer: list[int] = []
 
     def done_by_peer() -> bool:
-        pid = verified_by_peer(local_checkpoint_dir, target_version, source_real) if target_version > 0 else None
+        pid = verified_by_peer(local_checkpoint_dir, target_version, origin.source_dir, origin) if target_version > 0 else None
         if pid is not None:
             peer.append(pid)
         return pid is not None
@@ -242,7 +249,7 @@ def pull(
     handed_off = False
     try:
         _clear_verified(local_checkpoint_dir)  # a note left by a pull that died before its flush
-        applied, _ = read_applied_version(local_checkpoint_dir, source_dir)
+        applied, _ = read_applied_version(local_checkpoint_dir, origin)
         if applied == target_version:
             result = PullResult(target_version, "noop", f"no-op: already at v{target_version}", lock_wait_s=held.waited_s)
             result.seconds = time.perf_counter() - t0
@@ -254,9 +261,10 @@ def pull(
             # explicit refresh; the deployment supplies it as this hook.
             hook(source_dir, target_version)
             hook_ran = True
+            origin = source_origin(source_dir, seed_dir)  # the refresh may have shown the run file
         result, pending = _pull_locked(
             local_checkpoint_dir, seed_dir, source_dir, target_version, n_workers, chunk, durability == "deferred",
-            progress,
+            progress, origin,
         )
         result.hook_ran = hook_ran
         result.lock_wait_s = held.waited_s
@@ -277,21 +285,22 @@ def pull(
 
 
 def _pull_locked(
-    local: str, seed_dir: str, source_dir: str, target: int, workers: int, chunk: int, deferred: bool, progress=None
+    local: str, seed_dir: str, source_dir: str, target: int, workers: int, chunk: int, deferred: bool, progress,
+    origin: Origin,
 ) -> tuple[PullResult, _PendingFlush | None]:
-    plan, indexes = plan_pull(local, seed_dir, source_dir, target)
+    plan, indexes = plan_pull(local, seed_dir, source_dir, target, origin=origin)
     log.info("pull plan for v%d: %s", target, plan.reason)
     try:
-        return _execute(plan, indexes, local, seed_dir, source_dir, workers, chunk, strict=False, deferred=deferred, progress=progress)
+        return _execute(plan, indexes, local, seed_dir, origin, workers, chunk, strict=False, deferred=deferred, progress=progress)
     except (LocalStateError, VerifyFailed) as first:
         detail = (
             f"{len(first.mismatches)} tensor(s) failed verification" if isinstance(first, VerifyFailed) else str(first)
         )
         log.warning("pull v%d: %s; reseeding once and replaying with per-version verification", target, detail)
-    plan, indexes = plan_pull(local, seed_dir, source_dir, target, force_reseed=True)
+    plan, indexes = plan_pull(local, seed_dir, source_dir, target, force_reseed=True, origin=origin)
     log.info("pull plan for v%d (retry): %s", target, plan.reason)
     try:
-        result, pending = _execute(plan, indexes, local, seed_dir, source_dir, workers, chunk, strict=True, deferred=deferred, progress=progress)
+        result, pending = _execute(plan, indexes, local, seed_dir, origin, workers, chunk, strict=True, deferred=deferred, progress=progress)
     except LocalTensorMismatchError as e:
         seed = plan.seed.path if plan.seed else seed_dir
         raise CorruptArtifactError(
@@ -303,7 +312,7 @@ def _pull_locked(
 
 
 def _execute(
-    plan: PullPlan, indexes, local: str, seed_dir: str, source_dir: str, workers: int, chunk: int, *, strict: bool,
+    plan: PullPlan, indexes, local: str, seed_dir: str, origin: Origin, workers: int, chunk: int, *, strict: bool,
     deferred: bool, progress=None,
 ) -> tuple[PullResult, _PendingFlush | None]:
     if plan.action == "noop":
@@ -314,16 +323,12 @@ def _execute(
         # Everything about the artifacts is checked before the first byte changes locally.
         loaded = [load_delta(indexes[v], keep) for v in plan.deltas]
         nbytes_read = sum(d.nbytes for d in loaded)
+        source_nbytes = sum(files_nbytes(indexes[v].path, set(indexes[v].weight_map.values())) for v in plan.deltas)
         seed_nbytes, seed_s = 0, 0.0
-        source_real = os.path.realpath(source_dir)
         if plan.seed is not None:
             t = time.perf_counter()
-            shard_files = None
-            if plan.seed.kind == "full":
-                shard_files = sorted(set(indexes[plan.seed.version].weight_map.values()))
-            seed_nbytes = seed_local_checkpoint(
-                local, plan.seed, seed_dir, shard_files, source_real if plan.seed.kind == "full" else None
-            )
+            seed_nbytes, seed_from_source = seed_local_checkpoint(local, plan.seed, seed_dir, origin)
+            source_nbytes += seed_from_source
             seed_s = time.perf_counter() - t
         apply_s, flush_s, pending = 0.0, 0.0, None
         if loaded:
@@ -334,15 +339,15 @@ def _execute(
             paths = apply_chain(local, loaded, table, workers=workers, chunk_nbytes=chunk, strict=strict, flush=False, progress=progress)
             apply_s = time.perf_counter() - t
             if deferred:
-                pending = _PendingFlush(paths, plan.target_version, source_real)
+                pending = _PendingFlush(paths, plan.target_version, origin)
             else:
                 t = time.perf_counter()
                 fsync_files(paths)
-                write_marker(local, plan.target_version, source_real)
+                write_marker(local, plan.target_version, origin)
                 flush_s = time.perf_counter() - t
         result = PullResult(
             plan.target_version, plan.action, plan.reason, deltas_applied=len(loaded), nbytes_read=nbytes_read,
-            seed_nbytes=seed_nbytes, seed_s=seed_s, apply_s=apply_s, flush_s=flush_s,
+            seed_nbytes=seed_nbytes, source_nbytes=source_nbytes, seed_s=seed_s, apply_s=apply_s, flush_s=flush_s,
         )
         return result, pending
     finally:

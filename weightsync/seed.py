@@ -12,6 +12,7 @@ import os
 
 from .errors import InvalidRequestError, LocalStateError, SourceNotReadyError
 from .fsio import copy_file, drop_page_cache, fsync_dir, write_bytes
+from .identity import Origin
 from .layout import INDEX_NAME, checked_inside, is_model_side_file, is_stale_local_file, state_path, sync_dir
 from .manifest import checkpoint_weight_files, encode_applied_state
 from .plan import SeedSource
@@ -29,9 +30,11 @@ def invalidate_marker(local_checkpoint_dir: str) -> None:
     fsync_dir(sync_dir(local_checkpoint_dir))
 
 
-def write_marker(local_checkpoint_dir: str, version: int, source_dir: str | None) -> None:
+def write_marker(local_checkpoint_dir: str, version: int, origin: Origin) -> None:
+    """The applied-version marker, bound to the origin (source dir, run, seed) of the bytes."""
     os.makedirs(sync_dir(local_checkpoint_dir), exist_ok=True)
-    write_bytes(state_path(local_checkpoint_dir), encode_applied_state(version, source_dir))
+    state = encode_applied_state(version, origin.source_dir, origin.run, origin.seed)
+    write_bytes(state_path(local_checkpoint_dir), state)
     fsync_dir(sync_dir(local_checkpoint_dir))
 
 
@@ -47,11 +50,15 @@ def _model_side_files(directory: str) -> dict[str, str]:
     return {n: p for n, p in _top_level_files(directory).items() if is_model_side_file(n)}
 
 
-def files_to_seed(source: SeedSource, seed_dir: str, weight_map_files: list[str] | None) -> dict[str, str]:
+def _label(source: SeedSource) -> str:
+    return "side anchor" if source.kind == "anchor" else "full version"
+
+
+def files_to_seed(source: SeedSource, seed_dir: str, weight_map_files: "list[str] | tuple[str, ...] | None") -> dict[str, str]:
     """name -> source path: exactly the weight files the seed's index names, its index, and the
     small non-weight files an engine needs (``layout.is_model_side_file``). The seed dir fills
-    in the ones a full version lacks. Weights in other formats, other index files and a killed
-    writer's temporary files are never copied."""
+    in the ones a full version (or a side anchor) lacks. Weights in other formats, other index
+    files and a killed writer's temporary files are never copied."""
     if not os.path.isdir(seed_dir) and source.kind == "seed_dir":
         raise InvalidRequestError(f"seed dir {seed_dir} (the engine's own model) is not a directory")
     files: dict[str, str] = _model_side_files(seed_dir) if os.path.isdir(seed_dir) else {}
@@ -67,25 +74,23 @@ def files_to_seed(source: SeedSource, seed_dir: str, weight_map_files: list[str]
     files.update({n: p for n, p in version_files.items() if is_model_side_file(n)})
     for n in weight_map_files or []:
         if n not in version_files:
-            raise SourceNotReadyError(f"full version v{source.version} names shard {n}, which is not in {source.path} yet")
+            raise SourceNotReadyError(f"{_label(source)} v{source.version} names shard {n}, which is not in {source.path} yet")
         files[n] = version_files[n]
     if INDEX_NAME in version_files:
         files[INDEX_NAME] = version_files[INDEX_NAME]
     for n, p in files.items():
         if p.startswith(source.path):
-            checked_inside(source.path, p, f"full version v{source.version}")
+            checked_inside(source.path, p, f"{_label(source)} v{source.version}")
     return files
 
 
-def seed_local_checkpoint(
-    local_checkpoint_dir: str, source: SeedSource, seed_dir: str, weight_map_files: list[str] | None, marker_source: str | None
-) -> int:
-    """Copy the seed into the local dir; returns bytes copied."""
-    files = files_to_seed(source, seed_dir, weight_map_files)
+def seed_local_checkpoint(local_checkpoint_dir: str, source: SeedSource, seed_dir: str, origin: Origin) -> tuple[int, int]:
+    """Copy the seed into the local dir; returns (bytes copied, of which from the source dir)."""
+    files = files_to_seed(source, seed_dir, source.shard_files)
     log.info("seeding %s from %s (v%d, %d files)", local_checkpoint_dir, source.path, source.version, len(files))
     os.makedirs(local_checkpoint_dir, exist_ok=True)
     invalidate_marker(local_checkpoint_dir)
-    copied = 0
+    copied = from_source = 0
     for name, src in sorted(files.items()):
         dst = os.path.join(local_checkpoint_dir, name)
         want = os.path.getsize(src)
@@ -94,6 +99,8 @@ def seed_local_checkpoint(
         if got != want:
             raise LocalStateError(f"copying {src} -> {dst} gave {got} bytes, expected {want} (disk full?)")
         copied += got
+        if source.kind != "seed_dir" and src.startswith(source.path):
+            from_source += got
     for entry in os.scandir(local_checkpoint_dir):
         if entry.is_file() and is_stale_local_file(entry.name) and entry.name not in files:
             os.unlink(entry.path)
@@ -101,5 +108,5 @@ def seed_local_checkpoint(
     for fname in checkpoint_weight_files(local_checkpoint_dir):
         read_header(os.path.join(local_checkpoint_dir, fname))
     fsync_dir(local_checkpoint_dir)
-    write_marker(local_checkpoint_dir, source.version, marker_source)
-    return copied
+    write_marker(local_checkpoint_dir, source.version, origin)
+    return copied, from_source

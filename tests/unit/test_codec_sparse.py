@@ -351,11 +351,11 @@ def test_encoder_picks_the_smallest_gap_width():
 def split_everything(monkeypatch):
     """Small segments and no size floor, so a test-sized tensor is cut into parts."""
     from weightsync import apply as apply_mod
-    from weightsync import publish as publish_mod
+    from weightsync import encode as encode_mod
 
     monkeypatch.setattr(codec_sparse.CODEC, "seg_elements", 1000)
     monkeypatch.setattr(apply_mod, "SPLIT_MIN_NBYTES", 0)
-    monkeypatch.setattr(publish_mod, "SPLIT_MIN_NBYTES", 0)
+    monkeypatch.setattr(encode_mod, "SPLIT_MIN_NBYTES", 0)
 
 
 def _published_chain(tmp, rng, versions: int):

@@ -58,7 +58,8 @@ class World:
     def publish(self, version: int, encoding: str, names=None, full: bool = False, checksum: str = "xxh3-128"):
         prev = self.tensors[version - 1]
         new = mutate(prev, self.rng, 0.1, names=names)
-        pub = Publisher(self.source, encoding=encoding, checksum=checksum, workers=1)
+        # No side anchors: these cases pin plans and local files of a plain chain from the seed dir.
+        pub = Publisher(self.source, encoding=encoding, checksum=checksum, workers=1, anchor_fraction=0, anchor_max_deltas=0)
         pub.seed_snapshot(prev, version=version - 1)
         pub.publish(version, new, full=full)
         pub.close()

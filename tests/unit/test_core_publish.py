@@ -268,6 +268,8 @@ def test_index_is_the_last_file_to_appear(run, monkeypatch):
 
     monkeypatch.setattr(os, "replace", recording_replace)
     pub = Publisher(run.source, encoding="xor", template_dir=run.seed, workers=1)
+    assert appeared == ["weightsync-run.json"]  # the run's identity, once, before any version
+    appeared.clear()
     pub.seed_snapshot(run.tensors[0])
     pub.publish(1, run.next_tensors())
     pub.publish(2, run.next_tensors(), full=True)

@@ -80,7 +80,12 @@ def test_marker_spells_a_padded_version_and_the_real_source_dir(chain):
     os.symlink(chain["source"], link)
     pull(chain["local"], chain["seed"], link, 2)
     with open(os.path.join(chain["local"], ".weight_sync", "state.json")) as f:
-        assert json.load(f) == {"version": "000002", "source_dir": os.path.realpath(chain["source"])}
+        marker = json.load(f)
+    with open(os.path.join(chain["source"], "weightsync-run.json")) as f:
+        run_id = json.load(f)["run_id"]
+    seed = marker.pop("seed")
+    assert marker == {"version": "000002", "source_dir": os.path.realpath(chain["source"]), "run": run_id}
+    assert len(seed) == 32 and int(seed, 16) >= 0  # the seed dir's fingerprint (xxh3-128 hex)
     assert applied_version(chain["local"]) == 2
     # The same source through another spelling is the same source: no reseed.
     assert do_pull(chain, 4).action == "seed+chain"  # v3 is full
