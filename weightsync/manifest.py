@@ -97,7 +97,11 @@ def _ends_mid_json(raw: bytes) -> bool:
     try:
         json.loads(text)
     except json.JSONDecodeError as e:
-        return e.pos >= len(text.rstrip())
+        # A string cut off by the end of the file is reported at its opening quote.
+        # (and an escape cut short, at its backslash).
+        if e.msg.startswith("Invalid \\uXXXX escape"):
+            return e.pos + len("\\uXXXX") >= len(text)
+        return e.pos >= len(text.rstrip()) or e.msg.startswith("Unterminated string")
     return False
 
 
