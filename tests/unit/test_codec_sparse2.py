@@ -460,13 +460,13 @@ def small_segments(monkeypatch):
     """Segments of 4096 elements, free classes and no split floor: test-sized tensors get
     several classes and are cut into parts across workers."""
     from weightsync import apply as apply_mod
-    from weightsync import publish as publish_mod
+    from weightsync import encode as encode_mod  # the publisher's encode scheduling
 
     monkeypatch.setattr(codec_sparse2.CODEC, "seg_elements", 4096)
     monkeypatch.setattr(codec_sparse2.CODEC, "class_min_saving", 0.0)
     monkeypatch.setattr(codec_sparse2.CODEC, "class_overhead_bytes", 0)
     monkeypatch.setattr(apply_mod, "SPLIT_MIN_NBYTES", 0)
-    monkeypatch.setattr(publish_mod, "SPLIT_MIN_NBYTES", 0)
+    monkeypatch.setattr(encode_mod, "SPLIT_MIN_NBYTES", 0)
 
 
 def _float_chain(tmp, rng, versions: int):
