@@ -276,6 +276,8 @@ class DiskDeltaWeightUpdater:
             error = f"commit: {type(e).__name__}: {e}"
         kinds = self._all_gather((p.kind, p.reason) if self.publisher is not None else None, error, step="commit")
         p.kind, p.reason = next(k for k in kinds if k)
+        if self.publisher is not None and self.rank != 0:
+            self.publisher.confirm(p.version)  # rank 0's commit succeeded: v counts as committed here too
         self._version_dirs[p.version] = vdir or version_dir(self.source_dir, p.version)
 
     def _first_version_in_dir(self) -> int:

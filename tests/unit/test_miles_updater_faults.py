@@ -196,8 +196,10 @@ def _worker(rank: int, cfg: dict) -> None:
     init_distributed_cpu(rank, cfg["world"], cfg["port"], tp=1, pp=2)
     model = build_gpt_model(cfg["hf_dir"])
     load_hf_checkpoint([model], cfg["hf_dir"])
+    # keep_versions=64: the parent pulls every version of the first run afterwards (the core's
+    # default retention would prune the oldest of them, as it should in a long run).
     config = DiskDeltaConfig(source_dir=cfg["disk_dir"], local_checkpoint_dir="/nonexistent/local",
-                             hf_checkpoint=cfg["hf_dir"], publish_retry_backoff_s=0.0, keep_runs=2)
+                             hf_checkpoint=cfg["hf_dir"], publish_retry_backoff_s=0.0, keep_runs=2, keep_versions=64)
     seen: dict = {"syncs": [], "digests": {}, "source_dirs": [], "restarts": []}
     faults = Faults()
 
