@@ -22,12 +22,24 @@ from typing import Literal
 
 import msgspec
 
-from .errors import BackwardPullError, ChainBrokenError, CorruptArtifactError, InvalidRequestError, SourceNotReadyError
-from .errors import VersionMissingError
+from .errors import (
+    BackwardPullError,
+    ChainBrokenError,
+    CorruptArtifactError,
+    InvalidRequestError,
+    SourceNotReadyError,
+    VersionMissingError,
+)
 from .identity import Origin, mismatch, source_origin
 from .layout import anchor_dir_name, checked_join, list_anchors, state_path, version_dir_name
-from .manifest import VersionIndex, checkpoint_weight_files, parse_version_number, read_anchor_index
-from .manifest import read_applied_state, read_version_index
+from .manifest import (
+    VersionIndex,
+    checkpoint_weight_files,
+    parse_version_number,
+    read_anchor_index,
+    read_applied_state,
+    read_version_index,
+)
 
 log = logging.getLogger(__name__)
 

@@ -453,7 +453,9 @@ class Publisher:
         staged = self._staged
         retry = staged is not None and staged.version == prepared.version
         if retry and staged is not None and prepared is not staged.prepared:
-            self._check_same_bytes(staged, {t.name: t.new for t in prepared.tensors})
+            differ = self.snapshot.differing_bytes([(t.name, t.new) for t in prepared.tensors])
+            if differ:
+                raise self._other_bytes_error(staged.version, differ)
             prepared = staged.prepared
         if not retry and prepared.version != self._committed + 1:
             raise PublishError(f"v{prepared.version} does not follow the committed v{self._committed}; prepare it again")
@@ -506,11 +508,17 @@ class Publisher:
 
     def _commit(self, version: int, kind: Kind, manifests: list[ShardManifest]) -> tuple[str, int]:
         self._scan_once()
-        vdir, anchor_nbytes = self.committer.commit(version, kind, manifests)
         staged = self._staged
-        if staged is not None and staged.version == version:
-            self.confirm(version)
-        self.retention.record(version, kind, anchor_nbytes > 0)
+        vdir = version_dir(self.source_dir, version)
+        if version == self._committed and (staged is None or staged.version != version) and is_committed(vdir):
+            # Committed already (a retry after the hook or a later step failed): never rewrite an
+            # index; run what follows the commit again.
+            anchor_nbytes = 0
+        else:
+            vdir, anchor_nbytes = self.committer.commit(version, kind, manifests)
+            if staged is not None and staged.version == version:
+                self.confirm(version)
+            self.retention.record(version, kind, anchor_nbytes > 0)
         if self.post_write_hook is not None:
             self.post_write_hook(vdir)
         if self.prune:
@@ -530,12 +538,17 @@ class Publisher:
         self._staged = _Staged(prepared.version, kind, msgspec.structs.replace(prepared, tensors=own))
 
     def _check_same_bytes(self, staged: _Staged, tensors: Mapping[str, "RawTensor | np.ndarray"]) -> None:
-        differ = self.snapshot.differing(self.snapshot.jobs(tensors))
+        jobs = self.snapshot.jobs(tensors)
+        differ = self.snapshot.differing_bytes([(j.name, j.new) for j in jobs])
         if differ:
-            raise PublishError(
-                f"v{staged.version} was already written by this rank with other bytes for tensors {differ[:5]}; "
-                f"a retry of v{staged.version} must pass the same bytes (its index has not landed, so nothing is lost)"
-            )
+            raise self._other_bytes_error(staged.version, differ)
+
+    @staticmethod
+    def _other_bytes_error(version: int, differ: list[str]) -> PublishError:
+        return PublishError(
+            f"v{version} was already written by this rank with other bytes for tensors {differ[:5]}; "
+            f"a retry of v{version} must pass the same bytes (its index has not landed, so nothing is lost)"
+        )
 
     def _settle(self, version: int) -> None:
         """Before preparing ``version``: confirm a written predecessor whose index has landed."""

@@ -117,9 +117,14 @@ class Snapshot:
                 jobs.append(EncodeJob(name, snap.dtype, snap.shape, snap.buf, snap))
         return jobs
 
-    def differing(self, jobs: list[EncodeJob]) -> list[str]:
-        """Names whose new bytes differ from the snapshot's (a retry must pass the same bytes)."""
-        return [j.name for j in jobs if not j.untouched and not np.array_equal(j.new, j.snap.buf)]
+    def differing_bytes(self, tensors: "list[tuple[str, np.ndarray]]") -> list[str]:
+        """Names whose bytes (uint8) differ from the snapshot's (a retry must pass the same bytes)."""
+        out = []
+        for name, new in tensors:
+            buf = self.entries[name].buf
+            if new is not buf and not np.array_equal(new, buf):
+                out.append(name)
+        return out
 
     def advance(self, version: int, changed: "list[tuple[str, np.ndarray, str | None]]") -> None:
         """Take a written version's bytes: (name, new bytes, digest or None) of each tensor it changed."""

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import os
 
-import numpy as np
 import pytest
 
 import weightsync.encode as encode_mod

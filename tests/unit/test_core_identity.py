@@ -10,7 +10,6 @@ import json
 import os
 import shutil
 
-import numpy as np
 import pytest
 
 from weightsync import Publisher, errors, pull

@@ -295,3 +295,45 @@ def test_full_version_index_total_size_is_the_tensor_bytes_as_an_integer(world):
         meta = json.load(f)["metadata"]
     assert meta["total_size"] == sum(a.nbytes for a in t[1].values())
     assert isinstance(meta["total_size"], int)
+
+
+def test_writing_the_first_prepared_object_again_is_a_retry_of_the_same_bytes(world, monkeypatch):
+    t = world["t"]
+    ranks = Ranks(os.path.join(world["root"], "src"), t[0])
+    ranks.publish(1, t[1])
+    prepared = [pub.prepare(2, ranks.own(t[2], r)) for r, pub in enumerate(ranks.pubs)]
+    manifests = [pub.write(p, "delta") for pub, p in zip(ranks.pubs, prepared)]
+    inject(monkeypatch, "index write")
+    with pytest.raises(OSError, match="No space left"):
+        ranks.pubs[0].commit(2, "delta", manifests)
+    # A caller that kept its first prepared objects writes them again (not prepare(2) anew).
+    manifests = [pub.write(p, "delta") for pub, p in zip(ranks.pubs, prepared)]
+    ranks.pubs[0].commit(2, "delta", manifests)
+    ranks.pubs[1].confirm(2)
+    assert ranks.versions() == [2, 2]
+    assert version_files(ranks.source, 2) == version_files(world["ref"], 2)
+    ranks.close()
+
+
+def test_commit_repeated_after_a_failed_post_write_hook_reruns_the_hook_without_rewriting_the_index(world):
+    t = world["t"]
+    calls = []
+
+    def flaky_hook(vdir):
+        calls.append(os.path.basename(vdir))
+        if len(calls) == 1:
+            raise OSError(errno.EIO, "object store refresh failed", vdir)
+
+    pub = Publisher(os.path.join(world["root"], "src"), encoding="xor", workers=1, post_write_hook=flaky_hook)
+    pub.seed_snapshot(t[0])
+    manifest = pub.write(pub.prepare(1, t[1]), "delta")
+    with pytest.raises(OSError, match="object store refresh failed"):
+        pub.commit(1, "delta", [manifest])
+    ipath = os.path.join(pub.source_dir, "weight_v000001", INDEX)
+    before = os.stat(ipath)
+    assert pub.version == 1  # the index landed: v1 is committed
+    pub.commit(1, "delta", [manifest])
+    after = os.stat(ipath)
+    assert calls == ["weight_v000001", "weight_v000001"]
+    assert (after.st_ino, after.st_mtime_ns) == (before.st_ino, before.st_mtime_ns)
+    pub.close()
