@@ -9,25 +9,24 @@ Two hooks on sglang's ``Scheduler`` (registered when ``sglang.srt.managers.sched
 - after ``process_input_requests`` (every loop iteration, every rank): ``coordinator.poll()``.
 
 How ranks stay together and why the loop never blocks: see ``sglang_patch.coordinator``. The
-pull itself (``run_rank_pull``) runs in a thread and is the core's ``weightsync.pull``: each rank
-calls it for its host; co-located ranks serialise on the core's per-host flock and the later
-ones find the work done ("noop").
+pull itself (``run_rank_pull``, ``sglang_patch.rank_pull``) is the core's ``weightsync.pull``:
+each rank runs it for its host in its own helper process (``sglang_patch.pull_process``: the
+scheduler's busy loop would starve it of the GIL), waited for by the coordinator's thread;
+co-located ranks serialise on the core's per-host flock and the later ones find the work done
+("noop").
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import time
 from typing import Any, Optional, Sequence
-
-import weightsync
-from weightsync.errors import InvalidRequestError, PathNotAllowedError
 
 from . import results
 from .coordinator import PullCoordinator, SingleRankGroup
-from .paths import check_request_paths
-from .server_flags import PullWeightsOptions, options_of
+from .pull_process import make_rank_puller  # imported here: captures the CPUs before sglang binds them
+from .rank_pull import RankPuller
+from .server_flags import options_of
 
 log = logging.getLogger(__name__)
 
@@ -71,59 +70,6 @@ def resolve_seed_dir(model_path: Optional[str], download_dir: Optional[str] = No
         return None
 
 
-class RankPuller:
-    """What one rank does for one pull request (runs in the pull thread)."""
-
-    def __init__(self, *, options: PullWeightsOptions, seed_dir: Optional[str], host: str, rank: str) -> None:
-        self.options = options
-        self.seed_dir = seed_dir
-        self.host = host
-        self.rank = rank
-
-    def __call__(self, request: Any) -> results.RankPullReport:
-        start = time.monotonic()
-        checked = None
-        try:
-            checked = check_request_paths(
-                request.local_checkpoint_dir, request.source_dir, self.options.allowed_roots, seed_dir=self.seed_dir
-            )
-            if self.seed_dir is None:
-                raise InvalidRequestError(
-                    "the engine's model path is not a local directory, so version 0 (the seed) is "
-                    "unknown; start the engine from a local checkpoint dir"
-                )
-            outcome = weightsync.pull(
-                checked.local_checkpoint_dir,
-                self.seed_dir,
-                checked.source_dir,
-                request.target_version,
-                pre_read_hook=self.options.pre_read_hook,
-                # Reply once the bytes are verified in the page cache (the engine reloads from
-                # there); the flush and the marker finish in the background, and co-located
-                # ranks return as soon as the verified version is noted.
-                durability="deferred",
-            )
-            report = results.report_success(self.host, self.rank, outcome)
-            log.info(
-                "pull_weights %s: v%d %s in %.3fs (%s)",
-                self.rank, outcome.applied_version, outcome.action, outcome.seconds, outcome.reason,
-            )
-            return report
-        except Exception as exc:
-            seconds = time.monotonic() - start
-            if isinstance(exc, (InvalidRequestError, PathNotAllowedError)):
-                log.warning("pull_weights %s: refused: %s", self.rank, exc)
-            else:
-                log.exception("pull_weights %s: pull to v%s failed", self.rank, getattr(request, "target_version", "?"))
-            applied = None
-            if checked is not None:  # only read the marker of a dir that passed the path checks
-                try:
-                    applied = weightsync.applied_version(checked.local_checkpoint_dir)
-                except Exception:
-                    applied = None
-            return results.report_failure(self.host, self.rank, exc, seconds=seconds, applied_version=applied)
-
-
 def make_coordinator(scheduler: Any) -> PullCoordinator:
     """Build this rank's coordinator from the scheduler's config and process groups."""
     from sglang.srt.runtime_context import get_parallel
@@ -146,7 +92,7 @@ def make_coordinator(scheduler: Any) -> PullCoordinator:
         "pull_weights ready on %s %s: seed dir %s, allowed roots %s, pre-read hook %s",
         host, rank, seed_dir, list(options.allowed_roots) or "(none: every pull is refused)", options.pre_read_hook,
     )
-    puller = RankPuller(options=options, seed_dir=seed_dir, host=host, rank=rank)
+    puller = make_rank_puller(RankPuller(options=options, seed_dir=seed_dir, host=host, rank=rank))
 
     def failure_report(request: Any, exc: BaseException, seconds: float) -> results.RankPullReport:
         return results.report_failure(host, rank, exc, seconds=seconds)

@@ -38,6 +38,7 @@ __all__ = [
     "LocalTensorMismatchError",
     "ConflictError",
     "LockTimeoutError",
+    "PullWorkerDiedError",
     "PublishError",
     "OverwriteTooLargeError",
     "ChecksumUnavailableError",
@@ -237,6 +238,34 @@ class LockTimeoutError(ConflictError, TimeoutError):
         super().__init__(
             f"another pull held {lock_path} for more than {timeout_s:.0f} s. Wait for it to "
             "finish (or find the stuck process holding the lock) and retry."
+        )
+
+
+class PullWorkerDiedError(WeightSyncError, RuntimeError):
+    """The process running a pull (an engine's pull helper) exited or was killed before it replied."""
+
+    error_type = "pull_worker_died"
+    http_status = 500
+    retryable = True
+
+    def __init__(self, pid: int, returncode: "int | None", rank: str = "", target_version: "int | None" = None):
+        self.pid = pid
+        self.returncode = returncode
+        self.rank = rank
+        self.target_version = target_version
+        if returncode is not None and returncode < 0:
+            how = f"was killed by signal {-returncode}"
+        elif returncode is not None:
+            how = f"exited with status {returncode}"
+        else:
+            how = "went away"
+        to = f" to v{target_version}" if target_version is not None else ""
+        on = f" of rank {rank}" if rank else ""
+        super().__init__(
+            f"the pull process{on} (pid {pid}) {how} before finishing the pull{to}. The local checkpoint "
+            "keeps no marker for a version it did not verify and flush, so a retry re-verifies or "
+            "reseeds; retry the pull (the engine starts a new pull process), and see the server log "
+            "for why it ended."
         )
 
 

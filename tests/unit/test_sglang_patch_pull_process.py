@@ -1,0 +1,200 @@
+"""A rank's pull runs in a helper process of its own (sglang_patch.pull_process), tested with
+real processes and real pulls, without sglang: where it runs and on which CPUs, what a killed
+or cancelled helper reports, that the local checkpoint stays honest and the next pull recovers,
+and the fallback to the scheduler process when no helper can start."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+import weightsync
+from sglang_patch import pull_process
+from sglang_patch.pull_process import HelperRankPuller
+from sglang_patch.rank_pull import RankPuller
+from sglang_patch.server_flags import PullWeightsOptions
+from weightsync.errors import LockTimeoutError
+
+from core_support import assert_checkpoint_is, marker_version, tensor_bytes, write_hf_checkpoint
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+GATE_HOOK = "testbed.hooks.record_pre_read"
+
+
+@pytest.fixture
+def world(fast_tmp_path, rng, monkeypatch):
+    """A seed model, a source with v1 and v2, and a request factory (all below one allowed root)."""
+    root = fast_tmp_path
+    seed, source, local = str(root / "model"), str(root / "source"), str(root / "local")
+    v0 = {f"w{i}": np.frombuffer(rng.bytes(4096 * 2), dtype=np.uint16).reshape(64, 64).copy() for i in range(4)}
+    write_hf_checkpoint(seed, v0)
+    pub = weightsync.Publisher(source, template_dir=seed)
+    pub.seed_snapshot(v0)
+    versions = {0: v0}
+    cur = v0
+    for v in (1, 2):
+        cur = {n: a.copy() for n, a in cur.items()}
+        for a in cur.values():
+            a.reshape(-1)[rng.integers(0, a.size, 40)] ^= np.uint16(1)
+        pub.publish(v, cur)
+        versions[v] = cur
+    pub.close()
+    gate = root / "gate"
+    monkeypatch.setenv("TESTBED_PRE_READ_HOOK_GATE", str(gate))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
+
+    def request(version: int):
+        return SimpleNamespace(local_checkpoint_dir=local, source_dir=source, target_version=version)
+
+    def puller(hook: str | None = None, **kwargs) -> HelperRankPuller:
+        options = PullWeightsOptions(pre_read_hook=hook, allowed_roots=(str(root),))
+        return HelperRankPuller(RankPuller(options=options, seed_dir=seed, host="h/node0", rank="dp0/tp0"), **kwargs)
+
+    return SimpleNamespace(root=root, seed=seed, source=source, local=local, versions=versions, gate=gate,
+                           request=request, puller=puller)
+
+
+def wait_for(predicate, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.02)
+
+
+def assert_local_holds(world, version: int) -> None:
+    assert_checkpoint_is(world.local, tensor_bytes(world.versions[version]))
+
+
+def test_the_pull_runs_in_a_helper_process_on_the_engine_cpus_not_the_schedulers(world):
+    puller = world.puller(cpus=pull_process.engine_cpus())
+    try:
+        report = puller(world.request(1))
+        assert report.success and report.applied_version == 1, report
+        ready = puller.helper_info()
+        assert ready is not None and ready.pid != os.getpid()
+        assert ready.cpus == pull_process.engine_cpus()
+        assert_local_holds(world, 1)
+        report = puller(world.request(2))  # the same helper serves the next pull
+        assert report.success and puller.helper_info().pid == ready.pid
+        assert_local_holds(world, 2)
+    finally:
+        puller.close()
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs to bind the scheduler to one")
+def test_a_scheduler_bound_to_one_core_still_pulls_on_every_engine_cpu(world):
+    """sglang binds each scheduler to its OMP cores after our module captured the engine's CPUs;
+    threads would inherit the binding, the helper does not."""
+    code = (
+        "import os, sys, json, types; sys.path[:0] = [%r];"
+        "from sglang_patch import pull_process;"  # captures the engine's CPUs first, as the scheduler does
+        "os.sched_setaffinity(0, {min(os.sched_getaffinity(0))});"
+        "from sglang_patch.rank_pull import RankPuller; from sglang_patch.server_flags import PullWeightsOptions;"
+        "h = pull_process.HelperRankPuller(RankPuller(options=PullWeightsOptions(), seed_dir=None, host='h', rank='r'));"
+        "r = h(types.SimpleNamespace(local_checkpoint_dir='/x', source_dir='/y', target_version=1));"
+        "assert r.error_type == 'forbidden', r;"  # refused (no allowed roots), by the helper
+        "print(json.dumps([sorted(os.sched_getaffinity(0)), h.helper_info().cpus])); h.close()"
+    ) % ROOT
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    import json
+
+    scheduler_cpus, helper_cpus = json.loads(out.stdout.strip().splitlines()[-1])
+    assert len(scheduler_cpus) == 1
+    assert helper_cpus == sorted(os.sched_getaffinity(0))
+
+
+def test_a_killed_helper_is_a_typed_failure_and_the_next_pull_recovers_exactly(world):
+    first = world.puller()
+    assert first(world.request(1)).success
+    first.close()
+    puller = world.puller(hook=GATE_HOOK)
+    try:
+        box: list = []
+        t = threading.Thread(target=lambda: box.append(puller(world.request(2))))
+        t.start()
+        wait_for(lambda: (world.gate / "started-2").exists())
+        pid = puller.helper_info().pid
+        os.kill(pid, signal.SIGKILL)
+        t.join(60)
+        report = box[0]
+        assert not report.success
+        assert report.error_type == "pull_worker_died" and report.http_status == 500
+        assert f"pid {pid}" in report.message and "signal 9" in report.message
+        assert report.applied_version == 1  # the marker names what the host verifiably holds
+        (world.gate / "release").touch()
+        report = puller(world.request(2))
+        assert report.success and report.applied_version == 2, report
+        assert puller.helper_info().pid != pid
+        assert_local_holds(world, 2)
+    finally:
+        (world.gate / "release").touch()
+        puller.close()
+
+
+def test_cancel_kills_the_running_pull_and_reports_the_given_error(world):
+    puller = world.puller(hook=GATE_HOOK)
+    try:
+        box: list = []
+        t = threading.Thread(target=lambda: box.append(puller(world.request(1))))
+        t.start()
+        wait_for(lambda: (world.gate / "started-1").exists())
+        pid = puller.helper_info().pid
+        assert puller.cancel(LockTimeoutError("/x/.weight_sync/lock", 5.0))
+        t.join(30)
+        assert not t.is_alive()
+        report = box[0]
+        assert not report.success and report.error_type == "conflict" and "/x/.weight_sync/lock" in report.message
+        wait_for(lambda: not os.path.exists(f"/proc/{pid}") or _is_zombie(pid), timeout_s=10)
+        assert weightsync.applied_version(world.local) is None  # nothing verified, nothing claimed
+        (world.gate / "release").touch()
+        assert puller(world.request(1)).success
+        assert_local_holds(world, 1)
+    finally:
+        (world.gate / "release").touch()
+        puller.close()
+
+
+def test_no_helper_means_the_pull_runs_in_the_calling_process_and_says_so(world, monkeypatch):
+    monkeypatch.setattr(pull_process.sys, "executable", "/bin/false")
+    puller = world.puller()
+    try:
+        report = puller(world.request(1))
+        assert report.success and report.applied_version == 1
+        assert "pulled in the scheduler process" in report.reason and "did not start" in report.reason
+        assert_local_holds(world, 1)
+    finally:
+        puller.close()
+
+
+def test_the_in_process_switch_keeps_the_pull_in_the_scheduler_process(world, monkeypatch):
+    monkeypatch.setenv(pull_process.IN_PROCESS_ENV, "1")
+    inner = world.puller().puller
+    assert pull_process.make_rank_puller(inner) is inner
+
+
+def test_a_closed_helper_finishes_its_deferred_flush_and_exits(world):
+    puller = world.puller()
+    report = puller(world.request(1))
+    assert report.success
+    proc = puller._helper.proc
+    puller.close()
+    proc.wait(timeout=60)
+    assert proc.returncode == 0
+    assert weightsync.applied_version(world.local) == 1  # the marker was written before it left
+
+
+def _is_zombie(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] == "Z"
+    except OSError:
+        return True
