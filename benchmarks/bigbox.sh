@@ -3,11 +3,12 @@
 # the real Qwen3-4B layout (8.0 GB of bf16, 398 tensors), the trainer simulation on the GPU,
 # every figure of bench_sync.py (wire bytes, publish per core and with 16 workers, pull, catch-up
 # over 8 deltas, 1 vs 16 workers, puller peak memory), plus the GPU-diff probe (diff on the
-# device, move only the changed elements to the host) when CUDA is there.
+# device, move only the changed elements to the host) when CUDA is there; then the engine
+# benchmark (bench_engine.py: pull inside vs outside the engine, pause of reload vs live apply).
 #
 #   bash benchmarks/bigbox.sh                # defaults below
 #   STEPS=6 bash benchmarks/bigbox.sh        # shorter run
-#   bash benchmarks/bigbox.sh --no-append    # extra args go to bench_sync.py
+#   bash benchmarks/bigbox.sh --no-append    # extra args go to bench_sync.py and bench_engine.py
 #
 # Needs numpy, zstandard, xxhash, msgspec and torch importable by $PY (the box has no network:
 # carry a prepared environment). Files go to /dev/shm when it has room (about 45 GB), else to
@@ -40,5 +41,19 @@ nvidia-smi --query-gpu=name,memory.total --format=csv,noheader 2>/dev/null || tr
 
 # per-core publish is measured on a ~1 GB subset (one worker on 8 GB would take minutes) and
 # scaled; one repetition each, since the box is not shared.
-exec "$PY" benchmarks/bench_sync.py --preset qwen3-4b --device "$DEVICE" --workers "$WORKERS" \
+"$PY" benchmarks/bench_sync.py --preset qwen3-4b --device "$DEVICE" --workers "$WORKERS" \
     --steps "$STEPS" --workdir "$WORKDIR" --percore-mb 1024 --reps 1 "$@"
+
+# The engine side: a real sglang server (on the GPU when there is one) over the same Qwen3-4B
+# layout at TP=1; a pull through /pull_weights against the same pull in a plain process, and
+# the pause of /update_weights_from_disk against live apply (/update_weights_from_pulled) at 4%
+# changed elements (target: live pause <= 50 ms and <= 5% of the reload's). Needs sglang
+# importable by $PY; SKIP_ENGINE=1 skips it.
+if [ "${SKIP_ENGINE:-0}" != 1 ]; then
+    if "$PY" -c "import sglang" 2>/dev/null; then
+        "$PY" benchmarks/bench_engine.py --preset qwen3-4b --tp 1 --fractions 0.04 --device "$DEVICE" \
+            --reps "${ENGINE_REPS:-3}" --workdir "$WORKDIR" "$@"
+    else
+        echo "bigbox: $PY cannot import sglang; skipping the engine benchmark (bench_engine.py)" >&2
+    fi
+fi

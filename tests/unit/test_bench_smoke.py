@@ -27,3 +27,19 @@ def test_benchmark_runs_end_to_end_on_the_tiny_preset(fast_tmp_path):
         assert figure in report, figure
     assert "| delta |" in report  # realistic steps publish deltas
     assert not os.listdir(fast_tmp_path), "the benchmark leaves its work dir behind"
+
+
+@pytest.mark.slow
+def test_engine_benchmark_builds_servable_data_and_measures_the_cause_without_a_server(fast_tmp_path):
+    """The engine benchmark's server-free part (its servers are too slow for the suite): the
+    model and versions it builds pull exactly, and the report names the cause's rows."""
+    out = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "benchmarks", "bench_engine.py"), "--preset", "engine-tiny", "--tp", "",
+         "--reps", "1", "--no-append", "--workdir", str(fast_tmp_path)],
+        capture_output=True, text=True, timeout=600,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    for row in ("| alone |", "| beside a busy-polling Python thread |", "GIL switch interval"):
+        assert row in out.stdout, row
+    assert "'kind': 'delta'" in out.stdout  # both versions published as deltas
+    assert not os.listdir(fast_tmp_path), "the benchmark leaves its work dir behind"
