@@ -220,17 +220,28 @@ def _helper_env() -> dict[str, str]:
     return env
 
 
+OnVerified = Callable[[str, str, int], None]
+
+
 class HelperRankPuller:
     """``puller(request) -> RankPullReport`` that runs the rank's pull in its helper process.
 
     Called from the coordinator's pull thread, one pull at a time; ``cancel`` may be called from
-    any thread (the scheduler's, on a deadline).
+    any thread (the scheduler's, on a deadline). ``on_verified(local_dir, source_dir, version)``
+    runs here, in the scheduler process, after every successful pull (wherever the pull ran),
+    with the resolved dirs: work that needs the engine's own state (live apply's staging). It
+    cannot fail the pull; its exceptions are logged. ``in_process=True`` never starts a helper.
     """
 
-    def __init__(self, puller: RankPuller, *, cpus: Optional[list[int]] = None, start_timeout_s: float = START_TIMEOUT_S):
+    def __init__(
+        self, puller: RankPuller, *, cpus: Optional[list[int]] = None, start_timeout_s: float = START_TIMEOUT_S,
+        on_verified: Optional[OnVerified] = None, in_process: bool = False,
+    ):
         self.puller = puller
         self.cpus = list(cpus) if cpus is not None else engine_cpus()
         self.start_timeout_s = start_timeout_s
+        self.on_verified = on_verified
+        self.in_process = in_process
         self._lock = threading.Lock()
         self._helper: Optional[_Helper] = None
         self._cancel_error: Optional[BaseException] = None
@@ -242,12 +253,27 @@ class HelperRankPuller:
 
     def start(self) -> None:
         """Start the helper now (returns at once; it imports the core while the engine loads)."""
+        if self.in_process:
+            return
         try:
             self._live_helper()
         except Exception:
             log.exception("pull_weights %s: could not start the pull helper; will retry on the first pull", self.puller.rank)
 
     def __call__(self, request: Any) -> results.RankPullReport:
+        report = self.puller(request) if self.in_process else self._pull_in_helper(request)
+        if report.success and self.on_verified is not None:
+            self._run_on_verified(request, report)
+        return report
+
+    def _run_on_verified(self, request: Any, report: results.RankPullReport) -> None:
+        try:
+            checked = self.puller.check_paths(request)
+            self.on_verified(checked.local_checkpoint_dir, checked.source_dir, int(report.applied_version))
+        except Exception:
+            log.exception("pull_weights %s: the after-pull hook failed (the pull itself succeeded)", self.puller.rank)
+
+    def _pull_in_helper(self, request: Any) -> results.RankPullReport:
         start = time.monotonic()
         self._cancel_error = None
         try:
@@ -340,12 +366,12 @@ class HelperRankPuller:
         )
 
 
-def make_rank_puller(puller: RankPuller) -> "Callable[[Any], results.RankPullReport]":
-    """The helper-process puller (started now), or the in-process one if the operator asked."""
-    if os.environ.get(IN_PROCESS_ENV, "").strip() not in ("", "0"):
+def make_rank_puller(puller: RankPuller, *, on_verified: Optional[OnVerified] = None) -> HelperRankPuller:
+    """The rank's puller, its helper started now (in the scheduler process if the operator asked)."""
+    in_process = os.environ.get(IN_PROCESS_ENV, "").strip() not in ("", "0")
+    if in_process:
         log.info("pull_weights %s: %s is set: pulls run in the scheduler process", puller.rank, IN_PROCESS_ENV)
-        return puller
-    helper = HelperRankPuller(puller)
+    helper = HelperRankPuller(puller, on_verified=on_verified, in_process=in_process)
     helper.start()
     return helper
 

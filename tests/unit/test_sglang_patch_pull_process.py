@@ -177,8 +177,27 @@ def test_no_helper_means_the_pull_runs_in_the_calling_process_and_says_so(world,
 
 def test_the_in_process_switch_keeps_the_pull_in_the_scheduler_process(world, monkeypatch):
     monkeypatch.setenv(pull_process.IN_PROCESS_ENV, "1")
-    inner = world.puller().puller
-    assert pull_process.make_rank_puller(inner) is inner
+    puller = pull_process.make_rank_puller(world.puller().puller)
+    report = puller(world.request(1))
+    assert report.success and puller.helper_info() is None and puller._helper is None
+    assert_local_holds(world, 1)
+
+
+@pytest.mark.parametrize("in_process", [False, True])
+def test_the_after_pull_hook_runs_in_the_calling_process_after_each_success_only(world, in_process):
+    calls: list = []
+    puller = world.puller()
+    puller.on_verified = lambda local, source, version: calls.append((os.getpid(), local, source, version))
+    puller.in_process = in_process
+    try:
+        assert puller(world.request(1)).success
+        assert calls == [(os.getpid(), os.path.realpath(world.local), os.path.realpath(world.source), 1)]
+        assert not puller(world.request(7)).success  # not published: no hook
+        assert len(calls) == 1
+        puller.on_verified = lambda *a: 1 / 0  # a failing hook cannot fail the pull
+        assert puller(world.request(2)).success
+    finally:
+        puller.close()
 
 
 def test_a_closed_helper_finishes_its_deferred_flush_and_exits(world):
