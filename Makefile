@@ -18,6 +18,7 @@ test-fast: setup
 
 bench: setup
 	$(PY) benchmarks/bench_sync.py
+	$(PY) benchmarks/bench_engine.py
 
 clean:
 	rm -rf .venv .pytest_cache .hypothesis
