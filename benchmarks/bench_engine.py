@@ -342,7 +342,10 @@ def report(args, res: dict) -> str:
             if p["live"]:
                 live = [r["wall_s"] for r in p["live"]]
                 live_srv = [r["served_s"] for r in p["live"]]
-                modes = sorted({r["reply"].get("mode", "?") for r in p["live"]})
+                modes = sorted({str(r["reply"].get("mode", "?")) for r in p["live"]})
+                engine_pause = [float(r["reply"]["pause_s"]) for r in p["live"] if r["reply"].get("pause_s") is not None]
+                if engine_pause:
+                    modes.append(f"engine pause_s {med(engine_pause):.3f}")
                 ratio = med(live) / med(rel)
                 line += (f" live {med(live):.3f} ({spread(live)}) | until served {med(live_srv):.3f} | "
                          f"{ratio:.3f}x | {', '.join(modes)} | pull with staging {med(p['pull_live']):.2f} |")

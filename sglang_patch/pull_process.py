@@ -214,9 +214,12 @@ class _Helper:
 
 def _helper_env() -> dict[str, str]:
     env = dict(os.environ)
-    # The helper must import this very package, wherever the scheduler found it.
+    # The helper must import this very package, wherever the scheduler found it: a source tree
+    # goes first on its path; an installed package is found anyway (and site-packages must not
+    # go ahead of the standard library).
     package_parent = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (package_parent, env.get("PYTHONPATH", "")) if p)
+    if os.path.basename(package_parent) not in ("site-packages", "dist-packages"):
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (package_parent, env.get("PYTHONPATH", "")) if p)
     return env
 
 
