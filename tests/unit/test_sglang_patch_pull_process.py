@@ -217,3 +217,33 @@ def _is_zombie(pid: int) -> bool:
             return f.read().split(")")[-1].split()[0] == "Z"
     except OSError:
         return True
+
+
+def test_a_helper_whose_scheduler_died_mid_pull_exits_instead_of_lingering(world):
+    """No orphans: the helper watches its parent even while a pull holds it busy."""
+    code = f"""
+import sys, threading, time, types
+sys.path[:0] = [{ROOT!r}]
+from sglang_patch import pull_process
+from sglang_patch.rank_pull import RankPuller
+from sglang_patch.server_flags import PullWeightsOptions
+options = PullWeightsOptions(pre_read_hook={GATE_HOOK!r}, allowed_roots=({str(world.root)!r},))
+h = pull_process.HelperRankPuller(RankPuller(options=options, seed_dir={world.seed!r}, host="h", rank="r"))
+request = types.SimpleNamespace(local_checkpoint_dir={world.local!r}, source_dir={world.source!r}, target_version=1)
+threading.Thread(target=h, args=(request,), daemon=True).start()
+while h.helper_info() is None:
+    time.sleep(0.02)
+print(h.helper_info().pid, flush=True)
+time.sleep(600)
+"""
+    scheduler = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        helper_pid = int(scheduler.stdout.readline())
+        wait_for(lambda: (world.gate / "started-1").exists())
+        scheduler.kill()
+        scheduler.wait(10)
+        wait_for(lambda: _is_zombie(helper_pid) or not os.path.exists(f"/proc/{helper_pid}"), timeout_s=30)
+    finally:
+        world.gate.mkdir(exist_ok=True)
+        (world.gate / "release").touch()
+        scheduler.kill()
