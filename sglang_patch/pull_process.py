@@ -245,7 +245,8 @@ class HelperRankPuller:
         self.start_timeout_s = start_timeout_s
         self.on_verified = on_verified
         self.in_process = in_process
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # guards _helper
+        self._call_lock = threading.Lock()
         self._helper: Optional[_Helper] = None
         self._cancel_error: Optional[BaseException] = None
 
@@ -264,6 +265,12 @@ class HelperRankPuller:
             log.exception("pull_weights %s: could not start the pull helper; will retry on the first pull", self.puller.rank)
 
     def __call__(self, request: Any) -> results.RankPullReport:
+        # One pull at a time per helper: a caller that gave up on a pull without cancelling it
+        # (its thread abandoned at a deadline) must not interleave frames with the next one.
+        with self._call_lock:
+            return self._pull(request)
+
+    def _pull(self, request: Any) -> results.RankPullReport:
         report = self.puller(request) if self.in_process else self._pull_in_helper(request)
         if report.success and self.on_verified is not None:
             self._run_on_verified(request, report)

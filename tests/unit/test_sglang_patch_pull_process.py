@@ -247,3 +247,27 @@ time.sleep(600)
         world.gate.mkdir(exist_ok=True)
         (world.gate / "release").touch()
         scheduler.kill()
+
+
+def test_a_second_call_waits_for_the_first_instead_of_sharing_its_helper(world):
+    """A caller that abandoned a pull (a deadline without cancel) must not mix its frames with
+    the next pull's: calls are served one after the other, each gets its own report."""
+    puller = world.puller(hook=GATE_HOOK)
+    try:
+        box: dict = {}
+        first = threading.Thread(target=lambda: box.setdefault(1, puller(world.request(1))))
+        first.start()
+        wait_for(lambda: (world.gate / "started-1").exists())
+        second = threading.Thread(target=lambda: box.setdefault(2, puller(world.request(2))))
+        second.start()
+        time.sleep(0.5)
+        assert 2 not in box and second.is_alive()  # waits, does not write to the busy helper
+        (world.gate / "release").touch()
+        first.join(60)
+        second.join(60)
+        assert box[1].success and box[1].applied_version == 1
+        assert box[2].success and box[2].applied_version == 2
+        assert_local_holds(world, 2)
+    finally:
+        (world.gate / "release").touch()
+        puller.close()
