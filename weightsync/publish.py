@@ -240,7 +240,10 @@ class Publisher:
     After a failure at any step on any rank (an encode error, one rank's ENOSPC, a failed
     barrier, a failed index write), every rank starts again at step 1 with the same ``v`` and
     the same bytes. A rank that already wrote v reuses what it wrote, and one that did not
-    encodes from the same snapshot, so the retry publishes the same bytes. ``prepare(v + 1)``
+    encodes from the same snapshot, so the retry publishes the same bytes. A caller that kept
+    its prepared objects and manifests may instead redo only what failed: ``write`` again with
+    the same prepared object, or ``commit`` again (after the index landed, a repeated commit
+    reruns the post-write hook and pruning, never the index). ``prepare(v + 1)``
     is refused while v is written but not committed. Keep the tensors passed to ``prepare``
     unchanged until ``write`` returns.
 
