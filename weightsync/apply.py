@@ -5,25 +5,36 @@ Order: load and check every delta of the chain (headers, names against the index
 frame sizes) -> check each tensor against the local checkpoint (exists, byte length) -> clear
 the marker -> apply -> verify -> flush pages to disk -> (caller) write the marker.
 
-Folding: each tensor's pending payloads are applied back to back (all xor: in one pass, chunk
-by chunk) and verified once, against the digest of the newest version that touched it. Strict
-mode (used after a reseed) verifies after every version so a failure names its version.
+Folding: each tensor's pending payloads are applied back to back (all xor: chunk by chunk, a
+few payloads per pass) and verified once, against the digest of the newest version that
+touched it: that digest covers the tensor's complete final bytes, whatever the encodings. The
+per-version mode (a diagnostic after a replay that still fails) verifies after every version
+so the failure names its version.
+
+Bounded resources: a loaded chain holds no open file. Each payload is proven at load, its
+structure kept (``Codec.check_structure``) and its shard closed; while applying, a worker holds
+at most ``PAYLOADS_PER_PASS`` shards mapped (one descriptor each, least recently used closed
+first) and applies a tensor's chain that many payloads per pass (one zstd decompressor each),
+so descriptors and decompressors stay at workers x that constant however long the chain.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import mmap
 import os
 import threading
+from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
-from typing import BinaryIO, Callable, Iterable, cast
+from typing import Callable, Iterable, Iterator, cast
 
 import msgspec
 import numpy as np
 
-from .checksum import is_well_formed_digest, new_hasher
-from .codecs import apply_xor_chain, get_codec
+from . import knobs
+from .checksum import is_well_formed_digest, new_hasher, require_checksum
+from .codecs import ChainCodec, apply_xor_chain, get_codec
 from .errors import (
     ChecksumMismatchError,
     LocalTensorMismatchError,
@@ -39,10 +50,20 @@ from .safetensors_io import DTYPE_NBYTES, TensorEntry, local_tensor_table, read_
 log = logging.getLogger(__name__)
 
 
+class PayloadRef(msgspec.Struct, frozen=True):
+    """Where one payload lives; the shard is reopened (and checked to be the same file) on use."""
+
+    path: str
+    offset: int  # absolute, in the shard file
+    nbytes: int
+    file_id: tuple[int, int, int]  # (st_dev, st_ino, st_size) at load
+
+
 class DeltaTensor(msgspec.Struct):
     name: str
-    payload: memoryview  # into the shard's read-only mmap
+    ref: PayloadRef
     digest: str
+    structure: object  # what the codec's check_structure returned: handed back to check_fit and apply
 
 
 class LoadedDelta(msgspec.Struct):
@@ -62,46 +83,118 @@ class VerifyFailed(Exception):
 
 
 class _Maps:
-    """Open read/write mmaps of the local files; closed (and flushed) together."""
+    """Writable mmaps of the local files (one descriptor each, however long the chain); flushed
+    and closed together."""
 
     def __init__(self) -> None:
-        self._open: dict[str, tuple[BinaryIO, mmap.mmap]] = {}
+        self._open: dict[str, mmap.mmap] = {}
         self._lock = threading.Lock()
 
     def get(self, path: str) -> mmap.mmap:
         with self._lock:
             if path not in self._open:
-                fh = open(path, "r+b")
-                mm = mmap.mmap(fh.fileno(), 0)
+                with open(path, "r+b") as fh:
+                    mm = mmap.mmap(fh.fileno(), 0)  # holds its own duplicate of the descriptor
                 try:
                     mm.madvise(mmap.MADV_WILLNEED)
                 except (AttributeError, OSError, ValueError):
                     pass
-                self._open[path] = (fh, mm)
-            return self._open[path][1]
+                self._open[path] = mm
+            return self._open[path]
 
     def flush(self) -> None:
-        for fh, mm in self._open.values():
+        for mm in self._open.values():
             mm.flush()
-            os.fsync(fh.fileno())
+        fsync_files(self.paths())
 
     def paths(self) -> list[str]:
         return list(self._open)
 
     def close(self) -> None:
-        for fh, mm in self._open.values():
-            try:
-                mm.close()
-            except BufferError:
-                pass  # a view is still alive (an exception in flight); the GC closes it later
-            fh.close()
+        for mm in self._open.values():
+            _close_map(mm)
         self._open.clear()
 
 
-def load_delta(index: VersionIndex, keep: list) -> LoadedDelta:
-    """Open the shards the index names (never a listing) and check them without decompressing."""
+def _close_map(mm: mmap.mmap) -> None:
+    try:
+        mm.close()
+    except BufferError:
+        pass  # a view is still alive (an exception in flight); the GC closes it later
+
+
+def _map_shard(path: str, file_id: tuple[int, int, int] | None = None) -> mmap.mmap:
+    """A read-only map of a shard (one descriptor). With ``file_id``, the file must still be
+    the one checked at load (published versions are immutable; a pruned or replaced shard is
+    'not ready', and the next pull reseeds)."""
+    try:
+        fh = open(path, "rb")
+    except FileNotFoundError:
+        raise SourceNotReadyError(
+            f"shard {path} disappeared while the pull was applying it (pruned meanwhile?); retry the pull"
+        ) from None
+    with fh:
+        st = os.fstat(fh.fileno())
+        if file_id is not None and (st.st_dev, st.st_ino, st.st_size) != file_id:
+            raise SourceNotReadyError(f"shard {path} changed since the pull checked it; retry the pull")
+        return mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
+
+
+class _ShardMaps:
+    """Read-only maps of delta shards, at most ``per_thread`` per worker thread, least recently
+    used closed first: consecutive tensors of one shard share a map, and a worker never holds
+    more than one pass's worth, however long the chain."""
+
+    def __init__(self, per_thread: int) -> None:
+        self.per_thread = per_thread
+        self._local = threading.local()
+        self._caches: list[OrderedDict[str, mmap.mmap]] = []
+        self._lock = threading.Lock()
+
+    def get(self, ref: PayloadRef) -> mmap.mmap:
+        cache: OrderedDict[str, mmap.mmap] | None = getattr(self._local, "cache", None)
+        if cache is None:
+            cache = self._local.cache = OrderedDict()
+            with self._lock:
+                self._caches.append(cache)
+        mm = cache.get(ref.path)
+        if mm is not None:
+            cache.move_to_end(ref.path)
+            return mm
+        while len(cache) >= self.per_thread:
+            _close_map(cache.popitem(last=False)[1])
+        mm = cache[ref.path] = _map_shard(ref.path, ref.file_id)
+        return mm
+
+    @contextlib.contextmanager
+    def payloads(self, refs: list[PayloadRef]) -> Iterator[list[memoryview]]:
+        """Views of up to ``per_thread`` payloads, released on exit (their maps stay cached)."""
+        assert len(refs) <= self.per_thread
+        views: list[memoryview] = []
+        try:
+            for ref in refs:
+                views.append(memoryview(self.get(ref))[ref.offset : ref.offset + ref.nbytes])
+            yield views
+        finally:
+            for v in views:
+                try:
+                    v.release()
+                except BufferError:
+                    pass
+
+    def close(self) -> None:
+        with self._lock:
+            for cache in self._caches:
+                for mm in cache.values():
+                    _close_map(mm)
+                cache.clear()
+
+
+def load_delta(index: VersionIndex) -> LoadedDelta:
+    """Check the shards the index names (never a listing) without decompressing; keep each
+    payload's place and structure, and close every shard again."""
     # A checksum whose package is missing must fail here, before the marker is cleared.
-    new_hasher(index.checksum_format or "")
+    require_checksum(index.checksum_format or "")
     tensors: dict[str, DeltaTensor] = {}
     nbytes = 0
     codec = get_codec(index.delta_encoding or "")
@@ -119,29 +212,34 @@ def load_delta(index: VersionIndex, keep: list) -> LoadedDelta:
         actual = set(hdr.tensors)
         if actual != expected:
             raise ShardMismatchError(path, expected - actual, actual - expected)
-        fh = open(path, "rb")
-        keep.append(fh)
-        mm = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) if hdr.file_nbytes else b""
-        keep.append(mm)
-        view = memoryview(mm)
-        for name, entry in hdr.tensors.items():
-            if entry.dtype != "U8" or len(entry.shape) != 1:
-                raise MalformedHeaderError(path, f"delta tensor {name!r} must be 1-D U8, got {entry.dtype} {list(entry.shape)}")
-            want = hdr.metadata.get(name)
-            if not is_well_formed_digest(index.checksum_format or "", want):
-                raise MalformedHeaderError(
-                    path, f"__metadata__ has no well-formed {index.checksum_format} digest for {name!r} (got {want!r})"
-                )
-            payload = view[entry.offset : entry.offset + entry.nbytes]
-            check_structure = getattr(codec, "check_structure", None)
-            if check_structure is not None:
+        mm = _map_shard(path)
+        try:
+            st = os.stat(path)
+            file_id = (st.st_dev, st.st_ino, st.st_size)
+            for name, entry in hdr.tensors.items():
+                if entry.dtype != "U8" or len(entry.shape) != 1:
+                    raise MalformedHeaderError(path, f"delta tensor {name!r} must be 1-D U8, got {entry.dtype} {list(entry.shape)}")
+                want = hdr.metadata.get(name)
+                if not is_well_formed_digest(index.checksum_format or "", want):
+                    raise MalformedHeaderError(
+                        path, f"__metadata__ has no well-formed {index.checksum_format} digest for {name!r} (got {want!r})"
+                    )
+                payload = memoryview(mm)[entry.offset : entry.offset + entry.nbytes]
                 try:
-                    check_structure(payload, name)
+                    structure = codec.check_structure(payload, name)
                 except PayloadBoundError as e:
                     e.args = (f"v{index.version}: {e.args[0]}",)
                     raise
-            tensors[name] = DeltaTensor(name, payload, cast(str, want))  # well-formed: a str
-            nbytes += entry.nbytes
+                finally:
+                    try:
+                        payload.release()
+                    except BufferError:
+                        pass
+                ref = PayloadRef(path, entry.offset, entry.nbytes, file_id)
+                tensors[name] = DeltaTensor(name, ref, cast(str, want), structure)  # well-formed: a str
+                nbytes += entry.nbytes
+        finally:
+            _close_map(mm)
     return LoadedDelta(index, tensors, nbytes)
 
 
@@ -181,7 +279,7 @@ def check_against_local(
                 raise LocalTensorMismatchError(name, f"v{d.index.version} changes it, but the local checkpoint has no such tensor")
             entry = table[name][1]
             try:
-                codec.check(t.payload, entry.nbytes, DTYPE_NBYTES[entry.dtype], name)
+                codec.check_fit(t.structure, entry.nbytes, DTYPE_NBYTES[entry.dtype], name)
             except PayloadBoundError as e:
                 if reference is None:
                     reference = reference_table(seed_dir)
@@ -198,7 +296,7 @@ class _Job(msgspec.Struct):
     name: str
     path: str
     entry: TensorEntry
-    steps: list  # [(codec name, payload)]
+    steps: list[tuple[str, DeltaTensor]]  # (encoding, payload), oldest first
     digest: str
     checksum_format: str
     version: int
@@ -212,28 +310,60 @@ def _jobs(deltas: list[LoadedDelta], table) -> list[_Job]:
             job = jobs.get(name)
             if job is None:
                 job = jobs[name] = _Job(name, path, entry, [], t.digest, d.index.checksum_format or "", d.index.version)
-            job.steps.append((d.index.delta_encoding, t.payload))
+            job.steps.append((d.index.delta_encoding or "", t))
             job.digest, job.checksum_format, job.version = t.digest, d.index.checksum_format or "", d.index.version
     return sorted(jobs.values(), key=lambda j: -j.entry.nbytes)
 
 
-def _run_job(job: _Job, maps: _Maps, chunk_nbytes: int) -> tuple[str, str, str] | None:
-    mm = maps.get(job.path)
-    region = np.ndarray((job.entry.nbytes,), dtype=np.uint8, buffer=mm, offset=job.entry.offset)
+def _passes(steps: list, per_pass: int) -> list[list]:
+    return [steps[i : i + per_pass] for i in range(0, len(steps), per_pass)]
+
+
+def _apply_steps(
+    region: np.ndarray, job: _Job, chunk_nbytes: int, shards: _ShardMaps, hasher, seg_range: tuple[int, int] | None = None
+) -> bool:
+    """Apply the job's payloads a pass at a time (as many as a worker may hold mapped); True
+    when the last pass fed ``hasher`` (xor and the segment-major codecs hash as they go)."""
+    itemsize = DTYPE_NBYTES[job.entry.dtype]
+    passes = _passes(job.steps, shards.per_thread)
+    hashed = False
+    for k, group in enumerate(passes):
+        h = hasher if k == len(passes) - 1 else None
+        encodings = {enc for enc, _ in group}
+        chain = _chain_codec(encodings)
+        with shards.payloads([t.ref for _, t in group]) as payloads:
+            if chain is not None:
+                # segment-major: every payload's changes to a segment, then hash it while cached
+                structures = [t.structure for _, t in group]
+                chain.apply_chain(region, payloads, structures, job.name, chunk_nbytes, h, seg_range=seg_range)
+                hashed = h is not None
+            elif encodings == {"xor"} and seg_range is None:
+                apply_xor_chain(region, payloads, job.name, chunk_nbytes, h)
+                hashed = h is not None
+            else:
+                # a mixed pass: each payload whole, in order, each against the previous one's bytes
+                for (enc, t), payload in zip(group, payloads):
+                    get_codec(enc).apply(region, payload, itemsize, job.name, chunk_nbytes, structure=t.structure)
+    return hashed
+
+
+def _chain_codec(encodings: set[str]) -> ChainCodec | None:
+    """The codec of a single-encoding chain that applies segment-major, else None."""
+    if len(encodings) != 1:
+        return None
+    codec = get_codec(next(iter(encodings)))
+    return codec if isinstance(codec, ChainCodec) else None
+
+
+def _region(maps: _Maps, job: _Job) -> np.ndarray:
+    return np.ndarray((job.entry.nbytes,), dtype=np.uint8, buffer=maps.get(job.path), offset=job.entry.offset)
+
+
+def _run_job(job: _Job, maps: _Maps, chunk_nbytes: int, shards: _ShardMaps) -> tuple[str, str, str] | None:
+    region = _region(maps, job)
     try:
         hasher = new_hasher(job.checksum_format)
-        encodings = {enc for enc, _ in job.steps}
-        if encodings == {"xor"}:
-            apply_xor_chain(region, [p for _, p in job.steps], job.name, chunk_nbytes, hasher)
-        elif len(encodings) == 1 and next(iter(encodings)) in _SEGMENTED:
-            # segment-major: every version's changes to a segment, then hash it while cached
-            # (sparse-v2: each version against the bytes the previous one left in the segment)
-            _segmented(next(iter(encodings)))[0](region, [p for _, p in job.steps], job.name, chunk_nbytes, hasher)
-        else:
-            # a mixed chain: each payload whole, in order, each against the previous one's bytes
-            itemsize = DTYPE_NBYTES[job.entry.dtype]
-            for enc, payload in job.steps:
-                get_codec(enc).apply(region, payload, itemsize, job.name, chunk_nbytes)
+        if not _apply_steps(region, job, chunk_nbytes, shards, hasher):
             _hash_in_chunks(hasher, region, chunk_nbytes)
         actual = hasher.hexdigest()
     finally:
@@ -241,22 +371,10 @@ def _run_job(job: _Job, maps: _Maps, chunk_nbytes: int) -> tuple[str, str, str] 
     return None if actual == job.digest else (job.name, job.digest, actual)
 
 
-# A sparse-v1 or sparse-v2 tensor larger than this and than its fair share of the work is cut
-# into runs of segments applied by several workers (one large embedding would otherwise keep
-# one worker busy while the rest idle), then hashed in one pass.
+# A tensor of a segment-major encoding (sparse-v1, sparse-v2) larger than this and than its
+# fair share of the work is cut into runs of segments applied by several workers (one large
+# embedding would otherwise keep one worker busy while the rest idle), then hashed in one pass.
 SPLIT_MIN_NBYTES = 64 << 20
-_SEGMENTED = ("sparse-v1", "sparse-v2")
-
-
-def _segmented(encoding: str):
-    """(chain apply, shared segment count) of a segmented encoding."""
-    if encoding == "sparse-v1":
-        from .codec_sparse import apply_sparse_chain, shared_segment_count
-
-        return apply_sparse_chain, shared_segment_count
-    from .codec_sparse2 import apply_sparse2_chain, shared_segment_count as shared2
-
-    return apply_sparse2_chain, shared2
 
 
 def _split_plan(jobs: list[_Job], workers: int) -> dict[str, list[tuple[int, int]]]:
@@ -267,10 +385,10 @@ def _split_plan(jobs: list[_Job], workers: int) -> dict[str, list[tuple[int, int
     limit = max(SPLIT_MIN_NBYTES, total // (2 * workers))
     plan: dict[str, list[tuple[int, int]]] = {}
     for job in jobs:
-        encodings = {enc for enc, _ in job.steps}
-        if job.entry.nbytes <= limit or len(encodings) != 1 or next(iter(encodings)) not in _SEGMENTED:
+        chain = _chain_codec({enc for enc, _ in job.steps})
+        if job.entry.nbytes <= limit or chain is None:
             continue
-        nseg = _segmented(next(iter(encodings)))[1]([p for _, p in job.steps], job.entry.nbytes, job.name)
+        nseg = chain.chain_segment_count([t.structure for _, t in job.steps])
         if not nseg or nseg < 2:
             continue
         parts = min(nseg, workers, -(-job.entry.nbytes // (limit // 2)))
@@ -279,19 +397,16 @@ def _split_plan(jobs: list[_Job], workers: int) -> dict[str, list[tuple[int, int
     return plan
 
 
-def _apply_part(job: _Job, maps: _Maps, chunk_nbytes: int, seg_range: tuple[int, int]) -> None:
-    apply_chain_fn = _segmented(job.steps[0][0])[0]
-    mm = maps.get(job.path)
-    region = np.ndarray((job.entry.nbytes,), dtype=np.uint8, buffer=mm, offset=job.entry.offset)
+def _apply_part(job: _Job, maps: _Maps, chunk_nbytes: int, shards: _ShardMaps, seg_range: tuple[int, int]) -> None:
+    region = _region(maps, job)
     try:
-        apply_chain_fn(region, [p for _, p in job.steps], job.name, chunk_nbytes, None, seg_range=seg_range)
+        _apply_steps(region, job, chunk_nbytes, shards, None, seg_range=seg_range)
     finally:
         del region
 
 
 def _verify_job(job: _Job, maps: _Maps, chunk_nbytes: int) -> tuple[str, str, str] | None:
-    mm = maps.get(job.path)
-    region = np.ndarray((job.entry.nbytes,), dtype=np.uint8, buffer=mm, offset=job.entry.offset)
+    region = _region(maps, job)
     try:
         hasher = new_hasher(job.checksum_format)
         _hash_in_chunks(hasher, region, chunk_nbytes)
@@ -301,8 +416,10 @@ def _verify_job(job: _Job, maps: _Maps, chunk_nbytes: int) -> tuple[str, str, st
     return None if actual == job.digest else (job.name, job.digest, actual)
 
 
-def _run_jobs(pool: ThreadPoolExecutor, jobs: list[_Job], maps: _Maps, chunk_nbytes: int, workers: int, progress) -> list:
-    """Every job applied and verified; large sparse-v1/v2 tensors in parts, hashed afterwards."""
+def _run_jobs(
+    pool: ThreadPoolExecutor, jobs: list[_Job], maps: _Maps, chunk_nbytes: int, workers: int, shards: _ShardMaps, progress
+) -> list:
+    """Every job applied and verified; large segment-major tensors in parts, hashed afterwards."""
     plan = _split_plan(jobs, workers)
     units: list[tuple[_Job, tuple[int, int] | None]] = [(j, r) for j in jobs if j.name in plan for r in plan[j.name]]
     units += [(j, None) for j in jobs if j.name not in plan]
@@ -312,8 +429,8 @@ def _run_jobs(pool: ThreadPoolExecutor, jobs: list[_Job], maps: _Maps, chunk_nby
     def run_unit(unit):
         job, seg_range = unit
         if seg_range is None:
-            return _run_job(job, maps, chunk_nbytes)
-        _apply_part(job, maps, chunk_nbytes, seg_range)
+            return _run_job(job, maps, chunk_nbytes, shards)
+        _apply_part(job, maps, chunk_nbytes, shards, seg_range)
         return _PART_DONE
 
     for r in pool.map(run_unit, units):
@@ -347,26 +464,32 @@ def apply_chain(
     *,
     workers: int,
     chunk_nbytes: int,
-    strict: bool,
+    verify_each_version: bool,
     flush: bool = True,
     progress: "Callable[[int, int], None] | None" = None,
+    payloads_per_pass: int | None = None,
 ) -> list[str]:
     """Apply the loaded deltas in place and verify; the caller has cleared the marker.
+
+    Folded (the default): each tensor verified once, against its newest digest; a mismatch
+    raises ``VerifyFailed``. ``verify_each_version``: every version applied and verified in
+    turn, a mismatch raises ``ChecksumMismatchError`` naming the version (the diagnostic).
 
     Returns the local files written. With ``flush=False`` their pages are left for the caller
     to fsync (deferred durability): the marker must not be written before that.
     """
+    shards = _ShardMaps(max(1, int(payloads_per_pass or knobs.PAYLOADS_PER_PASS.get())))
     maps = _Maps()
     try:
         with ThreadPoolExecutor(workers, thread_name_prefix="weightsync-apply") as pool:
-            groups = [[d] for d in deltas] if strict else [deltas]
+            groups = [[d] for d in deltas] if verify_each_version else [deltas]
             for group in groups:
                 jobs = _jobs(group, table)
-                results = _run_jobs(pool, jobs, maps, chunk_nbytes, workers, progress)
+                results = _run_jobs(pool, jobs, maps, chunk_nbytes, workers, shards, progress)
                 bad = [r for r in results if r is not None]
                 if bad:
                     last = group[-1].index
-                    if strict:
+                    if verify_each_version:
                         raise ChecksumMismatchError(last.version, bad, last.checksum_format or "")
                     versions = {j.name: j.version for j in jobs}
                     raise VerifyFailed(bad, max(versions[n] for n, _, _ in bad), last.checksum_format or "")
@@ -374,6 +497,7 @@ def apply_chain(
             maps.flush()
         return maps.paths()
     finally:
+        shards.close()
         maps.close()
 
 
@@ -385,12 +509,3 @@ def fsync_files(paths: list[str]) -> None:
             os.fsync(fd)
         finally:
             os.close(fd)
-
-
-def close_all(keep: list) -> None:
-    for obj in reversed(keep):
-        try:
-            obj.close()
-        except (BufferError, OSError):
-            pass
-    keep.clear()

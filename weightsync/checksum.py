@@ -7,6 +7,7 @@ incremental ``update(buffer)`` so apply can hash chunk by chunk while the chunk 
 
 from __future__ import annotations
 
+import threading
 import zlib
 from typing import Callable, Protocol
 
@@ -59,12 +60,47 @@ def supported_checksums() -> list[str]:
     return sorted(_HASHERS)
 
 
-def new_hasher(checksum_format: str) -> Hasher:
+class _Count:
+    """Digests begun in this process: what a pull costs in hashing, counted (not timed)."""
+
+    def __init__(self) -> None:
+        self._n = 0
+        self._lock = threading.Lock()
+
+    def add(self) -> None:
+        with self._lock:
+            self._n += 1
+
+    @property
+    def value(self) -> int:
+        return self._n
+
+
+_begun = _Count()
+
+
+def digests_begun() -> int:
+    """How many tensor digests this process has begun (each verification of one tensor is one)."""
+    return _begun.value
+
+
+def _make_hasher(checksum_format: str) -> Hasher:
     try:
         factory = _HASHERS[checksum_format]
     except KeyError:
         raise UnsupportedFormatError("checksum_format", checksum_format, supported_checksums()) from None
     return factory()
+
+
+def require_checksum(checksum_format: str) -> None:
+    """Fail now (unknown name, missing package) rather than mid-apply; begins no digest."""
+    _make_hasher(checksum_format)
+
+
+def new_hasher(checksum_format: str) -> Hasher:
+    hasher = _make_hasher(checksum_format)
+    _begun.add()
+    return hasher
 
 
 def digest(checksum_format: str, data) -> str:

@@ -8,7 +8,7 @@
 
 Results print as tables (``--json`` for scripts). Exit codes: 0 ok, 1 verification found
 mismatches, 2 bad request, 3 source not ready (retry later), 4 corrupt artifact, 5 local state,
-6 conflict (another pull holds the host lock).
+6 conflict (another pull holds the host lock), 7 the host ran out of descriptors, memory or disk.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from .checksum import DEFAULT_CHECKSUM, supported_checksums
 from .codecs import supported_encodings
 
 EXIT_CODES = [
+    (errors.HostResourceError, 7),
     (errors.ConflictError, 6),
     (errors.SourceNotReadyError, 3),
     (errors.LocalStateError, 5),

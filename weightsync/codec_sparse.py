@@ -38,6 +38,10 @@ TRANSFORM_FLOAT_ORDER = 1  # difference after the sign-magnitude -> monotone map
 HEADER = struct.Struct("<4sBBBBQII")  # magic, version, width, transform, flags, nelements, seg_elements, nsegments
 ENTRY_HEAD = struct.Struct("<IIB3x")  # count, large-value count, gap width, reserved
 MAX_SEG_ELEMENTS = 1 << 30  # gaps < 2^30 fit 4 bytes; count x (gap + 1) cannot overflow int64
+# The spec's floor: seg >= min(n, 2^16). It bounds the table, the time to walk it and what a
+# parse keeps, relative to the tensor (one element per segment made a 12 MiB payload cost
+# seconds and hundreds of MiB per parse).
+MIN_SEG_ELEMENTS = 1 << 16
 SEG_ELEMENTS = 1 << 22  # what the encoder writes: 4 Mi elements (8 MiB of bf16)
 ENCODE_BATCH = 1 << 20  # elements compared per pass while encoding (keeps temporaries small)
 GAP_WIDTHS = (1, 2, 4)
@@ -57,11 +61,47 @@ class Segment(NamedTuple):
 
 
 class Parsed(NamedTuple):
+    """A payload's header and segment table, proven once (at load) and kept for the check and
+    the apply: offsets into the payload, never views of it, so the shard can be closed between
+    uses. About 25 bytes per segment; with ``seg >= min(n, MIN_SEG_ELEMENTS)`` that is under
+    1/2600 of the tensor, and never more than 3x the table, which lies inside the payload."""
+
     width: int
     transform: int
     nelements: int
     seg_elements: int
-    segments: list[Segment]
+    counts: np.ndarray  # u32 per segment: changed elements
+    nbigs: np.ndarray  # u32 per segment: changes with |d| > 1
+    gap_widths: np.ndarray  # u8 per segment
+    sizes_at: np.ndarray  # i64 per segment: where its stream sizes sit in the table
+    streams_at: np.ndarray  # i64 per segment: where its first stream starts
+
+    @property
+    def nsegments(self) -> int:
+        return int(self.counts.size)
+
+    @property
+    def nbytes(self) -> int:
+        return self.nelements * self.width
+
+    def changed_elements(self) -> int:
+        return int(self.counts.sum(dtype=np.int64))
+
+    def segment(self, payload, s: int) -> Segment:
+        """Segment ``s`` with views of its streams in ``payload`` (the bytes this was parsed from)."""
+        mv = memoryview(payload).cast("B")
+        start = s * self.seg_elements
+        length = min(self.seg_elements, self.nelements - start)
+        count, nbig, gw = int(self.counts[s]), int(self.nbigs[s]), int(self.gap_widths[s])
+        if count == 0:
+            return Segment(start, length, 0, 0, 0, [], None, None, [])
+        nframes = gw + 2 + (self.width if nbig else 0)
+        pos = int(self.streams_at[s])
+        frames = []
+        for size in struct.unpack_from(f"<{nframes}I", mv, int(self.sizes_at[s])):
+            frames.append(mv[pos : pos + size])
+            pos += size
+        return Segment(start, length, count, nbig, gw, frames[:gw], frames[gw], frames[gw + 1], frames[gw + 2 :])
 
 
 # --- the element map --------------------------------------------------------------------
@@ -228,37 +268,43 @@ class SparseCodec:
 
     # --- check ----------------------------------------------------------------------------
 
-    def check_structure(self, payload, tensor):
-        """Everything but the fit to the local tensor: at load, before any seed or write."""
-        mv = memoryview(payload).cast("B")
-        if mv.nbytes < HEADER.size:
-            raise PayloadBoundError(tensor, f"sparse-v1 payload of {mv.nbytes} bytes is shorter than its {HEADER.size}-byte header")
-        _, _, width, _, _, n, _, _ = HEADER.unpack_from(mv, 0)
-        parse(payload, n * width, tensor, check_frames=True)
+    def check_structure(self, payload, tensor) -> Parsed:
+        """Everything but the fit to the local tensor, at load, before any seed or write. The
+        result is the payload's one parse of the pull: ``check_fit`` and ``apply`` take it."""
+        return parse(payload, None, tensor, check_frames=True)
+
+    def check_fit(self, structure: Parsed, nbytes, itemsize, tensor):
+        if structure.nbytes != nbytes:
+            raise PayloadBoundError(
+                tensor, f"sparse-v1 payload covers {structure.nelements} x {structure.width} bytes, the tensor has {nbytes}"
+            )
 
     def check(self, payload, nbytes, itemsize, tensor):
         parse(payload, nbytes, tensor, check_frames=True)
 
     # --- apply ----------------------------------------------------------------------------
 
-    def apply(self, region, payload, itemsize, tensor, chunk_nbytes):
-        apply_sparse_chain(region, [payload], tensor, chunk_nbytes, hasher=None)
+    def apply(self, region, payload, itemsize, tensor, chunk_nbytes, structure=None):
+        apply_sparse_chain(region, [payload], tensor, chunk_nbytes, hasher=None,
+                           parsed=None if structure is None else [structure])
+
+    def apply_chain(self, region, payloads, structures, tensor, chunk_nbytes, hasher, seg_range=None):
+        apply_sparse_chain(region, payloads, tensor, chunk_nbytes, hasher, seg_range=seg_range, parsed=structures)
+
+    def chain_segment_count(self, structures: list[Parsed]) -> int | None:
+        return shared_segment_count(structures)
 
     def density(self, payload, nbytes, itemsize, tensor) -> PayloadDensity:
         """From the segment table alone: the header gives the tensor, the table the changed
         elements (changed bytes would need the old bytes)."""
-        mv = memoryview(payload).cast("B")
-        if mv.nbytes < HEADER.size:
-            raise PayloadBoundError(tensor, f"sparse-v1 payload of {mv.nbytes} bytes is shorter than its {HEADER.size}-byte header")
-        _, _, width, _, _, n, _, _ = HEADER.unpack_from(mv, 0)
-        parsed = parse(payload, n * width if nbytes is None else nbytes, tensor, check_frames=True)
-        changed = sum(seg.nchanged for seg in parsed.segments)
-        return PayloadDensity(parsed.nelements * parsed.width, parsed.nelements, changed, None)
+        parsed = parse(payload, nbytes, tensor, check_frames=True)
+        return PayloadDensity(parsed.nbytes, parsed.nelements, parsed.changed_elements(), None)
 
 
-def parse(payload, nbytes: int, tensor: str, *, check_frames: bool = True) -> Parsed:
+def parse(payload, nbytes: int | None, tensor: str, *, check_frames: bool = True) -> Parsed:
     """Read the header and segment table; prove every size (and, optionally, every frame's
-    declared content size) without decompressing anything."""
+    declared content size) without decompressing anything. ``nbytes`` None: any tensor length
+    (the check against the local tensor comes later, from the result)."""
     mv = memoryview(payload).cast("B")
     total = mv.nbytes
     if total < HEADER.size:
@@ -272,16 +318,24 @@ def parse(payload, nbytes: int, tensor: str, *, check_frames: bool = True) -> Pa
         raise PayloadBoundError(tensor, f"sparse-v1 element width {width}, expected 1, 2, 4 or 8")
     if transform not in (TRANSFORM_NONE, TRANSFORM_FLOAT_ORDER) or flags != 0:
         raise PayloadBoundError(tensor, f"sparse-v1 transform {transform} / flags {flags} unknown")
-    if n * width != nbytes:
+    if nbytes is not None and n * width != nbytes:
         raise PayloadBoundError(tensor, f"sparse-v1 payload covers {n} x {width} bytes, the tensor has {nbytes}")
     if not 1 <= seg <= MAX_SEG_ELEMENTS:
         raise PayloadBoundError(tensor, f"sparse-v1 segment size {seg} is outside [1, 2^30]")
+    if seg < min(n, MIN_SEG_ELEMENTS):
+        raise PayloadBoundError(
+            tensor, f"sparse-v1 segment size {seg} is below the spec's minimum min(n, {MIN_SEG_ELEMENTS}) for {n} elements"
+        )
     if nseg != -(-n // seg):
         raise PayloadBoundError(tensor, f"sparse-v1 declares {nseg} segments, {n} elements / {seg} need {-(-n // seg)}")
     if HEADER.size + ENTRY_HEAD.size * nseg > total:
         raise PayloadBoundError(tensor, f"sparse-v1 segment table of {nseg} entries runs past the {total}-byte payload")
+    counts = np.zeros(nseg, np.uint32)
+    nbigs = np.zeros(nseg, np.uint32)
+    gap_widths = np.zeros(nseg, np.uint8)
+    sizes_at = np.zeros(nseg, np.int64)
+    streams_at = np.zeros(nseg, np.int64)
     pos = HEADER.size
-    table: list[tuple[int, int, int, int, int, tuple[int, ...]]] = []  # start, length, count, nbig, gw, sizes
     for s in range(nseg):
         if pos + ENTRY_HEAD.size > total:
             raise PayloadBoundError(tensor, f"sparse-v1 segment table truncated at segment {s}")
@@ -297,33 +351,30 @@ def parse(payload, nbytes: int, tensor: str, *, check_frames: bool = True) -> Pa
         if count == 0:
             if gw != 0:
                 raise PayloadBoundError(tensor, f"sparse-v1 segment {s} has no changes but gap width {gw}")
-            table.append((s * seg, length, 0, 0, 0, ()))
             continue
         if gw not in GAP_WIDTHS:
             raise PayloadBoundError(tensor, f"sparse-v1 segment {s} gap width {gw}, expected 1, 2 or 4")
         nframes = gw + 2 + (width if nbig else 0)
         if pos + 4 * nframes > total:
             raise PayloadBoundError(tensor, f"sparse-v1 segment table truncated at segment {s}")
-        sizes = struct.unpack_from(f"<{nframes}I", mv, pos)
+        counts[s], nbigs[s], gap_widths[s], sizes_at[s] = count, nbig, gw, pos
         pos += 4 * nframes
-        table.append((s * seg, length, count, nbig, gw, sizes))
-    segments: list[Segment] = []
-    for start, length, count, nbig, gw, sizes in table:
-        frames: list[memoryview] = []
-        contents = [count] * gw + [(count + 7) // 8] * 2 + [nbig] * (len(sizes) - gw - 2)
-        for size, content in zip(sizes, contents):
+    for s in range(nseg):  # (no list of indices: a parse keeps ~25 bytes per segment, no more)
+        count, nbig, gw = int(counts[s]), int(nbigs[s]), int(gap_widths[s])
+        if count == 0:
+            continue
+        nframes = gw + 2 + (width if nbig else 0)
+        streams_at[s] = pos
+        contents = [count] * gw + [(count + 7) // 8] * 2 + [nbig] * (nframes - gw - 2)
+        for size, content in zip(struct.unpack_from(f"<{nframes}I", mv, int(sizes_at[s])), contents):
             if pos + size > total:
                 raise PayloadBoundError(tensor, f"sparse-v1 stream of {size} bytes at {pos} runs past the {total}-byte payload")
-            frame = mv[pos : pos + size]
             if check_frames:
-                check_frame(frame, content, tensor)
-            frames.append(frame)
+                check_frame(mv[pos : pos + size], content, tensor)
             pos += size
-        segments.append(Segment(start, length, count, nbig, gw, frames[:gw], frames[gw] if frames else None,
-                                frames[gw + 1] if frames else None, frames[gw + 2 :]))
     if pos != total:
         raise PayloadBoundError(tensor, f"{total - pos} trailing bytes after the sparse-v1 streams")
-    return Parsed(width, transform, n, seg, segments)
+    return Parsed(width, transform, n, seg, counts, nbigs, gap_widths, sizes_at, streams_at)
 
 
 # --- apply ------------------------------------------------------------------------------
@@ -457,17 +508,17 @@ def _check_padding(packed: np.ndarray, k: int, tensor: str, what: str) -> None:
         raise PayloadBoundError(tensor, f"sparse-v1 {what} have set bits past the last change")
 
 
-def shared_segment_count(payloads: list, nbytes: int, tensor: str) -> int | None:
+def shared_segment_count(parsed: list[Parsed]) -> int | None:
     """The segment count of a chain whose payloads all segment the tensor alike, else None:
     only such a chain can be split by segment ranges across workers."""
-    parsed = [parse(p, nbytes, tensor, check_frames=False) for p in payloads]
     if not parsed or any(p.width != parsed[0].width or p.seg_elements != parsed[0].seg_elements for p in parsed):
         return None
-    return len(parsed[0].segments)
+    return parsed[0].nsegments
 
 
 def apply_sparse_chain(
-    region: np.ndarray, payloads: list, tensor: str, chunk_nbytes: int, hasher, seg_range: tuple[int, int] | None = None
+    region: np.ndarray, payloads: list, tensor: str, chunk_nbytes: int, hasher, seg_range: tuple[int, int] | None = None,
+    parsed: list[Parsed] | None = None,
 ) -> None:
     """Apply several sparse-v1 payloads (oldest first) to ``region`` in place.
 
@@ -475,33 +526,39 @@ def apply_sparse_chain(
     every payload's changes to one segment, then that segment is hashed while still in cache,
     so a catch-up over many versions touches the tensor's bytes once. ``seg_range`` applies
     only segments [a, b) (one worker's part of a large tensor; then the caller hashes, and the
-    chain must segment alike: see ``shared_segment_count``)."""
+    chain must segment alike: see ``shared_segment_count``). ``parsed``: the payloads' parses
+    from the load (else they are parsed here)."""
     nbytes = region.nbytes
-    parsed = [parse(p, nbytes, tensor, check_frames=False) for p in payloads]
+    if parsed is None:
+        parsed = [parse(p, nbytes, tensor, check_frames=False) for p in payloads]
     batch = _batch_changes(chunk_nbytes)
     if not parsed:
         return
-    aligned = all(p.width == parsed[0].width and p.seg_elements == parsed[0].seg_elements for p in parsed)
+    for p in parsed:
+        if p.nbytes != nbytes:
+            raise PayloadBoundError(tensor, f"sparse-v1 payload covers {p.nelements} x {p.width} bytes, the tensor has {nbytes}")
+    aligned = shared_segment_count(parsed) is not None
     if seg_range is not None and (not aligned or hasher is not None):
         raise ValueError("a segment range needs a chain that segments alike and no hasher")
     if not aligned:
-        for p in parsed:
+        for payload, p in zip(payloads, parsed):
             rw = region.view(LE_UINT[p.width])
-            for seg in p.segments:
-                _apply_segment(rw, seg, p.transform, tensor, batch)
+            for s in np.flatnonzero(p.counts).tolist():
+                _apply_segment(rw, p.segment(payload, s), p.transform, tensor, batch)
         if hasher is not None:
             for pos in range(0, nbytes, chunk_nbytes):
                 hasher.update(region[pos : pos + chunk_nbytes])
         return
-    width = parsed[0].width
+    width, seg_elements = parsed[0].width, parsed[0].seg_elements
     rw = region.view(LE_UINT[width])
-    first, stop = seg_range if seg_range is not None else (0, len(parsed[0].segments))
+    first, stop = seg_range if seg_range is not None else (0, parsed[0].nsegments)
     for s in range(first, stop):
-        seg0 = parsed[0].segments[s]
-        for p in parsed:
-            _apply_segment(rw, p.segments[s], p.transform, tensor, batch)
+        for payload, p in zip(payloads, parsed):
+            if p.counts[s]:
+                _apply_segment(rw, p.segment(payload, s), p.transform, tensor, batch)
         if hasher is not None:
-            hasher.update(region[seg0.start * width : (seg0.start + seg0.length) * width])
+            start = s * seg_elements
+            hasher.update(region[start * width : min(nbytes, (start + seg_elements) * width)])
 
 
 CODEC = SparseCodec()

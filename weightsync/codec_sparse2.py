@@ -140,6 +140,15 @@ def choose_boundaries(members_per_key: np.ndarray, changes_per_key: np.ndarray, 
 # --- encode -----------------------------------------------------------------------------
 
 
+class Layout(NamedTuple):
+    """What a pull keeps of a sparse-v2 payload between its load and its apply (the header)."""
+
+    width: int
+    nelements: int
+    seg_elements: int
+    nsegments: int
+
+
 class Sparse2Codec:
     name = "sparse-v2"
 
@@ -266,19 +275,35 @@ class Sparse2Codec:
 
     # --- check ----------------------------------------------------------------------------
 
-    def check_structure(self, payload, tensor):
-        """Everything but the fit to the local tensor: at load, before any seed or write."""
+    def check_structure(self, payload, tensor) -> "Layout":
+        """Everything but the fit to the local tensor: at load, before any seed or write. Keeps
+        only the header's layout (the apply parses the table again, without the frame checks)."""
         mv = memoryview(payload).cast("B")
         if mv.nbytes < HEADER.size:
             raise PayloadBoundError(tensor, f"sparse-v2 payload of {mv.nbytes} bytes is shorter than its {HEADER.size}-byte header")
-        _, _, width, _, _, n, _, _ = HEADER.unpack_from(mv, 0)
+        _, _, width, _, _, n, seg, nseg = HEADER.unpack_from(mv, 0)
         parse(payload, n * width, tensor, check_frames=True)
+        return Layout(width, n, seg, nseg)
+
+    def check_fit(self, structure: "Layout", nbytes, itemsize, tensor):
+        if structure.nelements * structure.width != nbytes:
+            raise PayloadBoundError(
+                tensor, f"sparse-v2 payload covers {structure.nelements} x {structure.width} bytes, the tensor has {nbytes}"
+            )
 
     def check(self, payload, nbytes, itemsize, tensor):
         parse(payload, nbytes, tensor, check_frames=True)
 
-    def apply(self, region, payload, itemsize, tensor, chunk_nbytes):
+    def apply(self, region, payload, itemsize, tensor, chunk_nbytes, structure=None):
         apply_sparse2_chain(region, [payload], tensor, chunk_nbytes, hasher=None)
+
+    def apply_chain(self, region, payloads, structures, tensor, chunk_nbytes, hasher, seg_range=None):
+        apply_sparse2_chain(region, payloads, tensor, chunk_nbytes, hasher, seg_range=seg_range)
+
+    def chain_segment_count(self, structures: list["Layout"]) -> int | None:
+        if not structures or any((l.width, l.seg_elements) != (structures[0].width, structures[0].seg_elements) for l in structures):
+            return None
+        return structures[0].nsegments
 
     def density(self, payload, nbytes, itemsize, tensor) -> PayloadDensity:
         """From the segment table alone, like sparse-v1 (changed bytes would need the old bytes)."""

@@ -12,7 +12,7 @@ codec may work on elements; xor and overwrite ignore it.
 from __future__ import annotations
 
 import threading
-from typing import NamedTuple, Protocol
+from typing import NamedTuple, Protocol, runtime_checkable
 
 import numpy as np
 
@@ -53,15 +53,27 @@ SCRATCH = Scratch()
 
 
 class Codec(Protocol):
+    """One delta encoding. A pull proves each payload once, at load (``check_structure``), and
+    keeps what that returned (the payload's *structure*: a size, a parsed table) instead of
+    the payload: the shard is closed until the apply reopens it. ``check_fit`` then judges the
+    payload against the local tensor from the structure alone, and ``apply`` takes it back."""
+
     name: str
 
     def encode(self, old: np.ndarray, new: np.ndarray, itemsize: int, level: int, tensor: str) -> Encoded | None:
         """The compressed payload and change counts, or None when nothing changed."""
 
+    def check_structure(self, payload, tensor: str) -> object:
+        """Everything about the payload alone (frames, sizes, tables), without bulk
+        decompression; returns the structure ``check_fit`` and ``apply`` take."""
+
+    def check_fit(self, structure, nbytes: int, itemsize: int, tensor: str) -> None:
+        """The payload fits a local tensor of ``nbytes`` bytes (from the structure alone)."""
+
     def check(self, payload, nbytes: int, itemsize: int, tensor: str) -> None:
         """Cheap bounds check before any write: sizes only, no bulk decompression."""
 
-    def apply(self, region: np.ndarray, payload, itemsize: int, tensor: str, chunk_nbytes: int) -> None:
+    def apply(self, region: np.ndarray, payload, itemsize: int, tensor: str, chunk_nbytes: int, structure=None) -> None:
         """Apply one payload to ``region`` (a writable uint8 view of the tensor's bytes)."""
 
 
@@ -87,6 +99,24 @@ def _elements(nbytes: int | None, itemsize: int | None) -> int | None:
     if nbytes is None or not itemsize or nbytes % itemsize:
         return None
     return nbytes // itemsize
+
+
+@runtime_checkable
+class ChainCodec(Protocol):
+    """A codec that applies several payloads of one tensor segment-major (every payload's
+    changes to one segment, then the segment is hashed while in cache) and can split a chain
+    by segment ranges across workers (``sparse-v1``, ``sparse-v2``)."""
+
+    def apply_chain(
+        self, region: np.ndarray, payloads: list, structures: list, tensor: str, chunk_nbytes: int, hasher,
+        seg_range: tuple[int, int] | None = None,
+    ) -> None:
+        """Apply ``payloads`` (oldest first; ``structures``: what ``check_structure`` returned
+        for each) in place; feed ``hasher`` the final bytes when given (never with a range)."""
+
+    def chain_segment_count(self, structures: list) -> int | None:
+        """The segment count when every payload segments the tensor alike (then a chain may be
+        split by segment ranges), else None. From the structures alone."""
 
 
 class SegmentedCodec(Codec, Protocol):
@@ -128,13 +158,18 @@ class XorCodec:
             return None
         return Encoded(compress(x, level), changed_bytes, changed_elements)
 
-    def check_structure(self, payload, tensor):
-        check_frame(payload, None, tensor)
+    def check_structure(self, payload, tensor) -> int:
+        """The tensor length the frame declares."""
+        return check_frame(payload, None, tensor)
+
+    def check_fit(self, structure: int, nbytes, itemsize, tensor):
+        if structure != nbytes:
+            raise PayloadBoundError(tensor, f"zstd frame declares {structure} bytes, expected {nbytes}")
 
     def check(self, payload, nbytes, itemsize, tensor):
         check_frame(payload, nbytes, tensor)
 
-    def apply(self, region, payload, itemsize, tensor, chunk_nbytes):
+    def apply(self, region, payload, itemsize, tensor, chunk_nbytes, structure=None):
         apply_xor_chain(region, [payload], tensor, chunk_nbytes, hasher=None)
 
     def density(self, payload, nbytes, itemsize, tensor):
@@ -202,12 +237,14 @@ class OverwriteCodec:
             raise PayloadBoundError(tensor, f"overwrite payload of {content} bytes is not 4 + 5 x count")
         return (content - 4) // 5
 
-    def check(self, payload, nbytes, itemsize, tensor):
-        count = self.check_structure(payload, tensor)
-        if count > nbytes:
-            raise PayloadBoundError(tensor, f"overwrite of {count} positions into a {nbytes}-byte tensor")
+    def check_fit(self, structure: int, nbytes, itemsize, tensor):
+        if structure > nbytes:
+            raise PayloadBoundError(tensor, f"overwrite of {structure} positions into a {nbytes}-byte tensor")
 
-    def apply(self, region, payload, itemsize, tensor, chunk_nbytes):
+    def check(self, payload, nbytes, itemsize, tensor):
+        self.check_fit(self.check_structure(payload, tensor), nbytes, itemsize, tensor)
+
+    def apply(self, region, payload, itemsize, tensor, chunk_nbytes, structure=None):
         nbytes = region.nbytes
         _, content = frame_nbytes(payload, tensor)
         count = (content - 4) // 5

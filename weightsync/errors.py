@@ -16,6 +16,7 @@ answers). Messages say what happened, expected vs actual, and what to do.
 
 from __future__ import annotations
 
+import errno
 from typing import Iterable, Sequence
 
 __all__ = [
@@ -42,6 +43,8 @@ __all__ = [
     "PublishError",
     "OverwriteTooLargeError",
     "ChecksumUnavailableError",
+    "HostResourceError",
+    "host_resource_error",
     "error_types",
 ]
 
@@ -294,6 +297,48 @@ class ChecksumUnavailableError(UnsupportedFormatError, ImportError):
         self.args = (
             f"checksum {name!r} needs the optional package {package!r}: pip install {package}",
         )
+
+
+# --- the host ran out of something ------------------------------------------------------------
+
+
+class HostResourceError(WeightSyncError, OSError):
+    """The host ran out of descriptors, memory or local disk space. Neither the artifact nor the
+    local bytes are to blame: the applied-version marker is absent or names verified bytes, and
+    the same pull succeeds once the resource is there (raise the limit, free space)."""
+
+    error_type = "host_resource_exhausted"
+    http_status = 503
+    retryable = True
+
+    def __init__(self, resource: str, errno_name: str, detail: str, hint: str):
+        self.resource = resource
+        self.errno_name = errno_name
+        self.detail = detail
+        super().__init__(f"the host ran out of {resource} ({errno_name}: {detail}). {hint}")
+
+
+_RESOURCE_ERRNOS = {
+    errno.EMFILE: ("file descriptors", "The process's descriptor limit (ulimit -n) is too low for this pull; raise it."),
+    errno.ENFILE: ("file descriptors", "The system-wide descriptor table is full; close descriptors elsewhere."),
+    errno.ENOMEM: ("memory", "Free memory on this host (or lower WEIGHTSYNC_APPLY_WORKERS) and retry."),
+    errno.ENOSPC: ("disk space", "Free space on the local checkpoint's disk and retry."),
+    errno.EDQUOT: ("disk quota", "Free space within the disk quota of the local checkpoint dir and retry."),
+}
+
+
+def host_resource_error(exc: BaseException) -> HostResourceError | None:
+    """The typed error for an OS resource failure (EMFILE, ENFILE, ENOMEM, ENOSPC, EDQUOT, a
+    MemoryError), or None for any other exception."""
+    if isinstance(exc, WeightSyncError):
+        return None
+    if isinstance(exc, MemoryError):
+        return HostResourceError("memory", "ENOMEM", str(exc) or "an allocation failed", _RESOURCE_ERRNOS[errno.ENOMEM][1])
+    if isinstance(exc, OSError) and exc.errno in _RESOURCE_ERRNOS:
+        resource, hint = _RESOURCE_ERRNOS[exc.errno]
+        where = f" at {exc.filename}" if exc.filename else ""
+        return HostResourceError(resource, errno.errorcode[exc.errno], f"{exc.strerror}{where}", hint)
+    return None
 
 
 def error_types() -> dict[str, int]:

@@ -27,6 +27,10 @@ class Knob:
 
 APPLY_WORKERS = Knob("WEIGHTSYNC_APPLY_WORKERS", 0, "threads applying deltas; 0 = one per core, at most 32")
 PUBLISH_WORKERS = Knob("WEIGHTSYNC_PUBLISH_WORKERS", 0, "threads encoding deltas; 0 = one per core, at most 32")
+PAYLOADS_PER_PASS = Knob(
+    "WEIGHTSYNC_PAYLOADS_PER_PASS", 8,
+    "payloads of one tensor a worker holds open at once while applying a chain (bounds descriptors and zstd decompressors)",
+)
 CHUNK_NBYTES = Knob("WEIGHTSYNC_CHUNK_NBYTES", 2 << 20, "bytes a worker decompresses/applies at a time")
 LOCK_TIMEOUT_S = Knob("WEIGHTSYNC_LOCK_TIMEOUT_S", 600, "seconds a pull waits for the per-host lock")
 LOCK_LOG_EVERY_S = Knob("WEIGHTSYNC_LOCK_LOG_EVERY_S", 10, "seconds between 'still waiting for the lock' lines")

@@ -12,6 +12,7 @@ never points at bytes that were not verified and flushed to disk.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -26,12 +27,17 @@ from .apply import (
     VerifyFailed,
     apply_chain,
     check_against_local,
-    close_all,
     fsync_files,
     load_delta,
     local_table,
 )
-from .errors import CorruptArtifactError, InvalidRequestError, LocalStateError, LocalTensorMismatchError
+from .errors import (
+    CorruptArtifactError,
+    InvalidRequestError,
+    LocalStateError,
+    LocalTensorMismatchError,
+    host_resource_error,
+)
 from .fsio import write_bytes
 from .hooks import load_callable
 from .identity import Origin, source_origin
@@ -172,6 +178,24 @@ def _check_dirs(local_checkpoint_dir: str, seed_dir: str, source_dir: str) -> No
         raise InvalidRequestError("source_dir and local_checkpoint_dir must be different directories")
 
 
+def _typed_resource_errors(fn: Callable[..., PullResult]) -> Callable[..., PullResult]:
+    """An OS resource failure anywhere in a pull surfaces as ``HostResourceError``, never a
+    bare OSError (the marker is already honest: cleared before the first write)."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs) -> PullResult:
+        try:
+            return fn(*args, **kwargs)
+        except (OSError, MemoryError) as e:
+            typed = host_resource_error(e)
+            if typed is None:
+                raise
+            raise typed from e
+
+    return wrapper
+
+
+@_typed_resource_errors
 def pull(
     local_checkpoint_dir: str,
     seed_dir: str,
@@ -291,70 +315,86 @@ def _pull_locked(
     plan, indexes = plan_pull(local, seed_dir, source_dir, target, origin=origin)
     log.info("pull plan for v%d: %s", target, plan.reason)
     try:
-        return _execute(plan, indexes, local, seed_dir, origin, workers, chunk, strict=False, deferred=deferred, progress=progress)
+        return _execute(plan, indexes, local, seed_dir, origin, workers, chunk, each_version=False, deferred=deferred, progress=progress)
     except (LocalStateError, VerifyFailed) as first:
         detail = (
             f"{len(first.mismatches)} tensor(s) failed verification" if isinstance(first, VerifyFailed) else str(first)
         )
-        log.warning("pull v%d: %s; reseeding once and replaying with per-version verification", target, detail)
-    plan, indexes = plan_pull(local, seed_dir, source_dir, target, force_reseed=True, origin=origin)
-    log.info("pull plan for v%d (retry): %s", target, plan.reason)
+        log.warning("pull v%d: %s; reseeding once and replaying", target, detail)
+    # The replay verifies each tensor once, against its newest digest: that digest covers the
+    # final bytes, which is all a success promises (FORMAT.md, Notes). Only when it still fails
+    # does a second replay verify version by version, to name the version that is bad.
     try:
-        result, pending = _execute(plan, indexes, local, seed_dir, origin, workers, chunk, strict=True, deferred=deferred, progress=progress)
+        result, pending = _replay(local, seed_dir, source_dir, target, workers, chunk, deferred, progress, origin, each_version=False)
+    except VerifyFailed as second:
+        log.warning(
+            "pull v%d: %d tensor(s) still fail after a fresh seed; replaying once more, verifying every version, "
+            "to name the bad one", target, len(second.mismatches),
+        )
+        result, pending = _replay(local, seed_dir, source_dir, target, workers, chunk, deferred, progress, origin, each_version=True)
+    result.reseeded = True
+    return result, pending
+
+
+def _replay(
+    local: str, seed_dir: str, source_dir: str, target: int, workers: int, chunk: int, deferred: bool, progress,
+    origin: Origin, *, each_version: bool,
+) -> tuple[PullResult, _PendingFlush | None]:
+    plan, indexes = plan_pull(local, seed_dir, source_dir, target, force_reseed=True, origin=origin)
+    log.info("pull plan for v%d (replay%s): %s", target, ", verifying every version" if each_version else "", plan.reason)
+    try:
+        return _execute(
+            plan, indexes, local, seed_dir, origin, workers, chunk, each_version=each_version, deferred=deferred,
+            progress=progress,
+        )
     except LocalTensorMismatchError as e:
         seed = plan.seed.path if plan.seed else seed_dir
         raise CorruptArtifactError(
             f"after a fresh seed from {seed}, the deltas up to v{target} still do not fit the checkpoint: {e}. "
             "The published chain does not belong to this model; republish from a full version."
         ) from e
-    result.reseeded = True
-    return result, pending
 
 
 def _execute(
-    plan: PullPlan, indexes, local: str, seed_dir: str, origin: Origin, workers: int, chunk: int, *, strict: bool,
+    plan: PullPlan, indexes, local: str, seed_dir: str, origin: Origin, workers: int, chunk: int, *, each_version: bool,
     deferred: bool, progress=None,
 ) -> tuple[PullResult, _PendingFlush | None]:
     if plan.action == "noop":
         return PullResult(plan.target_version, "noop", plan.reason), None
-    keep: list = []
-    loaded = []
-    try:
-        # Everything about the artifacts is checked before the first byte changes locally.
-        loaded = [load_delta(indexes[v], keep) for v in plan.deltas]
-        nbytes_read = sum(d.nbytes for d in loaded)
-        source_nbytes = sum(files_nbytes(indexes[v].path, set(indexes[v].weight_map.values())) for v in plan.deltas)
-        seed_nbytes, seed_s = 0, 0.0
-        if plan.seed is not None:
-            t = time.perf_counter()
-            seed_nbytes, seed_from_source = seed_local_checkpoint(local, plan.seed, seed_dir, origin)
-            source_nbytes += seed_from_source
-            seed_s = time.perf_counter() - t
-        apply_s, flush_s, pending = 0.0, 0.0, None
-        if loaded:
-            t = time.perf_counter()
-            table = local_table(local)
-            check_against_local(loaded, table, seed_dir)
-            invalidate_marker(local)
-            paths = apply_chain(local, loaded, table, workers=workers, chunk_nbytes=chunk, strict=strict, flush=False, progress=progress)
-            apply_s = time.perf_counter() - t
-            if deferred:
-                pending = _PendingFlush(paths, plan.target_version, origin)
-            else:
-                t = time.perf_counter()
-                fsync_files(paths)
-                write_marker(local, plan.target_version, origin)
-                flush_s = time.perf_counter() - t
-        result = PullResult(
-            plan.target_version, plan.action, plan.reason, deltas_applied=len(loaded), nbytes_read=nbytes_read,
-            seed_nbytes=seed_nbytes, source_nbytes=source_nbytes, seed_s=seed_s, apply_s=apply_s, flush_s=flush_s,
+    # Everything about the artifacts is checked before the first byte changes locally; no
+    # shard stays open afterwards (the apply reopens a few payloads at a time).
+    loaded = [load_delta(indexes[v]) for v in plan.deltas]
+    nbytes_read = sum(d.nbytes for d in loaded)
+    source_nbytes = sum(files_nbytes(indexes[v].path, set(indexes[v].weight_map.values())) for v in plan.deltas)
+    seed_nbytes, seed_s = 0, 0.0
+    if plan.seed is not None:
+        t = time.perf_counter()
+        seed_nbytes, seed_from_source = seed_local_checkpoint(local, plan.seed, seed_dir, origin)
+        source_nbytes += seed_from_source
+        seed_s = time.perf_counter() - t
+    apply_s, flush_s, pending = 0.0, 0.0, None
+    if loaded:
+        t = time.perf_counter()
+        table = local_table(local)
+        check_against_local(loaded, table, seed_dir)
+        invalidate_marker(local)
+        paths = apply_chain(
+            local, loaded, table, workers=workers, chunk_nbytes=chunk, verify_each_version=each_version, flush=False,
+            progress=progress,
         )
-        return result, pending
-    finally:
-        # Dropping the loaded deltas frees the payload views, so the shard mmaps can close;
-        # on an error path a traceback may still hold some, and close_all leaves those to the GC.
-        loaded = []
-        close_all(keep)
+        apply_s = time.perf_counter() - t
+        if deferred:
+            pending = _PendingFlush(paths, plan.target_version, origin)
+        else:
+            t = time.perf_counter()
+            fsync_files(paths)
+            write_marker(local, plan.target_version, origin)
+            flush_s = time.perf_counter() - t
+    result = PullResult(
+        plan.target_version, plan.action, plan.reason, deltas_applied=len(loaded), nbytes_read=nbytes_read,
+        seed_nbytes=seed_nbytes, source_nbytes=source_nbytes, seed_s=seed_s, apply_s=apply_s, flush_s=flush_s,
+    )
+    return result, pending
 
 
 def applied_version(local_checkpoint_dir: str) -> int | None:

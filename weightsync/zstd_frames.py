@@ -97,10 +97,17 @@ def decompress_exact(payload, nbytes: int, tensor: str) -> bytes:
     try:
         out = _local.dctx.decompress(payload, max_output_size=nbytes)
     except zstandard.ZstdError as e:
+        _raise_memory_error_of(e)
         raise PayloadBoundError(tensor, f"zstd data is corrupt ({e})") from None
     if len(out) != nbytes:
         raise PayloadBoundError(tensor, f"zstd frame decompressed to {len(out)} bytes, expected {nbytes}")
     return out
+
+
+def _raise_memory_error_of(e: zstandard.ZstdError) -> None:
+    """An allocation failure inside zstd is the host's memory, not a corrupt payload."""
+    if "memory" in str(e).lower() or "allocation" in str(e).lower():
+        raise MemoryError(f"zstd could not allocate ({e})") from e
 
 
 class ExactReader:
@@ -126,6 +133,7 @@ class ExactReader:
                     raise PayloadBoundError(self.tensor, f"zstd frame ended {want - got} bytes early")
                 got += k
         except zstandard.ZstdError as e:
+            _raise_memory_error_of(e)
             raise PayloadBoundError(self.tensor, f"zstd data is corrupt ({e})") from None
         self.remaining -= want
 

@@ -23,6 +23,19 @@ from weightsync.errors import PayloadBoundError
 
 LE = {1: "u1", 2: "<u2", 4: "<u4", 8: "<u8"}
 
+
+def setup_module():
+    # These tests drive the multi-segment paths on tensors of a few thousand elements, with
+    # segments far below the spec's floor (seg >= min(n, 2^16)); the floor has its own tests
+    # in test_core_sparse_bounds.py.
+    global _floor
+    _floor = codec_sparse.MIN_SEG_ELEMENTS
+    codec_sparse.MIN_SEG_ELEMENTS = 1
+
+
+def teardown_module():
+    codec_sparse.MIN_SEG_ELEMENTS = _floor
+
 # old/new bf16 bits: +1 ulp, unchanged, -1 raw (a negative float growing), a sign flip of the
 # smallest subnormal (raw difference 0x8000), +2 ulps
 GOLDEN_OLD = [0x3F80, 0x3F80, 0xBF80, 0x0001, 0x1234]
@@ -341,7 +354,7 @@ def test_encoder_picks_the_smallest_gap_width():
     new = old.copy()
     new[2 * (n - 1)] = 1  # one change 69_999 elements in: the gap needs 3 bytes -> width 4
     parsed = codec_sparse.parse(CODEC.encode(old, new, 2, 1, "t").payload, 2 * n, "t")
-    assert parsed.segments[0].gap_width == 4
+    assert parsed.gap_widths[0] == 4
 
 
 # --- large tensors split across workers -----------------------------------------------------

@@ -450,6 +450,18 @@ def test_empty_tensor_between_two_overlapping_ones_does_not_hide_the_overlap(wor
     world.assert_at(2)
 
 
+def test_sparse_segments_below_the_spec_minimum_are_refused_at_load(world):
+    """64 one-element segments over a 64-element tensor: valid under the old "seg >= 1", and
+    what made a 12 MiB payload cost seconds per parse. The floor is seg >= min(n, 2^16)."""
+    n, seg = 64, 1
+    payload = b"WSSP" + bytes([1, 4, 0, 0]) + struct.pack("<QII", n, seg, n // seg) + b"\0" * 12 * (n // seg)  # no changes
+    unchanged = world.expected[2]["a"]
+    world.write_delta(3, {"a": payload}, {"a": digest("xxh3-128", unchanged)}, encoding="sparse-v1")
+    with pytest.raises(errors.PayloadBoundError, match=r"v3: tensor a: .*segment size 1 is below the spec's minimum"):
+        world.pull(3)
+    world.assert_at(2)
+
+
 def test_byte_length_not_dtype_times_shape_is_malformed(world):
     payload, dg = good_delta(world)
     world.write_delta(3, {"a": payload}, {"a": dg}, shape_of=lambda n: [n - 1])
