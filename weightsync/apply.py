@@ -12,10 +12,10 @@ per-version mode (a diagnostic after a replay that still fails) verifies after e
 so the failure names its version.
 
 Bounded resources: a loaded chain holds no open file. Each payload is proven at load, its
-structure kept (``Codec.check_structure``) and its shard closed; while applying, a worker holds
-at most ``PAYLOADS_PER_PASS`` shards mapped (one descriptor each, least recently used closed
-first) and applies a tensor's chain that many payloads per pass (one zstd decompressor each),
-so descriptors and decompressors stay at workers x that constant however long the chain.
+structure kept (``Codec.check_structure``) and its shard closed; while applying, a worker applies
+a tensor's chain ``PAYLOADS_PER_PASS`` payloads per pass (one zstd decompressor each), and the
+workers share at most workers x that many shard maps (one descriptor each, the least recently
+used closed first), so descriptors and decompressors do not grow with the chain.
 """
 
 from __future__ import annotations
@@ -123,6 +123,16 @@ def _close_map(mm: mmap.mmap) -> None:
         pass  # a view is still alive (an exception in flight); the GC closes it later
 
 
+def _descriptor_limit() -> int:
+    try:
+        import resource
+
+        soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    except (ImportError, OSError, ValueError):
+        return 1024
+    return soft if soft > 0 else 1 << 20  # RLIM_INFINITY is -1
+
+
 def _map_shard(path: str, file_id: tuple[int, int, int] | None = None) -> mmap.mmap:
     """A read-only map of a shard (one descriptor). With ``file_id``, the file must still be
     the one checked at load (published versions are immutable; a pruned or replaced shard is
@@ -141,39 +151,46 @@ def _map_shard(path: str, file_id: tuple[int, int, int] | None = None) -> mmap.m
 
 
 class _ShardMaps:
-    """Read-only maps of delta shards, at most ``per_thread`` per worker thread, least recently
-    used closed first: consecutive tensors of one shard share a map, and a worker never holds
-    more than one pass's worth, however long the chain."""
+    """Read-only maps of delta shards, shared by the workers, so every tensor of a chain reuses
+    each version's map. At most ``capacity`` stay open: 2 x workers x ``per_pass``, and never
+    more than a quarter of the process's descriptor limit; only maps in use (a worker holds at
+    most ``per_pass``) may exceed it. When full, the most recently used idle map is closed:
+    tensors walk the chain in the same order, and for such a cyclic walk longer than the cache
+    that keeps most of it resident, where closing the least recently used would miss always."""
 
-    def __init__(self, per_thread: int) -> None:
-        self.per_thread = per_thread
-        self._local = threading.local()
-        self._caches: list[OrderedDict[str, mmap.mmap]] = []
+    def __init__(self, per_pass: int, workers: int) -> None:
+        self.per_pass = per_pass
+        self.capacity = max(per_pass, min(2 * per_pass * max(1, workers), _descriptor_limit() // 4))
+        self._maps: OrderedDict[str, list] = OrderedDict()  # path -> [map, users], oldest use first
         self._lock = threading.Lock()
 
-    def get(self, ref: PayloadRef) -> mmap.mmap:
-        cache: OrderedDict[str, mmap.mmap] | None = getattr(self._local, "cache", None)
-        if cache is None:
-            cache = self._local.cache = OrderedDict()
-            with self._lock:
-                self._caches.append(cache)
-        mm = cache.get(ref.path)
-        if mm is not None:
-            cache.move_to_end(ref.path)
-            return mm
-        while len(cache) >= self.per_thread:
-            _close_map(cache.popitem(last=False)[1])
-        mm = cache[ref.path] = _map_shard(ref.path, ref.file_id)
-        return mm
+    def _acquire(self, ref: PayloadRef) -> mmap.mmap:
+        with self._lock:
+            entry = self._maps.get(ref.path)
+            if entry is None:
+                idle = [p for p, (_, users) in reversed(self._maps.items()) if users == 0]
+                for path in idle[: max(0, len(self._maps) + 1 - self.capacity)]:
+                    _close_map(self._maps.pop(path)[0])
+                entry = self._maps[ref.path] = [_map_shard(ref.path, ref.file_id), 0]
+            entry[1] += 1
+            self._maps.move_to_end(ref.path)
+            return entry[0]
+
+    def _release(self, path: str) -> None:
+        with self._lock:
+            self._maps[path][1] -= 1
 
     @contextlib.contextmanager
     def payloads(self, refs: list[PayloadRef]) -> Iterator[list[memoryview]]:
-        """Views of up to ``per_thread`` payloads, released on exit (their maps stay cached)."""
-        assert len(refs) <= self.per_thread
+        """Views of up to ``per_pass`` payloads, released on exit (their maps stay cached)."""
+        assert len(refs) <= self.per_pass
         views: list[memoryview] = []
+        held: list[str] = []
         try:
             for ref in refs:
-                views.append(memoryview(self.get(ref))[ref.offset : ref.offset + ref.nbytes])
+                mm = self._acquire(ref)
+                held.append(ref.path)
+                views.append(memoryview(mm)[ref.offset : ref.offset + ref.nbytes])
             yield views
         finally:
             for v in views:
@@ -181,13 +198,14 @@ class _ShardMaps:
                     v.release()
                 except BufferError:
                     pass
+            for path in held:
+                self._release(path)
 
     def close(self) -> None:
         with self._lock:
-            for cache in self._caches:
-                for mm in cache.values():
-                    _close_map(mm)
-                cache.clear()
+            for mm, _ in self._maps.values():
+                _close_map(mm)
+            self._maps.clear()
 
 
 def load_delta(index: VersionIndex) -> LoadedDelta:
@@ -325,7 +343,7 @@ def _apply_steps(
     """Apply the job's payloads a pass at a time (as many as a worker may hold mapped); True
     when the last pass fed ``hasher`` (xor and the segment-major codecs hash as they go)."""
     itemsize = DTYPE_NBYTES[job.entry.dtype]
-    passes = _passes(job.steps, shards.per_thread)
+    passes = _passes(job.steps, shards.per_pass)
     hashed = False
     for k, group in enumerate(passes):
         h = hasher if k == len(passes) - 1 else None
@@ -478,7 +496,7 @@ def apply_chain(
     Returns the local files written. With ``flush=False`` their pages are left for the caller
     to fsync (deferred durability): the marker must not be written before that.
     """
-    shards = _ShardMaps(max(1, int(payloads_per_pass or knobs.PAYLOADS_PER_PASS.get())))
+    shards = _ShardMaps(max(1, int(payloads_per_pass or knobs.PAYLOADS_PER_PASS.get())), workers)
     maps = _Maps()
     try:
         with ThreadPoolExecutor(workers, thread_name_prefix="weightsync-apply") as pool:

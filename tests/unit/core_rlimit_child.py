@@ -2,9 +2,10 @@
 
     python core_rlimit_child.py pull    NOFILE LOCAL SEED SOURCE TARGET WORKERS
     python core_rlimit_child.py exhaust NOFILE LOCAL SEED SOURCE TARGET WORKERS
-        # exhaust: once the first tensor is applied, open /dev/null until EMFILE and hold the
-        # descriptors; report how the pull failed and the marker it left; release them and
-        # pull again
+        # exhaust: the pre-read hook (inside the lock, before the source is read) opens
+        # /dev/null until EMFILE and keeps all but a few descriptors: enough to plan and load,
+        # not to apply a long chain. Report how the pull failed and the marker it left;
+        # release them and pull again
 
 Prints one JSON object. The limit is set with setrlimit before weightsync is imported.
 """
@@ -15,6 +16,9 @@ import json
 import os
 import resource
 import sys
+
+
+SPARE = 6  # descriptors left free: plan and load need 2 at a time, the apply many more
 
 
 def marker(local: str):
@@ -38,15 +42,17 @@ def main(argv: list[str]) -> int:
     elif mode == "exhaust":
         hoard: list[int] = []
 
-        def exhaust(done: int, total: int) -> None:
-            while not hoard or hoard[-1] >= 0:
+        def exhaust(source_dir: str, target_version: int) -> None:
+            while True:
                 try:
                     hoard.append(os.open(os.devnull, os.O_RDONLY))
                 except OSError:
-                    hoard.append(-1)
+                    break
+            for _ in range(SPARE):
+                os.close(hoard.pop())
 
         try:
-            pull(local, seed, source, int(target), workers=int(workers), progress=exhaust)
+            pull(local, seed, source, int(target), exhaust, workers=int(workers))
             out["first"] = "success"
         except errors.WeightSyncError as e:
             out.update(first=type(e).__name__, error_type=e.error_type, message=str(e),
@@ -54,10 +60,9 @@ def main(argv: list[str]) -> int:
         except OSError as e:
             out.update(first=f"bare {type(e).__name__}", message=str(e))
         out["marker_after_failure"] = marker(local)
-        out["hoarded"] = len(hoard) - 1
+        out["hoarded"] = len(hoard)
         for fd in hoard:
-            if fd >= 0:
-                os.close(fd)
+            os.close(fd)
         r = pull(local, seed, source, int(target), workers=int(workers))
         out.update(action=r.action, deltas=r.deltas_applied, reseeded=r.reseeded, marker=marker(local))
     else:
