@@ -33,7 +33,7 @@ import msgspec
 import numpy as np
 
 from . import knobs
-from .checksum import is_well_formed_digest, new_hasher, require_checksum
+from .checksum import is_well_formed_digest, require_checksum, tensor_hasher
 from .codecs import ChainCodec, apply_xor_chain, get_codec
 from .errors import (
     ChecksumMismatchError,
@@ -380,7 +380,7 @@ def _region(maps: _Maps, job: _Job) -> np.ndarray:
 def _run_job(job: _Job, maps: _Maps, chunk_nbytes: int, shards: _ShardMaps) -> tuple[str, str, str] | None:
     region = _region(maps, job)
     try:
-        hasher = new_hasher(job.checksum_format)
+        hasher = tensor_hasher(job.checksum_format)
         if not _apply_steps(region, job, chunk_nbytes, shards, hasher):
             _hash_in_chunks(hasher, region, chunk_nbytes)
         actual = hasher.hexdigest()
@@ -426,7 +426,7 @@ def _apply_part(job: _Job, maps: _Maps, chunk_nbytes: int, shards: _ShardMaps, s
 def _verify_job(job: _Job, maps: _Maps, chunk_nbytes: int) -> tuple[str, str, str] | None:
     region = _region(maps, job)
     try:
-        hasher = new_hasher(job.checksum_format)
+        hasher = tensor_hasher(job.checksum_format)
         _hash_in_chunks(hasher, region, chunk_nbytes)
         actual = hasher.hexdigest()
     finally:

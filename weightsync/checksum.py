@@ -61,7 +61,8 @@ def supported_checksums() -> list[str]:
 
 
 class _Count:
-    """Digests begun in this process: what a pull costs in hashing, counted (not timed)."""
+    """Tensor verifications begun in this process: what a pull costs in hashing, counted (not
+    timed)."""
 
     def __init__(self) -> None:
         self._n = 0
@@ -80,7 +81,7 @@ _begun = _Count()
 
 
 def digests_begun() -> int:
-    """How many tensor digests this process has begun (each verification of one tensor is one)."""
+    """How many tensor verifications this process has begun (``tensor_hasher`` calls)."""
     return _begun.value
 
 
@@ -98,6 +99,11 @@ def require_checksum(checksum_format: str) -> None:
 
 
 def new_hasher(checksum_format: str) -> Hasher:
+    return _make_hasher(checksum_format)
+
+
+def tensor_hasher(checksum_format: str) -> Hasher:
+    """A hasher for verifying one tensor's bytes, counted (``digests_begun``)."""
     hasher = _make_hasher(checksum_format)
     _begun.add()
     return hasher

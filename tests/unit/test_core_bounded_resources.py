@@ -21,6 +21,9 @@ from weightsync import Publisher, errors
 
 from core_support import assert_checkpoint_is, flip_local_byte, mutate, random_tensors, tensor_bytes, write_hf_checkpoint
 
+# An upstream-style chain: no side anchors, nothing pruned, so a pull replays every delta.
+NO_ANCHORS = dict(anchor_fraction=0, anchor_max_deltas=0, prune=False)
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 CHILD = os.path.join(HERE, "core_rlimit_child.py")
 SIZES = {f"layers.{i}.weight": ("float32", (32, 32)) for i in range(6)} | {"norm": ("float32", (32,))}
@@ -39,7 +42,7 @@ def chain(fast_module_tmp):
     expected = {0: tensor_bytes(tensors)}
     version = 0
     for encoding, count in RUNS:
-        pub = Publisher(source, encoding=encoding, workers=1)
+        pub = Publisher(source, encoding=encoding, workers=1, **NO_ANCHORS)
         pub.seed_snapshot(tensors, version=version)
         for _ in range(count):
             version += 1

@@ -17,6 +17,9 @@ from weightsync.codecs import supported_encodings
 
 from core_support import assert_checkpoint_is, flip_local_byte, marker_version, mutate, random_tensors, raw_header, tensor_bytes, write_hf_checkpoint
 
+# An upstream-style chain: no side anchors, nothing pruned, so a pull replays every delta.
+NO_ANCHORS = dict(anchor_fraction=0, anchor_max_deltas=0, prune=False)
+
 SIZES = {f"w{i}": ("float32", (16, 16)) for i in range(5)} | {"only5": ("int16", (64,))}
 N = 12
 
@@ -27,7 +30,7 @@ def publish_chain(root: str, encoding: str):
     tensors = random_tensors(rng, SIZES)
     write_hf_checkpoint(seed, tensors)
     expected = {0: tensor_bytes(tensors)}
-    pub = Publisher(source, encoding=encoding, workers=1)
+    pub = Publisher(source, encoding=encoding, workers=1, **NO_ANCHORS)
     pub.seed_snapshot(tensors, version=0)
     for v in range(1, N + 1):
         names = [n for n in tensors if n != "only5"] + (["only5"] if v == 5 else [])

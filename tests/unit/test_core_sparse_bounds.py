@@ -16,6 +16,9 @@ from weightsync import Publisher, codec_sparse, pull
 
 from core_support import assert_checkpoint_is, mutate, random_tensors, tensor_bytes, write_hf_checkpoint
 
+# An upstream-style chain: no side anchors, nothing pruned, so a pull replays every delta.
+NO_ANCHORS = dict(anchor_fraction=0, anchor_max_deltas=0, prune=False)
+
 
 def one_change_per_segment(n: int, seg: int) -> bytes:
     """A width-1 payload changing the first element of every segment by +1, from the spec."""
@@ -48,7 +51,7 @@ def test_a_pull_parses_each_sparse_payload_once(fast_tmp_path, monkeypatch):
     seed, source, local = (os.path.join(root, n) for n in ("seed", "src", "local"))
     tensors = random_tensors(rng, {"big": ("uint16", (400, 500)), "small": ("float32", (64,)), "b": ("int16", (300,))})
     write_hf_checkpoint(seed, tensors)
-    pub = Publisher(source, encoding="sparse-v1", workers=1)
+    pub = Publisher(source, encoding="sparse-v1", workers=1, **NO_ANCHORS)
     pub.seed_snapshot(tensors, version=0)
     payloads = 0
     for v in range(1, 4):
