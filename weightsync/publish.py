@@ -249,7 +249,8 @@ class Publisher:
 
     Args:
         source_dir: the shared directory holding ``weight_vNNNNNN/`` dirs.
-        encoding: delta encoding (``sparse-v1`` ours, ``xor``/``overwrite`` upstream).
+        encoding: delta encoding (``sparse-v1`` ours and the default; ``sparse-v2`` ours, fewer
+            bytes for a slower pull, see the README; ``xor``/``overwrite`` upstream).
         checksum: ``xxh3-128``, ``blake3`` or ``adler32``.
         rank, world_size: this rank among the ranks that write shards of one version.
         template_dir: an HF checkpoint whose non-weight files (config, tokenizer) each full
