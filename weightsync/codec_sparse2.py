@@ -336,6 +336,30 @@ def _ranks(sel: np.ndarray, at: np.ndarray) -> tuple[int, np.ndarray]:
     return int(prefix[-1]), prefix[byte] + _popcount(below)
 
 
+# _NTH_BIT[8 * b + r]: the position of the r-th set bit (LSB first) of byte b
+_NTH_BIT = np.zeros(256 * 8, np.uint8)
+for _b in range(256):
+    for _r, _bit in enumerate(i for i in range(8) if _b >> i & 1):
+        _NTH_BIT[8 * _b + _r] = _bit
+
+
+def _member_positions(sel: np.ndarray, local: np.ndarray) -> tuple[int, np.ndarray]:
+    """(members of ``sel``, the position of each member index in ``local``, ascending): the
+    byte holding each is found in a popcount prefix over the packed mask, so the cost is one
+    pass over n/8 bytes and a search per change, not a position written per member."""
+    packed = np.packbits(sel, bitorder="little")
+    counts = _popcount(packed)
+    inclusive = np.cumsum(counts, dtype=np.int32)
+    members = int(inclusive[-1]) if inclusive.size else 0
+    if local.size == 0:
+        return members, local
+    byte = np.searchsorted(inclusive, local, side="right")
+    byte = np.minimum(byte, packed.size - 1)  # an index past the members: caught by the caller's bound
+    rank = local - (inclusive[byte] - counts[byte])
+    bits = _NTH_BIT[8 * packed[byte].astype(np.intp) + np.clip(rank, 0, 7)]
+    return members, 8 * byte + bits
+
+
 def _select(v: np.ndarray, lo: int, hi: int, width: int, out: np.ndarray) -> None:
     """out = lo <= v < hi, for magnitudes v (the top bit is clear, so hi may be 2^(8w-1))."""
     dt = v.dtype
@@ -482,18 +506,17 @@ def _apply_segment(rw: np.ndarray, seg: Segment, tensor: str, index: int) -> Non
     for c, part in enumerate(seg.classes):
         if part.changes == 0:
             continue
-        members: np.ndarray | None = None
+        local = _decode_mask(part, tensor, index, c)  # proven below the declared member count
+        positions = local
         if not single:
             _select(v, part.lo, part.hi, width, sel)
-            members = np.flatnonzero(sel)
-            if members.size != part.members:
+            members, positions = _member_positions(sel, local)
+            if members != part.members:
                 raise LocalTensorMismatchError(
                     tensor,
-                    f"sparse-v2 segment {index} class {c}: the local bytes hold {members.size} elements of magnitude "
+                    f"sparse-v2 segment {index} class {c}: the local bytes hold {members} elements of magnitude "
                     f"[{part.lo:#x}, {part.hi:#x}), the payload was encoded against {part.members}",
                 )
-        local = _decode_mask(part, tensor, index, c)
-        positions = local if members is None else members[local]
         writes.append((positions, _decode_differences(part, dt, tensor, index, c)))
     for positions, d in writes:
         view[positions] += d

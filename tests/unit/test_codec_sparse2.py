@@ -516,7 +516,12 @@ def test_publish_and_pull_a_sparse_v2_chain_split_across_workers(small_segments,
     assert any(len(p.get("big", [])) > 1 for p in plans), plans
 
 
-def test_local_damage_under_a_sparse_v2_chain_reseeds_and_replays(small_segments, fast_tmp_path, rng):
+@pytest.mark.parametrize("byte,caught_by", [(1003, "the local bytes hold"), (1001, "failed verification")])
+def test_local_damage_under_a_sparse_v2_chain_reseeds_and_replays(small_segments, fast_tmp_path, rng, caplog, byte, caught_by):
+    """Byte 3 of an fp32 holds exponent bits: the element's class changes and the member
+    counts catch it before the segment is written; byte 1 is mantissa: the digest catches it."""
+    import logging
+
     from core_support import assert_checkpoint_is, flip_local_byte, tensor_bytes
 
     from weightsync import pull
@@ -524,9 +529,11 @@ def test_local_damage_under_a_sparse_v2_chain_reseeds_and_replays(small_segments
     history = _float_chain(fast_tmp_path, rng, 3)
     local, seed, src = (str(fast_tmp_path / n) for n in ("local", "seed", "src"))
     pull(local, seed, src, 1, workers=2)
-    flip_local_byte(local, "big", 1001)  # an exponent bit: the element's class changes
-    res = pull(local, seed, src, 3, workers=2)
+    flip_local_byte(local, "big", byte)
+    with caplog.at_level(logging.WARNING, logger="weightsync"):
+        res = pull(local, seed, src, 3, workers=2)
     assert res.applied_version == 3 and res.reseeded
+    assert caught_by in caplog.text
     assert_checkpoint_is(local, tensor_bytes(history[3]))
 
 
