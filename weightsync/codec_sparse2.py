@@ -336,28 +336,24 @@ def _ranks(sel: np.ndarray, at: np.ndarray) -> tuple[int, np.ndarray]:
     return int(prefix[-1]), prefix[byte] + _popcount(below)
 
 
-# _NTH_BIT[8 * b + r]: the position of the r-th set bit (LSB first) of byte b
-_NTH_BIT = np.zeros(256 * 8, np.uint8)
-for _b in range(256):
-    for _r, _bit in enumerate(i for i in range(8) if _b >> i & 1):
-        _NTH_BIT[8 * _b + _r] = _bit
+POSITION_BLOCK = 1 << 14  # members listed per block: small, reused allocations that stay in cache
 
 
 def _member_positions(sel: np.ndarray, local: np.ndarray) -> tuple[int, np.ndarray]:
-    """(members of ``sel``, the position of each member index in ``local``, ascending): the
-    byte holding each is found in a popcount prefix over the packed mask, so the cost is one
-    pass over n/8 bytes and a search per change, not a position written per member."""
-    packed = np.packbits(sel, bitorder="little")
-    counts = _popcount(packed)
-    inclusive = np.cumsum(counts, dtype=np.int32)
-    members = int(inclusive[-1]) if inclusive.size else 0
-    if local.size == 0:
-        return members, local
-    byte = np.searchsorted(inclusive, local, side="right")
-    byte = np.minimum(byte, packed.size - 1)  # an index past the members: caught by the caller's bound
-    rank = local - (inclusive[byte] - counts[byte])
-    bits = _NTH_BIT[8 * packed[byte].astype(np.intp) + np.clip(rank, 0, 7)]
-    return members, 8 * byte + bits
+    """(members of ``sel``, the positions of the members whose indices ``local`` lists,
+    ascending). Members are listed block by block: one list for a whole segment would be a
+    fresh multi-megabyte allocation per class, whose page faults cost more than the scan."""
+    out = np.empty(local.size, np.int64)
+    members = 0
+    done = 0
+    for b0 in range(0, sel.size, POSITION_BLOCK):
+        at = np.flatnonzero(sel[b0 : b0 + POSITION_BLOCK])
+        end = done + int(np.searchsorted(local[done:], members + at.size))
+        if end > done:
+            np.add(at[local[done:end] - members], b0, out=out[done:end])
+        members += at.size
+        done = end
+    return members, out
 
 
 def _select(v: np.ndarray, lo: int, hi: int, width: int, out: np.ndarray) -> None:
