@@ -570,14 +570,6 @@ def _check_padding(packed: np.ndarray, k: int, tensor: str, what: str) -> None:
         raise PayloadBoundError(tensor, f"sparse-v2 {what} have set bits past the last element")
 
 
-def shared_segment_count(payloads: list, nbytes: int, tensor: str) -> int | None:
-    """The segment count of a chain whose payloads all segment the tensor alike, else None."""
-    parsed = [parse(p, nbytes, tensor, check_frames=False) for p in payloads]
-    if not parsed or any(p.width != parsed[0].width or p.seg_elements != parsed[0].seg_elements for p in parsed):
-        return None
-    return len(parsed[0].segments)
-
-
 def apply_sparse2_chain(
     region: np.ndarray, payloads: list, tensor: str, chunk_nbytes: int, hasher, seg_range: tuple[int, int] | None = None
 ) -> None:
