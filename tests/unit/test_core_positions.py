@@ -1,0 +1,99 @@
+"""Changed element positions of a chain, decoded from the payloads (``weightsync.positions``).
+
+The reference is an independent numpy diff of the exact tensors each version holds; every
+encoding, element widths 1/2/4, a chain mixing encodings, a full version in the chain, and the
+held version (marker vs verified note).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pytest
+
+from core_support import mutate, random_tensors, write_hf_checkpoint
+from weightsync import Publisher, pull
+from weightsync.errors import InvalidRequestError
+from weightsync.layout import format_version
+from weightsync.positions import held_version, iter_changed_elements, plan_change_chain
+
+SIZES = {
+    "a.weight": ("float16", (64, 48)),
+    "b.weight": ("float32", (300,)),
+    "c.bytes": ("uint8", (1000,)),
+    "d.untouched": ("float16", (32,)),
+}
+
+
+def _changed(old: np.ndarray, new: np.ndarray) -> np.ndarray:
+    o = old.reshape(-1).view(np.uint8).reshape(old.size, -1)
+    n = new.reshape(-1).view(np.uint8).reshape(new.size, -1)
+    return np.flatnonzero(np.any(o != n, axis=1)).astype(np.int64)
+
+
+def _chain(tmp_path, encodings, *, full_at=None, density=0.03):
+    rng = np.random.default_rng(7)
+    versions = [random_tensors(rng, SIZES)]
+    seed = str(tmp_path / "seed")
+    write_hf_checkpoint(seed, versions[0], shards=2)
+    source = str(tmp_path / "source")
+    for v, enc in enumerate(encodings, start=1):
+        versions.append(mutate(versions[-1], rng, density, names=["a.weight", "b.weight", "c.bytes"]))
+        pub = Publisher(source, encoding=enc, template_dir=seed)
+        try:
+            pub.seed_snapshot(versions[-2], version=v - 1)
+            pub.publish(v, versions[-1], full=(v == full_at) or None if full_at else None)
+        finally:
+            pub.close()
+    local = str(tmp_path / "local")
+    pull(local, seed, source, len(encodings))
+    return seed, source, local, versions
+
+
+@pytest.mark.parametrize("encoding", ["xor", "overwrite", "sparse-v1"])
+def test_positions_of_one_delta_equal_an_independent_diff(tmp_path, encoding):
+    _, source, local, versions = _chain(tmp_path, [encoding])
+    chain, indexes = plan_change_chain(source, 0, 1)
+    got = {name: pos for name, _, pos in iter_changed_elements(local, source, chain, indexes)}
+    assert "d.untouched" not in got
+    for name in ("a.weight", "b.weight", "c.bytes"):
+        want = _changed(versions[0][name], versions[1][name])
+        assert want.size > 0
+        np.testing.assert_array_equal(got[name], want, err_msg=name)
+
+
+def test_positions_of_a_mixed_chain_are_the_union_over_its_versions(tmp_path):
+    _, source, local, versions = _chain(tmp_path, ["xor", "sparse-v1", "overwrite"])
+    chain, _ = plan_change_chain(source, 1, 3)
+    assert chain.deltas == [2, 3] and chain.is_deltas_only
+    got = {name: pos for name, _, pos in iter_changed_elements(local, source, chain)}
+    for name in ("a.weight", "b.weight", "c.bytes"):
+        want = np.union1d(_changed(versions[1][name], versions[2][name]), _changed(versions[2][name], versions[3][name]))
+        np.testing.assert_array_equal(got[name], want, err_msg=name)
+
+
+def test_a_full_version_in_the_chain_has_no_positions(tmp_path):
+    _, source, local, _ = _chain(tmp_path, ["xor", "xor", "xor"], full_at=2)
+    chain, _ = plan_change_chain(source, 0, 3)
+    assert chain.full_version == 2 and not chain.is_deltas_only
+    with pytest.raises(InvalidRequestError, match="v2 is a full version"):
+        list(iter_changed_elements(local, source, chain))
+
+
+def test_held_version_reads_the_marker_then_a_live_verified_note(tmp_path):
+    _, source, local, _ = _chain(tmp_path, ["xor"])
+    held = held_version(local)
+    assert held is not None and held.version == 1 and held.how == "marker"
+    assert held.source_dir == os.path.realpath(source)
+    os.unlink(os.path.join(local, ".weight_sync", "state.json"))
+    assert held_version(local) is None
+    note = os.path.join(local, ".weight_sync", "verified.json")
+    with open(note, "w") as f:
+        json.dump({"version": format_version(1), "source_dir": source, "pid": os.getpid()}, f)
+    held = held_version(local)
+    assert held is not None and held.version == 1 and held.how == "verified note"
+    with open(note, "w") as f:
+        json.dump({"version": format_version(1), "source_dir": source, "pid": 2**22 + 12345}, f)
+    assert held_version(local) is None  # the pull that wrote it is gone: its pages may be torn

@@ -1,0 +1,251 @@
+"""Which elements of each tensor a chain of delta versions changed, read from the payloads.
+
+An engine that patches its live weights in place (sglang_patch's live apply) needs, for a
+chain ``from_version -> to_version``, every changed element of every changed tensor. Diffing
+whole tensors to find them costs more than the reload it would replace; the payloads already
+say it:
+
+- ``xor``: the nonzero bytes of the decompressed stream (decoded chunk by chunk);
+- ``overwrite``: the byte-position stream only (the values stream is not read);
+- ``sparse-v1``: the gap streams only (values, signs and large-value planes are not read).
+
+Byte positions become element positions (``byte // itemsize``); a tensor's positions over the
+chain are the sorted union of each version's. Memory: 8 bytes per changed element of the tensor
+being decoded, plus one decode chunk; a caller that keeps positions keeps what it chose to.
+
+Invariants: a chain with a full version in it has no element positions (the caller reloads;
+``ChangeChain.full_version`` names it); payloads are checked as ``pull`` checks them (index,
+shards, structure, bounds) before anything is decoded, and a position past the tensor raises
+``PayloadBoundError``. Torch-free, like the rest of the core.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Iterator
+
+import msgspec
+import numpy as np
+
+from .apply import close_all, load_delta
+from .codecs import SCRATCH
+from .errors import InvalidRequestError, LocalTensorMismatchError, PayloadBoundError
+from .layout import format_version, state_path, verified_path
+from .manifest import VersionIndex, checkpoint_weight_files, parse_version_number, read_applied_state, read_version_index
+from .safetensors_io import DTYPE_NBYTES, TensorEntry, local_tensor_table
+from .zstd_frames import ExactReader, decompress_exact, frame_nbytes
+
+DECODE_CHUNK_NBYTES = 8 << 20
+
+
+class ChangeChain(msgspec.Struct, frozen=True):
+    """The versions between two versions of one source dir: deltas only, or the first full one."""
+
+    from_version: int
+    to_version: int
+    deltas: list[int]
+    full_version: int | None  # the newest full version in (from, to]: no element positions then
+
+    @property
+    def is_deltas_only(self) -> bool:
+        return self.full_version is None
+
+
+class HeldVersion(msgspec.Struct, frozen=True):
+    """The version a local checkpoint dir holds verified, and the source dir it came from."""
+
+    version: int
+    source_dir: str | None
+    how: str  # "marker" or "verified note" (deferred durability: pages still being flushed)
+
+
+def plan_change_chain(source_dir: str, from_version: int, to_version: int) -> tuple[ChangeChain, dict[int, VersionIndex]]:
+    """The chain ``from_version -> to_version`` (reads index files only) and the indexes read.
+
+    Raises:
+        InvalidRequestError: ``to_version`` is not above ``from_version``.
+        VersionMissingError, ChainBrokenError: a version of the chain is not published.
+    """
+    if to_version <= from_version:
+        raise InvalidRequestError(f"a change chain goes forward: v{from_version} -> v{to_version}")
+    indexes: dict[int, VersionIndex] = {}
+    for v in range(to_version, from_version, -1):
+        idx = read_version_index(source_dir, v)
+        indexes[v] = idx
+        if idx.kind == "full":
+            return ChangeChain(from_version, to_version, [], v), indexes
+    return ChangeChain(from_version, to_version, list(range(from_version + 1, to_version + 1)), None), indexes
+
+
+def iter_changed_elements(
+    local_checkpoint_dir: str, source_dir: str, chain: ChangeChain, indexes: dict[int, VersionIndex] | None = None
+) -> Iterator[tuple[str, TensorEntry, np.ndarray]]:
+    """``(tensor name, its local entry, sorted unique int64 element positions)`` per changed tensor.
+
+    The local checkpoint supplies each tensor's dtype and byte length (its headers only; no
+    tensor bytes are read). Tensors come in name order.
+
+    Raises:
+        InvalidRequestError: the chain has a full version (no positions: reload instead).
+        LocalTensorMismatchError: a changed tensor is not in the local checkpoint.
+        PayloadBoundError, MalformedHeaderError, ShardMismatchError: a payload is malformed.
+    """
+    if not chain.is_deltas_only:
+        raise InvalidRequestError(f"v{chain.full_version} is a full version: the chain has no element positions")
+    table = local_tensor_table(local_checkpoint_dir, checkpoint_weight_files(local_checkpoint_dir))
+    keep: list = []
+    try:
+        loaded = [load_delta(indexes[v] if indexes and v in indexes else read_version_index(source_dir, v), keep) for v in chain.deltas]
+        names = sorted({name for d in loaded for name in d.tensors})
+        for name in names:
+            if name not in table:
+                raise LocalTensorMismatchError(name, "the chain changes it, but the local checkpoint has no such tensor")
+            entry = table[name][1]
+            itemsize = DTYPE_NBYTES[entry.dtype]
+            parts = [
+                changed_elements(d.index.delta_encoding or "", d.tensors[name].payload, entry.nbytes, itemsize, name)
+                for d in loaded
+                if name in d.tensors
+            ]
+            yield name, entry, parts[0] if len(parts) == 1 else np.unique(np.concatenate(parts))
+    finally:
+        close_all(keep)
+
+
+def changed_elements(encoding: str, payload, nbytes: int, itemsize: int, tensor: str) -> np.ndarray:
+    """Sorted unique int64 element positions one payload changes in a tensor of ``nbytes``."""
+    decode = _DECODERS.get(encoding)
+    if decode is None:
+        raise InvalidRequestError(f"no position decoder for delta encoding {encoding!r}; known: {sorted(_DECODERS)}")
+    return decode(payload, nbytes, itemsize, tensor)
+
+
+def _bytes_to_elements(byte_positions: np.ndarray, itemsize: int) -> np.ndarray:
+    if itemsize == 1:
+        return byte_positions.astype(np.int64, copy=False)
+    elements = byte_positions.astype(np.int64) // itemsize
+    # ascending bytes give ascending elements; drop the repeats of multi-byte elements
+    if elements.size > 1:
+        keep = np.empty(elements.size, dtype=bool)
+        keep[0] = True
+        np.not_equal(elements[1:], elements[:-1], out=keep[1:])
+        elements = elements[keep]
+    return elements
+
+
+def _xor_positions(payload, nbytes: int, itemsize: int, tensor: str) -> np.ndarray:
+    _, content = frame_nbytes(payload, tensor)
+    if content != nbytes:
+        raise PayloadBoundError(tensor, f"xor stream of {content} bytes for a {nbytes}-byte tensor")
+    reader = ExactReader(payload, nbytes, tensor)
+    buf = SCRATCH.get("positions-xor", min(DECODE_CHUNK_NBYTES, max(nbytes, 1)))
+    found = []
+    pos = 0
+    while pos < nbytes:
+        k = min(buf.nbytes, nbytes - pos)
+        chunk = buf[:k]
+        reader.readinto(chunk.data)
+        if itemsize in (2, 4, 8) and pos % itemsize == 0 and k % itemsize == 0:
+            wide = chunk.view({2: np.uint16, 4: np.uint32, 8: np.uint64}[itemsize])
+            hits = np.flatnonzero(wide)
+            if hits.size:
+                found.append(hits.astype(np.int64) + pos // itemsize)
+        else:
+            hits = np.flatnonzero(chunk)
+            if hits.size:
+                found.append(_bytes_to_elements(hits.astype(np.int64) + pos, itemsize))
+        pos += k
+    if not found:
+        return np.empty(0, dtype=np.int64)
+    out = np.concatenate(found)
+    return np.unique(out) if itemsize not in (1, 2, 4, 8) else out
+
+
+def _overwrite_positions(payload, nbytes: int, itemsize: int, tensor: str) -> np.ndarray:
+    _, content = frame_nbytes(payload, tensor)
+    if content < 4 or (content - 4) % 5:
+        raise PayloadBoundError(tensor, f"overwrite payload of {content} bytes is not 4 + 5 x count")
+    count = (content - 4) // 5
+    reader = ExactReader(payload, content, tensor)
+    head = np.empty(4, np.uint8)
+    reader.readinto(head.data)
+    if int(head.view("<u4")[0]) != count:
+        raise PayloadBoundError(tensor, "overwrite count disagrees with payload size")
+    positions = np.empty(count, dtype="<u4")
+    if count:
+        reader.readinto(positions.view(np.uint8).data)
+        if np.any(positions[1:] <= positions[:-1]):
+            raise PayloadBoundError(tensor, "overwrite positions are not strictly ascending")
+        if int(positions[-1]) >= nbytes:
+            raise PayloadBoundError(tensor, f"overwrite position {int(positions[-1])} is past the {nbytes}-byte tensor")
+    return _bytes_to_elements(positions, itemsize)
+
+
+def _sparse_positions(payload, nbytes: int, itemsize: int, tensor: str) -> np.ndarray:
+    from .codec_sparse import parse
+
+    parsed = parse(payload, nbytes, tensor)
+    found = []
+    for seg in parsed.segments:
+        count = seg.nchanged
+        if count == 0:
+            continue
+        steps = np.zeros(count, dtype=np.int64)
+        for j, frame in enumerate(seg.gap_frames):
+            plane = np.frombuffer(decompress_exact(frame, count, tensor), np.uint8)
+            steps += plane.astype(np.int64) << (8 * j)
+        steps += 1
+        positions = np.cumsum(steps) + (seg.start - 1)
+        if int(positions[-1]) >= seg.start + seg.length:
+            raise PayloadBoundError(tensor, f"sparse-v1 position {int(positions[-1])} is past its segment")
+        found.append(positions)
+    if not found:
+        return np.empty(0, dtype=np.int64)
+    units = np.concatenate(found)  # in units of the payload's element width
+    if parsed.width == itemsize:
+        return units
+    return _bytes_to_elements(units * parsed.width, itemsize)
+
+
+_DECODERS = {"xor": _xor_positions, "overwrite": _overwrite_positions, "sparse-v1": _sparse_positions}
+
+
+def held_version(local_checkpoint_dir: str) -> HeldVersion | None:
+    """What the local checkpoint dir holds verified: its marker, else a live pull's verified note.
+
+    The note exists while a pull with deferred durability flushes the verified pages (the bytes
+    are final; only the marker is not written yet). None: unknown (no marker, torn state).
+    """
+    state = read_applied_state(state_path(local_checkpoint_dir))
+    if state is not None:
+        try:
+            version = parse_version_number(state.version, "version", state_path(local_checkpoint_dir))
+        except Exception:
+            return None
+        return HeldVersion(version, state.source_dir, "marker")
+    try:
+        with open(verified_path(local_checkpoint_dir), "rb") as f:
+            note = json.loads(f.read(1 << 12))
+        version = parse_version_number(note["version"], "version", verified_path(local_checkpoint_dir))
+        pid = note.get("pid")
+        if not isinstance(pid, int) or not _pid_alive(pid) or note["version"] != format_version(version):
+            return None
+        return HeldVersion(version, note.get("source_dir"), "verified note")
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    except Exception:
+        return None
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+__all__ = ["ChangeChain", "HeldVersion", "plan_change_chain", "iter_changed_elements", "changed_elements", "held_version"]
