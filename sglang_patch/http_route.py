@@ -58,6 +58,19 @@ def _answer_bad_bodies_structurally(app: FastAPI) -> None:
     previous = app.exception_handlers.get(RequestValidationError)
 
     async def on_validation_error(request: Request, exc: RequestValidationError):
+        if request.url.path == LIVE_ROUTE_PATH:
+            problems = "; ".join(_describe_validation_errors(exc.errors()))
+            return ORJSONResponse(
+                {
+                    "success": False,
+                    "error_type": "bad_request",
+                    "mode": None,
+                    "rolled_back": False,
+                    "message": f"invalid {LIVE_ROUTE_PATH} request: {problems}. Expected "
+                    '{"local_checkpoint_dir": str, "target_version": int, "flush_cache": bool (optional)}',
+                },
+                status_code=400,
+            )
         if request.url.path == ROUTE_PATH:
             problems = "; ".join(_describe_validation_errors(exc.errors()))
             return ORJSONResponse(
@@ -95,3 +108,45 @@ def install(module: Any = None) -> None:
     if module is None:
         from sglang.srt.entrypoints import http_server as module
     install_route(module.app, lambda: module._global_state.tokenizer_manager)
+    install_live_routes(module.app, lambda: module._global_state.tokenizer_manager)
+
+
+# --- live apply ---------------------------------------------------------------------------------
+
+LIVE_ROUTE_PATH = "/update_weights_from_pulled"
+DIGEST_ROUTE_PATH = "/weights_digest"
+
+
+def install_live_routes(app: FastAPI, get_tokenizer_manager: Callable[[], Any]) -> None:
+    """``POST /update_weights_from_pulled`` (admin-optional, like ``/pull_weights``) and
+    ``POST /weights_digest`` (admin: a debug call that hashes every parameter on every rank)."""
+    if any(getattr(route, "path", None) == LIVE_ROUTE_PATH for route in app.router.routes):
+        return
+    from sglang.srt.utils.auth import AuthLevel, auth_level
+
+    from .io_types import UpdateWeightsFromPulledReqInput, WeightsDigestReqInput, live_http_body
+
+    @auth_level(AuthLevel.ADMIN_OPTIONAL)
+    async def update_weights_from_pulled(obj: Annotated[UpdateWeightsFromPulledReqInput, Body()], request: Request):
+        """Serve a pulled version: patch the changed elements live, or reload the local checkpoint."""
+        try:
+            output = await tokenizer_side.update_weights_from_pulled(get_tokenizer_manager(), obj)
+        except Exception as exc:
+            log.exception("update_weights_from_pulled: the request failed")
+            return ORJSONResponse(
+                {"success": False, "error_type": "internal_error", "mode": None, "rolled_back": False,
+                 "message": f"update_weights_from_pulled failed in the server: {type(exc).__name__}: {exc}"},
+                status_code=500,
+            )
+        return ORJSONResponse(live_http_body(output), status_code=output.http_status)
+
+    @auth_level(AuthLevel.ADMIN_OPTIONAL)  # ADMIN_FORCE would refuse every call on a server without an admin key
+    async def weights_digest(obj: Annotated[WeightsDigestReqInput, Body()], request: Request):
+        """Debug: every parameter's digest on every rank, with the live version and map summary."""
+        import msgspec
+
+        output = await tokenizer_side.weights_digest(get_tokenizer_manager(), obj)
+        return ORJSONResponse({"success": True, "ranks": msgspec.to_builtins(output.ranks)})
+
+    app.add_api_route(LIVE_ROUTE_PATH, update_weights_from_pulled, methods=["POST"])
+    app.add_api_route(DIGEST_ROUTE_PATH, weights_digest, methods=["POST"])

@@ -62,3 +62,73 @@ def http_body(output: PullWeightsReqOutput) -> dict:
     body.pop("http_status")
     body["hosts"] = msgspec.to_builtins(body["hosts"])
     return body
+
+
+# --- live apply (``POST /update_weights_from_pulled``) and its debug call (``POST /weights_digest``)
+
+from typing import Any, Dict  # noqa: E402
+
+from .live_results import LiveHostResult  # noqa: E402
+
+
+class UpdateWeightsFromPulledReqInput(BaseReq, kw_only=True):
+    """Serve ``target_version`` from ``local_checkpoint_dir``: patched live, else reloaded."""
+
+    local_checkpoint_dir: str
+    target_version: int
+    flush_cache: bool = True
+    torch_empty_cache: bool = False  # read by sglang's own post-update flush
+
+
+class UpdateWeightsFromPulledReqOutput(BaseReq, kw_only=True):
+    success: bool
+    message: str
+    mode: str = "reload"
+    reason: Optional[str] = None
+    error_type: Optional[str] = None
+    http_status: int = 200
+    target_version: int = -1
+    weight_version: Optional[int] = None
+    elements_scattered: int = 0
+    pause_s: float = 0.0
+    rolled_back: bool = False
+    hosts: List[LiveHostResult] = msgspec.field(default_factory=list)
+
+
+class RankDigests(msgspec.Struct, kw_only=True):
+    """Every parameter's digest on one rank, with the rank's live version and map summary."""
+
+    host: str
+    rank: str
+    digests: Dict[str, str]
+    live_version: Optional[int] = None
+    live_reason: str = ""
+    coordinate_map: Dict[str, Any] = {}
+
+
+class WeightsDigestReqInput(BaseReq, kw_only=True):
+    """Debug (tests): digest every parameter on every rank; ``names`` limits it to some."""
+
+    names: Optional[List[str]] = None
+
+
+class WeightsDigestReqOutput(BaseReq, kw_only=True):
+    ranks: List[RankDigests] = msgspec.field(default_factory=list)
+    success: bool = True
+    message: str = ""
+
+
+def register_live_types(*_ignored) -> None:
+    hook_custom_types(UpdateWeightsFromPulledReqInput, UpdateWeightsFromPulledReqOutput)
+    hook_custom_types(WeightsDigestReqInput, WeightsDigestReqOutput)
+
+
+def live_reply_fields(output: UpdateWeightsFromPulledReqOutput) -> dict:
+    skip = ("rid", "http_worker_ipc")
+    return {f: getattr(output, f) for f in UpdateWeightsFromPulledReqOutput.__struct_fields__ if f not in skip}
+
+
+def live_http_body(output: UpdateWeightsFromPulledReqOutput) -> dict:
+    body = {k: v for k, v in live_reply_fields(output).items() if k not in ("http_status",)}
+    body["hosts"] = msgspec.to_builtins(output.hosts)
+    return body

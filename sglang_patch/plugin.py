@@ -41,16 +41,21 @@ def load_plugin() -> None:
         from . import io_types
 
         io_types.register_types()
+        io_types.register_live_types()
 
     def scheduler(_module):
         from . import scheduler_side
 
+        from . import live_side
+
+        live_side.register_hooks()  # before scheduler_side applies every registered hook
         scheduler_side.install()
 
     def tokenizer(module):
         from . import tokenizer_side
 
         tokenizer_side.install(module)
+        tokenizer_side.install_live(module)
 
     def route(module):
         from . import http_route

@@ -92,7 +92,13 @@ def make_coordinator(scheduler: Any) -> PullCoordinator:
         "pull_weights ready on %s %s: seed dir %s, allowed roots %s, pre-read hook %s",
         host, rank, seed_dir, list(options.allowed_roots) or "(none: every pull is refused)", options.pre_read_hook,
     )
-    puller = make_rank_puller(RankPuller(options=options, seed_dir=seed_dir, host=host, rank=rank))
+    from . import live_side
+
+    puller = make_rank_puller(
+        RankPuller(options=options, seed_dir=seed_dir, host=host, rank=rank),
+        # live apply stages its update once the local checkpoint holds the target, verified
+        on_verified=lambda local, source, version: live_side.stage_for(scheduler, local, source, version),
+    )
 
     def failure_report(request: Any, exc: BaseException, seconds: float) -> results.RankPullReport:
         return results.report_failure(host, rank, exc, seconds=seconds)

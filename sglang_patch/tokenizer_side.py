@@ -54,3 +54,59 @@ def install(module: Any = None) -> None:
     specs = module._COMMUNICATOR_SPECS
     if not any(spec[0] == COMMUNICATOR_NAME for spec in specs):
         specs.append((COMMUNICATOR_NAME, PullWeightsReqOutput))
+
+
+# --- live apply ---------------------------------------------------------------------------------
+
+LIVE_COMMUNICATOR_NAME = "update_weights_from_pulled"
+DIGEST_COMMUNICATOR_NAME = "weights_digest"
+
+
+async def update_weights_from_pulled(tokenizer_manager: Any, request):
+    """Fan the update out to every DP group while generation is held off, like sglang's
+    ``update_weights_from_disk`` (the model-update writer lock, unless the engine is paused)."""
+    from contextlib import nullcontext
+
+    from . import live_results
+    from .io_types import UpdateWeightsFromPulledReqOutput, live_reply_fields
+
+    tokenizer_manager.auto_create_handle_loop()
+    async with tokenizer_manager.is_pause_cond:
+        paused = tokenizer_manager.is_pause
+    lock = tokenizer_manager.model_update_lock.writer_lock if not paused else nullcontext()
+    start = time.monotonic()
+    async with lock:
+        communicator = getattr(tokenizer_manager, f"{LIVE_COMMUNICATOR_NAME}_communicator")
+        replies = await communicator(request)
+    merged = live_results.merge_replies(request.target_version, [live_reply_fields(r) for r in replies])
+    output = UpdateWeightsFromPulledReqOutput(**merged)
+    if output.success:
+        if output.mode == live_results.RELOAD:
+            load_format = getattr(tokenizer_manager.server_args, "load_format", None)
+            tokenizer_manager._update_model_path_info(request.local_checkpoint_dir, load_format)
+        tokenizer_manager._update_weight_version_if_provided(str(request.target_version))
+    log.info(
+        "update_weights_from_pulled: v%d %s (%s) in %.3fs: %s", request.target_version, output.mode,
+        output.reason or "live", time.monotonic() - start, output.message,
+    )
+    return output
+
+
+async def weights_digest(tokenizer_manager: Any, request):
+    from .io_types import WeightsDigestReqOutput
+
+    tokenizer_manager.auto_create_handle_loop()
+    communicator = getattr(tokenizer_manager, f"{DIGEST_COMMUNICATOR_NAME}_communicator")
+    replies = await communicator(request)
+    return WeightsDigestReqOutput(ranks=[r for reply in replies for r in reply.ranks])
+
+
+def install_live(module: Any = None) -> None:
+    if module is None:
+        from sglang.srt.managers import tokenizer_control_mixin as module
+    from .io_types import UpdateWeightsFromPulledReqOutput, WeightsDigestReqOutput
+
+    specs = module._COMMUNICATOR_SPECS
+    for name, out_type in ((LIVE_COMMUNICATOR_NAME, UpdateWeightsFromPulledReqOutput), (DIGEST_COMMUNICATOR_NAME, WeightsDigestReqOutput)):
+        if not any(spec[0] == name for spec in specs):
+            specs.append((name, out_type))

@@ -31,12 +31,15 @@ class VersionFeed:
         self.expected: dict[int, dict] = {0: read_state_dict(self.model_dir)}
         os.makedirs(self.source_dir, exist_ok=True)
 
-    def publish(self, version: int, *, encoding: str = "xor", full: bool | None = None, fraction: float = 0.05):
-        """Publish ``version`` (a perturbation of ``version - 1``); returns the core's PublishResult."""
+    def publish(
+        self, version: int, *, encoding: str = "xor", full: bool | None = None, fraction: float = 0.05, names=None
+    ):
+        """Publish ``version`` (a perturbation of ``version - 1``, of ``names`` only when given);
+        returns the core's PublishResult."""
         from weightsync import Publisher
 
         previous = self.expected[version - 1]
-        tensors = perturb_state_dict(previous, version, fraction=fraction, seed=self.seed)
+        tensors = perturb_state_dict(previous, version, fraction=fraction, seed=self.seed, names=names)
         publisher = Publisher(self.source_dir, encoding=encoding, template_dir=self.model_dir)
         try:
             publisher.seed_snapshot(to_raw_tensors(previous), version=version - 1)

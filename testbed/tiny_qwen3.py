@@ -32,6 +32,9 @@ TINY_QWEN3_CONFIG = dict(
     tie_word_embeddings=False,
 )
 TOKENIZER_VOCAB_SIZE = 1000
+# A variant for the coordinate map: lm_head tied to the embedding, and a vocab (the tokenizer's
+# 1000) that sglang pads to a multiple of 64 per TP rank, so the padded rows come from nowhere.
+TIED_PADDED_VOCAB = dict(tie_word_embeddings=True, vocab_size=TOKENIZER_VOCAB_SIZE)
 EOS_TOKEN = "<|endoftext|>"
 # Wide init: greedy next-token margins are large, so greedy decoding is stable across implementations.
 INITIALIZER_RANGE = 0.3
@@ -78,9 +81,10 @@ def make_tokenizer(out_dir: str | os.PathLike, seed: int = 0):
     return fast
 
 
-def make_tiny_qwen3(dir: str | os.PathLike, seed: int = 0) -> str:
+def make_tiny_qwen3(dir: str | os.PathLike, seed: int = 0, **config_overrides) -> str:
     """Write a tiny random Qwen3 (bf16, sharded safetensors + index) and its tokenizer to ``dir``.
 
+    ``config_overrides`` replace entries of ``TINY_QWEN3_CONFIG`` (e.g. ``TIED_PADDED_VOCAB``).
     Returns ``dir`` as a string. The directory is created if needed; existing files are
     overwritten.
     """
@@ -95,7 +99,7 @@ def make_tiny_qwen3(dir: str | os.PathLike, seed: int = 0) -> str:
     eos_id = tokenizer.convert_tokens_to_ids(EOS_TOKEN)
 
     config = Qwen3Config(
-        **TINY_QWEN3_CONFIG,
+        **{**TINY_QWEN3_CONFIG, **config_overrides},
         initializer_range=INITIALIZER_RANGE,
         bos_token_id=eos_id,
         eos_token_id=eos_id,
@@ -260,10 +264,13 @@ def to_raw_tensors(tensors: dict) -> dict:
     return out
 
 
-def perturb_state_dict(tensors: dict, step: int, *, fraction: float = 0.05, scale: float = 0.5, seed: int = 0) -> dict:
+def perturb_state_dict(
+    tensors: dict, step: int, *, fraction: float = 0.05, scale: float = 0.5, seed: int = 0, names=None
+) -> dict:
     """A new state dict: ``fraction`` of each tensor's elements get noise (deterministic per step).
 
     Large enough changes (``scale`` relative to the init range) that greedy output moves.
+    ``names`` (default: all) limits the change to some tensors.
     """
     import torch
 
@@ -271,6 +278,9 @@ def perturb_state_dict(tensors: dict, step: int, *, fraction: float = 0.05, scal
     out = {}
     for name in sorted(tensors):
         t = tensors[name].clone()
+        if names is not None and name not in names:
+            out[name] = t
+            continue
         mask = torch.rand(t.shape, generator=gen) < fraction
         noise = torch.randn(t.shape, generator=gen) * scale
         out[name] = torch.where(mask, (t.float() + noise).to(t.dtype), t)

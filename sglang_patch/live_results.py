@@ -1,0 +1,158 @@
+"""Outcomes of ``/update_weights_from_pulled``: one report per rank, one reply. No sglang here.
+
+Every TP rank reports what it did (``LiveRankReport``); reports are all-gathered over the TP
+group and merged per host, and the DP groups' replies are merged again on the tokenizer side.
+
+Invariants:
+- The mode is decided together: ``live`` only if every rank can patch live; one rank's reason
+  to reload makes every rank reload (``choose_mode``), so no rank is ever at another version.
+- A reply is a success only if every rank succeeded; ``rolled_back`` says every rank was put
+  back exactly at the previous version after a failure on any of them.
+- ``reason`` is why the call reloaded (None for a live apply), prefixed with the rank that
+  could not patch live.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import msgspec
+
+LIVE = "live"
+RELOAD = "reload"
+
+
+class LiveDecision(msgspec.Struct, frozen=True):
+    """One rank's vote before the pause: can it patch live, and if not, why."""
+
+    rank: str
+    live: bool
+    reason: Optional[str] = None
+    error_type: Optional[str] = None  # a refusal (bad request, forbidden): nobody does anything
+    http_status: int = 200
+    message: str = ""
+
+
+class LiveRankReport(msgspec.Struct, kw_only=True):
+    host: str
+    rank: str
+    success: bool
+    mode: str
+    reason: Optional[str] = None
+    message: str = ""
+    weight_version: Optional[int] = None
+    elements_scattered: int = 0
+    pause_s: float = 0.0
+    rolled_back: bool = False
+    stage_s: float = 0.0
+    staged_nbytes: int = 0
+
+
+class LiveHostResult(msgspec.Struct, kw_only=True):
+    host: str
+    ranks: list[str]
+    success: bool
+    mode: str
+    reason: Optional[str] = None
+    message: str = ""
+    weight_version: Optional[int] = None
+    elements_scattered: int = 0
+    pause_s: float = 0.0
+    rolled_back: bool = False
+    stage_s: float = 0.0
+    staged_nbytes: int = 0
+
+
+def choose_mode(decisions: Sequence[LiveDecision]) -> tuple[str, Optional[str]]:
+    """``(mode, reason)`` all ranks follow: live only when every rank can."""
+    for d in decisions:
+        if not d.live:
+            return RELOAD, f"{d.rank}: {d.reason}"
+    return LIVE, None
+
+
+def first_refusal(decisions: Sequence[LiveDecision]) -> Optional[LiveDecision]:
+    refused = [d for d in decisions if d.error_type is not None]
+    return min(refused, key=lambda d: d.http_status) if refused else None
+
+
+def merge_hosts(items: Sequence[LiveRankReport | LiveHostResult]) -> list[LiveHostResult]:
+    by_host: dict[str, list] = {}
+    for item in items:
+        by_host.setdefault(item.host, []).append(item)
+    out = []
+    for host in sorted(by_host):
+        group = by_host[host]
+        ranks: list[str] = []
+        for item in group:
+            ranks.extend(item.ranks if isinstance(item, LiveHostResult) else [item.rank])
+        failed = [i for i in group if not i.success]
+        versions = {i.weight_version for i in group}
+        out.append(
+            LiveHostResult(
+                host=host,
+                ranks=sorted(set(ranks)),
+                success=not failed and len(versions) == 1,
+                mode=RELOAD if any(i.mode == RELOAD for i in group) else LIVE,
+                reason=next((i.reason for i in group if i.reason), None),
+                message=(failed[0].message if failed else group[0].message),
+                weight_version=versions.pop() if len(versions) == 1 else None,
+                elements_scattered=sum(i.elements_scattered for i in group),
+                pause_s=max(i.pause_s for i in group),
+                rolled_back=any(i.rolled_back for i in group),
+                stage_s=max(i.stage_s for i in group),
+                staged_nbytes=sum(i.staged_nbytes for i in group),
+            )
+        )
+    return out
+
+
+def summarize(target_version: int, hosts: Sequence[LiveHostResult], *, error_type: Optional[str] = None,
+              http_status: int = 200, message: Optional[str] = None) -> dict:
+    """The reply's fields (see ``UpdateWeightsFromPulledReqOutput``)."""
+    hosts = list(hosts)
+    ok = error_type is None and bool(hosts) and all(h.success and h.weight_version == target_version for h in hosts)
+    mode = RELOAD if any(h.mode == RELOAD for h in hosts) else LIVE
+    reason = next((h.reason for h in hosts if h.reason), None)
+    versions = {h.weight_version for h in hosts}
+    rolled_back = bool(hosts) and any(h.rolled_back for h in hosts)
+    if message is None:
+        if ok:
+            how = "patched live" if mode == LIVE else f"reloaded from the local checkpoint ({reason})"
+            message = f"v{target_version} is served on {len(hosts)} host(s): {how}"
+        elif not hosts:
+            message = "no scheduler rank answered"
+        else:
+            failed = [h for h in hosts if not (h.success and h.weight_version == target_version)]
+            details = "; ".join(f"{h.host}: {h.message}" for h in failed)
+            message = f"update to v{target_version} failed on {len(failed)} of {len(hosts)} host(s): {details}"
+            if rolled_back:
+                message += " (every rank was restored to the previous version)"
+    if not ok and error_type is None:
+        error_type, http_status = ("internal_error", 500)
+    return dict(
+        success=ok,
+        mode=mode,
+        reason=reason,
+        message=message,
+        error_type=error_type,
+        http_status=http_status if not ok else 200,
+        target_version=target_version,
+        weight_version=versions.pop() if len(versions) == 1 else None,
+        elements_scattered=sum(h.elements_scattered for h in hosts),
+        pause_s=max((h.pause_s for h in hosts), default=0.0),
+        rolled_back=rolled_back,
+        hosts=hosts,
+    )
+
+
+def merge_replies(target_version: int, replies: Sequence[dict]) -> dict:
+    """One reply from the DP groups' replies; a refusal (4xx) of any group is the reply."""
+    for r in replies:
+        if r.get("error_type") not in (None, "internal_error") and not r.get("hosts"):
+            return dict(r)
+    hosts = merge_hosts([h for r in replies for h in r.get("hosts", [])])
+    failed = [r for r in replies if not r.get("success")]
+    if failed and not hosts:
+        return dict(failed[0])
+    return summarize(target_version, hosts)

@@ -1,0 +1,550 @@
+"""Scheduler side of live apply: the live version, the map, staging, the pause, and the hooks.
+
+Per scheduler rank, one ``LiveApplyState`` (on ``scheduler._weightsync_live``):
+
+- **The live version** (``LiveVersion``): at start-up version 0 (the seed dir the engine loaded).
+  After a reload from a local checkpoint dir (``/update_weights_from_disk`` or our reload
+  route) it is what that dir's marker or verified note names; after any other weight update
+  (another path, tensors, distributed, IPC) it is unknown until the next reload from a dir.
+  Every weight update also bumps ``generation``, which voids a proof or a staging in flight.
+- **The map**: built once per engine lifetime on a thread started at the first loop
+  iteration, then proven against the seed dir while the live weights still hold version 0.
+- **Staging**: ``stage_after_pull`` runs in each rank's pull thread once the core verified
+  the local checkpoint (see ``live_patch``).
+- **The pause**: ``handle_update`` runs in the scheduler's request dispatch on every TP rank at
+  the same loop iteration (sglang broadcasts the request). The ranks all-gather their votes,
+  then either all scatter (and all-gather the outcome: one failure and every rank restores
+  its undo log) or all reload with sglang's own ``update_weights_from_disk``.
+
+Test-only switches (environment, read by the scheduler processes):
+``WEIGHTSYNC_TEST_FAULT_DIR``: a file ``live-apply-fault-<rank label with / as _>`` there
+makes that rank fail once in the middle of its next scatter (the file is removed);
+``WEIGHTSYNC_TEST_POST_LOAD_TRANSFORM=param``: after every load, nudge one element of that
+parameter by one ulp (a stand-in for AMX packing or an MoE shuffle; see ``plugin``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import threading
+import time
+from typing import Any, NamedTuple, Optional
+
+import weightsync.positions as positions
+from weightsync.errors import InvalidRequestError, PathNotAllowedError
+
+from . import live_results as lr
+from .coordinate_map import CheckpointReader, CoordinateMap, build_coordinate_map, prove_map
+from .live_patch import StagedUpdate, StagingRefused, scatter_with_undo, stage_update
+from .paths import ALLOWED_ROOTS_FLAG
+
+log = logging.getLogger(__name__)
+
+LIVE_STATE_ATTR = "_weightsync_live"
+FAULT_DIR_ENV = "WEIGHTSYNC_TEST_FAULT_DIR"
+TRANSFORM_ENV = "WEIGHTSYNC_TEST_POST_LOAD_TRANSFORM"
+
+
+class LiveVersion(NamedTuple):
+    version: int
+    source_dir: Optional[str]  # None: version 0, the seed dir (any source's chain starts there)
+    how: str
+
+
+class InjectedFault(RuntimeError):
+    """The test-only fault of ``WEIGHTSYNC_TEST_FAULT_DIR``."""
+
+
+def fault_file(rank: str) -> Optional[str]:
+    directory = os.environ.get(FAULT_DIR_ENV)
+    return os.path.join(directory, "live-apply-fault-" + rank.replace("/", "_")) if directory else None
+
+
+def digest_params(model: Any, names: Optional[list] = None) -> dict[str, str]:
+    """blake2b of every parameter's bytes (name order)."""
+    import torch
+
+    out = {}
+    for name, p in sorted(model.named_parameters()):
+        if names and name not in names:
+            continue
+        t = p.detach().reshape(-1).cpu().contiguous()
+        out[name] = hashlib.blake2b(t.view(torch.uint8).numpy().tobytes(), digest_size=16).hexdigest()
+    return out
+
+
+class LiveApplyState:
+    """One scheduler rank's live-apply state (see the module docstring)."""
+
+    def __init__(self, *, scheduler: Any, group: Any, host: str, rank: str, seed_dir: Optional[str],
+                 allowed_roots: tuple, max_changed_fraction: float) -> None:
+        self.scheduler = scheduler
+        self.group = group
+        self.host = host
+        self.rank = rank
+        self.seed_dir = seed_dir
+        self.allowed_roots = allowed_roots
+        self.max_changed_fraction = max_changed_fraction
+        self._lock = threading.Lock()
+        self.generation = 0
+        self.live: Optional[LiveVersion] = LiveVersion(0, None, "start-up from the seed dir") if seed_dir else None
+        self.live_reason = "" if seed_dir else "the engine's model path is not a local dir"
+        self.cmap: Optional[CoordinateMap] = None
+        self.map_error: Optional[str] = None
+        self._map_thread: Optional[threading.Thread] = None
+        self.staged: Optional[StagedUpdate] = None
+        self.stage_reason: Optional[str] = "nothing staged yet (pull the target version first)"
+
+    # --- the model ---------------------------------------------------------------------------
+
+    @property
+    def model(self):
+        return self.scheduler.tp_worker.model_runner.model
+
+    def params(self) -> dict:
+        return {name: p.data for name, p in self.model.named_parameters()}
+
+    # --- the live version --------------------------------------------------------------------
+
+    def begin_weight_change(self) -> None:
+        with self._lock:
+            self.generation += 1
+            self.staged = None
+
+    def after_reload(self, model_path: Optional[str], success: bool) -> None:
+        """After sglang's update_weights_from_disk (ours or anyone's)."""
+        with self._lock:
+            self.generation += 1
+            self.staged = None
+            self.stage_reason = "the weights were reloaded after the last staging"
+            held = positions.held_version(model_path) if success and model_path and os.path.isdir(model_path) else None
+            if held is not None:
+                self.live = LiveVersion(held.version, held.source_dir if held.version > 0 else None, f"reload from {model_path} ({held.how})")
+                self.live_reason = ""
+            else:
+                self.live = None
+                self.live_reason = (
+                    f"the weights were reloaded from {model_path}, which names no verified version"
+                    if success else f"a reload from {model_path} failed"
+                )
+        log.info("live apply %s: live version now %s", self.rank, self.describe_live())
+
+    def after_other_update(self, how: str) -> None:
+        with self._lock:
+            self.generation += 1
+            self.staged = None
+            self.live = None
+            self.live_reason = f"the weights were last updated through {how}"
+            self.stage_reason = self.live_reason
+
+    def describe_live(self) -> str:
+        return f"v{self.live.version} ({self.live.how})" if self.live else f"unknown ({self.live_reason})"
+
+    # --- the map -----------------------------------------------------------------------------
+
+    def ensure_map_started(self) -> None:
+        if self._map_thread is None:
+            self._map_thread = threading.Thread(target=self._build_and_prove, name="weightsync-map", daemon=True)
+            self._map_thread.start()
+
+    def _build_and_prove(self) -> None:
+        try:
+            if self.seed_dir is None:
+                raise RuntimeError("the engine's model path is not a local dir: no checkpoint to map")
+            reader = CheckpointReader(self.seed_dir)
+            cmap = build_coordinate_map(self.model, reader.specs())
+            log.info(
+                "live apply %s: coordinate map built in %.3fs: %d placements for %d tensors, %d B; reload-only: %s",
+                self.rank, cmap.build_s, cmap.placement_count(), len(cmap.placements), cmap.nbytes(),
+                {**cmap.reload_only_tensors, **cmap.reload_only_params} or "none",
+            )
+            self.cmap = cmap
+            self.prove(reader, expected=LiveVersion(0, None, ""))
+        except Exception as exc:
+            log.exception("live apply %s: the coordinate map could not be built", self.rank)
+            self.map_error = f"{type(exc).__name__}: {exc}"
+
+    def prove(self, reader: CheckpointReader, expected: LiveVersion) -> None:
+        """Prove the map while the live weights hold ``expected`` (the reader's version)."""
+        cmap = self.cmap
+        with self._lock:
+            generation, live = self.generation, self.live
+        if cmap is None or live is None or live.version != expected.version:
+            return
+        ok = prove_map(cmap, self.params(), reader.tensor, still_valid=lambda: self.generation == generation)
+        log.info("live apply %s: proof %s in %.3fs: %s", self.rank, "done" if ok else "voided (weights changed)",
+                 cmap.proof_s, cmap.proof_reason)
+
+    def map_status(self) -> Optional[str]:
+        """None when the map is ready to use, else why not."""
+        if self.map_error:
+            return f"the coordinate map failed: {self.map_error}"
+        if self.cmap is None:
+            return "the coordinate map is still being built"
+        if not self.cmap.proven:
+            return "the coordinate map is not proven against the live weights yet"
+        return None
+
+    # --- staging (pull thread) ---------------------------------------------------------------
+
+    def stage_after_pull(self, local_dir: str, source_dir: str, target_version: int) -> None:
+        """Stage ``live -> target`` from the verified local dir; never raises (the pull succeeded)."""
+        with self._lock:
+            generation, live = self.generation, self.live
+            self.staged = None
+        try:
+            staged = self._stage(local_dir, source_dir, target_version, generation, live)
+            reason = None
+        except StagingRefused as exc:
+            staged, reason = None, exc.reason
+        except Exception as exc:
+            log.exception("live apply %s: staging v%d failed", self.rank, target_version)
+            staged, reason = None, f"staging failed: {type(exc).__name__}: {exc}"
+        with self._lock:
+            if self.generation != generation:
+                staged, reason = None, "the weights changed while the update was being staged"
+            self.staged, self.stage_reason = staged, reason
+        if staged is not None:
+            log.info(
+                "live apply %s: staged v%d -> v%d: %d elements of %d tensors (%d B host memory) in %.3fs",
+                self.rank, staged.from_version, staged.to_version, staged.elements, staged.tensors, staged.nbytes, staged.stage_s,
+            )
+        else:
+            log.info("live apply %s: v%d not staged: %s", self.rank, target_version, reason)
+
+    def _stage(self, local_dir: str, source_dir: str, target: int, generation: int, live: Optional[LiveVersion]) -> StagedUpdate:
+        if live is None:
+            raise StagingRefused(f"the live version is unknown: {self.live_reason}")
+        status = self.map_status()
+        if status is not None:
+            raise StagingRefused(status)
+        source_real = os.path.realpath(source_dir)
+        if live.source_dir is not None and live.source_dir != source_real:
+            raise StagingRefused(f"the live version v{live.version} came from another source dir ({live.source_dir})")
+        if target <= live.version:
+            raise StagingRefused(f"the live version v{live.version} is not below the target v{target}")
+        chain, indexes = positions.plan_change_chain(source_dir, live.version, target)
+        if not chain.is_deltas_only:
+            raise StagingRefused(f"v{chain.full_version} in the chain v{live.version} -> v{target} is a full version")
+        assert self.cmap is not None
+        max_elements = int(self.max_changed_fraction * self.cmap.mapped_elements)
+        staged = StagedUpdate(live.version, target, source_real, os.path.realpath(local_dir), generation)
+        return stage_update(
+            self.cmap, self.params(), positions.iter_changed_elements(local_dir, source_dir, chain, indexes),
+            CheckpointReader(local_dir), max_elements=max_elements, staged=staged,
+        )
+
+    # --- the pause (scheduler thread, every TP rank) -------------------------------------------
+
+    def _vote(self, request: Any) -> lr.LiveDecision:
+        try:
+            local = _check_local_dir(request.local_checkpoint_dir, self.allowed_roots)
+            target = request.target_version
+            if isinstance(target, bool) or not isinstance(target, int) or target < 0:
+                raise InvalidRequestError(f"target_version must be an integer >= 0, got {target!r}")
+            held = positions.held_version(local)
+            if held is None or held.version != target:
+                raise InvalidRequestError(
+                    f"the local checkpoint {local} holds {('v%d' % held.version) if held else 'no verified version'}, "
+                    f"not the target v{target}: pull it first (POST /pull_weights)"
+                )
+        except (InvalidRequestError, PathNotAllowedError) as exc:
+            return lr.LiveDecision(rank=self.rank, live=False, error_type=exc.error_type,
+                                   http_status=int(exc.http_status), message=str(exc))
+        with self._lock:
+            staged, live = self.staged, self.live
+            if live is None:
+                return lr.LiveDecision(rank=self.rank, live=False, reason=f"the live version is unknown: {self.live_reason}")
+            if staged is None:
+                return lr.LiveDecision(rank=self.rank, live=False, reason=self.stage_reason or "nothing staged")
+            if staged.to_version != target or staged.local_checkpoint_dir != local:
+                return lr.LiveDecision(rank=self.rank, live=False,
+                                       reason=f"the staged update is for v{staged.to_version} in {staged.local_checkpoint_dir}")
+            if staged.generation != self.generation or staged.from_version != live.version:
+                return lr.LiveDecision(rank=self.rank, live=False, reason="the weights changed after staging")
+            if held.source_dir != staged.source_dir:
+                return lr.LiveDecision(rank=self.rank, live=False, reason="the local checkpoint came from another source dir")
+        return lr.LiveDecision(rank=self.rank, live=True)
+
+    def handle_update(self, request: Any) -> Any:
+        """``UpdateWeightsFromPulledReqInput`` -> the DP group's reply (every rank; entry rank sends)."""
+        from .io_types import UpdateWeightsFromPulledReqOutput
+
+        start = time.perf_counter()
+        target = getattr(request, "target_version", -1)
+        try:
+            votes = self._all_gather(self._vote(request))
+            refusal = lr.first_refusal(votes)
+            if refusal is not None:
+                fields = lr.summarize(target, [], error_type=refusal.error_type, http_status=refusal.http_status,
+                                      message=refusal.message)
+                return UpdateWeightsFromPulledReqOutput(**fields)
+            mode, reason = lr.choose_mode(votes)
+            if mode == lr.LIVE:
+                report = self._apply_live(request, start)
+            else:
+                report = self._reload(request, reason, start)
+            reports = self._all_gather(report)
+            fields = lr.summarize(target, lr.merge_hosts(reports))
+        except Exception as exc:  # never into the scheduler
+            log.exception("live apply %s: the update failed", self.rank)
+            fields = lr.summarize(target, [], message=f"update_weights_from_pulled failed inside the scheduler: "
+                                                      f"{type(exc).__name__}: {exc}")
+        _observe_pause(fields)
+        return UpdateWeightsFromPulledReqOutput(**fields)
+
+    def _apply_live(self, request: Any, start: float) -> lr.LiveRankReport:
+        staged = self.staged
+        assert staged is not None
+        params = self.params()
+        fault = fault_file(self.rank)
+
+        def before_write(k: int, param: str) -> None:
+            if fault and k == len(staged.patches) // 2 and os.path.exists(fault):
+                os.unlink(fault)
+                raise InjectedFault(f"injected fault on {self.rank} while writing {param} (patch {k} of {len(staged.patches)})")
+
+        undo, error, written = None, None, 0
+        try:
+            undo, written = scatter_with_undo(staged, params, before_write=before_write)
+        except Exception as exc:
+            log.warning("live apply %s: scatter failed, this rank restored: %s", self.rank, exc)
+            error = f"{type(exc).__name__}: {exc}"
+        outcomes = self._all_gather(error)
+        failed = [(i, e) for i, e in enumerate(outcomes) if e is not None]
+        if failed:
+            if undo is not None:
+                undo.restore()
+            message = "; ".join(f"rank {i}: {e}" for i, e in failed)
+            log.warning("live apply %s: rolled back v%d -> v%d: %s", self.rank, staged.to_version, staged.from_version, message)
+            return lr.LiveRankReport(
+                host=self.host, rank=self.rank, success=False, mode=lr.LIVE, message=f"live apply failed, rolled back: {message}",
+                weight_version=self.live.version if self.live else None, pause_s=time.perf_counter() - start,
+                rolled_back=True, stage_s=staged.stage_s, staged_nbytes=staged.nbytes,
+            )
+        manager = self.scheduler.weight_updater
+        ok, message = manager.flush_cache_after_weight_update(request, True, f"patched {written} elements live")
+        manager.record_weight_version_after_update(str(staged.to_version))
+        with self._lock:
+            self.generation += 1
+            self.live = LiveVersion(staged.to_version, staged.source_dir, f"live apply from {staged.local_checkpoint_dir}")
+            self.live_reason = ""
+            self.staged = None
+            self.stage_reason = f"v{staged.to_version} was applied; nothing staged since"
+        return lr.LiveRankReport(
+            host=self.host, rank=self.rank, success=ok, mode=lr.LIVE, message=message,
+            weight_version=staged.to_version, elements_scattered=written, pause_s=time.perf_counter() - start,
+            stage_s=staged.stage_s, staged_nbytes=staged.nbytes,
+        )
+
+    def _reload(self, request: Any, reason: Optional[str], start: float) -> lr.LiveRankReport:
+        from sglang.srt.managers.io_struct import UpdateWeightFromDiskReqInput
+
+        local = os.path.realpath(request.local_checkpoint_dir)
+        load_format = getattr(self.scheduler.server_args, "load_format", None)
+        out = self.scheduler.weight_updater.update_weights_from_disk(
+            UpdateWeightFromDiskReqInput(
+                model_path=local, load_format=load_format, weight_version=str(request.target_version),
+                flush_cache=request.flush_cache,
+            )
+        )
+        live = self.live
+        return lr.LiveRankReport(
+            host=self.host, rank=self.rank, success=bool(out.success), mode=lr.RELOAD, reason=reason,
+            message=out.message, weight_version=live.version if (out.success and live) else None,
+            pause_s=time.perf_counter() - start,
+        )
+
+    def handle_digest(self, request: Any) -> Any:
+        from .io_types import RankDigests, WeightsDigestReqOutput
+
+        try:
+            mine = RankDigests(
+                host=self.host, rank=self.rank, digests=digest_params(self.model, request.names),
+                live_version=self.live.version if self.live else None, live_reason=self.describe_live(),
+                coordinate_map=self.cmap.summary() if self.cmap is not None else {"error": self.map_error or "building"},
+            )
+        except Exception as exc:
+            log.exception("weights_digest failed")
+            mine = RankDigests(host=self.host, rank=self.rank, digests={}, live_reason=f"digest failed: {exc}")
+        ranks = self._all_gather(mine)
+        return WeightsDigestReqOutput(ranks=list(ranks))
+
+    def _all_gather(self, obj: Any) -> list:
+        return self.group.all_gather(obj) if self.group.size > 1 else [obj]
+
+
+def _check_local_dir(value: object, allowed_roots: tuple) -> str:
+    from .paths import _check_one
+
+    if not allowed_roots:
+        raise PathNotAllowedError(str(value), [], f"no allowed roots are configured; start the server with {ALLOWED_ROOTS_FLAG}")
+    return _check_one("local_checkpoint_dir", value, allowed_roots)
+
+
+def _observe_pause(fields: dict) -> None:
+    try:
+        from . import metrics  # the stack developer's module, when it has landed
+    except ImportError:
+        return
+    observe = getattr(metrics, "observe_weight_update_pause", None)
+    if observe is not None and fields.get("success"):
+        try:
+            observe(fields["mode"], float(fields["pause_s"]))
+        except Exception:
+            log.debug("observe_weight_update_pause failed", exc_info=True)
+
+
+# --- sglang hooks -------------------------------------------------------------------------------
+
+
+def state_of(scheduler: Any) -> Optional[LiveApplyState]:
+    return getattr(scheduler, LIVE_STATE_ATTR, None) if scheduler is not None else None
+
+
+def stage_for(scheduler: Any, local_dir: str, source_dir: str, target_version: int) -> None:
+    """Called by the pull thread once the local checkpoint holds ``target_version`` verified."""
+    state = state_of(scheduler)
+    if state is not None:
+        state.stage_after_pull(local_dir, source_dir, target_version)
+
+
+def make_state(scheduler: Any) -> LiveApplyState:
+    from sglang.srt.runtime_context import get_parallel
+
+    from . import results
+    from .coordinator import SingleRankGroup
+    from .scheduler_side import TorchCpuGroup, resolve_seed_dir
+    from .server_flags import options_of
+
+    server_args = scheduler.server_args
+    parallel = get_parallel()
+    tp_size = int(parallel.tp_size)
+    group = TorchCpuGroup(parallel.tp_group.cpu_group, tp_size) if tp_size > 1 else SingleRankGroup()
+    try:
+        dp_rank = parallel.dp_rank
+    except Exception:
+        dp_rank = None
+    options = options_of(server_args)
+    return LiveApplyState(
+        scheduler=scheduler,
+        group=group,
+        host=results.host_label(int(getattr(server_args, "node_rank", 0) or 0)),
+        rank=f"dp{dp_rank if dp_rank is not None else 0}/tp{int(parallel.tp_rank)}",
+        seed_dir=resolve_seed_dir(server_args.model_path, getattr(server_args, "download_dir", None)),
+        allowed_roots=options.allowed_roots,
+        max_changed_fraction=options.live_max_changed_fraction,
+    )
+
+
+def _safely(fn):
+    def hook(*args, **kwargs):
+        try:
+            fn(*args, **kwargs)
+        except Exception:
+            log.exception("live apply: hook %s failed", fn.__name__)
+        return None
+
+    hook.__name__ = fn.__name__
+    return hook
+
+
+@_safely
+def _after_init_request_dispatcher(result, scheduler, *args, **kwargs):
+    from .io_types import UpdateWeightsFromPulledReqInput, WeightsDigestReqInput
+
+    if state_of(scheduler) is None:
+        setattr(scheduler, LIVE_STATE_ATTR, make_state(scheduler))
+    state = state_of(scheduler)
+
+    def update(request):
+        return state.handle_update(request)
+
+    def digest(request):
+        return state.handle_digest(request)
+
+    scheduler._request_dispatcher += type(scheduler._request_dispatcher)(
+        [(UpdateWeightsFromPulledReqInput, update), (WeightsDigestReqInput, digest)]
+    )
+
+
+@_safely
+def _after_process_input_requests(result, scheduler, *args, **kwargs):
+    state = state_of(scheduler)
+    if state is not None and state._map_thread is None:
+        state.ensure_map_started()
+
+
+@_safely
+def _before_reload(manager, *args, **kwargs):
+    state = state_of(getattr(manager, "scheduler", None))
+    if state is not None:
+        state.begin_weight_change()
+
+
+@_safely
+def _after_reload(result, manager, recv_req=None, *args, **kwargs):
+    state = state_of(getattr(manager, "scheduler", None))
+    if state is not None:
+        state.after_reload(getattr(recv_req, "model_path", None), bool(getattr(result, "success", False)))
+
+
+def _other_update(how: str):
+    @_safely
+    def hook(*args, **kwargs):
+        manager = args[1] if len(args) > 1 and not hasattr(args[0], "scheduler") else args[0]
+        state = state_of(getattr(manager, "scheduler", None))
+        if state is not None:
+            state.after_other_update(how)
+
+    return hook
+
+
+def _transform_after_load(result, model, *args, **kwargs):
+    """Test-only: a post-load transform of one parameter (``WEIGHTSYNC_TEST_POST_LOAD_TRANSFORM``)."""
+    import torch
+
+    name = os.environ.get(TRANSFORM_ENV)
+    if not name:
+        return None
+    params = dict(model.named_parameters())
+    if name in params:
+        with torch.no_grad():
+            flat = params[name].data.view(-1)
+            flat[0] = torch.nextafter(flat[0], torch.tensor(float("inf"), dtype=flat.dtype))
+        log.warning("test-only post-load transform: nudged %s[0] by one ulp", name)
+    return None
+
+
+_installed = False
+
+
+def register_hooks(*_ignored) -> None:
+    """Register the live-apply hooks; ``scheduler_side.install`` applies them with its own.
+
+    sglang's HookRegistry patches a target once: hooks on a target registered after it was
+    patched are ignored, so both sides' hooks must be registered before the one apply.
+    """
+    global _installed
+    if _installed:
+        return
+    _installed = True
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookSource, HookType
+
+    source = HookSource(plugin_name="pull_weights", dist_name="weightsync")
+    sched = "sglang.srt.managers.scheduler.Scheduler"
+    manager = "sglang.srt.managers.scheduler_components.weight_updater.SchedulerWeightUpdaterManager"
+    HookRegistry.register(f"{sched}.init_request_dispatcher", _after_init_request_dispatcher, HookType.AFTER, source=source)
+    HookRegistry.register(f"{sched}.process_input_requests", _after_process_input_requests, HookType.AFTER, source=source)
+    HookRegistry.register(f"{manager}.update_weights_from_disk", _before_reload, HookType.BEFORE, source=source)
+    HookRegistry.register(f"{manager}.update_weights_from_disk", _after_reload, HookType.AFTER, source=source)
+    for method in ("update_weights_from_tensor", "update_weights_from_distributed", "update_weights_from_ipc"):
+        HookRegistry.register(f"{manager}.{method}", _other_update(method), HookType.BEFORE, source=source)
+        HookRegistry.register(f"{manager}.{method}", _other_update(method), HookType.AFTER, source=source)
+    if os.environ.get(TRANSFORM_ENV):
+        HookRegistry.register(
+            "sglang.srt.model_loader.loader.DefaultModelLoader.postprocess_weights",
+            _transform_after_load, HookType.AFTER, source=source,
+        )
