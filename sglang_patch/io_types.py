@@ -101,6 +101,7 @@ class RankDigests(msgspec.Struct, kw_only=True):
     host: str
     rank: str
     digests: Dict[str, str]
+    data_ptrs: Dict[str, int] = {}  # a live apply must leave every storage where it was (CUDA graphs)
     live_version: Optional[int] = None
     live_reason: str = ""
     coordinate_map: Dict[str, Any] = {}

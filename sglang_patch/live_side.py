@@ -363,6 +363,7 @@ class LiveApplyState:
         try:
             mine = RankDigests(
                 host=self.host, rank=self.rank, digests=digest_params(self.model, request.names),
+                data_ptrs={n: int(p.data.data_ptr()) for n, p in self.model.named_parameters()},
                 live_version=self.live.version if self.live else None, live_reason=self.describe_live(),
                 coordinate_map=self.cmap.summary() if self.cmap is not None else {"error": self.map_error or "building"},
             )

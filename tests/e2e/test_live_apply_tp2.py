@@ -1,0 +1,223 @@
+"""Live apply (``POST /update_weights_from_pulled``) on one real sglang CPU server at TP=2.
+
+The model is the tiny Qwen3 with GQA (q/k/v fused into qkv_proj and split over two ranks),
+gate_up fused, lm_head tied to the embedding, and a vocab that sglang pads per rank, so one
+server exercises every kind of placement of a dense model. The server computes in fp32 (greedy
+ids equal transformers'), reloads instead of patching when more than 20% of a rank's elements
+changed, nudges one parameter after every load (a stand-in for a post-load transform such as
+AMX packing), and takes a one-shot fault file (``WEIGHTSYNC_TEST_FAULT_DIR``).
+
+"Bit-identical to a reload" is checked through ``POST /weights_digest``: every parameter's
+digest on every rank after a live apply equals the digest after ``/update_weights_from_disk`` of
+the same local checkpoint. The tests run in file order and build on each other.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from testbed.tiny_qwen3 import SERVER_COMPUTE_ARGS, TIED_PADDED_VOCAB
+
+pytestmark = pytest.mark.slow
+
+ADMIN_KEY = "live-admin-key"
+PROMPT = "the quick brown fox"
+NEW_TOKENS = 8
+TRANSFORMED = "model.layers.1.post_attention_layernorm.weight"  # nudged after every load
+THRESHOLD = 0.2
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory, server_factory):
+    from testbed.feed import VersionFeed
+    from testbed.tiny_qwen3 import make_tiny_qwen3
+
+    root = tmp_path_factory.mktemp("live_tp2")
+    model = make_tiny_qwen3(root / "model", **TIED_PADDED_VOCAB)
+    allowed = root / "allowed"
+    (allowed / "shared").mkdir(parents=True)
+    faults = root / "faults"
+    faults.mkdir()
+    server = server_factory(
+        model,
+        tp=2,
+        admin_api_key=ADMIN_KEY,
+        extra_args=[
+            *SERVER_COMPUTE_ARGS,
+            "--pull-weights-allowed-roots", str(allowed),
+            "--update-weights-live-max-changed-fraction", str(THRESHOLD),
+        ],
+        env={"WEIGHTSYNC_TEST_FAULT_DIR": str(faults), "WEIGHTSYNC_TEST_POST_LOAD_TRANSFORM": TRANSFORMED},
+    )  # fmt: skip
+
+    class Env:
+        pass
+
+    e = Env()
+    e.server, e.model, e.faults = server, model, faults
+    e.local = str(allowed / "local")
+    e.feed = VersionFeed(model, allowed / "shared")
+    e.others = sorted(n for n in e.feed.expected[0] if n != TRANSFORMED)
+    return e
+
+
+def digests(env) -> dict:
+    resp = env.server.post("/weights_digest", {})
+    assert resp.status_code == 200, resp.text
+    return {r["rank"]: r for r in resp.json()["ranks"]}
+
+
+def pull(env, version):
+    resp = env.server.post(
+        "/pull_weights",
+        {"local_checkpoint_dir": env.local, "source_dir": env.feed.source_dir, "target_version": version},
+    )
+    assert resp.status_code == 200, resp.text
+
+
+def update(env, version, *, status=200):
+    resp = env.server.post("/update_weights_from_pulled", {"local_checkpoint_dir": env.local, "target_version": version})
+    assert resp.status_code == status, resp.text
+    return resp.json()
+
+
+def reload_digests(env) -> dict:
+    resp = env.server.post("/update_weights_from_disk", {"model_path": env.local})
+    assert resp.status_code == 200, resp.text
+    return digests(env)
+
+
+def assert_same_weights(a: dict, b: dict) -> None:
+    assert sorted(a) == sorted(b) == ["dp0/tp0", "dp0/tp1"]
+    for rank in a:
+        differ = [n for n in a[rank]["digests"] if a[rank]["digests"][n] != b[rank]["digests"][n]]
+        assert not differ, f"{rank}: {differ}"
+
+
+def test_the_map_is_proven_on_every_rank_except_for_the_transformed_parameter(env, record_property):
+    import time
+
+    deadline = time.monotonic() + 120
+    while True:
+        ranks = digests(env)
+        if all(r["coordinate_map"].get("proven") for r in ranks.values()) or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    for rank, r in ranks.items():
+        cmap = r["coordinate_map"]
+        assert cmap["proven"], (rank, cmap)
+        assert r["live_version"] == 0
+        # every parameter is loaded from the checkpoint, and all but the nudged one are proven
+        assert cmap["proven_params"] == len(r["digests"]) - 1
+        assert list(cmap["reload_only_params"]) == [TRANSFORMED]
+        assert "differ from the checkpoint on 1 of" in cmap["reload_only_params"][TRANSFORMED]
+        # tied: one embedding parameter serves lm_head, and its checkpoint has no lm_head tensor
+        assert "model.embed_tokens.weight" in r["digests"] and "lm_head.weight" not in r["digests"]
+        # one placement per loader copy: q, k, v, gate, up and every other tensor once
+        assert cmap["placements"] == cmap["tensors"] == len(env.feed.expected[0])
+        record_property(f"map_{rank}", cmap)
+        print(f"\n[measured] {rank}: map built in {cmap['build_s']}s, proven in {cmap['proof_s']}s, "
+              f"{cmap['placements']} placements, {cmap['nbytes']} B")
+
+
+@pytest.mark.parametrize("version,encoding", [(1, "xor"), (2, "overwrite"), (3, "sparse-v1")])
+def test_a_live_apply_is_bit_identical_to_a_reload_of_the_same_version(env, version, encoding):
+    env.feed.publish(version, encoding=encoding, names=env.others)
+    pull(env, version)
+    before = digests(env)
+    body = update(env, version)
+    assert body["success"] and body["mode"] == "live" and body["reason"] is None, body
+    assert body["weight_version"] == version and body["rolled_back"] is False
+    assert body["elements_scattered"] > 0 and body["pause_s"] > 0
+    [host] = body["hosts"]
+    assert host["ranks"] == ["dp0/tp0", "dp0/tp1"] and host["mode"] == "live"
+    live = digests(env)
+    for rank in live:
+        assert live[rank]["live_version"] == version
+        assert live[rank]["data_ptrs"] == before[rank]["data_ptrs"]  # in place: CUDA graphs stay valid
+        assert live[rank]["digests"] != before[rank]["digests"]
+    assert_same_weights(live, reload_digests(env))
+
+
+def test_a_chain_of_two_deltas_is_applied_live_in_one_call(env):
+    from testbed.tiny_qwen3 import assert_server_greedy_equals
+
+    env.feed.publish(4, encoding="xor", names=env.others)
+    env.feed.publish(5, encoding="sparse-v1", names=env.others)
+    pull(env, 5)  # the live weights are at v3: staged v3 -> v5
+    body = update(env, 5)
+    assert body["mode"] == "live" and body["weight_version"] == 5, body
+    live = digests(env)
+    assert_server_greedy_equals(env.server.generate_ids, env.local, max_new_tokens=NEW_TOKENS)
+    assert_same_weights(live, reload_digests(env))
+
+
+def test_a_full_version_in_the_chain_reloads_and_says_so(env):
+    env.feed.publish(6, encoding="xor", full=True, names=env.others)
+    pull(env, 6)
+    body = update(env, 6)
+    assert body["success"] and body["mode"] == "reload", body
+    assert "v6 in the chain v5 -> v6 is a full version" in body["reason"]
+    assert body["weight_version"] == 6
+    assert {r["live_version"] for r in digests(env).values()} == {6}  # a reload from the dir: its marker
+
+
+def test_more_changed_elements_than_the_threshold_reload(env):
+    env.feed.publish(7, encoding="xor", fraction=0.3, names=env.others)
+    pull(env, 7)
+    body = update(env, 7)
+    assert body["success"] and body["mode"] == "reload", body
+    assert "changed elements on this rank (the live-apply threshold)" in body["reason"]
+
+
+def test_a_change_to_a_reload_only_parameter_reloads_and_names_it(env):
+    env.feed.publish(8, encoding="xor", names=[TRANSFORMED])
+    pull(env, 8)
+    body = update(env, 8)
+    assert body["success"] and body["mode"] == "reload", body
+    assert f"parameter {TRANSFORMED}" in body["reason"] and "is reload-only" in body["reason"]
+    assert "differ from the checkpoint" in body["reason"]
+
+
+def test_after_a_reload_from_another_path_the_live_version_is_unknown_and_the_next_update_reloads(env):
+    resp = env.server.post("/update_weights_from_disk", {"model_path": env.model})
+    assert resp.status_code == 200, resp.text
+    ranks = digests(env)
+    assert {r["live_version"] for r in ranks.values()} == {None}
+    assert all("names no verified version" in r["live_reason"] for r in ranks.values())
+    env.feed.publish(9, encoding="xor", names=env.others)
+    pull(env, 9)
+    body = update(env, 9)
+    assert body["success"] and body["mode"] == "reload", body
+    assert "the live version is unknown" in body["reason"]
+    assert {r["live_version"] for r in digests(env).values()} == {9}
+
+
+def test_a_fault_on_one_rank_mid_apply_restores_every_rank_and_a_retry_succeeds(env):
+    env.feed.publish(10, encoding="overwrite", names=env.others)
+    pull(env, 10)
+    before = digests(env)
+    ids_before = env.server.generate_ids(PROMPT, NEW_TOKENS)
+    (env.faults / "live-apply-fault-dp0_tp1").touch()
+    body = update(env, 10, status=500)
+    assert body["success"] is False and body["rolled_back"] is True and body["mode"] == "live", body
+    assert "injected fault on dp0/tp1" in body["message"]
+    assert not os.path.exists(env.faults / "live-apply-fault-dp0_tp1")
+    after = digests(env)
+    assert_same_weights(after, before)  # both ranks, exactly the previous version
+    assert {r["live_version"] for r in after.values()} == {9}
+    assert env.server.generate_ids(PROMPT, NEW_TOKENS) == ids_before  # still serving v9
+    body = update(env, 10)
+    assert body["success"] and body["mode"] == "live" and body["weight_version"] == 10, body
+    assert_same_weights(digests(env), reload_digests(env))
+
+
+def test_a_request_for_a_version_the_local_checkpoint_does_not_hold_is_refused(env):
+    body = update(env, 11, status=400)
+    assert body["error_type"] == "bad_request" and "pull it first" in body["message"]
+    resp = env.server.post(
+        "/update_weights_from_pulled", {"local_checkpoint_dir": env.local, "target_version": 10}, api_key=""
+    )
+    assert resp.status_code == 401  # the admin level of /update_weights_from_disk
