@@ -33,7 +33,7 @@ import time
 from typing import Any, NamedTuple, Optional
 
 import weightsync.positions as positions
-from weightsync.errors import InvalidRequestError, PathNotAllowedError
+from weightsync.errors import InvalidRequestError, PathNotAllowedError, PositionsUnavailableError
 
 from . import live_results as lr
 from .coordinate_map import CheckpointReader, CoordinateMap, build_coordinate_map, prove_map
@@ -199,6 +199,8 @@ class LiveApplyState:
             reason = None
         except StagingRefused as exc:
             staged, reason = None, exc.reason
+        except PositionsUnavailableError as exc:  # e.g. sparse-v2 with several magnitude classes
+            staged, reason = None, str(exc)
         except Exception as exc:
             log.exception("live apply %s: staging v%d failed", self.rank, target_version)
             staged, reason = None, f"staging failed: {type(exc).__name__}: {exc}"

@@ -341,6 +341,16 @@ def host_resource_error(exc: BaseException) -> HostResourceError | None:
     return None
 
 
+class PositionsUnavailableError(InvalidRequestError):
+    """A chain's changed element positions cannot be read from its payloads alone (a full
+    version, or an encoding whose positions depend on bytes this host no longer holds)."""
+
+    def __init__(self, what: str, *, tensor: str | None = None, encoding: str | None = None):
+        self.tensor = tensor
+        self.encoding = encoding
+        super().__init__(what)
+
+
 def error_types() -> dict[str, int]:
     """error_type -> HTTP status of every concrete error class (for the endpoint's docs/tests)."""
     out: dict[str, int] = {}

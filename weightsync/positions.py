@@ -30,7 +30,7 @@ import numpy as np
 
 from .apply import close_all, load_delta
 from .codecs import SCRATCH
-from .errors import InvalidRequestError, LocalTensorMismatchError, PayloadBoundError
+from .errors import InvalidRequestError, LocalTensorMismatchError, PayloadBoundError, PositionsUnavailableError
 from .layout import format_version, state_path, verified_path
 from .manifest import VersionIndex, checkpoint_weight_files, parse_version_number, read_applied_state, read_version_index
 from .safetensors_io import DTYPE_NBYTES, TensorEntry, local_tensor_table
@@ -87,12 +87,13 @@ def iter_changed_elements(
     tensor bytes are read). Tensors come in name order.
 
     Raises:
-        InvalidRequestError: the chain has a full version (no positions: reload instead).
+        PositionsUnavailableError: the chain has a full version, or a sparse-v2 payload whose
+            positions depend on the old bytes' magnitude classes (reload instead).
         LocalTensorMismatchError: a changed tensor is not in the local checkpoint.
         PayloadBoundError, MalformedHeaderError, ShardMismatchError: a payload is malformed.
     """
     if not chain.is_deltas_only:
-        raise InvalidRequestError(f"v{chain.full_version} is a full version: the chain has no element positions")
+        raise PositionsUnavailableError(f"v{chain.full_version} is a full version: the chain has no element positions")
     table = local_tensor_table(local_checkpoint_dir, checkpoint_weight_files(local_checkpoint_dir))
     keep: list = []
     try:
@@ -117,7 +118,9 @@ def changed_elements(encoding: str, payload, nbytes: int, itemsize: int, tensor:
     """Sorted unique int64 element positions one payload changes in a tensor of ``nbytes``."""
     decode = _DECODERS.get(encoding)
     if decode is None:
-        raise InvalidRequestError(f"no position decoder for delta encoding {encoding!r}; known: {sorted(_DECODERS)}")
+        raise PositionsUnavailableError(
+            f"no position decoder for delta encoding {encoding!r}; known: {sorted(_DECODERS)}", tensor=tensor, encoding=encoding
+        )
     return decode(payload, nbytes, itemsize, tensor)
 
 
@@ -208,7 +211,37 @@ def _sparse_positions(payload, nbytes: int, itemsize: int, tensor: str) -> np.nd
     return _bytes_to_elements(units * parsed.width, itemsize)
 
 
-_DECODERS = {"xor": _xor_positions, "overwrite": _overwrite_positions, "sparse-v1": _sparse_positions}
+def _sparse2_positions(payload, nbytes: int, itemsize: int, tensor: str) -> np.ndarray:
+    # A class is a range of the *old* element's magnitude: with several classes in a segment
+    # the positions are ranks among elements of the old version, which this host no longer
+    # holds once the chain is applied. One class spans the whole segment: plain positions.
+    from .codec_sparse2 import _decode_mask, parse
+
+    parsed = parse(payload, nbytes, tensor)
+    found = []
+    for index, seg in enumerate(parsed.segments):
+        if seg.nchanged == 0:
+            continue
+        if len(seg.classes) != 1:
+            raise PositionsUnavailableError(
+                f"sparse-v2 segment {index} of {tensor} codes its changes in {len(seg.classes)} magnitude classes of the "
+                "old bytes, which are not on this host after the pull", tensor=tensor, encoding="sparse-v2",
+            )
+        found.append(_decode_mask(seg.classes[0], tensor, index, 0) + seg.start)
+    if not found:
+        return np.empty(0, dtype=np.int64)
+    units = np.concatenate(found)
+    if parsed.width == itemsize:
+        return units
+    return _bytes_to_elements(units * parsed.width, itemsize)
+
+
+_DECODERS = {
+    "xor": _xor_positions,
+    "overwrite": _overwrite_positions,
+    "sparse-v1": _sparse_positions,
+    "sparse-v2": _sparse2_positions,
+}
 
 
 def held_version(local_checkpoint_dir: str) -> HeldVersion | None:

@@ -15,7 +15,7 @@ import pytest
 
 from core_support import mutate, random_tensors, write_hf_checkpoint
 from weightsync import Publisher, pull
-from weightsync.errors import InvalidRequestError
+from weightsync.errors import PositionsUnavailableError
 from weightsync.layout import format_version
 from weightsync.positions import held_version, iter_changed_elements, plan_change_chain
 
@@ -52,7 +52,7 @@ def _chain(tmp_path, encodings, *, full_at=None, density=0.03):
     return seed, source, local, versions
 
 
-@pytest.mark.parametrize("encoding", ["xor", "overwrite", "sparse-v1"])
+@pytest.mark.parametrize("encoding", ["xor", "overwrite", "sparse-v1", "sparse-v2"])
 def test_positions_of_one_delta_equal_an_independent_diff(tmp_path, encoding):
     _, source, local, versions = _chain(tmp_path, [encoding])
     chain, indexes = plan_change_chain(source, 0, 1)
@@ -78,7 +78,7 @@ def test_a_full_version_in_the_chain_has_no_positions(tmp_path):
     _, source, local, _ = _chain(tmp_path, ["xor", "xor", "xor"], full_at=2)
     chain, _ = plan_change_chain(source, 0, 3)
     assert chain.full_version == 2 and not chain.is_deltas_only
-    with pytest.raises(InvalidRequestError, match="v2 is a full version"):
+    with pytest.raises(PositionsUnavailableError, match="v2 is a full version"):
         list(iter_changed_elements(local, source, chain))
 
 
@@ -97,3 +97,29 @@ def test_held_version_reads_the_marker_then_a_live_verified_note(tmp_path):
     with open(note, "w") as f:
         json.dump({"version": format_version(1), "source_dir": source, "pid": 2**22 + 12345}, f)
     assert held_version(local) is None  # the pull that wrote it is gone: its pages may be torn
+
+
+def test_sparse_v2_with_several_magnitude_classes_has_no_positions_without_the_old_bytes(tmp_path, monkeypatch):
+    from weightsync import codecs
+    from weightsync.codec_sparse2 import Sparse2Codec
+
+    monkeypatch.setitem(codecs._CODECS, "sparse-v2", Sparse2Codec(class_min_saving=0.0))
+    rng = np.random.default_rng(3)
+    old = np.where(rng.random(16384) < 0.5, 1e-3, 10.0).astype(np.float16) * rng.random(16384).astype(np.float16)
+    new = old.copy()
+    small = np.flatnonzero(np.abs(old) < 0.01)
+    hit = rng.choice(small, size=small.size // 3, replace=False)
+    new[hit] = (new[hit].astype(np.float32) * 1.5).astype(np.float16)  # only small weights move
+    seed, source = str(tmp_path / "seed"), str(tmp_path / "source")
+    write_hf_checkpoint(seed, {"w": old})
+    pub = Publisher(source, encoding="sparse-v2", template_dir=seed)
+    try:
+        pub.seed_snapshot({"w": old}, version=0)
+        pub.publish(1, {"w": new})
+    finally:
+        pub.close()
+    local = str(tmp_path / "local")
+    pull(local, seed, source, 1)
+    chain, _ = plan_change_chain(source, 0, 1)
+    with pytest.raises(PositionsUnavailableError, match="magnitude classes of the old bytes"):
+        list(iter_changed_elements(local, source, chain))
