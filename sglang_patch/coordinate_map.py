@@ -297,7 +297,10 @@ class _Recorder(TorchDispatchMode):
                 return dst  # never write the live weights
             out = func(*args, **kwargs)
             origin = self._origin_of(src)
-            if origin is not None and self._origin_of(dst) is None and dst.numel() == src.numel():
+            if origin is None:
+                if dst.numel() and dst.device.type != "meta":
+                    self.origins.pop(dst.untyped_storage().data_ptr(), None)
+            elif self._origin_of(dst) is None and dst.numel() == src.numel():
                 self._track_copy_of(origin, src, dst)
             return out
         written = self._written_args(func, args, kwargs)
@@ -307,19 +310,21 @@ class _Recorder(TorchDispatchMode):
                 if func not in _CONSTANT_FILLS:
                     self._refuse_param(param, f"written by {func} while loading")
                 return t  # never write the live weights
-        tracked = [o for o in (self._origin_of(a) for a in _tensors_in(args, kwargs)) if o is not None]
+        inputs = [a for a in _tensors_in(args, kwargs) if a.numel() and a.device.type != "meta"]
+        tracked = [o for o in (self._origin_of(a) for a in inputs) if o is not None]
         out = func(*args, **kwargs)
-        if not tracked:
-            for t in _tensors_in((out,), {}):
-                if t.numel() and t.device.type != "meta":
-                    self.origins.pop(t.untyped_storage().data_ptr(), None)  # a reused address
-            return out
-        in_ptrs = {a.untyped_storage().data_ptr() for a in _tensors_in(args, kwargs) if a.numel() and a.device.type != "meta"}
-        outs = [t for t in _tensors_in((out,), {}) if t.numel() and t.device.type != "meta"]
-        if all(t.untyped_storage().data_ptr() in in_ptrs for t in outs):
-            return out  # a view (or an op writing into a probe-derived scratch): origins follow the storage
-        if func in _PLAIN_COPIES and len(tracked) == 1 and len(outs) == 1 and isinstance(args[0], torch.Tensor):
-            self._track_copy_of(tracked[0], args[0], outs[0])
+        in_ptrs = {a.untyped_storage().data_ptr() for a in inputs}
+        fresh = [t for t in _tensors_in((out,), {}) if t.numel() and t.device.type != "meta"
+                 and t.untyped_storage().data_ptr() not in in_ptrs]
+        for t in fresh:  # new storage: whatever was tracked at that address before is gone
+            self.origins.pop(t.untyped_storage().data_ptr(), None)
+        for t in written:  # an untracked write into a tracked scratch: it no longer mirrors a checkpoint tensor
+            if not tracked and t.numel() and t.device.type != "meta":
+                self.origins.pop(t.untyped_storage().data_ptr(), None)
+        if not tracked or not fresh:
+            return out  # views keep their storage's origin
+        if func in _PLAIN_COPIES and len(tracked) == 1 and len(fresh) == 1 and isinstance(args[0], torch.Tensor):
+            self._track_copy_of(tracked[0], args[0], fresh[0])
             return out
         for o in tracked:
             self._refuse_tensor(o.tensor, f"read by {func} while loading (not a view or a plain copy)")
