@@ -1,0 +1,130 @@
+"""Staging, scatter and undo of a live update (``sglang_patch.live_patch``), and how the ranks'
+outcomes become one reply (``sglang_patch.live_results``). Torch only, no sglang."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from sglang_patch import live_results as lr
+from sglang_patch.coordinate_map import Placement, TensorSpec, build_coordinate_map, prove_map
+from sglang_patch.live_patch import StagedUpdate, StagingRefused, positions_through, scatter_with_undo, stage_update
+
+
+class TwoShards(torch.nn.Module):
+    """Rank 1 of a column split (rows 4..7 of ``w``) fused with all of ``b`` behind it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fused = torch.nn.Parameter(torch.zeros(4 + 2, 3))
+
+    def load_weights(self, weights):
+        for name, t in weights:
+            if name == "w":
+                self.fused.data[:4].copy_(t.narrow(0, 4, 4))
+            else:
+                self.fused.data[4:].copy_(t.t())  # b is stored (3, 2): a transposed box
+
+
+def _setup():
+    g = torch.Generator().manual_seed(0)
+    v0 = {"w": torch.randn(8, 3, generator=g), "b": torch.randn(3, 2, generator=g)}
+    model = TwoShards()
+    cmap = build_coordinate_map(model, [TensorSpec(n, tuple(t.shape), "F32") for n, t in v0.items()])
+    model.load_weights(iter(v0.items()))
+    assert prove_map(cmap, dict(model.named_parameters()), lambda n: v0[n])
+    return model, cmap, v0
+
+
+class _Reader:
+    def __init__(self, tensors):
+        self.tensors = tensors
+
+    def tensor(self, name):
+        return self.tensors[name]
+
+
+def _changes(v0, v1):
+    for name in sorted(v0):
+        pos = np.flatnonzero((v0[name] != v1[name]).reshape(-1).numpy()).astype(np.int64)
+        if pos.size:
+            yield name, None, pos
+
+
+def test_positions_through_a_box_keep_only_what_lands_on_this_rank():
+    p = Placement("w", "fused", (4, 3), 12, (3, 1), 0, (3, 1))  # rows 4..7 of an (8, 3) tensor
+    hf, dst = positions_through(p, np.array([0, 11, 12, 14, 23, 24], dtype=np.int64))
+    assert hf.tolist() == [12, 14, 23] and dst.tolist() == [0, 2, 11]
+
+
+def test_a_staged_scatter_equals_a_reload_and_keeps_the_storage():
+    model, cmap, v0 = _setup()
+    v1 = {n: t.clone() for n, t in v0.items()}
+    v1["w"][1, 0] += 1  # rank 0's rows: not this rank's business
+    v1["w"][5, 2] += 1
+    v1["b"][2, 1] += 1
+    staged = stage_update(cmap, dict(model.named_parameters()), _changes(v0, v1), _Reader(v1), max_elements=100,
+                          staged=StagedUpdate(0, 1, None, "/x", 0))
+    assert staged.elements == 2 and staged.nbytes == 2 * (8 + 4)
+    ptr = model.fused.data_ptr()
+    _, written = scatter_with_undo(staged, dict(model.named_parameters()))
+    assert written == 2 and model.fused.data_ptr() == ptr
+    reloaded = TwoShards()
+    reloaded.load_weights(iter(v1.items()))
+    assert torch.equal(model.fused, reloaded.fused)
+
+
+def test_a_failure_mid_scatter_restores_every_written_position():
+    model, cmap, v0 = _setup()
+    v1 = {n: t + 1 for n, t in v0.items()}  # every element of both tensors
+    staged = stage_update(cmap, dict(model.named_parameters()), _changes(v0, v1), _Reader(v1), max_elements=100,
+                          staged=StagedUpdate(0, 1, None, "/x", 0))
+    before = model.fused.detach().clone()
+
+    def fail_second(k, param):
+        if k == 0:
+            return
+        raise RuntimeError("boom")
+
+    # one parameter: make two patches by splitting it, so the fault lands after a write
+    half = staged.patches[0].index.numel() // 2
+    p = staged.patches[0]
+    staged.patches = [p._replace(index=p.index[:half], values=p.values[:half]),
+                      p._replace(index=p.index[half:], values=p.values[half:])]
+    with pytest.raises(RuntimeError, match="boom"):
+        scatter_with_undo(staged, dict(model.named_parameters()), before_write=fail_second)
+    assert torch.equal(model.fused.detach(), before)
+    undo, _ = scatter_with_undo(staged, dict(model.named_parameters()))  # the retry, then another rank failed
+    assert not torch.equal(model.fused.detach(), before)
+    undo.restore()
+    assert torch.equal(model.fused.detach(), before)
+
+
+def test_staging_stops_at_the_threshold_and_at_a_reload_only_parameter():
+    model, cmap, v0 = _setup()
+    v1 = {n: t + 1 for n, t in v0.items()}
+    with pytest.raises(StagingRefused, match="more than 5 changed elements"):
+        stage_update(cmap, dict(model.named_parameters()), _changes(v0, v1), _Reader(v1), max_elements=5,
+                     staged=StagedUpdate(0, 1, None, "/x", 0))
+    cmap.reload_only_params["fused"] = "repacked after loading"
+    with pytest.raises(StagingRefused, match="parameter fused .* is reload-only: repacked after loading"):
+        stage_update(cmap, dict(model.named_parameters()), _changes(v0, v1), _Reader(v1), max_elements=100,
+                     staged=StagedUpdate(0, 1, None, "/x", 0))
+
+
+def test_one_rank_that_cannot_patch_live_makes_every_rank_reload_with_its_reason():
+    votes = [lr.LiveDecision(rank="dp0/tp0", live=True), lr.LiveDecision(rank="dp0/tp1", live=False, reason="nothing staged")]
+    assert lr.choose_mode(votes) == (lr.RELOAD, "dp0/tp1: nothing staged")
+    assert lr.choose_mode(votes[:1]) == (lr.LIVE, None)
+
+
+def test_a_rolled_back_reply_is_a_failure_that_says_every_rank_was_restored():
+    reports = [
+        lr.LiveRankReport(host="h/node0", rank=f"dp0/tp{i}", success=False, mode=lr.LIVE, rolled_back=True,
+                          weight_version=3, message="live apply failed, rolled back: rank 1: boom")
+        for i in range(2)
+    ]
+    fields = lr.summarize(4, lr.merge_hosts(reports))
+    assert fields["success"] is False and fields["rolled_back"] is True and fields["http_status"] == 500
+    assert fields["weight_version"] == 3 and "every rank was restored" in fields["message"]
