@@ -95,6 +95,7 @@ class LiveApplyState:
         self.map_error: Optional[str] = None
         self._map_thread: Optional[threading.Thread] = None
         self.staged: Optional[StagedUpdate] = None
+        self._voted: Optional[StagedUpdate] = None
         self.stage_reason: Optional[str] = "nothing staged yet (pull the target version first)"
 
     # --- the model ---------------------------------------------------------------------------
@@ -130,6 +131,18 @@ class LiveApplyState:
                     if success else f"a reload from {model_path} failed"
                 )
         log.info("live apply %s: live version now %s", self.rank, self.describe_live())
+        if self.live is not None and self.cmap is not None and not self.cmap.proven and model_path:
+            # the start-up proof was voided by a weight change: prove against this dir instead
+            expected, path = self.live, model_path
+            threading.Thread(
+                target=lambda: self._prove_quietly(path, expected), name="weightsync-proof", daemon=True
+            ).start()
+
+    def _prove_quietly(self, checkpoint_dir: str, expected: LiveVersion) -> None:
+        try:
+            self.prove(CheckpointReader(checkpoint_dir), expected)
+        except Exception:
+            log.exception("live apply %s: the proof against %s failed", self.rank, checkpoint_dir)
 
     def after_other_update(self, how: str) -> None:
         with self._lock:
@@ -255,6 +268,12 @@ class LiveApplyState:
         except (InvalidRequestError, PathNotAllowedError) as exc:
             return lr.LiveDecision(rank=self.rank, live=False, error_type=exc.error_type,
                                    http_status=int(exc.http_status), message=str(exc))
+        if self._pull_is_running():  # the same answer on every rank (see coordinator)
+            return lr.LiveDecision(
+                rank=self.rank, live=False, error_type="conflict", http_status=409,
+                message="a /pull_weights is still running on this engine and may be rewriting the local checkpoint; "
+                "wait for its reply, then retry",
+            )
         with self._lock:
             staged, live = self.staged, self.live
             if live is None:
@@ -268,7 +287,15 @@ class LiveApplyState:
                 return lr.LiveDecision(rank=self.rank, live=False, reason="the weights changed after staging")
             if held.source_dir != staged.source_dir:
                 return lr.LiveDecision(rank=self.rank, live=False, reason="the local checkpoint came from another source dir")
+        self._voted = staged
         return lr.LiveDecision(rank=self.rank, live=True)
+
+    def _pull_is_running(self) -> bool:
+        from .scheduler_side import STATE_ATTR
+
+        pull_state = getattr(self.scheduler, STATE_ATTR, None)
+        coordinator = getattr(pull_state, "coordinator", None)
+        return bool(coordinator is not None and coordinator.is_pending)
 
     def handle_update(self, request: Any) -> Any:
         """``UpdateWeightsFromPulledReqInput`` -> the DP group's reply (every rank; entry rank sends)."""
@@ -298,7 +325,7 @@ class LiveApplyState:
         return UpdateWeightsFromPulledReqOutput(**fields)
 
     def _apply_live(self, request: Any, start: float) -> lr.LiveRankReport:
-        staged = self.staged
+        staged = self._voted  # what this rank voted on, even if a pull thread replaced it since
         assert staged is not None
         params = self.params()
         fault = fault_file(self.rank)
