@@ -131,6 +131,8 @@ def test_a_live_apply_is_bit_identical_to_a_reload_of_the_same_version(env, vers
     assert body["success"] and body["mode"] == "live" and body["reason"] is None, body
     assert body["weight_version"] == version and body["rolled_back"] is False
     assert body["elements_scattered"] > 0 and body["pause_s"] > 0
+    print(f"\n[measured] v{version} ({encoding}) live: pause {body['pause_s']:.4f}s, "
+          f"{body['elements_scattered']} elements, staged in {body['hosts'][0]['stage_s']:.4f}s")
     [host] = body["hosts"]
     assert host["ranks"] == ["dp0/tp0", "dp0/tp1"] and host["mode"] == "live"
     live = digests(env)
@@ -160,6 +162,7 @@ def test_a_full_version_in_the_chain_reloads_and_says_so(env):
     body = update(env, 6)
     assert body["success"] and body["mode"] == "reload", body
     assert "v6 in the chain v5 -> v6 is a full version" in body["reason"]
+    print(f"\n[measured] v6 reload: pause {body['pause_s']:.4f}s")
     assert body["weight_version"] == 6
     assert {r["live_version"] for r in digests(env).values()} == {6}  # a reload from the dir: its marker
 
