@@ -253,3 +253,38 @@ def test_route_honours_api_keys_like_update_weights_from_disk(keys, header, stat
     headers = {"Authorization": f"Bearer {header}"} if header else {}
     resp = _client(tm, **keys).post("/pull_weights", json=BODY, headers=headers)
     assert resp.status_code == status
+
+
+def _live_output():
+    from sglang_patch import live_results
+
+    report = live_results.LiveRankReport(host="h/node0", rank="dp0/tp0", success=True, mode="live", weight_version=4,
+                                         elements_scattered=12, pause_s=0.01)
+    return io_types.UpdateWeightsFromPulledReqOutput(**live_results.summarize(4, live_results.merge_hosts([report])))
+
+
+@pytest.mark.parametrize("make", [
+    lambda: io_types.UpdateWeightsFromPulledReqInput(local_checkpoint_dir="/l", target_version=4, flush_cache=False),
+    _live_output,
+    lambda: io_types.WeightsDigestReqInput(names=["a"]),
+    lambda: io_types.WeightsDigestReqOutput(ranks=[io_types.RankDigests(
+        host="h/node0", rank="dp0/tp1", digests={"a": "00"}, data_ptrs={"a": 1}, live_version=None,
+        coordinate_map={"placements": 3, "reload_only_params": {"p": "why"}, "proven": True})]),
+])
+def test_live_apply_messages_round_trip_through_sglangs_msgpack_codec(make):
+    io_types.register_live_types()
+    obj = make()
+    decoded = io_struct.msgpack_decode(io_struct.msgpack_encode(obj))
+    assert type(decoded) is type(obj) and decoded == obj
+    assert pickle.loads(pickle.dumps(obj)) == obj
+
+
+def test_the_live_threshold_flag_is_validated(tmp_path):
+    from sglang.srt.server_args import prepare_server_args
+
+    server_flags.install()
+    args = prepare_server_args(["--model-path", str(tmp_path), "--update-weights-live-max-changed-fraction", "0.25"])
+    assert server_flags.options_of(args).live_max_changed_fraction == 0.25
+    assert server_flags.options_of(prepare_server_args(["--model-path", str(tmp_path)])).live_max_changed_fraction == 0.1
+    with pytest.raises(ValueError, match="outside \\[0, 1\\]"):
+        server_flags.options_from_values(None, None, "1.5")
