@@ -28,7 +28,7 @@ from typing import Iterator
 import msgspec
 import numpy as np
 
-from .apply import close_all, load_delta
+from .apply import _close_map, _map_shard, load_delta
 from .codecs import SCRATCH
 from .errors import InvalidRequestError, LocalTensorMismatchError, PayloadBoundError, PositionsUnavailableError
 from .layout import format_version, state_path, verified_path
@@ -95,23 +95,35 @@ def iter_changed_elements(
     if not chain.is_deltas_only:
         raise PositionsUnavailableError(f"v{chain.full_version} is a full version: the chain has no element positions")
     table = local_tensor_table(local_checkpoint_dir, checkpoint_weight_files(local_checkpoint_dir))
-    keep: list = []
+    loaded = [load_delta(indexes[v] if indexes and v in indexes else read_version_index(source_dir, v)) for v in chain.deltas]
+    maps: dict[str, object] = {}  # shard path -> its read-only map (re-checked to be the loaded file)
+
+    def payload_of(ref):
+        mm = maps.get(ref.path)
+        if mm is None:
+            mm = maps[ref.path] = _map_shard(ref.path, ref.file_id)
+        return memoryview(mm)[ref.offset : ref.offset + ref.nbytes]  # type: ignore[arg-type]
+
     try:
-        loaded = [load_delta(indexes[v] if indexes and v in indexes else read_version_index(source_dir, v), keep) for v in chain.deltas]
         names = sorted({name for d in loaded for name in d.tensors})
         for name in names:
             if name not in table:
                 raise LocalTensorMismatchError(name, "the chain changes it, but the local checkpoint has no such tensor")
             entry = table[name][1]
             itemsize = DTYPE_NBYTES[entry.dtype]
-            parts = [
-                changed_elements(d.index.delta_encoding or "", d.tensors[name].payload, entry.nbytes, itemsize, name)
-                for d in loaded
-                if name in d.tensors
-            ]
+            parts = []
+            for d in loaded:
+                if name not in d.tensors:
+                    continue
+                view = payload_of(d.tensors[name].ref)
+                try:
+                    parts.append(changed_elements(d.index.delta_encoding or "", view, entry.nbytes, itemsize, name))
+                finally:
+                    view.release()
             yield name, entry, parts[0] if len(parts) == 1 else np.unique(np.concatenate(parts))
     finally:
-        close_all(keep)
+        for mm in maps.values():
+            _close_map(mm)  # type: ignore[arg-type]
 
 
 def changed_elements(encoding: str, payload, nbytes: int, itemsize: int, tensor: str) -> np.ndarray:
@@ -190,7 +202,8 @@ def _sparse_positions(payload, nbytes: int, itemsize: int, tensor: str) -> np.nd
 
     parsed = parse(payload, nbytes, tensor)
     found = []
-    for seg in parsed.segments:
+    for s in np.flatnonzero(parsed.counts):
+        seg = parsed.segment(payload, int(s))
         count = seg.nchanged
         if count == 0:
             continue
