@@ -268,6 +268,7 @@ class LiveApplyState:
         except (InvalidRequestError, PathNotAllowedError) as exc:
             return lr.LiveDecision(rank=self.rank, live=False, error_type=exc.error_type,
                                    http_status=int(exc.http_status), message=str(exc))
+        self._voted = None
         if self._pull_is_running():  # the same answer on every rank (see coordinator)
             return lr.LiveDecision(
                 rank=self.rank, live=False, error_type="conflict", http_status=409,
@@ -278,6 +279,10 @@ class LiveApplyState:
             staged, live = self.staged, self.live
             if live is None:
                 return lr.LiveDecision(rank=self.rank, live=False, reason=f"the live version is unknown: {self.live_reason}")
+            if live.version == target and (live.source_dir is None or live.source_dir == held.source_dir):
+                # already serving it: nothing to scatter (the cache is still flushed if asked)
+                self._voted = StagedUpdate(target, target, held.source_dir, local, self.generation)
+                return lr.LiveDecision(rank=self.rank, live=True)
             if staged is None:
                 return lr.LiveDecision(rank=self.rank, live=False, reason=self.stage_reason or "nothing staged")
             if staged.to_version != target or staged.local_checkpoint_dir != local:

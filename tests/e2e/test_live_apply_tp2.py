@@ -217,6 +217,13 @@ def test_a_fault_on_one_rank_mid_apply_restores_every_rank_and_a_retry_succeeds(
     assert_same_weights(digests(env), reload_digests(env))
 
 
+def test_asking_again_for_the_version_being_served_scatters_nothing(env):
+    before = digests(env)
+    body = update(env, 10)
+    assert body["success"] and body["mode"] == "live" and body["elements_scattered"] == 0, body
+    assert_same_weights(digests(env), before)
+
+
 def test_a_request_for_a_version_the_local_checkpoint_does_not_hold_is_refused(env):
     body = update(env, 11, status=400)
     assert body["error_type"] == "bad_request" and "pull it first" in body["message"]
