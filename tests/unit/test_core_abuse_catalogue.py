@@ -462,6 +462,29 @@ def test_sparse_segments_below_the_spec_minimum_are_refused_at_load(world):
     world.assert_at(2)
 
 
+@pytest.mark.parametrize("how", ["deleted", "replaced"])
+def test_shard_gone_or_replaced_between_load_and_apply_is_not_ready_and_leaves_no_marker(world, monkeypatch, how):
+    """The loaded chain holds no open shard; the apply reopens each one and checks it is still
+    the file it checked. (The wrapper only places the real deletion between the two steps.)"""
+    pull_mod = sys.modules["weightsync.pull"]  # (the package's ``pull`` is the function)
+    world.publish(3, "xor")
+    shard = next(os.path.join(world.vdir(3), n) for n in os.listdir(world.vdir(3)) if n.endswith(".safetensors"))
+    check = pull_mod.check_against_local
+
+    def then_lose_the_shard(*args, **kwargs):
+        check(*args, **kwargs)
+        raw = open(shard, "rb").read()
+        os.unlink(shard)
+        if how == "replaced":
+            with open(shard, "wb") as f:
+                f.write(raw + b"\0" * 8)
+
+    monkeypatch.setattr(pull_mod, "check_against_local", then_lose_the_shard)
+    with pytest.raises(errors.SourceNotReadyError, match="disappeared while the pull was applying|changed since the pull checked"):
+        world.pull(3)
+    assert marker_version(world.local) is None  # cleared before the first write: the next pull reseeds
+
+
 def test_byte_length_not_dtype_times_shape_is_malformed(world):
     payload, dg = good_delta(world)
     world.write_delta(3, {"a": payload}, {"a": dg}, shape_of=lambda n: [n - 1])
