@@ -127,7 +127,7 @@ class Engine:
         server_class = gpu_server_class() if device == "cuda" else SglangCpuServer
         self.server = server_class(
             model_dir, tp=tp, env=env, max_total_tokens=2048, startup_timeout_s=900,
-            extra_args=["--pull-weights-allowed-roots", work],
+            extra_args=["--pull-weights-allowed-roots", ",".join(sorted({work, os.path.dirname(source_dir)}))],
             log_path=os.path.join(log_dir, f"server-tp{tp}{'-inproc' if in_process else ''}.log"),
         )
 
@@ -250,7 +250,10 @@ def run(args, work: str) -> str:
     import engine_data
 
     t0 = time.perf_counter()
-    model, source, versions = engine_data.build(work, args.preset, args.fractions)
+    if args.data:
+        model, source, versions = engine_data.build_or_reuse(args.data, args.preset, args.fractions)
+    else:
+        model, source, versions = engine_data.build(work, args.preset, args.fractions)
     build_s = time.perf_counter() - t0
     nbytes = sum(os.path.getsize(os.path.join(model, f)) for f in os.listdir(model) if f.endswith(".safetensors"))
     print(f"data: {args.preset}, {nbytes / 1e9:.2f} GB, versions {versions} ({build_s:.0f}s)", flush=True)
@@ -392,6 +395,7 @@ def main() -> None:
                     help="changed fraction of each published version v1, v2, ...")
     ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="where the engine runs (cuda: bigbox.sh)")
     ap.add_argument("--workdir", default=None, help="default: a fresh dir under /tmp (the page cache holds it)")
+    ap.add_argument("--data", default=None, help="build the model and versions here once and reuse them (kept)")
     ap.add_argument("--in-process-too", action="store_true", help="also measure the pull inside the scheduler process")
     ap.add_argument("--skip-cause", action="store_true")
     ap.add_argument("--skip-pause", action="store_true")

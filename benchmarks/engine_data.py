@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import sys
 
 import numpy as np
@@ -127,4 +128,23 @@ def build(work: str, preset: str, fractions: list[float], seed: int = 0) -> tupl
         res = pub.publish(version, {n: RawTensor("BF16", tuple(a.shape), a) for n, a in cur.items()})
         versions.append(dict(version=version, kind=res.kind, changed=res.changed_fraction, wire_nbytes=res.wire_nbytes))
     pub.close()
+    return model_dir, source_dir, versions
+
+
+def build_or_reuse(data_dir: str, preset: str, fractions: list[float]) -> tuple[str, str, list[dict]]:
+    """``build`` into ``data_dir`` once; later calls with the same preset and fractions reuse it."""
+    facts_path = os.path.join(data_dir, "facts.json")
+    want = {"preset": preset, "fractions": list(fractions)}
+    try:
+        with open(facts_path) as f:
+            facts = json.load(f)
+        if {k: facts.get(k) for k in want} == want:
+            return os.path.join(data_dir, "model"), os.path.join(data_dir, "source"), facts["versions"]
+    except (OSError, ValueError):
+        pass
+    for sub in ("model", "source"):
+        shutil.rmtree(os.path.join(data_dir, sub), ignore_errors=True)
+    model_dir, source_dir, versions = build(data_dir, preset, fractions)
+    with open(facts_path, "w") as f:
+        json.dump({**want, "versions": versions}, f)
     return model_dir, source_dir, versions
