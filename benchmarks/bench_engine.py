@@ -51,7 +51,8 @@ PROMPT = "the quick brown fox"
 
 
 def plain_child(argv: list[str]) -> None:
-    """In a fresh process: reset ``local`` to v0, then time ``pull`` of the target, as JSON.
+    """In a fresh process: reset ``local`` to v0, then time ``pull`` of the target (after one
+    untimed warm-up pull of it), as JSON.
 
     ``busy``: a Python thread busy-polls meanwhile (``switch_s`` > 0 also sets the GIL switch
     interval), as sglang's scheduler loop does around the in-process pull."""
@@ -59,6 +60,10 @@ def plain_child(argv: list[str]) -> None:
     import weightsync
     from weightsync.pull import wait_until_durable
 
+    # Warm, as the engine's long-lived pull helper is: one pull of the target first, so the
+    # timed one does not pay this fresh process's first touch of its buffers.
+    weightsync.pull(local, seed, source, 0)
+    weightsync.pull(local, seed, source, target)
     weightsync.pull(local, seed, source, 0)
     stop = threading.Event()
     if busy:
