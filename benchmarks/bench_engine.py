@@ -274,7 +274,7 @@ def run(args, work: str) -> str:
             with Engine(work, model, source, tp, in_process=in_process, log_dir=log_dir, device=args.device) as engine:
                 row = {"start_s": engine.start_s, "pull": measure_pull(engine, model, args.reps)}
                 print(f"tp{tp} {key} pull:", {k: [round(x, 2) for x in v] for k, v in row["pull"].items()}, flush=True)
-                if not in_process and not args.skip_pause:
+                if not in_process and not args.skip_pause and (args.pause_tp is None or tp in args.pause_tp):
                     live = engine.has_live_apply() and not args.no_live
                     row["generate_s"] = med([engine.generate_s() for _ in range(3)])
                     row["live_available"] = live
@@ -404,6 +404,8 @@ def main() -> None:
     ap.add_argument("--in-process-too", action="store_true", help="also measure the pull inside the scheduler process")
     ap.add_argument("--skip-cause", action="store_true")
     ap.add_argument("--skip-pause", action="store_true")
+    ap.add_argument("--pause-tp", type=lambda s: [int(x) for x in s.split(",") if x.strip()], default=None,
+                    help="measure the pause only at these TP sizes (default: every --tp)")
     ap.add_argument("--no-live", action="store_true", help="reload pause only, even if the engine has live apply")
     ap.add_argument("--log-dir", default=None, help="keep the server logs here (default: in the work dir, removed)")
     ap.add_argument("--no-append", action="store_true")
