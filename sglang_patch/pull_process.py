@@ -265,10 +265,20 @@ class HelperRankPuller:
             log.exception("pull_weights %s: could not start the pull helper; will retry on the first pull", self.puller.rank)
 
     def __call__(self, request: Any) -> results.RankPullReport:
-        # One pull at a time per helper: a caller that gave up on a pull without cancelling it
-        # (its thread abandoned at a deadline) must not interleave frames with the next one.
-        with self._call_lock:
+        # One pull at a time per helper. A call while another is still in flight means the
+        # caller gave up on that one (the coordinator abandons a pull at its deadline and then
+        # accepts the next): the old pull is killed rather than left to hold up this one, and
+        # its frames never mix with ours.
+        if not self._call_lock.acquire(blocking=False):
+            self.cancel(PullWorkerDiedError(
+                pid=getattr(self.helper_info(), "pid", -1), returncode=None, rank=self.puller.rank,
+                target_version=None, detail="superseded: a newer pull started on this rank after the caller gave up on it",
+            ))
+            self._call_lock.acquire()
+        try:
             return self._pull(request)
+        finally:
+            self._call_lock.release()
 
     def _pull(self, request: Any) -> results.RankPullReport:
         report = self.puller(request) if self.in_process else self._pull_in_helper(request)

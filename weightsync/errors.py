@@ -251,12 +251,17 @@ class PullWorkerDiedError(WeightSyncError, RuntimeError):
     http_status = 500
     retryable = True
 
-    def __init__(self, pid: int, returncode: "int | None", rank: str = "", target_version: "int | None" = None):
+    def __init__(
+        self, pid: int, returncode: "int | None", rank: str = "", target_version: "int | None" = None, detail: str = ""
+    ):
         self.pid = pid
         self.returncode = returncode
         self.rank = rank
         self.target_version = target_version
-        if returncode is not None and returncode < 0:
+        self.detail = detail
+        if detail:
+            how = f"was stopped ({detail})"
+        elif returncode is not None and returncode < 0:
             how = f"was killed by signal {-returncode}"
         elif returncode is not None:
             how = f"exited with status {returncode}"

@@ -249,24 +249,27 @@ time.sleep(600)
         scheduler.kill()
 
 
-def test_a_second_call_waits_for_the_first_instead_of_sharing_its_helper(world):
-    """A caller that abandoned a pull (a deadline without cancel) must not mix its frames with
-    the next pull's: calls are served one after the other, each gets its own report."""
+def test_a_second_call_supersedes_an_abandoned_first_one_instead_of_waiting_for_it(world):
+    """The coordinator starts a new pull only after giving up on the old one (its deadline): the
+    old helper is killed, its caller gets a typed failure, the new pull runs in a fresh helper,
+    and their frames never mix."""
     puller = world.puller(hook=GATE_HOOK)
     try:
         box: dict = {}
         first = threading.Thread(target=lambda: box.setdefault(1, puller(world.request(1))))
         first.start()
         wait_for(lambda: (world.gate / "started-1").exists())
+        old_pid = puller.helper_info().pid
         second = threading.Thread(target=lambda: box.setdefault(2, puller(world.request(2))))
         second.start()
-        time.sleep(0.5)
-        assert 2 not in box and second.is_alive()  # waits, does not write to the busy helper
+        first.join(60)  # returns at once: killed, not waited for
+        assert not first.is_alive() and 2 not in box
+        wait_for(lambda: (world.gate / "started-2").exists())
         (world.gate / "release").touch()
-        first.join(60)
         second.join(60)
-        assert box[1].success and box[1].applied_version == 1
-        assert box[2].success and box[2].applied_version == 2
+        assert not box[1].success and box[1].error_type == "pull_worker_died" and "superseded" in box[1].message
+        assert box[2].success and box[2].applied_version == 2, box[2]
+        assert puller.helper_info().pid != old_pid
         assert_local_holds(world, 2)
     finally:
         (world.gate / "release").touch()
