@@ -1,24 +1,36 @@
 # Everything a fresh machine needs goes through scripts/setup_env.sh (idempotent).
 PY := .venv/bin/python
+# The second supported sglang (0.5.16) lives in a venv of its own; the version-matrix run starts
+# its servers with this interpreter (testbed/sglang_cpu.py reads WEIGHTSYNC_SGLANG_PYTHON).
+PY_SGLANG0516 := .venv-sglang0516/bin/python
+SGLANG_MATRIX_TESTS := tests/e2e/test_engine_pull_tp2.py
 export PYTHONUNBUFFERED := 1
 
-.PHONY: setup demo test test-fast bench clean
+.PHONY: setup setup-main demo test test-sglang0516 test-fast bench clean
 
 setup:
 	bash scripts/setup_env.sh
 
-demo: setup
+setup-main:  # only .venv (what the demo, the unit tests and the benchmarks need)
+	SKIP_SGLANG0516=1 bash scripts/setup_env.sh
+
+demo: setup-main
 	$(PY) -m miles_updater.demo
 
 test: setup
 	$(PY) -m pytest -q -ra tests
+	$(MAKE) --no-print-directory test-sglang0516
 
-test-fast: setup
+# One shared-server module against sglang 0.5.16 (the whole suite runs against 0.5.23 above).
+test-sglang0516: setup
+	WEIGHTSYNC_SGLANG_PYTHON=$(PY_SGLANG0516) $(PY) -m pytest -q -ra $(SGLANG_MATRIX_TESTS)
+
+test-fast: setup-main
 	$(PY) -m pytest -q -ra tests/unit -m "not slow"
 
-bench: setup
+bench: setup-main
 	$(PY) benchmarks/bench_sync.py
 	$(PY) benchmarks/bench_engine.py
 
 clean:
-	rm -rf .venv .pytest_cache .hypothesis
+	rm -rf .venv .venv-sglang0516 .pytest_cache .hypothesis

@@ -156,8 +156,11 @@ def run(ns: argparse.Namespace) -> list[dict]:
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     repo_root = Path(__file__).resolve().parent.parent
     sys.path.insert(0, str(repo_root))
-    from testbed.sglang_cpu import SglangCpuServer, find_free_port
-    from testbed.tiny_qwen3 import make_tiny_qwen3, read_state_dict
+    try:
+        from testbed.sglang_cpu import SglangCpuServer, find_free_port
+        from testbed.tiny_qwen3 import make_tiny_qwen3, read_state_dict
+    except ImportError as exc:  # an installed wheel: the CPU testbed ships only in the repository
+        raise SystemExit(f"the demo runs from a checkout of the repository (`make demo`): {exc}") from exc
 
     temp = ns.workdir is None
     workdir = Path(ns.workdir or tempfile.mkdtemp(prefix="miles-demo-")).resolve()

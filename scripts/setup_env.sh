@@ -1,47 +1,86 @@
 #!/usr/bin/env bash
-# Builds .venv with everything the demo and the tests need on a CPU-only machine.
-# Idempotent: a stamp file records the finished install; delete .venv to start over.
+# Builds, on a CPU-only machine, the two virtual envs the demo and the tests need:
+# - .venv: everything (CPU torch, sglang 0.5.23, megatron-core, ray, test tools, this project);
+# - .venv-sglang0516: a second sglang, 0.5.16 (the base of miles' rollout image), that the
+#   version-matrix e2e launches its server with (WEIGHTSYNC_SGLANG_PYTHON, see the Makefile).
+# Idempotent: a stamp file per venv records its finished install; delete a venv to rebuild it.
+# SKIP_SGLANG0516=1 builds only .venv.
 #
 # Why the install is done by hand instead of `pip install .[engine,trainer]`:
-# - sglang 0.5.23's own requirements pull several GB of CUDA wheels, so it goes in with
-#   --no-deps plus the pure-Python packages it imports on the serving path;
+# - sglang's own requirements pull several GB of CUDA wheels, so it goes in with --no-deps plus
+#   the pure-Python packages it imports on the serving path (pinned where sglang pins them);
 # - megatron-core 0.19.2 declares Python >=3.12 but its cp311 wheel works here;
-# - torch is pinned on every line so no resolver swaps in a CUDA build.
+# - torch is pinned on every line so no resolver swaps in a CUDA build. Both venvs use the same
+#   CPU torch 2.13.0 (sglang 0.5.16 pins torch 2.11.0, but with --no-deps it runs on 2.13.0).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${VENV:-.venv}
-STAMP="$VENV/.setup-complete-v1"
-if [ -f "$STAMP" ]; then exit 0; fi
-
+VENV_0516=${VENV_0516:-.venv-sglang0516}
 PY=${PYTHON:-python3}
-[ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
-pip_install() {
-  # This machine's pip config lists local package indexes that lack most names; pip warns once
-  # per package about them. Drop those lines; everything else pip says is kept.
-  "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check "$@" \
-    2> >(grep -v "is ignored: it is neither a file nor a directory" >&2)
-}
-PIP=(pip_install)
 TORCH="torch==2.13.0"
 
-echo "[setup] torch (CPU build) and the core's dependencies"
-"${PIP[@]}" "$TORCH" numpy zstandard xxhash msgspec blake3 safetensors
-echo "[setup] test tools"
-"${PIP[@]}" "$TORCH" pytest pytest-timeout hypothesis requests matplotlib mypy
-echo "[setup] sglang 0.5.23 (no deps) and what it imports on the serving path"
-echo "[setup]   pip will list sglang's GPU requirements as 'not installed' and its torch pin as a conflict:"
-echo "[setup]   expected, they are skipped on purpose (see the comment at the top of this script)"
-"${PIP[@]}" --no-deps sglang==0.5.23
-"${PIP[@]}" "$TORCH" aiohttp fastapi 'uvicorn>=0.51' uvloop orjson pyzmq pydantic psutil \
-  setproctitle transformers==5.19.0 tokenizers==0.23.2 pybase64 python-multipart \
-  prometheus-client packaging tqdm regex pillow einops interegular partial_json_parser \
-  openai==2.8.0 sentencepiece==0.2.1 tiktoken watchfiles distro scipy 'python-dateutil<3' \
-  blobfile==3.0.0 httpx IPython dill apache-tvm-ffi==0.1.11 compressed-tensors==0.18.0 gguf \
-  jsonschema xgrammar==0.2.7 soundfile==0.13.1 triton
-echo "[setup] megatron-core 0.19.2 (cp311 wheel, no deps) and ray"
-"${PIP[@]}" --no-deps --ignore-requires-python megatron-core==0.19.2
-"${PIP[@]}" "$TORCH" ray==2.60.0
-echo "[setup] this project (editable)"
-"${PIP[@]}" --no-deps -e .
-touch "$STAMP"
-echo "[setup] done: $VENV"
+pip_install() {  # pip_install VENV ARGS...
+  local venv=$1
+  shift
+  # This machine's pip config lists local package indexes that lack most names; pip warns once
+  # per package about them. Drop those lines; everything else pip says is kept.
+  "$venv/bin/python" -m pip install --quiet --disable-pip-version-check "$@" \
+    2> >(grep -v "is ignored: it is neither a file nor a directory" >&2)
+}
+
+# What sglang imports on the serving path, minus the few packages it pins per release
+# (transformers, tokenizers, openai, xgrammar: passed by the caller).
+SGLANG_SERVING_DEPS=(aiohttp fastapi 'uvicorn>=0.51' uvloop orjson pyzmq pydantic psutil
+  setproctitle pybase64 python-multipart prometheus-client packaging tqdm regex pillow einops
+  interegular partial_json_parser sentencepiece==0.2.1 tiktoken watchfiles distro scipy
+  'python-dateutil<3' blobfile==3.0.0 httpx IPython dill apache-tvm-ffi==0.1.11 gguf jsonschema
+  soundfile==0.13.1 triton requests safetensors)
+CORE_DEPS=(numpy zstandard xxhash msgspec blake3)
+
+install_sglang() {  # install_sglang VENV SGLANG_VERSION PINNED_DEPS...
+  local venv=$1 version=$2
+  shift 2
+  echo "[setup]   pip will list sglang's GPU requirements as 'not installed' and its torch pin as a conflict:"
+  echo "[setup]   expected, they are skipped on purpose (see the comment at the top of this script)"
+  pip_install "$venv" --no-deps "sglang==$version"
+  pip_install "$venv" "$TORCH" "${SGLANG_SERVING_DEPS[@]}" "$@"
+}
+
+build_main_venv() {
+  local stamp="$VENV/.setup-complete-v1"
+  if [ -f "$stamp" ]; then return 0; fi
+  [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
+  echo "[setup] torch (CPU build) and the core's dependencies"
+  pip_install "$VENV" "$TORCH" "${CORE_DEPS[@]}" safetensors
+  echo "[setup] test tools"
+  pip_install "$VENV" "$TORCH" pytest pytest-timeout hypothesis requests matplotlib mypy
+  echo "[setup] sglang 0.5.23 (no deps) and what it imports on the serving path"
+  install_sglang "$VENV" 0.5.23 transformers==5.19.0 tokenizers==0.23.2 openai==2.8.0 \
+    compressed-tensors==0.18.0 xgrammar==0.2.7
+  echo "[setup] megatron-core 0.19.2 (cp311 wheel, no deps) and ray"
+  pip_install "$VENV" --no-deps --ignore-requires-python megatron-core==0.19.2
+  pip_install "$VENV" "$TORCH" ray==2.60.0
+  echo "[setup] this project (editable)"
+  pip_install "$VENV" --no-deps -e .
+  touch "$stamp"
+  echo "[setup] done: $VENV"
+}
+
+build_sglang0516_venv() {
+  # Only what a server process needs: the tests themselves run in .venv.
+  local stamp="$VENV_0516/.setup-complete-v1"
+  if [ -f "$stamp" ]; then return 0; fi
+  local start=$SECONDS
+  [ -x "$VENV_0516/bin/python" ] || "$PY" -m venv "$VENV_0516"
+  echo "[setup] $VENV_0516: torch (CPU build), the core's dependencies, sglang 0.5.16 (no deps)"
+  pip_install "$VENV_0516" "$TORCH" "${CORE_DEPS[@]}"
+  install_sglang "$VENV_0516" 0.5.16 transformers==5.12.1 openai==2.6.1 compressed-tensors \
+    xgrammar==0.2.1
+  echo "[setup] $VENV_0516: this project (editable: the plugin's entry point)"
+  pip_install "$VENV_0516" --no-deps -e .
+  touch "$stamp"
+  echo "[setup] done: $VENV_0516 in $((SECONDS - start))s"
+}
+
+build_main_venv
+if [ "${SKIP_SGLANG0516:-0}" != 1 ]; then build_sglang0516_venv; fi

@@ -18,18 +18,31 @@ from fastapi import Body, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import ORJSONResponse
 
-from . import tokenizer_side
+from . import metrics, tokenizer_side
 from .io_types import PullWeightsReqInput, http_body
 
 log = logging.getLogger(__name__)
 
 ROUTE_PATH = "/pull_weights"
+ROUTE_MARK = "_weightsync_pull_weights_route"  # set on our endpoint: tells ours from another plugin's
 
 
-def install_route(app: FastAPI, get_tokenizer_manager: Callable[[], Any]) -> None:
-    """Add ``POST /pull_weights`` to ``app`` (idempotent); the body is answered by the tokenizer."""
-    if any(getattr(route, "path", None) == ROUTE_PATH for route in app.router.routes):
-        return
+def install_route(app: FastAPI, get_tokenizer_manager: Callable[[], Any]) -> bool:
+    """Add ``POST /pull_weights`` to ``app``; the body is answered by the tokenizer.
+
+    Returns False, adding nothing, when the app already has the route: ours (idempotent), or
+    another one (sglang-miles and slime's patch ship their own), which then keeps serving; one
+    log line says which.
+    """
+    existing = find_route(app, ROUTE_PATH)
+    if existing is not None:
+        if not getattr(existing.endpoint, ROUTE_MARK, False):
+            log.warning(
+                "weightsync plugin: POST %s is already served by %s (registered before this plugin "
+                "loaded); that route keeps serving and weightsync's is not added",
+                ROUTE_PATH, describe_endpoint(existing.endpoint),
+            )  # fmt: skip
+        return False
     from sglang.srt.utils.auth import AuthLevel, auth_level
 
     @auth_level(AuthLevel.ADMIN_OPTIONAL)
@@ -39,18 +52,34 @@ def install_route(app: FastAPI, get_tokenizer_manager: Callable[[], Any]) -> Non
             output = await tokenizer_side.pull_weights(get_tokenizer_manager(), obj)
         except Exception as exc:
             log.exception("pull_weights: the request failed")
-            return ORJSONResponse(
-                {
-                    "success": False,
-                    "error_type": "internal_error",
-                    "message": f"pull_weights failed in the server: {type(exc).__name__}: {exc}",
-                },
-                status_code=500,
-            )
-        return ORJSONResponse(http_body(output), status_code=output.http_status)
+            body = {
+                "success": False,
+                "error_type": "internal_error",
+                "message": f"pull_weights failed in the server: {type(exc).__name__}: {exc}",
+            }
+            metrics.observe_pull(body)
+            return ORJSONResponse(body, status_code=500)
+        body = http_body(output)
+        metrics.observe_pull(body, obj.local_checkpoint_dir)
+        return ORJSONResponse(body, status_code=output.http_status)
 
+    setattr(pull_weights, ROUTE_MARK, True)
     app.add_api_route(ROUTE_PATH, pull_weights, methods=["POST"])
     _answer_bad_bodies_structurally(app)
+    log.info("weightsync plugin: POST %s is served by weightsync (%s)", ROUTE_PATH, __name__)
+    return True
+
+
+def find_route(app: FastAPI, path: str) -> Any:
+    """The app's route for ``path`` (any method), or None."""
+    return next((route for route in app.router.routes if getattr(route, "path", None) == path), None)
+
+
+def describe_endpoint(endpoint: Any) -> str:
+    """'module.function' of a route's endpoint, for the log."""
+    name = getattr(endpoint, "__qualname__", None) or getattr(endpoint, "__name__", None) or repr(endpoint)
+    module = getattr(endpoint, "__module__", None)
+    return f"{module}.{name}" if module else name
 
 
 def _answer_bad_bodies_structurally(app: FastAPI) -> None:
@@ -73,15 +102,14 @@ def _answer_bad_bodies_structurally(app: FastAPI) -> None:
             )
         if request.url.path == ROUTE_PATH:
             problems = "; ".join(_describe_validation_errors(exc.errors()))
-            return ORJSONResponse(
-                {
-                    "success": False,
-                    "error_type": "bad_request",
-                    "message": f"invalid /pull_weights request: {problems}. Expected "
-                    '{"local_checkpoint_dir": str, "source_dir": str, "target_version": int}',
-                },
-                status_code=400,
-            )
+            body = {
+                "success": False,
+                "error_type": "bad_request",
+                "message": f"invalid /pull_weights request: {problems}. Expected "
+                '{"local_checkpoint_dir": str, "source_dir": str, "target_version": int}',
+            }
+            metrics.observe_pull(body)
+            return ORJSONResponse(body, status_code=400)
         if previous is not None:
             return await previous(request, exc)
         from fastapi.exception_handlers import request_validation_exception_handler

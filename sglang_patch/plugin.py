@@ -9,7 +9,8 @@ that process imports the sglang module it patches:
 - ``sglang.srt.managers.io_struct``: the request/reply types join sglang's msgpack IPC (``io_types``);
 - ``sglang.srt.managers.scheduler``: the handler on every TP rank (``scheduler_side``);
 - ``sglang.srt.managers.tokenizer_control_mixin``: the fan-out to DP groups (``tokenizer_side``);
-- ``sglang.srt.entrypoints.http_server``: the route (``http_route``).
+- ``sglang.srt.entrypoints.http_server``: the route (``http_route``);
+- ``sglang.srt.managers.tokenizer_manager``: ``/update_weights_from_disk`` is timed (``metrics``).
 
 Every decision (paths, errors, merging, the collective protocol) lives in modules that import no
 sglang and are tested without it: ``paths``, ``results``, ``coordinator``.
@@ -62,9 +63,15 @@ def load_plugin() -> None:
 
         http_route.install(module)
 
+    def reload_metrics(_module):
+        from . import metrics
+
+        metrics.install()
+
     when_imported("sglang.srt.server_args", flags)
     when_imported("sglang.srt.managers.io_struct", types)
     when_imported("sglang.srt.managers.scheduler", scheduler)
     when_imported("sglang.srt.managers.tokenizer_control_mixin", tokenizer)
     when_imported("sglang.srt.entrypoints.http_server", route)
+    when_imported("sglang.srt.managers.tokenizer_manager", reload_metrics)
     log.info("weightsync pull_weights plugin loaded")

@@ -59,6 +59,8 @@ class RankPullReport(msgspec.Struct, kw_only=True):
     lock_wait_s: float = 0.0
     hook_ran: bool = False
     nbytes_read: int = 0
+    source_nbytes: int = 0  # read from the source dir (the weightsync_pull_source_read_bytes metric)
+    reseeded: bool = False
 
 
 class HostPullResult(msgspec.Struct, kw_only=True):
@@ -76,6 +78,8 @@ class HostPullResult(msgspec.Struct, kw_only=True):
     seconds: float = 0.0  # slowest rank on the host, including its wait for the host lock
     hook_ran: bool = False
     nbytes_read: int = 0
+    source_nbytes: int = 0  # read from the source dir (the weightsync_pull_source_read_bytes metric)
+    reseeded: bool = False
 
 
 def report_success(host: str, rank: str, result) -> RankPullReport:
@@ -91,6 +95,8 @@ def report_success(host: str, rank: str, result) -> RankPullReport:
         lock_wait_s=float(getattr(result, "lock_wait_s", 0.0)),
         hook_ran=bool(result.hook_ran),
         nbytes_read=int(result.nbytes_read),
+        source_nbytes=int(getattr(result, "source_nbytes", 0)),
+        reseeded=bool(getattr(result, "reseeded", False)),
     )
 
 
@@ -154,6 +160,8 @@ def merge_host_results(items: Iterable[RankPullReport | HostPullResult]) -> list
                     seconds=max(item.seconds for item in group),
                     hook_ran=any(item.hook_ran for item in group),
                     nbytes_read=sum(item.nbytes_read for item in group),
+                source_nbytes=sum(item.source_nbytes for item in group),
+                reseeded=any(item.reseeded for item in group),
                 )
             )
             continue
@@ -172,6 +180,8 @@ def merge_host_results(items: Iterable[RankPullReport | HostPullResult]) -> list
                 seconds=max(item.seconds for item in group),
                 hook_ran=any(item.hook_ran for item in group),
                 nbytes_read=sum(item.nbytes_read for item in group),
+                source_nbytes=sum(item.source_nbytes for item in group),
+                reseeded=any(item.reseeded for item in group),
             )
         )
     return merged

@@ -22,7 +22,7 @@ import logging
 import os
 from typing import Any, Optional, Sequence
 
-from . import results
+from . import compat, results
 from .coordinator import PullCoordinator, SingleRankGroup
 from .pull_process import make_rank_puller  # imported here: captures the CPUs before sglang binds them
 from .rank_pull import RankPuller
@@ -80,10 +80,7 @@ def make_coordinator(scheduler: Any) -> PullCoordinator:
     parallel = get_parallel()
     tp_size = int(parallel.tp_size)
     group = TorchCpuGroup(parallel.tp_group.cpu_group, tp_size) if tp_size > 1 else SingleRankGroup()
-    try:
-        dp_rank = parallel.dp_rank
-    except Exception:
-        dp_rank = None
+    dp_rank = compat.dp_rank_of(scheduler, parallel)
     host = results.host_label(int(getattr(server_args, "node_rank", 0) or 0))
     rank = f"dp{dp_rank if dp_rank is not None else 0}/tp{int(parallel.tp_rank)}"
     seed_dir = resolve_seed_dir(server_args.model_path, getattr(server_args, "download_dir", None))
@@ -121,7 +118,7 @@ def make_coordinator(scheduler: Any) -> PullCoordinator:
         failure_report=failure_report,
         build_reply=build_reply,
         build_conflict=build_conflict,
-        send_reply=scheduler.send_control_output,
+        send_reply=compat.control_output_sender(scheduler),
         build_internal_error=build_internal_error,
     )
 

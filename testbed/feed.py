@@ -8,7 +8,8 @@ version can be republished), and remembers the expected tensors of every version
 
 Helpers: ``assert_checkpoint_equals`` (bit-exact), ``dir_fingerprint`` (what "nothing touched"
 means: every file's size and hash, the host lock file excluded), ``corrupt_delta`` (flip one
-payload byte of a published delta shard).
+payload byte of a published delta shard), ``corrupt_local_tensor`` (flip one byte of a tensor
+in a local checkpoint, as a bad disk would).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ class VersionFeed:
         self.source_dir = str(source_dir)
         self.seed = seed
         self.expected: dict[int, dict] = {0: read_state_dict(self.model_dir)}
+        self.published: dict = {}  # version -> the core's PublishResult
         os.makedirs(self.source_dir, exist_ok=True)
 
     def publish(
@@ -47,6 +49,7 @@ class VersionFeed:
         finally:
             publisher.close()
         self.expected[version] = tensors
+        self.published[version] = result
         return result
 
     def version_dir(self, version: int) -> str:
@@ -57,6 +60,7 @@ class VersionFeed:
     def unpublish(self, version: int) -> None:
         shutil.rmtree(self.version_dir(version))
         self.expected.pop(version, None)
+        self.published.pop(version, None)
 
 
 def corrupt_delta(version_dir: str | os.PathLike, *, offset_from_end: int = 16) -> str:
@@ -72,6 +76,34 @@ def corrupt_delta(version_dir: str | os.PathLike, *, offset_from_end: int = 16) 
         f.seek(size - offset_from_end)
         f.write(bytes([byte[0] ^ 0xFF]))
     return str(path)
+
+
+def corrupt_local_tensor(checkpoint_dir: str | os.PathLike, name: str) -> str:
+    """Flip the first byte of tensor ``name`` in the checkpoint's shard that holds it; returns the file."""
+    import json
+    import struct
+
+    root = Path(checkpoint_dir)
+    for path in sorted(root.glob("*.safetensors")):
+        with open(path, "r+b") as f:
+            (header_len,) = struct.unpack("<Q", f.read(8))
+            entry = json.loads(f.read(header_len)).get(name)
+            if entry is None:
+                continue
+            offset = 8 + header_len + entry["data_offsets"][0]
+            f.seek(offset)
+            byte = f.read(1)
+            f.seek(offset)
+            f.write(bytes([byte[0] ^ 0xFF]))
+        return str(path)
+    raise KeyError(f"tensor {name!r} is in no shard of {checkpoint_dir}")
+
+
+def changed_tensor_names(before: dict, after: dict) -> list[str]:
+    """Names of the tensors whose bytes differ between two state dicts (sorted)."""
+    import torch
+
+    return sorted(name for name in after if not torch.equal(before[name], after[name]))
 
 
 def assert_checkpoint_equals(checkpoint_dir: str | os.PathLike, expected: dict) -> None:

@@ -34,6 +34,7 @@ import requests
 REPO_ROOT = Path(__file__).resolve().parent.parent
 CPU_SCAFFOLDING_DIR = REPO_ROOT / "tests" / "cpu_scaffolding"
 LOOPBACK = "127.0.0.1"
+SGLANG_PYTHON_ENV = "WEIGHTSYNC_SGLANG_PYTHON"
 
 
 class ServerStartError(RuntimeError):
@@ -45,6 +46,22 @@ def find_free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((LOOPBACK, 0))
         return s.getsockname()[1]
+
+
+def server_python(python: str | os.PathLike | None = None) -> str:
+    """The interpreter that runs the server: ``python``, else ``$WEIGHTSYNC_SGLANG_PYTHON`` (the
+    version-matrix run points it at another venv's sglang), else this interpreter. A relative
+    path is taken from the repository root."""
+    chosen = python or os.environ.get(SGLANG_PYTHON_ENV) or sys.executable
+    path = Path(chosen)
+    if not path.is_absolute():
+        path = REPO_ROOT / path
+    if not os.access(path, os.X_OK):
+        raise FileNotFoundError(
+            f"the sglang server interpreter {path} (python argument or ${SGLANG_PYTHON_ENV}) is "
+            "not an executable file; `make setup` builds the venvs"
+        )
+    return str(path)
 
 
 def cpu_server_env(*, parallel: int = 1, extra: Mapping[str, str] | None = None) -> dict[str, str]:
@@ -90,8 +107,10 @@ class SglangCpuServer:
         api_key: str | None = None,
         admin_api_key: str | None = None,
         entrypoint: str = "launch_server",
+        python: str | os.PathLike | None = None,
     ) -> None:
         self.model_path = str(model_path)
+        self.python = server_python(python)
         self.tp = tp
         self.dp = dp
         self.port = port or find_free_port()
@@ -125,9 +144,9 @@ class SglangCpuServer:
     def command(self) -> list[str]:
         """The full command line (including the mount-namespace wrapper, if any)."""
         if self.entrypoint == "serve":  # the `sglang serve` console script
-            launcher = [sys.executable, "-c", "import sys; from sglang.cli.main import main; sys.exit(main())", "serve"]
+            launcher = [self.python, "-c", "import sys; from sglang.cli.main import main; sys.exit(main())", "serve"]
         else:
-            launcher = [sys.executable, "-m", "sglang.launch_server"]
+            launcher = [self.python, "-m", "sglang.launch_server"]
         cmd = launcher + [
             "--model-path", self.model_path,
             "--device", "cpu",

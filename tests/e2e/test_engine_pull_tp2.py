@@ -1,9 +1,13 @@
 """POST /pull_weights against one real sglang 0.5.23 CPU server at TP=2 (shared by the module).
 
-The server runs with an admin API key, allowed roots, and the test pre-read hook
-(``testbed.hooks.record_pre_read``), so one start covers: the pull + reload round trip checked
-against transformers, no-op/reset/backward pulls, a corrupt delta, a missing version, two
-concurrent pulls with generation going on, the hook, auth, and path refusals.
+The server runs with an admin API key, allowed roots, the test pre-read hook
+(``testbed.hooks.record_pre_read``) and ``--enable-metrics``, so one start covers: the pull +
+reload round trip checked against transformers, no-op/reset/backward pulls, a corrupt delta, a
+missing version, two concurrent pulls with generation going on, the hook, auth, path refusals,
+a reseed, and the weightsync metrics on ``/metrics``.
+
+CI runs this module against each supported sglang (``make test``: 0.5.23 in ``.venv``, 0.5.16
+through ``WEIGHTSYNC_SGLANG_PYTHON``).
 
 The tests run in file order and build on each other (the engine's local checkpoint moves from
 version to version); each asserts one behaviour.
@@ -45,6 +49,7 @@ def env(tmp_path_factory, tiny_model_dir, server_factory):
             *SERVER_COMPUTE_ARGS,  # fp32 compute: greedy ids equal transformers' exactly
             "--pull-weights-allowed-roots", str(allowed),
             "--custom-pull-weights-pre-read-hook", "testbed.hooks.record_pre_read",
+            "--enable-metrics",
         ],
         env={"TESTBED_PRE_READ_HOOK_LOG": str(hook_log), "TESTBED_PRE_READ_HOOK_GATE": str(gate)},
     )  # fmt: skip
@@ -80,6 +85,24 @@ def reload(env):
     return resp
 
 
+def scrape_metrics(env) -> dict:
+    """weightsync's samples on the server's /metrics: {(sample name, sorted label items): value}."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    resp = env.server.get("/metrics", api_key="")  # sglang serves /metrics without a key
+    assert resp.status_code == 200, resp.text[:500]
+    samples = {}
+    for family in text_string_to_metric_families(resp.text):
+        for sample in family.samples:
+            if sample.name.startswith("weightsync_"):
+                samples[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
+    return samples
+
+
+def metric(samples: dict, name: str, **labels):
+    return samples.get((name, tuple(sorted(labels.items()))))
+
+
 def hook_calls(env):
     from testbed.hooks import read_calls
 
@@ -91,6 +114,19 @@ def check_against_transformers(env, model_dir):
     from testbed.tiny_qwen3 import assert_server_greedy_equals
 
     return assert_server_greedy_equals(env.server.generate_ids, model_dir, max_new_tokens=NEW_TOKENS)
+
+
+def test_the_server_runs_the_sglang_of_its_interpreter(env, record_property):
+    import subprocess
+
+    expected = subprocess.run(
+        [env.server.python, "-c", "from importlib.metadata import version; print(version('sglang'))"],
+        check=True, capture_output=True, text=True,
+    ).stdout.strip()  # fmt: skip
+    info = env.server.get("/server_info").json()
+    assert info["version"] == expected
+    record_property("sglang_version", expected)
+    print(f"\n[matrix] sglang {expected} ({env.server.python})")
 
 
 def test_v0_generation_matches_transformers(env):
@@ -126,6 +162,7 @@ def test_pull_to_v3_then_reload_serves_exactly_the_v3_weights(env, record_proper
     assert host["ranks"] == ["dp0/tp0", "dp0/tp1"]
     assert host["action"] == "seed+chain" and host["applied_version"] == 3
     assert_checkpoint_equals(env.local, env.feed.expected[3])
+    env.v3_reply = body
     # One host, two TP ranks: the hook ran once (the second rank found the work done).
     assert len(hook_calls(env)) == calls_before + 1
 
@@ -143,6 +180,28 @@ def test_pull_to_v3_then_reload_serves_exactly_the_v3_weights(env, record_proper
     record_property("pull_s", round(pull_s, 3))
     record_property("reload_s", round(reload_s, 3))
     print(f"\n[measured] TP=2 CPU server: pull v0->v3 (seed + 3 deltas) {pull_s:.3f}s, reload {reload_s:.3f}s")
+
+
+def test_metrics_count_the_successful_pull_its_source_bytes_and_the_reload(env):
+    samples = scrape_metrics(env)
+    [host] = env.v3_reply["hosts"]
+    name = host["host"]
+    # The 401s above never reached the route: one pull so far, a success.
+    assert metric(samples, "weightsync_pulls_total", outcome="success", error_type="none") == 1
+    assert not [k for k, v in samples.items() if k[0] == "weightsync_pulls_total" and ("outcome", "failure") in k[1] and v]
+    assert metric(samples, "weightsync_pull_seconds_count", outcome="success") == 1
+    assert metric(samples, "weightsync_pull_seconds_sum", outcome="success") == pytest.approx(env.v3_reply["seconds"])
+    # Seeded from the engine's own model, then three deltas read from the source dir: exactly
+    # their payload bytes as the publisher wrote them.
+    wire = sum(env.feed.published[v].wire_nbytes for v in (1, 2, 3))
+    assert host["source_nbytes"] == wire > 0
+    assert metric(samples, "weightsync_pull_source_read_bytes_total", host=name) == wire
+    assert metric(samples, "weightsync_applied_version", host=name) == 3
+    # The reload from the pulled checkpoint: the engine serves v3, and its pause was timed.
+    assert metric(samples, "weightsync_live_weight_version") == 3
+    assert metric(samples, "weightsync_weight_update_pause_seconds_count", mode="reload") == 1
+    assert metric(samples, "weightsync_weight_update_pause_seconds_sum", mode="reload") > 0
+    assert not metric(samples, "weightsync_reseeds_total", host=name)
 
 
 def test_pull_to_the_current_version_is_a_noop_without_the_hook(env):
@@ -164,6 +223,18 @@ def test_backward_pull_is_refused_and_leaves_the_checkpoint(env):
     assert "backwards" in body["message"]
     assert "Traceback" not in resp.text
     assert_checkpoint_equals(env.local, env.feed.expected[3])
+
+
+def test_metrics_count_the_refused_pull_by_error_type(env):
+    samples = scrape_metrics(env)
+    name = env.v3_reply["hosts"][0]["host"]
+    assert metric(samples, "weightsync_pulls_total", outcome="failure", error_type="bad_request") == 1
+    assert metric(samples, "weightsync_pulls_total", outcome="success", error_type="none") == 2  # v3, no-op
+    assert metric(samples, "weightsync_pull_seconds_count", outcome="failure") == 1
+    # The refusal moved nothing: the host still holds v3, the engine still serves it.
+    assert metric(samples, "weightsync_applied_version", host=name) == 3
+    assert metric(samples, "weightsync_live_weight_version") == 3
+    assert metric(samples, "weightsync_weight_update_pause_seconds_count", mode="reload") == 1
 
 
 def test_pull_v0_resets_to_the_engine_model_then_forward_again(env):
@@ -278,3 +349,21 @@ def test_a_malformed_body_is_400_with_the_structured_error(env):
     assert resp.status_code == 400, body
     assert body["success"] is False and body["error_type"] == "bad_request"
     assert "source_dir" in body["message"] and "target_version" in body["message"]
+
+
+def test_a_corrupted_local_tensor_reseeds_and_the_reseed_is_counted(env):
+    from testbed.feed import assert_checkpoint_equals, changed_tensor_names, corrupt_local_tensor
+
+    env.feed.publish(6, encoding="xor")
+    # A byte of a tensor that v6 changes goes bad on the host's disk (the marker still says v5).
+    victim = changed_tensor_names(env.feed.expected[5], env.feed.expected[6])[0]
+    corrupt_local_tensor(env.local, victim)
+    resp = pull(env, 6)
+    body = resp.json()
+    assert resp.status_code == 200, body
+    [host] = body["hosts"]
+    assert host["reseeded"] is True
+    assert_checkpoint_equals(env.local, env.feed.expected[6])
+    samples = scrape_metrics(env)
+    assert metric(samples, "weightsync_reseeds_total", host=host["host"]) == 1
+    assert metric(samples, "weightsync_applied_version", host=host["host"]) == 6

@@ -237,6 +237,29 @@ def test_route_hides_an_internal_exception_behind_a_500():
     assert resp.json()["error_type"] == "internal_error" and "Traceback" not in resp.text
 
 
+def test_an_existing_pull_weights_route_is_kept_and_one_line_names_it(caplog):
+    """sglang-miles and slime's patch ship their own /pull_weights: it keeps serving."""
+    import logging
+
+    from fastapi import FastAPI
+    from fastapi.testclient import TestClient
+
+    from sglang_patch.http_route import install_route
+
+    app = FastAPI()
+
+    async def their_pull_weights():
+        return {"served_by": "theirs"}
+
+    app.add_api_route("/pull_weights", their_pull_weights, methods=["POST"])
+    with caplog.at_level(logging.INFO, logger="sglang_patch.http_route"):
+        assert install_route(app, lambda: None) is False
+    assert [r.path for r in app.router.routes].count("/pull_weights") == 1
+    [line] = [r.getMessage() for r in caplog.records]
+    assert "already served by" in line and "their_pull_weights" in line and "weightsync's is not added" in line
+    assert TestClient(app).post("/pull_weights", json=BODY).json() == {"served_by": "theirs"}
+
+
 @pytest.mark.parametrize(
     "keys, header, status",
     [

@@ -1,0 +1,43 @@
+"""The one place that knows how the sglang releases we support differ (0.5.16 up to 0.5.23).
+
+Everything else in the plugin is written against what the releases share: the plugin framework
+(``srt/plugins``, ``HookRegistry``), ``io_struct.BaseReq`` and ``hook_custom_types``, the
+declarative ``tokenizer_control_mixin._COMMUNICATOR_SPECS``, ``runtime_context.get_parallel()``
+(tp size/rank and the TP group's gloo group), ``ServerArgs.add_cli_args``/``from_cli_args`` and
+``utils.auth``. Where they differ, a function here looks for the newer attribute and otherwise
+uses the older spelling, naming the release of each. Tested on both:
+``tests/e2e/test_engine_pull_tp2.py`` runs against each venv (see the Makefile).
+
+Differences found (each row is one function below):
+
+| what                         | 0.5.16                                              | 0.5.23                              |
+|------------------------------|-----------------------------------------------------|-------------------------------------|
+| answer a control request     | ``scheduler.ipc_channels.send_to_tokenizer.send_output`` | ``scheduler.send_control_output`` |
+| this scheduler's DP rank     | ``scheduler.ps.dp_rank`` (``ParallelContext`` has none) | ``get_parallel().dp_rank``       |
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+
+def control_output_sender(scheduler: Any) -> Callable[[Any, Any], None]:
+    """``send(output, request)``: answer a control request later than its dispatch.
+
+    0.5.23 has ``Scheduler.send_control_output`` (it also routes to an embedded Rust server);
+    0.5.16 answers through the tokenizer channel directly, as its own dispatch loop does.
+    """
+    send = getattr(scheduler, "send_control_output", None)
+    if send is not None:
+        return send
+    channel = scheduler.ipc_channels.send_to_tokenizer
+    return lambda output, request: channel.send_output(output, request)
+
+
+def dp_rank_of(scheduler: Any, parallel: Any) -> Optional[int]:
+    """This scheduler's data-parallel rank, or None when the engine runs without DP."""
+    try:  # 0.5.23: ParallelContext.dp_rank (its dynamic lookup raises when unpublished)
+        rank = parallel.dp_rank
+    except Exception:  # 0.5.16: no such attribute; the scheduler keeps its own parallel state
+        rank = getattr(getattr(scheduler, "ps", None), "dp_rank", None)
+    return None if rank is None else int(rank)
