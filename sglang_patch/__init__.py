@@ -1,6 +1,6 @@
-"""sglang 0.5.23 plugin: ``POST /pull_weights`` brings every engine host's local checkpoint to a
-published weight version (the core's ``weightsync.pull``), so that the trainer can then reload the
-engine with sglang's own ``/update_weights_from_disk``.
+"""sglang plugin (0.5.16 to 0.5.23): ``POST /pull_weights`` brings every engine host's local
+checkpoint to a published weight version (the core's ``weightsync.pull``), so that the trainer
+can then reload the engine with sglang's own ``/update_weights_from_disk``.
 
 Installed through the ``sglang.srt.plugins`` entry point ``pull_weights =
 sglang_patch.plugin:load_plugin``; no sglang file is changed. Layout (arrows = imports):
@@ -20,4 +20,6 @@ sglang_patch.plugin:load_plugin``; no sglang file is changed. Layout (arrows = i
 - ``server_flags``: the two CLI flags, carried to every scheduler on ``ServerArgs``.
 - ``io_types``: the request/reply IPC messages (pickle and msgpack).
 - ``scheduler_side`` / ``tokenizer_side`` / ``http_route``: the few lines that hook sglang.
+- ``compat``: the one place that knows how the supported sglang releases (0.5.16 to 0.5.23) differ.
+- ``metrics``: the weightsync series on sglang's ``/metrics`` (``--enable-metrics``).
 """
