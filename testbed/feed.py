@@ -8,7 +8,8 @@ version can be republished), and remembers the expected tensors of every version
 
 Helpers: ``assert_checkpoint_equals`` (bit-exact), ``dir_fingerprint`` (what "nothing touched"
 means: every file's size and hash, the host lock file excluded), ``corrupt_delta`` (flip one
-payload byte of a published delta shard), ``corrupt_local_tensor`` (flip one byte of a tensor
+payload byte of a published delta shard), ``payload_nbytes`` (a version's shard data areas),
+``corrupt_local_tensor`` (flip one byte of a tensor
 in a local checkpoint, as a bad disk would).
 """
 
@@ -30,7 +31,6 @@ class VersionFeed:
         self.source_dir = str(source_dir)
         self.seed = seed
         self.expected: dict[int, dict] = {0: read_state_dict(self.model_dir)}
-        self.published: dict = {}  # version -> the core's PublishResult
         os.makedirs(self.source_dir, exist_ok=True)
 
     def publish(
@@ -49,7 +49,6 @@ class VersionFeed:
         finally:
             publisher.close()
         self.expected[version] = tensors
-        self.published[version] = result
         return result
 
     def version_dir(self, version: int) -> str:
@@ -60,7 +59,6 @@ class VersionFeed:
     def unpublish(self, version: int) -> None:
         shutil.rmtree(self.version_dir(version))
         self.expected.pop(version, None)
-        self.published.pop(version, None)
 
 
 def corrupt_delta(version_dir: str | os.PathLike, *, offset_from_end: int = 16) -> str:
@@ -76,6 +74,18 @@ def corrupt_delta(version_dir: str | os.PathLike, *, offset_from_end: int = 16) 
         f.seek(size - offset_from_end)
         f.write(bytes([byte[0] ^ 0xFF]))
     return str(path)
+
+
+def payload_nbytes(version_dir: str | os.PathLike) -> int:
+    """Bytes in the data areas of a version's shards (each file less its safetensors header)."""
+    import struct
+
+    total = 0
+    for path in sorted(Path(version_dir).glob("*.safetensors")):
+        with open(path, "rb") as f:
+            (header_len,) = struct.unpack("<Q", f.read(8))
+        total += os.path.getsize(path) - 8 - header_len
+    return total
 
 
 def corrupt_local_tensor(checkpoint_dir: str | os.PathLike, name: str) -> str:
