@@ -9,8 +9,7 @@ version can be republished), and remembers the expected tensors of every version
 Helpers: ``assert_checkpoint_equals`` (bit-exact), ``dir_fingerprint`` (what "nothing touched"
 means: every file's size and hash, the host lock file excluded), ``corrupt_delta`` (flip one
 payload byte of a published delta shard), ``payload_nbytes`` (a version's shard data areas),
-``corrupt_local_tensor`` (flip one byte of a tensor
-in a local checkpoint, as a bad disk would).
+``corrupt_local_tensor`` (flip one byte of a tensor in a local checkpoint, as a bad disk would).
 """
 
 from __future__ import annotations
