@@ -1,28 +1,35 @@
 """A stand-in for an sglang build that ships its own ``POST /pull_weights`` (sglang-miles, slime).
 
 Loaded as an sglang plugin (entry point ``foreign_pull_route`` in the dist-info next to this
-file; this directory comes first on the test server's ``PYTHONPATH``, so it is discovered, and
-loaded, before weightsync's). It adds its route to sglang's app as soon as
-``sglang.srt.entrypoints.http_server`` has executed, i.e. before weightsync's plugin patches that
-module: the same state weightsync meets on a server whose own http_server defines the route.
+file, which the test puts on the server's ``PYTHONPATH``). Such builds define the route in
+sglang's own ``http_server`` module; to reproduce that without editing sglang, this plugin adds
+the route to sglang's app the moment the module creates it (``app = FastAPI(...)`` in the module
+body), so the route exists before the module has finished importing, and so before any plugin
+can patch it, whichever order the plugins load in.
 """
 
+import sys
+
+import fastapi
 from fastapi.responses import JSONResponse
 
 SERVED_BY = "foreign_pull_route"
+HTTP_SERVER = "sglang.srt.entrypoints.http_server"
 
 
 async def pull_weights():
     return JSONResponse({"served_by": SERVED_BY})
 
 
-def _add_route(module) -> None:
-    module.app.add_api_route("/pull_weights", pull_weights, methods=["POST"])
-
-
 def load() -> None:
-    # Any post-import mechanism will do; this one runs callbacks in registration order, and this
-    # plugin registers first.
-    from sglang_patch._post_import import when_imported
+    original = fastapi.FastAPI.__init__
+    if getattr(original, "_foreign_pull_route", False):
+        return
 
-    when_imported("sglang.srt.entrypoints.http_server", _add_route)
+    def init(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        if sys._getframe(1).f_globals.get("__name__") == HTTP_SERVER:
+            self.add_api_route("/pull_weights", pull_weights, methods=["POST"])
+
+    init._foreign_pull_route = True
+    fastapi.FastAPI.__init__ = init
