@@ -99,7 +99,17 @@ def _get() -> Optional[_Metrics]:
 
 
 def observe_pull(reply: Mapping[str, Any], local_checkpoint_dir: Optional[str] = None) -> None:
-    """Record one ``/pull_weights`` reply (its JSON fields: success, error_type, seconds, hosts)."""
+    """Record one ``/pull_weights`` reply (its JSON fields: success, error_type, seconds, hosts).
+
+    Never raises: a metrics problem is logged and the reply goes out as it is.
+    """
+    try:
+        _record_pull(reply, local_checkpoint_dir)
+    except Exception:
+        log.exception("weightsync metrics: recording a pull failed")
+
+
+def _record_pull(reply: Mapping[str, Any], local_checkpoint_dir: Optional[str]) -> None:
     metrics = _get()
     success = bool(reply.get("success"))
     if success and local_checkpoint_dir and reply.get("applied_version") is not None:

@@ -1,4 +1,5 @@
-"""Launch a real sglang 0.5.23 server on the CPU, on loopback, for tests and the demo.
+"""Launch a real sglang server on the CPU (0.5.23; 0.5.16 from its own venv), on loopback, for
+tests and the demo.
 
 Role: one small class, ``SglangCpuServer``, that starts ``python -m sglang.launch_server`` (or
 ``sglang serve``, ``entrypoint="serve"``) with
@@ -7,6 +8,8 @@ small KV pool), waits until ``/health`` answers, and stops the whole process tre
 
 Invariants:
 - Loopback only: the server binds 127.0.0.1; ports are free ports picked on 127.0.0.1.
+- The server's interpreter is this one unless ``python=`` or ``$WEIGHTSYNC_SGLANG_PYTHON`` names
+  another venv's (the version matrix: ``make test-sglang0516``); the tests stay in this one.
 - ``tests/cpu_scaffolding`` (import-only stand-ins for ``sgl_kernel``/``torchvision``) and the repo
   root are put on the server's ``PYTHONPATH``; this repo's sglang plugin is picked up through its
   installed entry point, exactly as in production.
