@@ -82,6 +82,7 @@ _metrics: Optional[_Metrics] = None
 # The versions that successful pulls left in each local checkpoint dir (this process's view),
 # so that a reload from one of them can name the version it now serves.
 _pulled_versions: dict[str, int] = {}
+_MAX_REMEMBERED_DIRS = 64
 
 
 def is_enabled() -> bool:
@@ -113,7 +114,11 @@ def _record_pull(reply: Mapping[str, Any], local_checkpoint_dir: Optional[str]) 
     metrics = _get()
     success = bool(reply.get("success"))
     if success and local_checkpoint_dir and reply.get("applied_version") is not None:
-        _pulled_versions[os.path.realpath(local_checkpoint_dir)] = int(reply["applied_version"])
+        path = os.path.realpath(local_checkpoint_dir)
+        _pulled_versions.pop(path, None)
+        _pulled_versions[path] = int(reply["applied_version"])
+        while len(_pulled_versions) > _MAX_REMEMBERED_DIRS:  # bounded however many dirs callers use
+            _pulled_versions.pop(next(iter(_pulled_versions)))
     if metrics is None:
         return
     outcome = SUCCESS if success else FAILURE
