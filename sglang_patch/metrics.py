@@ -17,7 +17,7 @@ Metrics (glossary of docs/FORMAT.md):
 |---|---|---|---|
 | ``weightsync_pulls_total`` | counter | ``outcome``, ``error_type`` | ``POST /pull_weights`` replies (``none`` for a success) |
 | ``weightsync_pull_seconds`` | histogram | ``outcome`` | a pull's wall time as the HTTP process saw it |
-| ``weightsync_pull_source_read_bytes_total`` | counter | ``host`` | payload bytes read from the source dir: delta shards' data areas, a full version's shards |
+| ``weightsync_pull_source_read_bytes_total`` | counter | ``host`` | bytes read from the source dir (the core's ``PullResult.source_nbytes``: delta shards, a full version's files) |
 | ``weightsync_applied_version`` | gauge | ``host`` | the version each host's local checkpoint holds (last reply that said) |
 | ``weightsync_live_weight_version`` | gauge | | the version the engine serves (0: the model it started from) |
 | ``weightsync_reseeds_total`` | counter | ``host`` | pulls that found the local state torn or corrupt and reseeded |

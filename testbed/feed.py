@@ -8,7 +8,7 @@ version can be republished), and remembers the expected tensors of every version
 
 Helpers: ``assert_checkpoint_equals`` (bit-exact), ``dir_fingerprint`` (what "nothing touched"
 means: every file's size and hash, the host lock file excluded), ``corrupt_delta`` (flip one
-payload byte of a published delta shard), ``payload_nbytes`` (a version's shard data areas),
+payload byte of a published delta shard), ``shard_nbytes`` (a version's shard files),
 ``corrupt_local_tensor`` (flip one byte of a tensor in a local checkpoint, as a bad disk would).
 """
 
@@ -75,16 +75,9 @@ def corrupt_delta(version_dir: str | os.PathLike, *, offset_from_end: int = 16) 
     return str(path)
 
 
-def payload_nbytes(version_dir: str | os.PathLike) -> int:
-    """Bytes in the data areas of a version's shards (each file less its safetensors header)."""
-    import struct
-
-    total = 0
-    for path in sorted(Path(version_dir).glob("*.safetensors")):
-        with open(path, "rb") as f:
-            (header_len,) = struct.unpack("<Q", f.read(8))
-        total += os.path.getsize(path) - 8 - header_len
-    return total
+def shard_nbytes(version_dir: str | os.PathLike) -> int:
+    """Bytes of a version's shard files (what a pull reads of it from the source dir)."""
+    return sum(os.path.getsize(path) for path in Path(version_dir).glob("*.safetensors"))
 
 
 def corrupt_local_tensor(checkpoint_dir: str | os.PathLike, name: str) -> str:

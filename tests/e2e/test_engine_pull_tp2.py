@@ -191,13 +191,13 @@ def test_metrics_count_the_successful_pull_its_source_bytes_and_the_reload(env):
     assert not [k for k, v in samples.items() if k[0] == "weightsync_pulls_total" and ("outcome", "failure") in k[1] and v]
     assert metric(samples, "weightsync_pull_seconds_count", outcome="success") == 1
     assert metric(samples, "weightsync_pull_seconds_sum", outcome="success") == pytest.approx(env.v3_reply["seconds"])
-    # Seeded from the engine's own model, then three deltas read from the source dir: exactly
-    # the data areas of their shards.
-    from testbed.feed import payload_nbytes
+    # Seeded from the engine's own model (not the source dir), then three deltas read from the
+    # source dir: exactly their shard files.
+    from testbed.feed import shard_nbytes
 
-    payloads = sum(payload_nbytes(env.feed.version_dir(v)) for v in (1, 2, 3))
-    assert host["source_nbytes"] == payloads > 0
-    assert metric(samples, "weightsync_pull_source_read_bytes_total", host=name) == payloads
+    shards = sum(shard_nbytes(env.feed.version_dir(v)) for v in (1, 2, 3))
+    assert host["source_nbytes"] == shards > 0
+    assert metric(samples, "weightsync_pull_source_read_bytes_total", host=name) == shards
     assert metric(samples, "weightsync_applied_version", host=name) == 3
     # The reload from the pulled checkpoint: the engine serves v3, and its pause was timed.
     assert metric(samples, "weightsync_live_weight_version") == 3
