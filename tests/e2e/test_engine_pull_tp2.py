@@ -369,3 +369,5 @@ def test_a_corrupted_local_tensor_reseeds_and_the_reseed_is_counted(env):
     samples = scrape_metrics(env)
     assert metric(samples, "weightsync_reseeds_total", host=host["host"]) == 1
     assert metric(samples, "weightsync_applied_version", host=host["host"]) == 6
+    text = env.server.get("/metrics", api_key="").text
+    print("\n[metrics]\n" + "\n".join(line for line in text.splitlines() if line.startswith("weightsync_")))
