@@ -166,7 +166,9 @@ def install_live_routes(app: FastAPI, get_tokenizer_manager: Callable[[], Any]) 
                  "message": f"update_weights_from_pulled failed in the server: {type(exc).__name__}: {exc}"},
                 status_code=500,
             )
-        return ORJSONResponse(live_http_body(output), status_code=output.http_status)
+        body = live_http_body(output)
+        metrics.observe_update_from_pulled(body)
+        return ORJSONResponse(body, status_code=output.http_status)
 
     @auth_level(AuthLevel.ADMIN_OPTIONAL)  # ADMIN_FORCE would refuse every call on a server without an admin key
     async def weights_digest(obj: Annotated[WeightsDigestReqInput, Body()], request: Request):

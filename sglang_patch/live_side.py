@@ -35,6 +35,7 @@ from typing import Any, NamedTuple, Optional
 import weightsync.positions as positions
 from weightsync.errors import InvalidRequestError, PathNotAllowedError, PositionsUnavailableError
 
+from . import compat
 from . import live_results as lr
 from .coordinate_map import CheckpointReader, CoordinateMap, build_coordinate_map, prove_map
 from .live_patch import StagedUpdate, StagingRefused, scatter_with_undo, stage_update
@@ -458,10 +459,7 @@ def make_state(scheduler: Any) -> LiveApplyState:
     parallel = get_parallel()
     tp_size = int(parallel.tp_size)
     group = TorchCpuGroup(parallel.tp_group.cpu_group, tp_size) if tp_size > 1 else SingleRankGroup()
-    try:
-        dp_rank = parallel.dp_rank
-    except Exception:
-        dp_rank = None
+    dp_rank = compat.dp_rank_of(scheduler, parallel)
     options = options_of(server_args)
     return LiveApplyState(
         scheduler=scheduler,

@@ -6,7 +6,8 @@ to files there, and the HTTP process's ``MultiProcessCollector`` merges them at 
 Without that variable there is no ``/metrics`` to serve, so every function here is a no-op.
 
 Everything is recorded in the HTTP (tokenizer) process, where each pull's merged reply and each
-weight update are seen once: counters and histograms are summed over processes by the
+weight update (``/update_weights_from_disk``, timed by a hook here; ``/update_weights_from_pulled``,
+which reports its own pause and mode) are seen once: counters and histograms are summed over processes by the
 collector; gauges use ``multiprocess_mode="mostrecent"`` so several tokenizer workers (or a
 restarted one) never add versions up. The metrics are created on first use, after sglang has
 set the variable (``prometheus_client`` picks its storage when a metric is created).
@@ -148,6 +149,26 @@ def set_live_weight_version(version: int) -> None:
     metrics = _get()
     if metrics is not None:
         metrics.live_version.set(int(version))
+
+
+def observe_update_from_pulled(reply: Mapping[str, Any]) -> None:
+    """Record one ``/update_weights_from_pulled`` reply: its pause by mode, and the served version.
+
+    Never raises (like ``observe_pull``).
+    """
+    try:
+        if not reply.get("success"):
+            return
+        mode = reply.get("mode")
+        if mode in UPDATE_MODES:
+            observe_weight_update_pause(mode, float(reply.get("pause_s") or 0.0))
+        version = reply.get("weight_version")
+        if version is None:
+            version = reply.get("target_version")
+        if version is not None and int(version) >= 0:
+            set_live_weight_version(int(version))
+    except Exception:
+        log.exception("weightsync metrics: recording a weight update failed")
 
 
 def observe_reload(model_path: Optional[str], success: bool, seconds: float) -> None:

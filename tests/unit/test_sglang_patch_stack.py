@@ -120,8 +120,9 @@ host = {"host": "h/node0", "applied_version": 3, "source_nbytes": 1000, "reseede
 metrics.observe_pull({"success": True, "applied_version": 3, "seconds": 0.5, "hosts": [host]}, sys.argv[1])
 metrics.observe_pull({"success": False, "error_type": "corrupt_artifact", "seconds": 0.25,
                       "hosts": [dict(host, source_nbytes=24, reseeded=False)]})
+metrics.observe_update_from_pulled({"success": True, "mode": "live", "pause_s": 0.125, "weight_version": 2})
+metrics.observe_update_from_pulled({"success": False, "mode": "live", "pause_s": 9.0, "weight_version": 7})
 metrics.observe_reload(sys.argv[1], True, 0.75)
-metrics.observe_weight_update_pause("live", 0.125)
 
 from prometheus_client import CollectorRegistry
 from prometheus_client.multiprocess import MultiProcessCollector
@@ -158,5 +159,6 @@ def test_metrics_in_prometheus_multiprocess_mode_as_sglang_sets_it_up(tmp_path):
     # The reload was from the dir the successful pull brought to v3.
     assert value("weightsync_live_weight_version") == 3
     assert value("weightsync_weight_update_pause_seconds_sum", mode="reload") == 0.75
-    assert value("weightsync_weight_update_pause_seconds_count", mode="live") == 1
+    assert value("weightsync_weight_update_pause_seconds_count", mode="live") == 1  # the failed one is not
+    assert value("weightsync_weight_update_pause_seconds_sum", mode="live") == 0.125
     assert any(mp_dir.iterdir()), "nothing was written to the multiprocess dir"
