@@ -30,6 +30,26 @@ def init_sglang_single_rank(port: int) -> None:
     initialize_model_parallel(backend="gloo")
 
 
+def per_expert_checkpoint(state: dict, inter: int) -> dict:
+    """The on-disk HF layout of Qwen3-MoE (``experts.{e}.{gate,up,down}_proj.weight``, bf16):
+    transformers fuses the experts in memory, sglang's loader reads them one by one."""
+    out = {}
+    for name, t in state.items():
+        t = t.detach().to(torch.bfloat16)
+        if name.endswith("mlp.experts.gate_up_proj"):
+            base = name[: -len("gate_up_proj")]
+            for e in range(t.shape[0]):
+                out[f"{base}{e}.gate_proj.weight"] = t[e, :inter].clone()
+                out[f"{base}{e}.up_proj.weight"] = t[e, inter:].clone()
+        elif name.endswith("mlp.experts.down_proj"):
+            base = name[: -len("down_proj")]
+            for e in range(t.shape[0]):
+                out[f"{base}{e}.down_proj.weight"] = t[e].clone()
+        else:
+            out[name] = t.clone()
+    return out
+
+
 def main() -> None:
     port = int(sys.argv[1])
     init_sglang_single_rank(port)
@@ -46,7 +66,7 @@ def main() -> None:
         max_position_embeddings=128, tie_word_embeddings=False, decoder_sparse_step=1, mlp_only_layers=[],
     )
     torch.manual_seed(0)
-    v0 = {n: t.detach().to(torch.bfloat16).clone() for n, t in HFMoe(cfg).state_dict().items()}
+    v0 = per_expert_checkpoint(HFMoe(cfg).state_dict(), cfg.moe_intermediate_size)
     model = Qwen3MoeForCausalLM(cfg).to(torch.float32)
     specs = [TensorSpec(n, tuple(t.shape), "BF16") for n, t in v0.items()]
     params = {n: p.data for n, p in model.named_parameters()}
