@@ -1,14 +1,18 @@
 """The HTTP route ``POST /pull_weights`` (added to sglang's FastAPI app when it is imported).
 
-Body: ``{"local_checkpoint_dir": str, "source_dir": str, "target_version": int}``. Auth: sglang's
+Body: ``{"local_checkpoint_dir": str, "source_dir": str, "target_version": int}``, parsed strictly
+(``sglang_patch.request``: ``"1"`` or ``true`` as a version is a 400). Auth: sglang's
 admin-optional level, exactly like ``/update_weights_from_disk`` (``--admin-api-key`` if set,
 else ``--api-key`` if set, else open). Reply: 200 ``{"success": true, ...}`` or a 4xx/5xx with
 ``{"success": false, "error_type": ..., "message": ...}`` (see ``sglang_patch.results``): 400
-bad_request (also for a body that does not validate), 403 forbidden, 404 source_not_ready, 409
-conflict, 422 corrupt_artifact / unsupported_format, 500 local_state_corrupt / internal_error.
-Tracebacks go to the server log only.
+bad_request, 403 forbidden, 404 source_not_ready, 409 PullInProgress (another target is being
+pulled; ``target_version`` names it), 422 corrupt_artifact / unsupported_format, 500
+local_state_corrupt / internal_error, 503 unavailable (shutting down, or the plugin could not
+install into this sglang), 504 pull_timeout. Tracebacks go to the server log only, and only for
+internal errors.
 
-No ``from __future__ import annotations`` here: FastAPI reads the route's annotations at runtime.
+The route needs nothing of the plugin but ``request`` and ``results`` to answer: if another part
+failed to install (even the IPC types), it still answers 503 with the reason.
 """
 
 import logging
@@ -18,8 +22,8 @@ from fastapi import Body, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import ORJSONResponse
 
-from . import metrics, tokenizer_side
-from .io_types import PullWeightsReqInput, http_body
+from . import metrics, plugin, request as request_body, results
+from weightsync.errors import EngineUnavailableError
 
 log = logging.getLogger(__name__)
 
@@ -46,26 +50,33 @@ def install_route(app: FastAPI, get_tokenizer_manager: Callable[[], Any]) -> boo
     from sglang.srt.utils.auth import AuthLevel, auth_level
 
     @auth_level(AuthLevel.ADMIN_OPTIONAL)
-    async def pull_weights(obj: Annotated[PullWeightsReqInput, Body()], request: Request):
+    async def pull_weights(request: Request):
         """Bring every host's local checkpoint to a published weight version."""
+        target_version = -1
         try:
-            output = await tokenizer_side.pull_weights(get_tokenizer_manager(), obj)
+            reason = plugin.unavailable_reason()
+            if reason is not None:
+                raise EngineUnavailableError(f"/pull_weights is unavailable on this engine: {reason}")
+            body = request_body.parse_pull_body(await request.body())
+            target_version = body.target_version
+            from . import tokenizer_side
+
+            fields = await tokenizer_side.pull_weights_fields(get_tokenizer_manager(), body)
         except Exception as exc:
-            log.exception("pull_weights: the request failed")
-            body = {
-                "success": False,
-                "error_type": "internal_error",
-                "message": f"pull_weights failed in the server: {type(exc).__name__}: {exc}",
-            }
-            metrics.observe_pull(body)
-            return ORJSONResponse(body, status_code=500)
-        body = http_body(output)
-        metrics.observe_pull(body, obj.local_checkpoint_dir)
-        return ORJSONResponse(body, status_code=output.http_status)
+            fields = results.error_reply_fields(target_version, exc, where="in the HTTP server")
+            if fields["error_type"] == results.INTERNAL_ERROR:
+                log.exception("pull_weights: the request failed")
+            else:
+                log.warning("pull_weights: %s %s", fields["http_status"], fields["message"])
+            local = None
+        else:
+            local = body.local_checkpoint_dir
+        reply = results.http_body(fields)
+        metrics.observe_pull(reply, local)
+        return ORJSONResponse(reply, status_code=fields["http_status"])
 
     setattr(pull_weights, ROUTE_MARK, True)
     app.add_api_route(ROUTE_PATH, pull_weights, methods=["POST"])
-    _answer_bad_bodies_structurally(app)
     log.info("weightsync plugin: POST %s is served by weightsync (%s)", ROUTE_PATH, __name__)
     return True
 
@@ -83,7 +94,8 @@ def describe_endpoint(endpoint: Any) -> str:
 
 
 def _answer_bad_bodies_structurally(app: FastAPI) -> None:
-    """A body that fails validation gets our error shape (400 bad_request); other routes keep theirs."""
+    """A live-apply body that fails validation gets our error shape (400 bad_request); other
+    routes keep theirs (``/pull_weights`` parses its own body, strictly)."""
     previous = app.exception_handlers.get(RequestValidationError)
 
     async def on_validation_error(request: Request, exc: RequestValidationError):
@@ -100,16 +112,6 @@ def _answer_bad_bodies_structurally(app: FastAPI) -> None:
                 },
                 status_code=400,
             )
-        if request.url.path == ROUTE_PATH:
-            problems = "; ".join(_describe_validation_errors(exc.errors()))
-            body = {
-                "success": False,
-                "error_type": "bad_request",
-                "message": f"invalid /pull_weights request: {problems}. Expected "
-                '{"local_checkpoint_dir": str, "source_dir": str, "target_version": int}',
-            }
-            metrics.observe_pull(body)
-            return ORJSONResponse(body, status_code=400)
         if previous is not None:
             return await previous(request, exc)
         from fastapi.exception_handlers import request_validation_exception_handler
@@ -152,6 +154,7 @@ def install_live_routes(app: FastAPI, get_tokenizer_manager: Callable[[], Any]) 
         return
     from sglang.srt.utils.auth import AuthLevel, auth_level
 
+    from . import tokenizer_side
     from .io_types import UpdateWeightsFromPulledReqInput, WeightsDigestReqInput, live_http_body
 
     @auth_level(AuthLevel.ADMIN_OPTIONAL)
@@ -180,3 +183,4 @@ def install_live_routes(app: FastAPI, get_tokenizer_manager: Callable[[], Any]) 
 
     app.add_api_route(LIVE_ROUTE_PATH, update_weights_from_pulled, methods=["POST"])
     app.add_api_route(DIGEST_ROUTE_PATH, weights_digest, methods=["POST"])
+    _answer_bad_bodies_structurally(app)

@@ -43,7 +43,7 @@ def register_types(*_ignored) -> None:
 
 
 def reply_fields(output: PullWeightsReqOutput) -> dict:
-    """The reply's fields as a dict (what ``results.merge_replies`` and the HTTP body use)."""
+    """The reply's fields as a dict (what ``results.merge_replies`` and ``results.http_body`` take)."""
     return {
         "success": output.success,
         "message": output.message,
@@ -54,14 +54,6 @@ def reply_fields(output: PullWeightsReqOutput) -> dict:
         "hosts": list(output.hosts),
         "seconds": output.seconds,
     }
-
-
-def http_body(output: PullWeightsReqOutput) -> dict:
-    """The JSON body of the HTTP reply: ``{success, error_type, message, ...}``, no traceback."""
-    body = reply_fields(output)
-    body.pop("http_status")
-    body["hosts"] = msgspec.to_builtins(body["hosts"])
-    return body
 
 
 # --- live apply (``POST /update_weights_from_pulled``) and its debug call (``POST /weights_digest``)

@@ -13,6 +13,8 @@ Invariants (each refusal raises before anything is touched):
   so a later pull works on exactly the directory that was checked.
 - The local checkpoint dir must not overlap the engine's own model (the seed dir: version 0 is
   copied from it, so patching it would destroy the reset point) nor the source dir (400).
+- A path the OS cannot use (longer than PATH_MAX, a component longer than NAME_MAX) is a 400
+  here, not an ``OSError`` later; every message shows a path cut to ``SHOWN_PATH_CHARS``.
 """
 
 from __future__ import annotations
@@ -24,6 +26,21 @@ from typing import Iterable, Sequence
 from weightsync.errors import InvalidRequestError, PathNotAllowedError
 
 ALLOWED_ROOTS_FLAG = "--pull-weights-allowed-roots"
+PATH_MAX = 4096  # Linux's limits; os.pathconf would ask a directory that may not exist yet
+NAME_MAX = 255
+SHOWN_PATH_CHARS = 200
+
+
+def cut_path(path: str) -> str:
+    """A path for a message, cut to ``SHOWN_PATH_CHARS`` characters (a request may carry 100 KB)."""
+    if len(path) <= SHOWN_PATH_CHARS:
+        return path
+    return f"{path[:SHOWN_PATH_CHARS]}... ({len(path)} characters)"
+
+
+def shown(value: object) -> str:
+    """``repr`` of a request's path (or of whatever came instead of one), cut short."""
+    return repr(cut_path(value)) if isinstance(value, str) else cut_path(repr(value))
 
 
 def parse_allowed_roots(value: str | Iterable[str] | None) -> tuple[str, ...]:
@@ -76,14 +93,14 @@ def check_request_paths(
     source = _check_one("source_dir", source_dir, allowed_roots)
     if _overlaps(local, source):
         raise InvalidRequestError(
-            f"local_checkpoint_dir {local!r} and source_dir {source!r} overlap; the local "
+            f"local_checkpoint_dir {shown(local)} and source_dir {shown(source)} overlap; the local "
             "checkpoint must be a separate host-local directory, not inside the published versions"
         )
     if seed_dir:
         seed = os.path.realpath(seed_dir)
         if _overlaps(local, seed):
             raise InvalidRequestError(
-                f"local_checkpoint_dir {local!r} overlaps the engine's own model dir {seed!r} "
+                f"local_checkpoint_dir {shown(local)} overlaps the engine's own model dir {shown(seed)} "
                 "(the seed for version 0); patching it would destroy the reset point. Use a "
                 "separate directory for the local checkpoint."
             )
@@ -92,31 +109,50 @@ def check_request_paths(
 
 def _check_one(label: str, value: object, allowed_roots: Sequence[str]) -> str:
     if not isinstance(value, str) or not value:
-        raise InvalidRequestError(f"{label} must be a non-empty path, got {value!r}")
+        raise InvalidRequestError(f"{label} must be a non-empty path, got {shown(value)}")
     if "\x00" in value:
         raise InvalidRequestError(f"{label} contains a NUL byte")
     if not os.path.isabs(value):
         raise InvalidRequestError(
-            f"{label} must be an absolute path, got {value!r} (a relative path would depend on "
+            f"{label} must be an absolute path, got {shown(value)} (a relative path would depend on "
             "the server's working directory)"
         )
+    _check_os_limits(label, value)
     if not allowed_roots:
         raise PathNotAllowedError(
-            value,
+            cut_path(value),
             [],
             f"no allowed roots are configured; start the server with {ALLOWED_ROOTS_FLAG} DIR[,DIR...]",
         )
     if ".." in _components(value):
-        raise PathNotAllowedError(value, allowed_roots, f"{label} contains a '..' component")
+        raise PathNotAllowedError(cut_path(value), allowed_roots, f"{label} contains a '..' component")
     written = os.path.normpath(value)
     if not any(_is_within(written, root) for root in allowed_roots):
-        raise PathNotAllowedError(value, allowed_roots, f"{label} is not below any allowed root")
+        raise PathNotAllowedError(cut_path(value), allowed_roots, f"{label} is not below any allowed root")
     real = os.path.realpath(written)
     if not any(_is_within(real, os.path.realpath(root)) for root in allowed_roots):
         raise PathNotAllowedError(
-            value, allowed_roots, f"{label} resolves through a symlink to {real!r}, outside every allowed root"
+            cut_path(value),
+            allowed_roots,
+            f"{label} resolves through a symlink to {shown(real)}, outside every allowed root",
         )
     return real
+
+
+def _check_os_limits(label: str, value: str) -> None:
+    """A path the OS would refuse (ENAMETOOLONG) is the request's fault: 400, said plainly."""
+    nbytes = len(os.fsencode(value))
+    if nbytes >= PATH_MAX:
+        raise InvalidRequestError(
+            f"{label} {shown(value)} is {nbytes} bytes long; a path on this host must be shorter "
+            f"than {PATH_MAX} bytes. Use a shorter directory path."
+        )
+    for part in _components(value):
+        if len(os.fsencode(part)) > NAME_MAX:
+            raise InvalidRequestError(
+                f"{label} has a component of {len(os.fsencode(part))} bytes ({shown(part)}); a "
+                f"file name on this host may have at most {NAME_MAX}. Use a shorter directory name."
+            )
 
 
 def _components(path: str) -> list[str]:

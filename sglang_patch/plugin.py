@@ -13,18 +13,50 @@ that process imports the sglang module it patches:
 - ``sglang.srt.managers.tokenizer_manager``: ``/update_weights_from_disk`` is timed (``metrics``).
 
 Every decision (paths, errors, merging, the collective protocol) lives in modules that import no
-sglang and are tested without it: ``paths``, ``results``, ``coordinator``.
+sglang and are tested without it: ``paths``, ``request``, ``results``, ``coordinator``.
+
+A part that fails to install (an sglang whose internals differ) never takes the engine down: one
+error line is logged, the failure is recorded (``unavailable_reason``), sglang serves on, and the
+route answers 503 with the reason. The scheduler's part guards itself the same way
+(``scheduler_side``).
 """
 
 from __future__ import annotations
 
 import logging
+from typing import Callable, Optional
 
 from ._post_import import when_imported
 
 log = logging.getLogger(__name__)
 
 _loaded = False
+_failures: dict[str, str] = {}
+
+
+def unavailable_reason() -> Optional[str]:
+    """Why ``/pull_weights`` cannot work in this process (a part failed to install), or None."""
+    if not _failures:
+        return None
+    return "; ".join(f"{part}: {why}" for part, why in sorted(_failures.items()))
+
+
+def guarded(part: str, install: Callable) -> Callable:
+    """``install`` wrapped so that a failure is logged in one line and recorded, never raised."""
+
+    def run(module) -> None:
+        try:
+            install(module)
+        except Exception as exc:
+            _failures[part] = f"{type(exc).__name__}: {exc}"
+            log.error(
+                "weightsync pull_weights: the %s part failed to install (%s); sglang serves on "
+                "without it and /pull_weights answers 503",
+                part, _failures[part],
+            )  # fmt: skip
+            log.debug("weightsync pull_weights: %s install traceback", part, exc_info=True)
+
+    return run
 
 
 def load_plugin() -> None:
@@ -68,10 +100,10 @@ def load_plugin() -> None:
 
         metrics.install()
 
-    when_imported("sglang.srt.server_args", flags)
-    when_imported("sglang.srt.managers.io_struct", types)
-    when_imported("sglang.srt.managers.scheduler", scheduler)
-    when_imported("sglang.srt.managers.tokenizer_control_mixin", tokenizer)
-    when_imported("sglang.srt.entrypoints.http_server", route)
-    when_imported("sglang.srt.managers.tokenizer_manager", reload_metrics)
+    when_imported("sglang.srt.server_args", guarded("flags", flags))
+    when_imported("sglang.srt.managers.io_struct", guarded("ipc types", types))
+    when_imported("sglang.srt.managers.scheduler", guarded("scheduler", scheduler))
+    when_imported("sglang.srt.managers.tokenizer_control_mixin", guarded("tokenizer", tokenizer))
+    when_imported("sglang.srt.entrypoints.http_server", guarded("route", route))
+    when_imported("sglang.srt.managers.tokenizer_manager", guarded("metrics", reload_metrics))
     log.info("weightsync pull_weights plugin loaded")

@@ -14,7 +14,7 @@ import time
 from typing import Any, Optional
 
 import weightsync
-from weightsync.errors import InvalidRequestError, PathNotAllowedError
+from weightsync.errors import InvalidRequestError, WeightSyncError
 
 from . import results
 from .paths import CheckedPaths, check_request_paths
@@ -60,8 +60,8 @@ class RankPuller:
             )
             return results.report_success(self.host, self.rank, outcome)
         except Exception as exc:
-            if isinstance(exc, (InvalidRequestError, PathNotAllowedError)):
-                log.warning("pull_weights %s: refused: %s", self.rank, exc)
+            if isinstance(exc, WeightSyncError) and exc.http_status < 500:  # routine: refused, not there yet
+                log.warning("pull_weights %s: v%s: %s", self.rank, request.target_version, results.describe_error(exc))
             else:
                 log.exception("pull_weights %s: pull to v%s failed", self.rank, getattr(request, "target_version", "?"))
             return self.failure(request, exc, time.monotonic() - start, checked=checked)

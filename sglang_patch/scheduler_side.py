@@ -1,12 +1,18 @@
-"""Scheduler side of ``/pull_weights``: one handler on every TP rank of every node.
+"""Scheduler side of ``/pull_weights``: one handler on every rank (TP and PP) of every node.
 
 Two hooks on sglang's ``Scheduler`` (registered when ``sglang.srt.managers.scheduler`` loads):
 
 - after ``init_request_dispatcher`` (inside ``Scheduler.__init__``): capture the seed dir (the
   model the engine was started from: ``server_args.model_path``, which resolution seals, unlike
   the model runner's path that ``/update_weights_from_disk`` repoints), read the operator's
-  options, and route ``PullWeightsReqInput`` to a ``PullCoordinator``;
+  options, and route ``PullWeightsReqInput`` to a ``PullCoordinator``. If that fails (an sglang
+  whose internals differ), one error line is logged and the engine serves on: pull requests
+  are answered 503 with the reason, and the scheduler never dies of the plugin;
 - after ``process_input_requests`` (every loop iteration, every rank): ``coordinator.poll()``.
+
+Pipeline stages: every stage runs a coordinator and its pull; stage k > 0 posts its reports to
+stage 0 through the torch.distributed store of the DP group's world (``StoreStageChannel``), the
+one channel every stage of every node already shares and that never blocks the loop.
 
 How ranks stay together and why the loop never blocks: see ``sglang_patch.coordinator``. The
 pull itself (``run_rank_pull``, ``sglang_patch.rank_pull``) is the core's ``weightsync.pull``:
@@ -20,10 +26,13 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Any, Optional, Sequence
+import pickle
+from typing import Any, Optional
+
+from weightsync.errors import EngineUnavailableError
 
 from . import compat, results
-from .coordinator import PullCoordinator, SingleRankGroup
+from .coordinator import PullCoordinator, SingleRankGroup, Stage
 from .pull_process import make_rank_puller  # imported here: captures the CPUs before sglang binds them
 from .rank_pull import RankPuller
 from .server_flags import options_of
@@ -56,6 +65,26 @@ class TorchCpuGroup:
         return out
 
 
+class StoreStageChannel:
+    """The coordinator's ``StageChannel`` over a torch.distributed store (set/check/get/delete)."""
+
+    PREFIX = "weightsync/pull_weights/"
+
+    def __init__(self, store: Any) -> None:
+        self.store = store
+
+    def post(self, key: str, value: Any) -> None:
+        self.store.set(self.PREFIX + key, pickle.dumps(value))
+
+    def take(self, key: str) -> Any:
+        key = self.PREFIX + key
+        if not self.store.check([key]):
+            return None
+        value = pickle.loads(self.store.get(key))
+        self.store.delete_key(key)
+        return value
+
+
 def resolve_seed_dir(model_path: Optional[str], download_dir: Optional[str] = None) -> Optional[str]:
     """The engine's own model as a local dir (version 0), or None if it is not one."""
     if not model_path:
@@ -78,17 +107,20 @@ def make_coordinator(scheduler: Any) -> PullCoordinator:
 
     server_args = scheduler.server_args
     parallel = get_parallel()
-    tp_size = int(parallel.tp_size)
+    tp_size, tp_rank = int(parallel.tp_size), int(parallel.tp_rank)
+    pp_size, pp_rank = int(getattr(parallel, "pp_size", 1) or 1), int(getattr(parallel, "pp_rank", 0) or 0)
     group = TorchCpuGroup(parallel.tp_group.cpu_group, tp_size) if tp_size > 1 else SingleRankGroup()
     dp_rank = compat.dp_rank_of(scheduler, parallel)
     host = results.host_label(int(getattr(server_args, "node_rank", 0) or 0))
-    rank = f"dp{dp_rank if dp_rank is not None else 0}/tp{int(parallel.tp_rank)}"
+    rank = rank_label(dp_rank or 0, pp_rank, pp_size, tp_rank)
+    stage = Stage(pp_rank=pp_rank, pp_size=pp_size, leader=tp_rank == 0, channel=_stage_channel() if pp_size > 1 else None)
     seed_dir = resolve_seed_dir(server_args.model_path, getattr(server_args, "download_dir", None))
     options = options_of(server_args)
     log.info(
-        "pull_weights ready on %s %s: seed dir %s, allowed roots %s, pre-read hook %s",
+        "pull_weights ready on %s %s: seed dir %s, allowed roots %s, pre-read hook %s, deadline %gs",
         host, rank, seed_dir, list(options.allowed_roots) or "(none: every pull is refused)", options.pre_read_hook,
-    )
+        options.timeout_s,
+    )  # fmt: skip
     from . import live_side
 
     puller = make_rank_puller(
@@ -96,31 +128,35 @@ def make_coordinator(scheduler: Any) -> PullCoordinator:
         # live apply stages its update once the local checkpoint holds the target, verified
         on_verified=lambda local, source, version: live_side.stage_for(scheduler, local, source, version),
     )
-
-    def failure_report(request: Any, exc: BaseException, seconds: float) -> results.RankPullReport:
-        return results.report_failure(host, rank, exc, seconds=seconds)
-
-    def build_reply(request: Any, reports: Sequence[results.RankPullReport], seconds: float):
-        hosts = results.merge_host_results(r for r in reports if r is not None)
-        return PullWeightsReqOutput(**results.summarize(request.target_version, hosts, seconds))
-
-    def build_conflict(request: Any, running: Any):
-        return PullWeightsReqOutput(**results.conflict_fields(request.target_version, running.target_version))
-
-    def build_internal_error(request: Any, exc: BaseException):
-        fields = results.summarize(request.target_version, [], 0.0)
-        fields["message"] = f"pull_weights failed inside the scheduler: {type(exc).__name__}: {exc}"
-        return PullWeightsReqOutput(**fields)
-
     return PullCoordinator(
         group=group,
         run_rank_pull=puller,
-        failure_report=failure_report,
-        build_reply=build_reply,
-        build_conflict=build_conflict,
+        host=host,
+        rank=rank,
+        make_reply=lambda fields: PullWeightsReqOutput(**fields),
         send_reply=compat.control_output_sender(scheduler),
-        build_internal_error=build_internal_error,
+        timeout_s=options.timeout_s,
+        stage=stage,
     )
+
+
+def rank_label(dp_rank: int, pp_rank: int, pp_size: int, tp_rank: int) -> str:
+    """'dp0/tp1', or 'dp0/pp1/tp0' with pipeline stages."""
+    return f"dp{dp_rank}/pp{pp_rank}/tp{tp_rank}" if pp_size > 1 else f"dp{dp_rank}/tp{tp_rank}"
+
+
+def _stage_channel() -> StoreStageChannel:
+    import torch.distributed as dist
+
+    return StoreStageChannel(dist.distributed_c10d._get_default_store())
+
+
+def unavailable_reply(request: Any, reason: str):
+    """A 503 reply: the plugin could not set itself up in this scheduler."""
+    from .io_types import PullWeightsReqOutput
+
+    exc = EngineUnavailableError(f"/pull_weights is unavailable on this engine: {reason}")
+    return PullWeightsReqOutput(**results.error_reply_fields(getattr(request, "target_version", -1), exc))
 
 
 class _SchedulerPullState:
@@ -140,11 +176,7 @@ class _SchedulerPullState:
             return self.get_coordinator().on_request(request)
         except Exception as exc:  # never into the scheduler (the coordinator could not be built)
             log.exception("pull_weights: handler failed")
-            from .io_types import PullWeightsReqOutput
-
-            fields = results.summarize(getattr(request, "target_version", -1), [], 0.0)
-            fields["message"] = f"pull_weights could not start: {type(exc).__name__}: {exc}"
-            return PullWeightsReqOutput(**fields)
+            return unavailable_reply(request, f"the scheduler could not set the pull up: {results.describe_error(exc)}")
 
     def poll(self) -> None:
         coordinator = self.coordinator
@@ -156,20 +188,48 @@ class _SchedulerPullState:
 
 
 def _after_init_request_dispatcher(result, scheduler, *args, **kwargs):
+    try:
+        route_pulls_to_coordinator(scheduler)
+    except Exception as exc:  # never take the engine down
+        reason = f"the plugin could not hook this sglang's scheduler ({results.describe_error(exc)})"
+        log.error("weightsync pull_weights: disabled: %s; sglang serves on without it (the route answers 503)", reason)
+        try:
+            answer_pulls_unavailable(scheduler, reason)
+        except Exception as inner:
+            log.error("weightsync pull_weights: could not even answer pulls with 503: %s", results.describe_error(inner))
+    return result
+
+
+def route_pulls_to_coordinator(scheduler: Any) -> None:
+    """Route ``PullWeightsReqInput`` to this rank's coordinator (built now: captures the seed dir)."""
     from .io_types import PullWeightsReqInput
 
-    state = getattr(scheduler, STATE_ATTR, None)
-    if state is None:
-        state = _SchedulerPullState(scheduler)
-        setattr(scheduler, STATE_ATTR, state)
-        # Eager so the seed dir is captured at start-up, before any weight update.
-        try:
-            state.get_coordinator()
-        except Exception:
-            log.exception("pull_weights: set-up failed; will retry on the first request")
+    state = getattr(scheduler, STATE_ATTR, None) or _SchedulerPullState(scheduler)
     # The dispatcher's own class (sglang.utils.TypeBasedDispatcher) merges with ``+=``.
-    scheduler._request_dispatcher += type(scheduler._request_dispatcher)([(PullWeightsReqInput, state.handle)])
-    return result
+    dispatcher = scheduler._request_dispatcher
+    dispatcher += type(dispatcher)([(PullWeightsReqInput, state.handle)])
+    scheduler._request_dispatcher = dispatcher
+    setattr(scheduler, STATE_ATTR, state)
+    # Eager so the seed dir is captured at start-up, before any weight update.
+    try:
+        state.get_coordinator()
+    except Exception:
+        log.exception("pull_weights: set-up failed; will retry on the first request")
+
+
+def answer_pulls_unavailable(scheduler: Any, reason: str) -> None:
+    """Wrap the scheduler's dispatch so that a pull request gets a 503 instead of killing the
+    scheduler as an unknown request type; every other request goes where it went before."""
+    from .io_types import PullWeightsReqInput
+
+    inner = scheduler._request_dispatcher
+
+    def dispatch(request):
+        if isinstance(request, PullWeightsReqInput):
+            return unavailable_reply(request, reason)
+        return inner(request)
+
+    scheduler._request_dispatcher = dispatch
 
 
 def _after_process_input_requests(result, scheduler, *args, **kwargs):

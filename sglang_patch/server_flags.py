@@ -8,6 +8,9 @@ Flags (accepted by ``python -m sglang.launch_server`` and ``sglang serve``):
 - ``--pull-weights-allowed-roots DIR[,DIR...]``: the only directories a request may read
   (``source_dir``) or write (``local_checkpoint_dir``); see ``sglang_patch.paths``. Default: none,
   so ``/pull_weights`` refuses every request (403) until the operator names its roots.
+- ``--pull-weights-timeout-s S`` (default 600): the deadline of one pull. When it passes, every
+  rank agrees the pull failed (504 ``pull_timeout``); a thread stuck in a hung read is abandoned
+  (the applied-version marker still names only verified bytes).
 
 How the flags reach every process: sglang 0.5.23's ``ServerArgs`` is a msgspec Struct assembled
 from field namespaces when ``sglang.srt.server_args`` is imported, before any plugin loads, so a
@@ -17,8 +20,8 @@ bookkeeping attribute, ``server_args._pull_weights_options``). ``ServerArgs`` ke
 underscore attributes when pickled to scheduler processes (its ``__reduce__`` carries
 ``__dict__``; sglang's own ``_launch_command`` travels the same way), so every scheduler reads the
 same options. For ``sglang.Engine(...)`` (no command line) the environment variables
-``SGLANG_CUSTOM_PULL_WEIGHTS_PRE_READ_HOOK`` and ``SGLANG_PULL_WEIGHTS_ALLOWED_ROOTS`` give the
-same settings; a flag wins over its variable.
+``SGLANG_CUSTOM_PULL_WEIGHTS_PRE_READ_HOOK``, ``SGLANG_PULL_WEIGHTS_ALLOWED_ROOTS`` and
+``SGLANG_PULL_WEIGHTS_TIMEOUT_S`` give the same settings; a flag wins over its variable.
 """
 
 from __future__ import annotations
@@ -26,11 +29,13 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import logging
+import math
 import os
 from typing import Any, Optional
 
 import msgspec
 
+from .coordinator import DEFAULT_TIMEOUT_S
 from .paths import ALLOWED_ROOTS_FLAG, parse_allowed_roots
 
 log = logging.getLogger(__name__)
@@ -38,6 +43,8 @@ log = logging.getLogger(__name__)
 PRE_READ_HOOK_FLAG = "--custom-pull-weights-pre-read-hook"
 PRE_READ_HOOK_ENV = "SGLANG_CUSTOM_PULL_WEIGHTS_PRE_READ_HOOK"
 ALLOWED_ROOTS_ENV = "SGLANG_PULL_WEIGHTS_ALLOWED_ROOTS"
+TIMEOUT_FLAG = "--pull-weights-timeout-s"
+TIMEOUT_ENV = "SGLANG_PULL_WEIGHTS_TIMEOUT_S"
 OPTIONS_ATTR = "_pull_weights_options"
 _PRE_READ_HOOK_DEST = "custom_pull_weights_pre_read_hook"
 _ALLOWED_ROOTS_DEST = "pull_weights_allowed_roots"
@@ -48,6 +55,7 @@ _LIVE_MAX_FRACTION_DEST = "update_weights_live_max_changed_fraction"
 # (index_copy_ ~2 ns per element vs a reload's ~0.4 ns per element here) and the staged values
 # take (8 + itemsize) bytes per element of host memory: reload instead.
 DEFAULT_LIVE_MAX_CHANGED_FRACTION = 0.1
+_TIMEOUT_DEST = "pull_weights_timeout_s"
 
 
 class PullWeightsOptions(msgspec.Struct, frozen=True):
@@ -56,6 +64,7 @@ class PullWeightsOptions(msgspec.Struct, frozen=True):
     pre_read_hook: Optional[str] = None
     allowed_roots: tuple[str, ...] = ()
     live_max_changed_fraction: float = DEFAULT_LIVE_MAX_CHANGED_FRACTION
+    timeout_s: float = DEFAULT_TIMEOUT_S
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
@@ -91,10 +100,23 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
             help="POST /update_weights_from_pulled: reload instead of patching live when more than this "
             f"fraction of a rank's mapped elements changed (default {DEFAULT_LIVE_MAX_CHANGED_FRACTION}).",
         )
+    if TIMEOUT_FLAG not in existing:
+        parser.add_argument(
+            TIMEOUT_FLAG,
+            dest=_TIMEOUT_DEST,
+            type=str,
+            default=None,
+            metavar="SECONDS",
+            help=f"POST /pull_weights: the deadline of one pull (default {DEFAULT_TIMEOUT_S:g}). When it "
+            "passes the pull fails with 504 pull_timeout on every rank.",
+        )
 
 
 def options_from_values(
-    pre_read_hook: Optional[str], allowed_roots: Optional[str], live_max_changed_fraction: Optional[str] = None
+    pre_read_hook: Optional[str],
+    allowed_roots: Optional[str],
+    live_max_changed_fraction: Optional[str] = None,
+    timeout_s: Optional[str] = None,
 ) -> PullWeightsOptions:
     """Validated options; raises ``ValueError`` with the flag's name for a bad value."""
     hook = (pre_read_hook or "").strip() or None
@@ -104,6 +126,7 @@ def options_from_values(
         pre_read_hook=hook,
         allowed_roots=parse_allowed_roots(allowed_roots),
         live_max_changed_fraction=parse_fraction(live_max_changed_fraction),
+        timeout_s=parse_timeout(timeout_s),
     )
 
 
@@ -117,6 +140,19 @@ def parse_fraction(value: Optional[str]) -> float:
     if not 0.0 <= fraction <= 1.0:
         raise ValueError(f"{LIVE_MAX_FRACTION_FLAG}: {fraction} is outside [0, 1] (0 disables live apply)")
     return fraction
+
+
+def parse_timeout(value: Optional[str]) -> float:
+    """The pull deadline in seconds: a positive finite number (default when unset)."""
+    if value is None or not str(value).strip():
+        return DEFAULT_TIMEOUT_S
+    try:
+        seconds = float(value)
+    except ValueError:
+        raise ValueError(f"{TIMEOUT_FLAG}: {value!r} is not a number of seconds") from None
+    if not math.isfinite(seconds) or seconds <= 0:
+        raise ValueError(f"{TIMEOUT_FLAG}: {value!r} must be a positive number of seconds")
+    return seconds
 
 
 def check_hook_path(hook: str) -> None:
@@ -137,10 +173,12 @@ def attach_options(server_args: Any, namespace: argparse.Namespace) -> None:
     hook = getattr(namespace, _PRE_READ_HOOK_DEST, None)
     roots = getattr(namespace, _ALLOWED_ROOTS_DEST, None)
     fraction = getattr(namespace, _LIVE_MAX_FRACTION_DEST, None)
+    timeout = getattr(namespace, _TIMEOUT_DEST, None)
     hook = hook if hook is not None else os.environ.get(PRE_READ_HOOK_ENV)
     roots = roots if roots is not None else os.environ.get(ALLOWED_ROOTS_ENV)
     fraction = fraction if fraction is not None else os.environ.get(LIVE_MAX_FRACTION_ENV)
-    setattr(server_args, OPTIONS_ATTR, options_from_values(hook, roots, fraction))
+    timeout = timeout if timeout is not None else os.environ.get(TIMEOUT_ENV)
+    setattr(server_args, OPTIONS_ATTR, options_from_values(hook, roots, fraction, timeout))
 
 
 def options_of(server_args: Any) -> PullWeightsOptions:
@@ -149,7 +187,10 @@ def options_of(server_args: Any) -> PullWeightsOptions:
     if isinstance(options, PullWeightsOptions):
         return options
     return options_from_values(
-        os.environ.get(PRE_READ_HOOK_ENV), os.environ.get(ALLOWED_ROOTS_ENV), os.environ.get(LIVE_MAX_FRACTION_ENV)
+        os.environ.get(PRE_READ_HOOK_ENV),
+        os.environ.get(ALLOWED_ROOTS_ENV),
+        os.environ.get(LIVE_MAX_FRACTION_ENV),
+        os.environ.get(TIMEOUT_ENV),
     )
 
 

@@ -5,46 +5,110 @@ communicator list, so ``TokenizerManager.init_communicators`` builds
 ``tokenizer_manager.pull_weights_communicator`` (a ``FanOutCommunicator`` expecting one reply per
 DP group) and routes the reply type to it, like every built-in control request.
 
-Invariants: a second pull while one is in flight on this tokenizer is answered 409 at once, never
-queued behind the first (the schedulers refuse it as well, for requests from another tokenizer
-worker). Generation is not paused: a pull only writes the host-local checkpoint; the served
-weights change only at the caller's later ``/update_weights_from_disk``.
+Invariants:
+- One pull at a time per tokenizer, run as its own task: an HTTP request that goes away (a client
+  timeout) does not cancel it, so its schedulers' reply is always consumed by it and can never be
+  taken for the reply of a later pull.
+- A request for the pull that is running (same dirs, same target: a trainer's retry after its own
+  timeout) waits for it and gets its result. A pull to anything else is answered 409
+  ``PullInProgress`` at once, never queued (the schedulers decide the same way for requests from
+  another tokenizer worker).
+- Shutdown (SIGTERM) answers every waiting request 503 at once and refuses new ones, so the HTTP
+  server can close its connections and exit instead of waiting for a reply that cannot come.
+- Generation is not paused: a pull only writes the host-local checkpoint; the served weights
+  change only at the caller's later ``/update_weights_from_disk``.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
+import uuid
+from dataclasses import dataclass
 from typing import Any
 
+from weightsync.errors import EngineUnavailableError, PullInProgressError
+
 from . import results
+from .coordinator import is_same_pull
 from .io_types import PullWeightsReqInput, PullWeightsReqOutput, reply_fields
 
 log = logging.getLogger(__name__)
 
 COMMUNICATOR_NAME = "pull_weights"
-_RUNNING_ATTR = "_pull_weights_running_target"
+_RUNNING_ATTR = "_pull_weights_running"
+SHUTDOWN_POLL_S = 0.2
+
+
+@dataclass
+class _RunningPull:
+    request: PullWeightsReqInput
+    task: asyncio.Task
+
+
+async def pull_weights_fields(tokenizer_manager: Any, body: Any) -> dict:
+    """The reply's fields for a parsed request body (``sglang_patch.request.PullRequestBody``)."""
+    request = PullWeightsReqInput(
+        local_checkpoint_dir=body.local_checkpoint_dir, source_dir=body.source_dir, target_version=body.target_version
+    )
+    return reply_fields(await pull_weights(tokenizer_manager, request))
 
 
 async def pull_weights(tokenizer_manager: Any, request: PullWeightsReqInput) -> PullWeightsReqOutput:
-    """Send the pull to every DP group and wait for all of them; one merged reply."""
+    """Run the pull on every DP group (or join the same one running); one merged reply."""
+    if is_shutting_down(tokenizer_manager):
+        return PullWeightsReqOutput(**results.shutting_down_fields(request.target_version))
     running = getattr(tokenizer_manager, _RUNNING_ATTR, None)
-    if running is not None:
-        log.warning("pull_weights: v%s refused, a pull to v%s is running", request.target_version, running)
-        return PullWeightsReqOutput(**results.conflict_fields(request.target_version, running))
-    setattr(tokenizer_manager, _RUNNING_ATTR, request.target_version)
+    if running is not None and not running.task.done():
+        if not is_same_pull(request, running.request):
+            log.warning("pull_weights: v%s refused, a pull to v%s is running", request.target_version, running.request.target_version)
+            refusal = PullInProgressError(request.target_version, running.request.target_version)
+            return PullWeightsReqOutput(**results.error_reply_fields(request.target_version, refusal))
+        log.info("pull_weights: a request for the running pull to v%s waits for its result", request.target_version)
+    else:
+        if not request.rid:  # every pipeline stage keys its report by it
+            request.rid = f"pull-{uuid.uuid4().hex}"
+        running = _RunningPull(request, asyncio.get_running_loop().create_task(_run_pull(tokenizer_manager, request)))
+        setattr(tokenizer_manager, _RUNNING_ATTR, running)
+    return await _result_unless_shutdown(tokenizer_manager, running)
+
+
+async def _run_pull(tokenizer_manager: Any, request: PullWeightsReqInput) -> PullWeightsReqOutput:
     start = time.monotonic()
-    try:
-        tokenizer_manager.auto_create_handle_loop()
-        communicator = getattr(tokenizer_manager, f"{COMMUNICATOR_NAME}_communicator")
-        replies = await communicator(request)
-    finally:
-        setattr(tokenizer_manager, _RUNNING_ATTR, None)
+    tokenizer_manager.auto_create_handle_loop()
+    communicator = getattr(tokenizer_manager, f"{COMMUNICATOR_NAME}_communicator", None)
+    if communicator is None:
+        raise EngineUnavailableError(
+            "/pull_weights is unavailable on this engine: the tokenizer has no pull_weights "
+            "communicator (the plugin's tokenizer part did not install into this sglang)"
+        )
+    replies = await communicator(request)
     merged = results.merge_replies(request.target_version, [reply_fields(r) for r in replies])
     merged["seconds"] = time.monotonic() - start
     output = PullWeightsReqOutput(**merged)
     log.info("pull_weights: v%d -> %s (%s)", request.target_version, output.http_status, output.message)
     return output
+
+
+async def _result_unless_shutdown(tokenizer_manager: Any, running: _RunningPull) -> PullWeightsReqOutput:
+    """The running pull's reply; a 503 as soon as the server starts shutting down."""
+    while True:
+        # asyncio.wait never cancels the task, even if this request is cancelled.
+        done, _ = await asyncio.wait({running.task}, timeout=SHUTDOWN_POLL_S)
+        if done:
+            return running.task.result()
+        if is_shutting_down(tokenizer_manager):
+            log.warning("pull_weights: v%s answered 503, the server is shutting down", running.request.target_version)
+            return PullWeightsReqOutput(**results.shutting_down_fields(running.request.target_version))
+
+
+def is_shutting_down(tokenizer_manager: Any) -> bool:
+    """sglang's own flag, set by its SIGTERM handler before it drains and stops."""
+    try:
+        return bool(getattr(tokenizer_manager, "gracefully_exit", False))
+    except Exception:
+        return False
 
 
 def install(module: Any = None) -> None:

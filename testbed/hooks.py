@@ -6,12 +6,18 @@ the server's environment:
 - ``TESTBED_PRE_READ_HOOK_LOG``: file that gets one line ``<pid> <source_dir> <version>`` per call;
 - ``TESTBED_PRE_READ_HOOK_GATE``: a directory; each call first creates ``started-<version>``
   there, then waits (up to 120 s) until a file ``release`` exists there. With no gate it returns
-  at once. A test uses the gate to hold a pull "in progress" while it checks concurrency.
+  at once. A test uses the gate to hold a pull "in progress" while it checks concurrency, or to
+  stand for a read of a hung filesystem;
+- ``TESTBED_PRE_READ_HOOK_CONTROL``: a JSON file; while it exists, ``{"pp_rank": P, "sleep_s": S}``
+  makes the call on pipeline stage P (and only there) sleep S seconds, holding the host's pull
+  lock as a slow read would.
 """
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import time
 
 
@@ -20,6 +26,7 @@ def record_pre_read(source_dir: str, target_version: int) -> None:
     if log_path:
         with open(log_path, "a") as f:
             f.write(f"{os.getpid()} {source_dir} {target_version}\n")
+    _obey_control(os.environ.get("TESTBED_PRE_READ_HOOK_CONTROL"))
     gate = os.environ.get("TESTBED_PRE_READ_HOOK_GATE")
     if gate:
         os.makedirs(gate, exist_ok=True)
@@ -27,6 +34,34 @@ def record_pre_read(source_dir: str, target_version: int) -> None:
         deadline = time.monotonic() + 120
         while not os.path.exists(os.path.join(gate, "release")) and time.monotonic() < deadline:
             time.sleep(0.05)
+
+
+def _obey_control(control_path: str | None) -> None:
+    if not control_path or not os.path.exists(control_path):
+        return
+    with open(control_path) as f:
+        control = json.load(f)
+    if control.get("pp_rank") is not None and control["pp_rank"] != _pp_rank():
+        return
+    time.sleep(float(control.get("sleep_s", 0)))
+
+
+def _pp_rank() -> int:
+    """This pull's pipeline stage: sglang's own rank in a scheduler process; in the scheduler's
+    pull helper, the stage in its parent's process title (``sglang::scheduler_PP1``); else 0."""
+    try:
+        from sglang.srt.runtime_context import get_parallel
+
+        return int(get_parallel().pp_rank)
+    except Exception:
+        pass
+    try:
+        with open(f"/proc/{os.getppid()}/cmdline", "rb") as f:
+            title = f.read().decode(errors="replace")
+    except OSError:
+        return 0
+    found = re.search(r"_PP(\d+)", title)
+    return int(found.group(1)) if found else 0
 
 
 def read_calls(log_path: str) -> list[tuple[int, str, int]]:

@@ -68,7 +68,7 @@ def server_python(python: str | os.PathLike | None = None) -> str:
 
 
 def cpu_server_env(*, parallel: int = 1, extra: Mapping[str, str] | None = None) -> dict[str, str]:
-    """Environment for an sglang CPU server process (``parallel`` = tp_size * dp_size per node)."""
+    """Environment for an sglang CPU server process (``parallel`` = tp * dp * pp ranks per node)."""
     env = dict(os.environ)
     env["SGLANG_USE_CPU_ENGINE"] = "1"
     paths = [str(CPU_SCAFFOLDING_DIR), str(REPO_ROOT)]
@@ -76,7 +76,7 @@ def cpu_server_env(*, parallel: int = 1, extra: Mapping[str, str] | None = None)
         paths.append(env["PYTHONPATH"])
     env["PYTHONPATH"] = os.pathsep.join(paths)
     if parallel > 1 and "SGLANG_CPU_OMP_THREADS_BIND" not in env:
-        # One OMP core per rank; without it sglang asserts about NUMA nodes when tp/dp > 1.
+        # One OMP core per rank; without it sglang asserts about NUMA nodes when tp/dp/pp > 1.
         ncpu = os.cpu_count() or 1
         env["SGLANG_CPU_OMP_THREADS_BIND"] = "|".join(str(i % ncpu) for i in range(parallel))
     env.setdefault("PYTHONUNBUFFERED", "1")
@@ -97,6 +97,7 @@ class SglangCpuServer:
         *,
         tp: int = 1,
         dp: int = 1,
+        pp: int = 1,
         port: int | None = None,
         extra_args: Iterable[str] = (),
         env: Mapping[str, str] | None = None,
@@ -116,6 +117,7 @@ class SglangCpuServer:
         self.python = server_python(python)
         self.tp = tp
         self.dp = dp
+        self.pp = pp
         self.port = port or find_free_port()
         self.extra_args = list(extra_args)
         self.nnodes = nnodes
@@ -133,7 +135,7 @@ class SglangCpuServer:
             fd, log_path = tempfile.mkstemp(prefix=f"sglang-cpu-{self.port}-", suffix=".log")
             os.close(fd)
         self.log_path = Path(log_path)
-        per_node_ranks = max(1, tp * dp // max(1, nnodes))
+        per_node_ranks = max(1, tp * dp * pp // max(1, nnodes))
         self.env = cpu_server_env(parallel=per_node_ranks, extra=env)
         self.proc: subprocess.Popen | None = None
         self._log_file = None
@@ -162,6 +164,8 @@ class SglangCpuServer:
             "--tp-size", str(self.tp),
             "--dp-size", str(self.dp),
         ]  # fmt: skip
+        if self.pp > 1:
+            cmd += ["--pp-size", str(self.pp)]
         if self.nnodes > 1:
             if not self.dist_init_addr:
                 raise ValueError("nnodes > 1 needs dist_init_addr ('127.0.0.1:PORT')")

@@ -40,6 +40,9 @@ __all__ = [
     "ConflictError",
     "LockTimeoutError",
     "PullWorkerDiedError",
+    "PullInProgressError",
+    "PullTimeoutError",
+    "EngineUnavailableError",
     "PublishError",
     "OverwriteTooLargeError",
     "ChecksumUnavailableError",
@@ -275,6 +278,58 @@ class PullWorkerDiedError(WeightSyncError, RuntimeError):
             "reseeds; retry the pull (the engine starts a new pull process), and see the server log "
             "for why it ended."
         )
+
+
+class PullInProgressError(ConflictError):
+    """The engine is running a pull to another target; this request was not queued.
+
+    ``error_type`` is ``PullInProgress``, the name trainers match on: ``running_target_version``
+    is what the reply's ``target_version`` carries. A request for the very target (same dirs)
+    that is running is never refused: it waits for that pull and gets its result.
+    """
+
+    error_type = "PullInProgress"
+
+    def __init__(self, target_version: int, running_target_version: int | None):
+        self.target_version = target_version
+        self.running_target_version = running_target_version
+        running = f"to v{running_target_version} " if running_target_version is not None else ""
+        super().__init__(
+            f"a pull {running}is still running on this engine; this request to v{target_version} "
+            "was not queued. Wait for the running pull's reply, then retry."
+        )
+
+
+class PullTimeoutError(WeightSyncError, TimeoutError):
+    """A pull did not finish within the engine's deadline (``--pull-weights-timeout-s``)."""
+
+    error_type = "pull_timeout"
+    http_status = 504
+    retryable = True
+
+    def __init__(self, target_version: int, timeout_s: float, where: str = ""):
+        self.target_version = target_version
+        self.timeout_s = timeout_s
+        self.where = where
+        super().__init__(
+            f"the pull to v{target_version} did not finish within {timeout_s:g} s"
+            + (f" on {where}" if where else "")
+            + " and was abandoned (a hung read of the source dir?). The applied-version marker "
+            "names only verified bytes; a later pull waits for this host's pull lock until the "
+            "stuck read returns. Check the shared filesystem, then retry."
+        )
+
+
+class EngineUnavailableError(WeightSyncError):
+    """The engine cannot run pulls now: it is shutting down, or the plugin failed at start-up."""
+
+    error_type = "unavailable"
+    http_status = 503
+    retryable = True
+
+    def __init__(self, reason: str):
+        self.reason = reason
+        super().__init__(reason)
 
 
 # --- publishing ----------------------------------------------------------------------------

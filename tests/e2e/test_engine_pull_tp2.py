@@ -3,8 +3,9 @@
 The server runs with an admin API key, allowed roots, the test pre-read hook
 (``testbed.hooks.record_pre_read``) and ``--enable-metrics``, so one start covers: the pull +
 reload round trip checked against transformers, no-op/reset/backward pulls, a corrupt delta, a
-missing version, two concurrent pulls with generation going on, the hook, auth, path refusals,
-a reseed, and the weightsync metrics on ``/metrics``.
+missing version, two concurrent pulls with generation going on (a retry of the running pull
+joins it, another target is refused), the hook, auth, path refusals, hostile bodies (a version
+that is not a JSON integer, a 100 KB path), a reseed, and the weightsync metrics on ``/metrics``.
 
 CI runs this module against each supported sglang (``make test``: 0.5.23 in ``.venv``, 0.5.16
 through ``WEIGHTSYNC_SGLANG_PYTHON``).
@@ -288,35 +289,43 @@ def test_corrupt_delta_is_422_engine_keeps_serving_and_a_republish_recovers(env)
     check_against_transformers(env, env.local)
 
 
-def test_second_pull_while_one_runs_is_a_conflict_and_generation_continues(env):
+def test_a_retry_of_the_running_pull_waits_for_it_another_target_is_refused_and_generation_continues(env):
     env.feed.publish(5, encoding="xor")
     (env.gate / "release").unlink()
-    first: dict = {}
+    replies: dict = {}
 
-    def run_first():
-        first["resp"] = pull(env, 5)
+    def run(key):
+        replies[key] = pull(env, 5)
 
-    thread = threading.Thread(target=run_first)
-    thread.start()
+    first = threading.Thread(target=run, args=("first",))
+    first.start()
+    retry = None
     try:
         deadline = time.monotonic() + 60
         while not (env.gate / "started-5").exists():
             assert time.monotonic() < deadline, "the first pull never reached the pre-read hook"
             time.sleep(0.05)
 
-        second = pull(env, 5)
-        body = second.json()
-        assert second.status_code == 409, body
-        assert body["error_type"] == "conflict" and "not queued" in body["message"]
+        other = pull(env, 6)
+        body = other.json()
+        assert other.status_code == 409, body
+        assert body["error_type"] == "PullInProgress" and "not queued" in body["message"]
+        assert body["target_version"] == 5  # names the pull in progress
 
+        retry = threading.Thread(target=run, args=("retry",))  # same target: waits for it
+        retry.start()
         # Generation is answered while the first pull is held inside the hook.
         assert env.server.generate_ids(PROMPT, NEW_TOKENS)
-        assert thread.is_alive(), "the first pull finished before the checks: they proved nothing"
+        assert first.is_alive(), "the first pull finished before the checks: they proved nothing"
     finally:
         (env.gate / "release").touch()
-        thread.join(timeout=120)
-    assert first["resp"].status_code == 200, first["resp"].text
-    assert first["resp"].json()["applied_version"] == 5
+        first.join(timeout=120)
+        if retry is not None:
+            retry.join(timeout=120)
+    for key in ("first", "retry"):
+        assert replies[key].status_code == 200, replies[key].text
+        assert replies[key].json()["applied_version"] == 5
+    assert len([c for c in hook_calls(env) if c[2] == 5]) == 1  # one pull ran, not two
 
 
 def test_paths_outside_the_allowed_roots_are_refused_and_untouched(env, tmp_path):
@@ -371,3 +380,34 @@ def test_a_corrupted_local_tensor_reseeds_and_the_reseed_is_counted(env):
     assert metric(samples, "weightsync_applied_version", host=host["host"]) == 6
     text = env.server.get("/metrics", api_key="").text
     print("\n[metrics]\n" + "\n".join(line for line in text.splitlines() if line.startswith("weightsync_")))
+
+
+def test_a_target_version_that_is_not_a_json_integer_is_400_not_a_pull(env):
+    from testbed.feed import dir_fingerprint
+
+    before = dir_fingerprint(env.local)
+    for version in ("5", True, 5.0):
+        resp = env.server.post(
+            "/pull_weights", {"local_checkpoint_dir": env.local, "source_dir": env.feed.source_dir, "target_version": version}
+        )
+        assert resp.status_code == 400, (version, resp.text)
+        assert resp.json()["error_type"] == "bad_request" and "target_version" in resp.json()["message"]
+    assert dir_fingerprint(env.local) == before
+
+
+def test_a_100kb_path_inside_an_allowed_root_is_a_short_400(env):
+    long_local = str(env.allowed) + ("/" + "d" * 200) * 500
+    resp = pull(env, 5, local=long_local)
+    assert resp.status_code == 400, resp.text[:2000]
+    assert resp.json()["error_type"] == "bad_request"
+    assert len(resp.content) < 8_000  # the path is cut short, not echoed twice
+    assert not os.path.exists(str(env.allowed) + "/" + "d" * 200)
+
+
+def test_a_routine_not_published_404_writes_no_traceback_to_the_log(env):
+    before = env.server.log_text().count("Traceback")
+    resp = pull(env, 99)
+    assert resp.status_code == 404, resp.text
+    log_text = env.server.log_text()  # both ranks logged before they reported
+    assert log_text.count("Traceback") == before
+    assert "dp0/tp1: v99:" in log_text

@@ -155,20 +155,64 @@ def test_the_communicator_is_declared_for_sglangs_tokenizer():
     assert specs == [("pull_weights", PullWeightsReqOutput)]
 
 
-def test_fan_out_merges_every_dp_group_and_a_second_pull_gets_a_conflict():
+def test_fan_out_merges_every_dp_group_and_a_pull_to_another_target_is_pull_in_progress():
     tm = FakeTokenizerManager([[_group_reply("dp0/tp0", 2), _group_reply("dp1/tp0", 2)]])
     req = PullWeightsReqInput(local_checkpoint_dir="/l", source_dir="/s", target_version=2)
+    other = PullWeightsReqInput(local_checkpoint_dir="/l", source_dir="/s", target_version=3)
 
     async def scenario():
         first = asyncio.create_task(tokenizer_side.pull_weights(tm, req))
         await asyncio.sleep(0.01)
-        second = await tokenizer_side.pull_weights(tm, req)
+        second = await tokenizer_side.pull_weights(tm, other)
         return await first, second
 
     first, second = asyncio.run(scenario())
     assert first.success and first.hosts[0].ranks == ["dp0/tp0", "dp1/tp0"]
-    assert second.http_status == 409 and second.error_type == "conflict"
-    assert len(tm.sent) == 1  # the conflicting pull never reached a scheduler
+    assert (second.http_status, second.error_type) == (409, "PullInProgress")
+    assert second.target_version == 2 and "v3 was not queued" in second.message  # names the running pull
+    assert len(tm.sent) == 1  # the refused pull never reached a scheduler
+
+
+def test_a_retry_of_the_running_pull_waits_for_it_even_after_the_first_caller_gave_up():
+    tm = FakeTokenizerManager([[_group_reply("dp0/tp0", 2), _group_reply("dp1/tp0", 2)]])
+    req = PullWeightsReqInput(local_checkpoint_dir="/l", source_dir="/s", target_version=2)
+    retry = PullWeightsReqInput(local_checkpoint_dir="/l", source_dir="/s", target_version=2)
+
+    async def scenario():
+        first = asyncio.create_task(tokenizer_side.pull_weights(tm, req))
+        await asyncio.sleep(0.01)
+        first.cancel()  # the trainer's client timed out and closed its connection
+        return await tokenizer_side.pull_weights(tm, retry)
+
+    out = asyncio.run(scenario())
+    assert out.success and out.applied_version == 2
+    assert len(tm.sent) == 1 and tm.sent[0].rid  # one pull, keyed for the pipeline stages
+
+
+def test_shutdown_answers_a_waiting_pull_503_at_once():
+    class NeverAnswers(FakeTokenizerManager):
+        gracefully_exit = False
+
+        def _send(self, obj):
+            self.sent.append(obj)
+
+    tm = NeverAnswers([])
+    req = PullWeightsReqInput(local_checkpoint_dir="/l", source_dir="/s", target_version=4)
+
+    async def scenario():
+        waiting = asyncio.create_task(tokenizer_side.pull_weights(tm, req))
+        await asyncio.sleep(0.05)
+        assert not waiting.done()
+        tm.gracefully_exit = True  # what sglang's SIGTERM handler sets
+        out = await asyncio.wait_for(waiting, timeout=5)
+        later = await tokenizer_side.pull_weights(tm, req)
+        return out, later
+
+    out, later = asyncio.run(scenario())
+    for reply in (out, later):
+        assert (reply.http_status, reply.error_type) == (503, "unavailable")
+        assert "shutting down" in reply.message
+    assert len(tm.sent) == 1
 
 
 def test_one_failing_dp_group_fails_the_merged_reply():
@@ -225,6 +269,41 @@ def test_route_answers_a_malformed_body_400_in_the_same_shape():
     body = resp.json()
     assert body["error_type"] == "bad_request" and "source_dir" in body["message"]
     assert "target_version" in body["message"] and not tm.sent
+
+
+@pytest.mark.parametrize("version", ["1", True, 1.0, None, [1]])
+def test_route_refuses_a_target_version_that_is_not_a_json_integer(version):
+    tm = FakeTokenizerManager([])
+    resp = _client(tm).post("/pull_weights", json={**BODY, "target_version": version})
+    assert resp.status_code == 400, resp.text
+    assert resp.json()["error_type"] == "bad_request" and "target_version" in resp.json()["message"]
+    assert not tm.sent
+
+
+def test_route_refuses_a_body_that_is_not_json_or_too_large():
+    tm = FakeTokenizerManager([])
+    client = _client(tm)
+    assert client.post("/pull_weights", content=b"not json").status_code == 400
+    huge = client.post("/pull_weights", content=b" " * (2 << 20) + b"{}")
+    assert huge.status_code == 400 and "bytes" in huge.json()["message"]
+    assert not tm.sent
+
+
+def test_a_plugin_part_that_failed_to_install_makes_the_route_answer_503_with_the_reason(monkeypatch):
+    import types
+
+    from sglang_patch import plugin
+
+    monkeypatch.setattr(plugin, "_failures", {})
+    # An sglang whose tokenizer_control_mixin has no declarative communicator list.
+    plugin.guarded("tokenizer", tokenizer_side.install)(types.ModuleType("tokenizer_control_mixin"))
+    assert "_COMMUNICATOR_SPECS" in plugin.unavailable_reason()
+    tm = FakeTokenizerManager([])
+    resp = _client(tm).post("/pull_weights", json=BODY)
+    assert resp.status_code == 503, resp.text
+    body = resp.json()
+    assert body["error_type"] == "unavailable" and "tokenizer" in body["message"] and "_COMMUNICATOR_SPECS" in body["message"]
+    assert not tm.sent
 
 
 def test_route_hides_an_internal_exception_behind_a_500():
@@ -311,3 +390,38 @@ def test_the_live_threshold_flag_is_validated(tmp_path):
     assert server_flags.options_of(prepare_server_args(["--model-path", str(tmp_path)])).live_max_changed_fraction == 0.1
     with pytest.raises(ValueError, match="outside \\[0, 1\\]"):
         server_flags.options_from_values(None, None, "1.5")
+
+
+# --- scheduler side --------------------------------------------------------------------------
+
+
+def test_a_scheduler_whose_dispatcher_does_not_merge_serves_on_and_answers_pulls_503(caplog):
+    from sglang.utils import TypeBasedDispatcher
+
+    from sglang_patch import scheduler_side
+
+    class OtherDispatcher(TypeBasedDispatcher):  # an sglang whose dispatcher class differs
+        def __iadd__(self, other):
+            raise TypeError("unsupported operand type(s) for +=")
+
+    class Scheduler:
+        pass
+
+    scheduler = Scheduler()
+    served: list = []
+    scheduler._request_dispatcher = OtherDispatcher([(io_struct.FlushCacheReqInput, served.append)])
+    with caplog.at_level("ERROR"):
+        assert scheduler_side._after_init_request_dispatcher("result", scheduler) == "result"
+    [line] = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+    assert "disabled" in line and "unsupported operand" in line and "503" in line
+    # sglang's own requests are dispatched as before ...
+    flush = io_struct.FlushCacheReqInput()
+    scheduler._request_dispatcher(flush)
+    assert served == [flush]
+    # ... and a pull gets a 503 with the reason instead of killing the scheduler as an unknown type.
+    reply = scheduler._request_dispatcher(PullWeightsReqInput(local_checkpoint_dir="/l", source_dir="/s", target_version=1))
+    assert isinstance(reply, PullWeightsReqOutput)
+    assert (reply.http_status, reply.error_type, reply.success) == (503, "unavailable", False)
+    assert "unsupported operand" in reply.message
+    # The per-iteration hook finds no coordinator and does nothing.
+    assert scheduler_side._after_process_input_requests(None, scheduler) is None

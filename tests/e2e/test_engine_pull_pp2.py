@@ -1,0 +1,183 @@
+"""POST /pull_weights against one real sglang 0.5.23 CPU server with two pipeline stages (PP=2,
+TP=1), shared by the module: every stage's outcome is in the reply, a pull stuck on a hung read
+ends at the deadline, a retry of it waits for it, and SIGTERM during a pull answers and exits.
+
+Both stages run on this one host, so they share the local checkpoint and its host lock: the
+stage that takes the lock first does the work (and runs the pre-read hook), the other finds it
+done. The server runs with a short pull deadline (``--pull-weights-timeout-s``) and a short host
+lock timeout, so that a stage can be made to fail on its own (its lock wait times out while the
+other stage's hook is slow) and a hung read ends within a test's patience.
+
+The tests run in file order and build on each other; the last one shuts the server down.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+
+import pytest
+
+from testbed.tiny_qwen3 import SERVER_COMPUTE_ARGS
+
+pytestmark = pytest.mark.slow
+
+DEADLINE_S = 20
+LOCK_TIMEOUT_S = 6
+STAGES = ["dp0/pp0/tp0", "dp0/pp1/tp0"]
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory, tiny_model_dir, server_factory):
+    from testbed.feed import VersionFeed
+
+    root = tmp_path_factory.mktemp("pull_pp2")
+    allowed = root / "allowed"
+    (allowed / "shared").mkdir(parents=True)
+    gate = root / "gate"
+    gate.mkdir()
+    (gate / "release").touch()  # the hook passes through unless a test removes this
+    control = root / "hook_control.json"
+    server = server_factory(
+        tiny_model_dir,
+        pp=2,
+        extra_args=[
+            *SERVER_COMPUTE_ARGS,
+            "--pull-weights-allowed-roots", str(allowed),
+            "--custom-pull-weights-pre-read-hook", "testbed.hooks.record_pre_read",
+            "--pull-weights-timeout-s", str(DEADLINE_S),
+        ],
+        env={
+            "TESTBED_PRE_READ_HOOK_GATE": str(gate),
+            "TESTBED_PRE_READ_HOOK_CONTROL": str(control),
+            "WEIGHTSYNC_LOCK_TIMEOUT_S": str(LOCK_TIMEOUT_S),
+        },
+    )  # fmt: skip
+
+    class Env:
+        pass
+
+    e = Env()
+    e.server = server
+    e.local = str(allowed / "local")
+    e.feed = VersionFeed(tiny_model_dir, allowed / "shared")
+    e.gate = gate
+    e.control = control
+    return e
+
+
+def pull(env, version, *, timeout=300.0):
+    body = {"local_checkpoint_dir": env.local, "source_dir": env.feed.source_dir, "target_version": version}
+    return env.server.post("/pull_weights", body, timeout=timeout)
+
+
+def wait_for(path, what, timeout_s=60.0):
+    deadline = time.monotonic() + timeout_s
+    while not path.exists():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.05)
+
+
+def start_pull(env, version, into: dict, key: str) -> threading.Thread:
+    def run():
+        t0 = time.monotonic()
+        into[key] = pull(env, version)
+        into[key + "_s"] = time.monotonic() - t0
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    return thread
+
+
+def test_a_pull_reply_lists_the_ranks_of_both_pipeline_stages(env):
+    from testbed.feed import assert_checkpoint_equals
+
+    env.feed.publish(1, encoding="xor")
+    resp = pull(env, 1)
+    body = resp.json()
+    assert resp.status_code == 200, body
+    [host] = body["hosts"]
+    assert host["ranks"] == STAGES and host["success"] and host["applied_version"] == 1
+    assert_checkpoint_equals(env.local, env.feed.expected[1])
+
+
+def test_a_failure_on_stage_1_alone_fails_the_reply_and_names_stage_1(env):
+    from testbed.feed import assert_checkpoint_equals
+
+    env.feed.publish(2, encoding="xor")
+    # Stage 0's read is slow (it holds the host lock); stage 1 gives up waiting for the lock.
+    env.control.write_text(json.dumps({"pp_rank": 0, "sleep_s": LOCK_TIMEOUT_S + 6}))
+    try:
+        resp = pull(env, 2)
+    finally:
+        env.control.unlink()
+    body = resp.json()
+    assert resp.status_code == 409, body
+    assert body["success"] is False and body["error_type"] == "conflict"
+    assert "dp0/pp1/tp0: another pull held" in body["message"], body["message"]
+    [host] = body["hosts"]
+    assert host["ranks"] == STAGES and host["success"] is False
+    # Stage 0 did finish its pull: the bytes are v2, and a retry succeeds on both stages.
+    resp = pull(env, 2)
+    assert resp.status_code == 200, resp.text
+    assert resp.json()["hosts"][0]["ranks"] == STAGES
+    assert_checkpoint_equals(env.local, env.feed.expected[2])
+
+
+def test_a_hung_read_ends_at_the_deadline_a_retry_waits_for_it_and_another_target_is_refused(env):
+    import weightsync
+    from testbed.feed import assert_checkpoint_equals
+
+    env.feed.publish(3, encoding="xor")
+    (env.gate / "release").unlink()  # stage 0's read of v3 hangs
+    replies: dict = {}
+    first = start_pull(env, 3, replies, "first")
+    try:
+        wait_for(env.gate / "started-3", "the pull never reached the pre-read hook")
+        other = pull(env, 4)
+        assert other.status_code == 409, other.text
+        assert other.json()["error_type"] == "PullInProgress" and other.json()["target_version"] == 3
+        retry = start_pull(env, 3, replies, "retry")  # a trainer's retry after its own timeout
+        first.join(timeout=DEADLINE_S + 60)
+        retry.join(timeout=DEADLINE_S + 60)
+        assert not first.is_alive() and not retry.is_alive(), "the pull did not end at its deadline"
+        for key in ("first", "retry"):
+            body = replies[key].json()
+            assert replies[key].status_code == 504, body
+            assert body["error_type"] == "pull_timeout" and f"within {DEADLINE_S} s" in body["message"]
+            assert body["hosts"][0]["ranks"] == STAGES
+        assert replies["first_s"] < DEADLINE_S + 30
+        # The marker still names the last verified version while the read hangs.
+        assert weightsync.applied_version(env.local) == 2
+    finally:
+        (env.gate / "release").touch()
+    # The abandoned pull finishes late; it reports nothing, and the next pull answers for itself.
+    resp = pull(env, 3)
+    assert resp.status_code == 200, resp.text
+    assert resp.json()["applied_version"] == 3 and resp.json()["hosts"][0]["ranks"] == STAGES
+    assert_checkpoint_equals(env.local, env.feed.expected[3])
+
+
+def test_sigterm_during_a_pull_answers_it_503_and_the_server_exits(env):
+    env.feed.publish(4, encoding="xor")
+    (env.gate / "release").unlink()
+    replies: dict = {}
+    thread = start_pull(env, 4, replies, "pull")
+    try:
+        wait_for(env.gate / "started-4", "the pull never reached the pre-read hook")
+        t0 = time.monotonic()
+        os.kill(env.server.proc.pid, signal.SIGTERM)
+        thread.join(timeout=30)
+        assert not thread.is_alive(), "the pull got no reply after SIGTERM"
+        body = replies["pull"].json()
+        assert replies["pull"].status_code == 503, body
+        assert body["error_type"] == "unavailable" and "shutting down" in body["message"]
+        env.server.proc.wait(timeout=60)
+        exited_s = time.monotonic() - t0
+    finally:
+        (env.gate / "release").touch()
+    print(f"\n[measured] SIGTERM mid-pull: 503 after {replies['pull_s']:.1f}s of pull, exit {exited_s:.1f}s after SIGTERM")
+    assert exited_s < 30
