@@ -62,6 +62,8 @@ DEFAULT_TIMEOUT_S = 600.0
 # How long stage 0 waits past its own deadline for a later stage's report: a later stage saw
 # the request a little later and times out by its own clock.
 STAGE_REPORT_GRACE_S = 15.0
+# Stage 0 asks the channel (a round trip to the store) at most this often, not every iteration.
+STAGE_CHECK_INTERVAL_S = 0.05
 
 
 class RankGroup(Protocol):
@@ -120,6 +122,7 @@ class _PendingPull:
     report: Any = None
     abandoned: bool = False
     stage_reports: dict = field(default_factory=dict)  # pp_rank -> [RankPullReport] (stage 0 leader)
+    next_stage_check: float = 0.0
 
 
 def is_same_pull(a: Any, b: Any) -> bool:
@@ -244,7 +247,7 @@ class PullCoordinator:
             now = self._clock()
             local_done = pending.done.is_set() or now >= pending.deadline
             if local_done and self.stage.collects_stage_reports:
-                local_done = self._collect_stage_reports(pending) or now >= pending.deadline + self.stage_grace_s
+                local_done = self._collect_stage_reports(pending, now) or now >= pending.deadline + self.stage_grace_s
             all_done = self.group.all_min(int(local_done)) if self.group.size > 1 else int(local_done)
             if not all_done:
                 return
@@ -286,9 +289,12 @@ class PullCoordinator:
         if self.stage.leader and self.stage.channel is not None:
             self.stage.channel.post(self._stage_key(pending, self.stage.pp_rank), list(reports))
 
-    def _collect_stage_reports(self, pending: _PendingPull) -> bool:
+    def _collect_stage_reports(self, pending: _PendingPull, now: float) -> bool:
         """Take what the later stages posted; True once every stage has."""
         channel = self.stage.channel
+        if now < pending.next_stage_check:
+            return False
+        pending.next_stage_check = now + STAGE_CHECK_INTERVAL_S
         for pp_rank in range(1, self.stage.pp_size):
             if pp_rank in pending.stage_reports or channel is None:
                 continue

@@ -319,14 +319,17 @@ def _make(rank, group, run, replies, *, timeout_s=600.0, stage=None, clock=time.
     )
 
 
-def _run_loop(coordinators, requests_at, iterations, until=None):
-    """Each rank runs the same scheduler loop: requests are seen at the same iteration everywhere."""
+def _run_loop(coordinators, requests_at, iterations, actions_at=None):
+    """Each rank runs the same scheduler loop: requests are seen at the same iteration everywhere.
+    ``actions_at[i]`` is called (by rank 0) at iteration i: e.g. a pull thread is released."""
     errors = []
     immediate = []
 
     def loop(rank):
         try:
             for i in range(iterations):
+                if rank == 0 and actions_at and i in actions_at:
+                    actions_at[i]()
                 for req in requests_at.get(i, []):
                     out = coordinators[rank].on_request(req)
                     if out is not None:
@@ -364,10 +367,7 @@ def test_ranks_finish_together_even_when_one_rank_is_much_slower():
         return pull
 
     coords = [_make(r, group.member(r), run(r), replies) for r in range(2)]
-    timer = threading.Timer(0.2, release.set)
-    timer.start()
-    _run_loop(coords, {5: [_Req(4)]}, iterations=800)
-    timer.cancel()
+    _run_loop(coords, {5: [_Req(4)]}, iterations=800, actions_at={50: release.set})
     assert sorted(rank for rank, _, _ in replies) == [0, 1]
     for _, _, reply in replies:
         assert reply["success"] and reply["target_version"] == 4
@@ -404,10 +404,8 @@ def test_a_pull_to_another_target_while_one_runs_is_refused_as_pull_in_progress_
         return results.report_success("h/node0", "dp0/tp0", _Outcome(req.target_version, "chain"))
 
     coords = [_make(r, group.member(r), pull, replies) for r in range(2)]
-    timer = threading.Timer(0.2, release.set)
-    timer.start()
-    immediate = _run_loop(coords, {0: [_Req(2)], 3: [_Req(3)], 4: [_Req(2, local="/other")]}, iterations=800)
-    timer.cancel()
+    immediate = _run_loop(coords, {0: [_Req(2)], 3: [_Req(3)], 4: [_Req(2, local="/other")]}, iterations=800,
+                          actions_at={10: release.set})
     refused = sorted((rank, req.target_version, req.local_checkpoint_dir, out["error_type"], out["http_status"],
                       out["target_version"]) for rank, req, out in immediate)
     # The body's target_version names the running pull (what a trainer compares with its own).
@@ -430,10 +428,7 @@ def test_a_retry_of_the_running_pull_joins_it_and_both_requests_get_its_result()
 
     first, retry = _Req(7, rid="first"), _Req(7, rid="retry")
     coords = [_make(r, group.member(r), pull, replies) for r in range(2)]
-    timer = threading.Timer(0.2, release.set)
-    timer.start()
-    immediate = _run_loop(coords, {0: [first], 5: [retry]}, iterations=800)
-    timer.cancel()
+    immediate = _run_loop(coords, {0: [first], 5: [retry]}, iterations=800, actions_at={10: release.set})
     assert immediate == []  # nobody was refused
     assert len(calls) == 2  # one pull per rank, not one per request
     answered = sorted((rank, req.rid) for rank, req, _ in replies)
@@ -448,6 +443,7 @@ def _drive(coordinators, clock, *, until, max_iterations=2000):
             c.poll()
         if until():
             return
+        clock.now += 0.01
         time.sleep(0.001)
     raise AssertionError("the condition was never met")
 
@@ -501,12 +497,9 @@ def test_every_rank_agrees_on_the_timeout_even_if_only_one_rank_hangs():
         return pull
 
     coords = [_make(r, group.member(r), run(r), replies, timeout_s=60, clock=clock) for r in range(2)]
-    advanced = threading.Timer(0.3, lambda: setattr(clock, "now", clock.now + 61))
-    advanced.start()
     try:
-        _run_loop(coords, {0: [_Req(5)]}, iterations=1200)
+        _run_loop(coords, {0: [_Req(5)]}, iterations=400, actions_at={50: lambda: setattr(clock, "now", clock.now + 61)})
     finally:
-        advanced.cancel()
         unblock.set()
     assert sorted(rank for rank, _, _ in replies) == [0, 1]
     for _, _, reply in replies:
@@ -563,6 +556,7 @@ def test_stage_zero_waits_for_every_later_stage_before_replying():
     for _ in range(20):
         for c in coords:
             c.poll()
+        clock.now += 0.1
     assert replies == [] and coords[0].is_pending  # stage 0 is done, stage 1 is not
     release.set()
     _drive(coords, clock, until=lambda: bool(replies))
