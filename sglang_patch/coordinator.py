@@ -276,7 +276,7 @@ class PullCoordinator:
             exc: BaseException = RuntimeError("the pull thread left no report")
         else:
             pending.abandoned = True
-            exc = PullTimeoutError(pending.request.target_version, self.timeout_s, f"{self.host} {self.rank}")
+            exc = PullTimeoutError(pending.request.target_version, self.timeout_s)  # the merge names the rank
             log.error("pull_weights %s: %s", self.rank, exc)
         return results.report_failure(self.host, self.rank, exc, seconds=now - pending.started)
 

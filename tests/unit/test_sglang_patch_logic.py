@@ -473,7 +473,7 @@ def test_a_hung_pull_times_out_at_the_deadline_and_the_late_finish_reports_nothi
     assert len(replies) == 2
     for _, _, reply in replies:
         assert (reply["success"], reply["error_type"], reply["http_status"]) == (False, "pull_timeout", 504)
-        assert "did not finish within 60 s" in reply["message"] and "dp0/tp0" in reply["message"]
+        assert "dp0/tp0: the pull to v5 did not finish within 60 s" in reply["message"]
     # The abandoned thread finishes later: nothing more is sent, and a new pull can start.
     unblock.set()
     assert finished.wait(10)
