@@ -96,6 +96,18 @@ def test_the_flags_reach_server_args_and_survive_pickling(tmp_path):
     assert server_flags.options_of(pickle.loads(pickle.dumps(args))) == options
     default = server_flags.options_of(prepare_server_args(["--model-path", str(tmp_path)]))
     assert default.allowed_roots == () and default.pre_read_hook is None
+    assert default.timeout_s == 600.0
+
+
+def test_the_pull_deadline_flag_reaches_server_args_and_a_bad_value_fails_at_start_up(tmp_path):
+    from sglang.srt.server_args import prepare_server_args
+
+    server_flags.install()
+    args = prepare_server_args(["--model-path", str(tmp_path), "--pull-weights-timeout-s", "42.5"])
+    assert server_flags.options_of(pickle.loads(pickle.dumps(args))).timeout_s == 42.5
+    for bad in ("0", "-1", "inf", "soon"):
+        with pytest.raises(ValueError, match="--pull-weights-timeout-s"):
+            prepare_server_args(["--model-path", str(tmp_path), "--pull-weights-timeout-s", bad])
 
 
 def test_a_bad_flag_value_fails_at_start_up(tmp_path):
