@@ -21,9 +21,10 @@ The design, per scheduler process (one ``PullCoordinator`` each):
    contributes "my part is done" to an all-reduce(MIN) over its stage's TP CPU group: a tiny
    collective that every rank of the stage enters at every iteration, so it cannot deadlock, and
    whose result is identical on the stage. A rank's part is done when its thread finished or its
-   deadline passed (then its report is a ``PullTimeoutError`` and the thread is abandoned: it may
-   finish later, touching only its own record; the core writes the marker only after verifying,
-   and its host lock orders it before any later pull). Only when the all-reduce says "all done"
+   deadline passed (then its report is a ``PullTimeoutError``, the puller is asked to ``cancel``
+   (the helper process running the pull is killed, which ends a hung read and frees the host
+   lock) and the thread is abandoned: if it still finishes, it touches only its own record; the
+   core writes the marker only after verifying, and its host lock orders it before any later pull). Only when the all-reduce says "all done"
    do the stage's ranks, in that same iteration, all-gather their reports and clear the pull.
 3. Pipeline stages: a per-iteration collective *across* stages would deadlock (a later stage
    receives iteration i's requests from the earlier one only after the earlier one has processed
@@ -139,7 +140,8 @@ class PullCoordinator:
 
     Args:
         group: the stage's TP group's collectives (``SingleRankGroup`` for TP=1).
-        run_rank_pull: ``fn(request) -> RankPullReport``; runs in the pull thread, may raise.
+        run_rank_pull: ``fn(request) -> RankPullReport``; runs in the pull thread, may raise. If it
+            has ``cancel(error)``, that is called when the pull passes its deadline.
         host, rank: this rank's labels in reports it writes itself (failures, timeouts).
         make_reply: ``fn(reply_fields) -> reply`` (the IPC message).
         send_reply: ``fn(reply, request)``: the scheduler's control output path.
@@ -278,7 +280,19 @@ class PullCoordinator:
             pending.abandoned = True
             exc = PullTimeoutError(pending.request.target_version, self.timeout_s)  # the merge names the rank
             log.error("pull_weights %s: %s", self.rank, exc)
+            self._cancel_pull(exc)
         return results.report_failure(self.host, self.rank, exc, seconds=now - pending.started)
+
+    def _cancel_pull(self, exc: BaseException) -> None:
+        """Stop the abandoned pull where the puller can (a helper process is killed, which ends a
+        hung read and frees the host lock); a puller that cannot is left to finish on its own."""
+        cancel = getattr(self._run_rank_pull, "cancel", None)
+        if cancel is None:
+            return
+        try:
+            cancel(exc)
+        except Exception:
+            log.exception("pull_weights %s: cancelling the abandoned pull failed", self.rank)
 
     # -- pipeline stages ----------------------------------------------------------------------
 

@@ -482,6 +482,34 @@ def test_a_hung_pull_times_out_at_the_deadline_and_the_late_finish_reports_nothi
     assert coord.on_request(_Req(6)) is None and coord.is_pending
 
 
+def test_at_the_deadline_a_puller_that_can_cancel_is_cancelled_with_the_timeout():
+    clock = FakeClock()
+    replies: list = []
+    unblock = threading.Event()
+
+    class CancellablePull:
+        def __init__(self):
+            self.cancelled: list = []
+
+        def __call__(self, req):
+            unblock.wait(30)
+            return results.report_failure("h/node0", "dp0/tp0", self.cancelled[0])
+
+        def cancel(self, error):  # what the pull helper does: kill the process, end the wait
+            self.cancelled.append(error)
+            unblock.set()
+
+    pull = CancellablePull()
+    coord = _make(0, SingleRankGroup(), pull, replies, timeout_s=60, clock=clock)
+    coord.on_request(_Req(5))
+    clock.now += 61
+    coord.poll()
+    [error] = pull.cancelled
+    assert error.error_type == "pull_timeout" and error.target_version == 5
+    [(_, _, reply)] = replies
+    assert reply["error_type"] == "pull_timeout"
+
+
 def test_every_rank_agrees_on_the_timeout_even_if_only_one_rank_hangs():
     clock = FakeClock()
     group = ThreadGroup(2)
