@@ -47,21 +47,19 @@ def _obey_control(control_path: str | None) -> None:
 
 
 def _pp_rank() -> int:
-    """This pull's pipeline stage: sglang's own rank in a scheduler process; in the scheduler's
-    pull helper, the stage in its parent's process title (``sglang::scheduler_PP1``); else 0."""
-    try:
-        from sglang.srt.runtime_context import get_parallel
-
-        return int(get_parallel().pp_rank)
-    except Exception:
-        pass
-    try:
-        with open(f"/proc/{os.getppid()}/cmdline", "rb") as f:
-            title = f.read().decode(errors="replace")
-    except OSError:
-        return 0
-    found = re.search(r"_PP(\d+)", title)
-    return int(found.group(1)) if found else 0
+    """This pull's pipeline stage, from the process title sglang gives a scheduler
+    (``sglang::scheduler_PP1``): this process's (a pull in the scheduler) or its parent's (the
+    scheduler's pull helper); 0 without one."""
+    for pid in ("self", str(os.getppid())):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                title = f.read().decode(errors="replace")
+        except OSError:
+            continue
+        found = re.search(r"sglang::scheduler\S*_PP(\d+)", title)
+        if found:
+            return int(found.group(1))
+    return 0
 
 
 def read_calls(log_path: str) -> list[tuple[int, str, int]]:
