@@ -327,7 +327,6 @@ class LiveApplyState:
             log.exception("live apply %s: the update failed", self.rank)
             fields = lr.summarize(target, [], message=f"update_weights_from_pulled failed inside the scheduler: "
                                                       f"{type(exc).__name__}: {exc}")
-        _observe_pause(fields)
         return UpdateWeightsFromPulledReqOutput(**fields)
 
     def _apply_live(self, request: Any, start: float) -> lr.LiveRankReport:
@@ -418,19 +417,6 @@ def _check_local_dir(value: object, allowed_roots: tuple) -> str:
     if not allowed_roots:
         raise PathNotAllowedError(str(value), [], f"no allowed roots are configured; start the server with {ALLOWED_ROOTS_FLAG}")
     return _check_one("local_checkpoint_dir", value, allowed_roots)
-
-
-def _observe_pause(fields: dict) -> None:
-    try:
-        from . import metrics  # the stack developer's module, when it has landed
-    except ImportError:
-        return
-    observe = getattr(metrics, "observe_weight_update_pause", None)
-    if observe is not None and fields.get("success"):
-        try:
-            observe(fields["mode"], float(fields["pause_s"]))
-        except Exception:
-            log.debug("observe_weight_update_pause failed", exc_info=True)
 
 
 # --- sglang hooks -------------------------------------------------------------------------------
