@@ -12,7 +12,9 @@ need them (``gather``, ``updater``, ``cpu_trainer``), not here.
     gather       TP/EP gathers, dtype cast, checks against --hf-checkpoint, PP de-duplication
     engines      the sglang HTTP client (timeouts, retries) and engine groups (threads, Ray)
     engine_sync  EngineSync: the engine call order, live apply or reload, SyncMetrics (no torch)
-    updater      DiskDeltaWeightUpdater (every rank): gather, publish, then EngineSync
+    updater      DiskDeltaWeightUpdater (every rank): gather, publish (with retries), then EngineSync
+    runs         run dirs under the disk dir: numbering across restarts, retention
+    torch_publish TorchWeightSync: the same from any PyTorch model or state dict (no Megatron)
     megatron_cpu CPU scaffolding: Megatron's CPU shims, a GPTModel from an HF config
     cpu_trainer  a Megatron trainer as Ray actors on the CPU (demo, end-to-end tests)
     demo         ``python -m miles_updater.demo``
@@ -40,6 +42,7 @@ __all__ = [
     "EngineSync",
     "SyncMetrics",
     "HFWeightGatherer",
+    "TorchWeightSync",
 ]
 
 
@@ -52,6 +55,10 @@ def __getattr__(name):  # lazy: torch/megatron load only when these are used
         from .updater import DiskDeltaWeightUpdater
 
         return DiskDeltaWeightUpdater
+    if name == "TorchWeightSync":
+        from .torch_publish import TorchWeightSync
+
+        return TorchWeightSync
     if name == "HFWeightGatherer":
         from .gather import HFWeightGatherer
 

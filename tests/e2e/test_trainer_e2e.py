@@ -203,3 +203,44 @@ def test_a_trainer_resumed_from_a_saved_step_continues_the_engine_versions(loop)
         assert m["pulls"][0]["actions"] == ["chain"], label
         _assert_engine_matches_trainer(loop, newest + 2)
         newest = m["version"]
+
+
+def test_a_plain_pytorch_trainer_publishes_every_step_to_the_engine(loop):
+    """A transformers Qwen3 and AdamW (no Megatron; the engine is driven over HTTP, not Ray)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from miles_updater.cpu_trainer import greedy_from_tensors
+    from miles_updater.torch_publish import TorchWeightSync
+    from testbed.tiny_qwen3 import read_state_dict
+
+    hf, local = loop["hf"], loop["config"].local_checkpoint_dir
+    model = AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    ids = AutoTokenizer.from_pretrained(hf)(["every version is published as a delta and pulled by each host"] * 2,
+                                            return_tensors="pt").input_ids
+    sync = TorchWeightSync(str(loop["work"] / "shared"), hf, local_checkpoint_dir=local,
+                           engines=[loop["server"].base_url])
+    try:
+        first = None
+        for step in range(3):
+            loss = model(ids, labels=ids).loss
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            m = sync.publish(model)
+            first = first or m.version
+            # Numbered after the Megatron runs in the same disk dir; the first version is full.
+            assert m.version == first + step and m.kind == ("full" if step == 0 else "delta")
+            assert m.pulls[0]["applied_version"] == m.version
+            _assert_applied(m.as_dict())
+            published = sync.published_state_dict()
+            on_host = read_state_dict(local)
+            for name, t in published.items():
+                assert torch.equal(on_host[name].view(torch.uint8), t.view(torch.uint8)), name
+            expected = greedy_from_tensors(hf, published, PROMPT, N_TOKENS)
+            engine = sync.engine_sync.engines.clients[0]
+            assert engine.generate_ids(PROMPT, N_TOKENS) == expected
+            assert engine.weight_version() == str(m.version)
+    finally:
+        sync.close()
