@@ -86,8 +86,8 @@ def add_update_weight_arguments(parser: argparse.ArgumentParser) -> argparse.Arg
          help="Publish a full version when more than this fraction of the elements changed "
               "(a dense step is cheaper to copy than to apply).")
     _add(g, parser, "--update-weight-keep-versions", type=int, default=None,
-         help="After each publish, prune versions older than the newest full version except the newest N "
-              "(default: never prune).")
+         help="The newest N versions the core's pruning never removes (after each publish it prunes what no "
+              "cheap pull needs; default: the WEIGHTSYNC_KEEP_VERSIONS knob).")
     _add(g, parser, "--update-weight-keep-runs", type=int, default=2,
          help="Run dirs (run-<id>/) kept in --update-weight-disk-dir, this run included, ordered by their "
               "newest version; older ones are removed once this run has published its first version "
@@ -198,8 +198,8 @@ def validate_update_weight_args(args: argparse.Namespace) -> DiskDeltaConfig | N
     keep = g("update_weight_keep_versions")
     if keep is not None and int(keep) < 0:
         raise UpdateWeightArgsError(
-            f"--update-weight-keep-versions must be >= 0 (versions older than the newest full version "
-            f"are pruned, except the newest N), got {keep}.")
+            f"--update-weight-keep-versions must be >= 0 (the newest N versions the core never prunes), "
+            f"got {keep}.")
     keep_runs = int(g("update_weight_keep_runs", 2))
     if keep_runs < 0:
         raise UpdateWeightArgsError(

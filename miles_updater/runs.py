@@ -30,6 +30,7 @@ import shutil
 import msgspec
 
 from weightsync.layout import index_path, list_versions, version_dir
+from weightsync.manifest import is_committed
 
 log = logging.getLogger(__name__)
 
@@ -118,8 +119,9 @@ def prune_runs(disk_dir: str, keep_runs: int, current: str) -> list[str]:
 
 
 def _is_published(source_dir: str, version: int) -> bool:
-    # An index that exists counts, even a bad one: never rewrite what a reader may have judged.
-    return os.path.exists(index_path(version_dir(source_dir, version)))
+    # The core's rule: a complete index counts (even a bad one: never rewrite what a reader may
+    # have judged); none, or one cut short while being written, does not.
+    return is_committed(version_dir(source_dir, version))
 
 
 def _same(a: str, b: str) -> bool:

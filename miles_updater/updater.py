@@ -237,7 +237,9 @@ class DiskDeltaWeightUpdater:
             error = None
             try:
                 if self.publisher is not None and p.prepared is None:
-                    p.prepared = self.publisher.prepare(p.version, tensors)
+                    # A full version after a restart needs no encoding (it stores the bytes).
+                    p.prepared = self.publisher.prepare(
+                        p.version, tensors, kind="full" if self._full_reason is not None else None)
                     pr = p.prepared
                     p.stats = (pr.delta_nbytes, pr.full_nbytes, pr.changed_bytes, pr.changed_elements,
                                pr.total_elements, pr.encode_s)
@@ -250,10 +252,11 @@ class DiskDeltaWeightUpdater:
             m.encode_s = max((s[5] for s in stats if s), default=0.0)
             m.full_nbytes, m.changed_bytes, m.changed_elements, m.total_elements = totals[1:5]
             # Same totals everywhere -> the same choice on every rank.
-            if self._full_reason is not None:
-                p.kind, p.reason = "full", self._full_reason
-            elif self.publisher is not None:
-                p.kind, p.reason = self.publisher.choose_kind(p.version, totals[0], totals[1], totals[3], totals[4])
+            if self.publisher is not None:
+                requested = "full" if self._full_reason is not None else None
+                p.kind, p.reason = self.publisher.choose_kind(p.version, totals[0], totals[1], totals[3], totals[4],
+                                                              requested=requested)
+                p.reason = self._full_reason or p.reason
             else:
                 p.kind, p.reason = "pending", ""  # a rank without shards learns the kind at commit
         error = None
