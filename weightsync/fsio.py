@@ -76,3 +76,14 @@ def drop_page_cache(path: str) -> None:
         pass
     finally:
         os.close(fd)
+
+
+def is_pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` exists on this host (an advisory note's writer may have died)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

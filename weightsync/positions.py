@@ -31,6 +31,7 @@ import numpy as np
 from .apply import _close_map, _map_shard, load_delta
 from .codecs import SCRATCH
 from .errors import InvalidRequestError, LocalTensorMismatchError, PayloadBoundError, PositionsUnavailableError
+from .fsio import is_pid_alive
 from .layout import format_version, state_path, verified_path
 from .manifest import VersionIndex, checkpoint_weight_files, parse_version_number, read_applied_state, read_version_index
 from .safetensors_io import DTYPE_NBYTES, TensorEntry, local_tensor_table
@@ -275,23 +276,13 @@ def held_version(local_checkpoint_dir: str) -> HeldVersion | None:
             note = json.loads(f.read(1 << 12))
         version = parse_version_number(note["version"], "version", verified_path(local_checkpoint_dir))
         pid = note.get("pid")
-        if not isinstance(pid, int) or not _pid_alive(pid) or note["version"] != format_version(version):
+        if not isinstance(pid, int) or not is_pid_alive(pid) or note["version"] != format_version(version):
             return None
         return HeldVersion(version, note.get("source_dir"), "verified note")
     except (OSError, ValueError, KeyError, TypeError):
         return None
     except Exception:
         return None
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 __all__ = ["ChangeChain", "HeldVersion", "plan_change_chain", "iter_changed_elements", "changed_elements", "held_version"]

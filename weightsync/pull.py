@@ -38,7 +38,7 @@ from .errors import (
     LocalTensorMismatchError,
     host_resource_error,
 )
-from .fsio import write_bytes
+from .fsio import is_pid_alive, write_bytes
 from .hooks import load_callable
 from .identity import Origin, source_origin
 from .layout import format_version, verified_path
@@ -91,16 +91,6 @@ def wait_until_durable(local_checkpoint_dir: str, timeout_s: float | None = None
     return not t.is_alive()
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def verified_by_peer(local_checkpoint_dir: str, target_version: int, source_real: str, origin: Origin | None = None) -> int | None:
     """The pid of a live pull on this host that holds ``target_version`` verified in the page
     cache and is flushing it (deferred durability), or None. With ``origin``, the note's run
@@ -117,7 +107,7 @@ def verified_by_peer(local_checkpoint_dir: str, target_version: int, source_real
         return None
     if origin is not None and (obj.get("run", origin.run), obj.get("seed", origin.seed)) != (origin.run, origin.seed):
         return None
-    if not isinstance(pid, int) or isinstance(pid, bool) or not _pid_alive(pid):
+    if not isinstance(pid, int) or isinstance(pid, bool) or not is_pid_alive(pid):
         return None
     return pid
 
