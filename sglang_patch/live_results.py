@@ -33,34 +33,28 @@ class LiveDecision(msgspec.Struct, frozen=True):
     message: str = ""
 
 
-class LiveRankReport(msgspec.Struct, kw_only=True):
+class _LiveOutcome(msgspec.Struct, kw_only=True):
+    """What a rank, or a host's ranks together, did in one call (shared by both levels)."""
+
     host: str
+    success: bool
+    mode: str
+    reason: Optional[str] = None
+    message: str = ""
+    weight_version: Optional[int] = None
+    elements_scattered: int = 0
+    pause_s: float = 0.0
+    rolled_back: bool = False
+    stage_s: float = 0.0
+    staged_nbytes: int = 0
+
+
+class LiveRankReport(_LiveOutcome, kw_only=True):
     rank: str
-    success: bool
-    mode: str
-    reason: Optional[str] = None
-    message: str = ""
-    weight_version: Optional[int] = None
-    elements_scattered: int = 0
-    pause_s: float = 0.0
-    rolled_back: bool = False
-    stage_s: float = 0.0
-    staged_nbytes: int = 0
 
 
-class LiveHostResult(msgspec.Struct, kw_only=True):
-    host: str
+class LiveHostResult(_LiveOutcome, kw_only=True):
     ranks: list[str]
-    success: bool
-    mode: str
-    reason: Optional[str] = None
-    message: str = ""
-    weight_version: Optional[int] = None
-    elements_scattered: int = 0
-    pause_s: float = 0.0
-    rolled_back: bool = False
-    stage_s: float = 0.0
-    staged_nbytes: int = 0
 
 
 def choose_mode(decisions: Sequence[LiveDecision]) -> tuple[str, Optional[str]]:
