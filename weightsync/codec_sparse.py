@@ -159,6 +159,29 @@ def _width(nbytes: int, itemsize: int) -> int:
     return itemsize if itemsize in LE_UINT and nbytes % itemsize == 0 else 1
 
 
+def encode_segment_range(old, new, itemsize: int, seg_elements: int, seg_range, encode_segment) -> tuple:
+    """The segment loop both sparse encodings share: segments [a, b) of a tensor (all when
+    ``seg_range`` is None) as (table entries, frames, changed bytes, changed elements), where
+    ``encode_segment(o, nw, s0, s1, width)`` codes elements [s0, s1) of the unsigned views."""
+    width = _width(new.nbytes, itemsize)
+    dt = LE_UINT[width]
+    o = old.reshape(-1).view(dt)
+    nw = new.reshape(-1).view(dt)
+    n = o.size
+    first, stop = seg_range if seg_range is not None else (0, -(-n // seg_elements))
+    entries: list[bytes] = []
+    frames: list[bytes] = []
+    changed_bytes = changed_elements = 0
+    for s in range(first, stop):
+        s0 = s * seg_elements
+        entry, seg_frames, cb, count = encode_segment(o, nw, s0, min(n, s0 + seg_elements), width)
+        entries.append(entry)
+        frames.extend(seg_frames)
+        changed_bytes += cb
+        changed_elements += count
+    return entries, frames, changed_bytes, changed_elements
+
+
 class SparseCodec:
     name = "sparse-v1"
     seg_elements = SEG_ELEMENTS
@@ -174,40 +197,30 @@ class SparseCodec:
         """Segments [a, b) (all when None) as (table entries, frames, changed bytes, changed
         elements); ``join`` puts the parts of one tensor together, so several workers can
         encode one large tensor."""
-        width = _width(new.nbytes, itemsize)
-        dt = LE_UINT[width]
-        o = old.reshape(-1).view(dt)
-        nw = new.reshape(-1).view(dt)
-        n = o.size
-        seg = self.seg_elements
-        first, stop = seg_range if seg_range is not None else (0, -(-n // seg))
-        entries: list[bytes] = []
-        frames: list[bytes] = []
-        changed_bytes = changed_elements = 0
-        for s in range(first, stop):
-            s0 = s * seg
-            s1 = min(n, s0 + seg)
-            count, cb, gaps, signs, mags = self._diff_segment(o, nw, s0, s1, width)
-            changed_bytes += cb
-            changed_elements += count
-            if count == 0:
-                entries.append(ENTRY_HEAD.pack(0, 0, 0))
-                continue
-            gw = _gap_width(int(gaps.max()))
-            seg_frames = _planes(gaps, gw, level)
-            seg_frames.append(compress(np.packbits(signs, bitorder="little"), level))
-            big = SCRATCH.get("sp-enc-big", count).view(np.bool_)
-            np.not_equal(mags, 0, out=big)
-            seg_frames.append(compress(np.packbits(big, bitorder="little"), level))
-            big_at = np.flatnonzero(big)  # cheaper than a boolean gather when the mask is unpredictable
-            nbig = big_at.size
-            if nbig:
-                rest = np.take(mags, big_at)
-                rest -= dt.type(1)
-                seg_frames.extend(_planes(rest, width, level))
-            entries.append(ENTRY_HEAD.pack(count, nbig, gw) + struct.pack(f"<{len(seg_frames)}I", *map(len, seg_frames)))
-            frames.extend(seg_frames)
-        return entries, frames, changed_bytes, changed_elements
+        return encode_segment_range(
+            old, new, itemsize, self.seg_elements, seg_range,
+            lambda o, nw, s0, s1, width: self._encode_segment(o, nw, s0, s1, width, level),
+        )
+
+    def _encode_segment(self, o, nw, s0, s1, width, level) -> tuple:
+        """One segment as (table entry, frames, changed bytes, changed elements)."""
+        count, cb, gaps, signs, mags = self._diff_segment(o, nw, s0, s1, width)
+        if count == 0:
+            return ENTRY_HEAD.pack(0, 0, 0), [], cb, 0
+        gw = _gap_width(int(gaps.max()))
+        seg_frames = _planes(gaps, gw, level)
+        seg_frames.append(compress(np.packbits(signs, bitorder="little"), level))
+        big = SCRATCH.get("sp-enc-big", count).view(np.bool_)
+        np.not_equal(mags, 0, out=big)
+        seg_frames.append(compress(np.packbits(big, bitorder="little"), level))
+        big_at = np.flatnonzero(big)  # cheaper than a boolean gather when the mask is unpredictable
+        nbig = big_at.size
+        if nbig:
+            rest = np.take(mags, big_at)
+            rest -= LE_UINT[width].type(1)
+            seg_frames.extend(_planes(rest, width, level))
+        entry = ENTRY_HEAD.pack(count, nbig, gw) + struct.pack(f"<{len(seg_frames)}I", *map(len, seg_frames))
+        return entry, seg_frames, cb, count
 
     def join(self, parts: list, nbytes: int, itemsize: int) -> Encoded | None:
         """One payload from the parts of a tensor, in segment order; None when nothing changed."""

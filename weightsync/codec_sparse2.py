@@ -32,7 +32,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from .codec_sparse import LE_UINT, _gap_width, _planes, _signed, _width
+from .codec_sparse import LE_UINT, _gap_width, _planes, _signed, _width, encode_segment_range
 from .codecs import SCRATCH, Encoded, PayloadDensity, register_codec
 from .errors import LocalTensorMismatchError, PayloadBoundError
 from .zstd_frames import check_frame, compress, decompress_exact
@@ -167,25 +167,10 @@ class Sparse2Codec:
     def encode_part(self, old, new, itemsize, level, tensor, seg_range: tuple[int, int] | None) -> tuple:
         """Segments [a, b) (all when None) as (table entries, frames, changed bytes, changed
         elements), the form ``join`` takes."""
-        width = _width(new.nbytes, itemsize)
-        dt = LE_UINT[width]
-        o = old.reshape(-1).view(dt)
-        nw = new.reshape(-1).view(dt)
-        n = o.size
-        seg = self.seg_elements
-        first, stop = seg_range if seg_range is not None else (0, -(-n // seg))
-        entries: list[bytes] = []
-        frames: list[bytes] = []
-        changed_bytes = changed_elements = 0
-        for s in range(first, stop):
-            s0 = s * seg
-            s1 = min(n, s0 + seg)
-            entry, seg_frames, cb, count = self._encode_segment(o[s0:s1], nw[s0:s1], width, level)
-            entries.append(entry)
-            frames.extend(seg_frames)
-            changed_bytes += cb
-            changed_elements += count
-        return entries, frames, changed_bytes, changed_elements
+        return encode_segment_range(
+            old, new, itemsize, self.seg_elements, seg_range,
+            lambda o, nw, s0, s1, width: self._encode_segment(o[s0:s1], nw[s0:s1], width, level),
+        )
 
     def join(self, parts: list, nbytes: int, itemsize: int) -> Encoded | None:
         changed_elements = sum(p[3] for p in parts)
