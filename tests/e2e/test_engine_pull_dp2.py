@@ -80,3 +80,31 @@ def test_a_failure_is_merged_from_both_groups(env):
     assert body["error_type"] == "source_not_ready"
     [host] = body["hosts"]
     assert host["ranks"] == ["dp0/tp0", "dp1/tp0"] and host["success"] is False
+
+
+def _digests(env) -> dict:
+    resp = env.server.post("/weights_digest", {})
+    assert resp.status_code == 200, resp.text
+    return {r["rank"]: r["digests"] for r in resp.json()["ranks"]}
+
+
+def test_a_live_apply_reaches_both_dp_groups_bit_identical_to_a_reload(env):
+    from testbed.tiny_qwen3 import assert_server_greedy_equals
+
+    env.feed.publish(3, encoding="sparse-v1")
+    assert pull(env, 3).status_code == 200
+    before = _digests(env)
+    resp = env.server.post("/update_weights_from_pulled", {"local_checkpoint_dir": env.local, "target_version": 3})
+    body = resp.json()
+    assert resp.status_code == 200, body
+    assert body["mode"] == "live" and body["weight_version"] == 3 and body["elements_scattered"] > 0, body
+    [host] = body["hosts"]
+    assert host["ranks"] == ["dp0/tp0", "dp1/tp0"]  # over msgpack IPC, merged from both groups
+    live = _digests(env)
+    assert sorted(live) == ["dp0/tp0", "dp1/tp0"] and live != before
+    assert live["dp0/tp0"] == live["dp1/tp0"]  # both groups hold the same weights
+    assert_server_greedy_equals(env.server.generate_ids, env.local)
+    assert_server_greedy_equals(env.server.generate_ids, env.local)  # round robin: the other group
+    resp = env.server.post("/update_weights_from_disk", {"model_path": env.local})
+    assert resp.status_code == 200, resp.text
+    assert _digests(env) == live  # untied lm_head, TP=1: bit for bit what a reload gives
