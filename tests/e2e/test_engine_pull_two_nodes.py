@@ -160,3 +160,28 @@ def test_once_node1_sees_the_version_the_pull_succeeds_and_serves_it(env):
     assert resp.status_code == 200, resp.text
     v2 = assert_server_greedy_equals(env.server.generate_ids, env.node_local[0])
     assert any(v2[p] != v0[p] for p in v2), "v2 generates exactly what v0 did"
+
+
+def test_a_live_apply_spans_both_nodes_bit_identical_to_a_reload(env):
+    from testbed.tiny_qwen3 import assert_server_greedy_equals
+
+    def digests():
+        resp = env.server.post("/weights_digest", {})
+        assert resp.status_code == 200, resp.text
+        return {r["rank"]: (r["host"].rsplit("/", 1)[1], r["digests"]) for r in resp.json()["ranks"]}
+
+    env.feed.publish(3, encoding="sparse-v1")
+    sync_node1_view(env, 3)
+    assert pull(env, 3).status_code == 200
+    resp = env.server.post("/update_weights_from_pulled", {"local_checkpoint_dir": env.local, "target_version": 3})
+    body = resp.json()
+    assert resp.status_code == 200, body
+    assert body["mode"] == "live" and body["weight_version"] == 3, body
+    assert [h["ranks"] for h in body["hosts"]] == [["dp0/tp0"], ["dp0/tp1"]]
+    assert all(h["mode"] == "live" and h["elements_scattered"] > 0 for h in body["hosts"])
+    live = digests()
+    assert [live[r][0] for r in sorted(live)] == ["node0", "node1"]
+    assert_server_greedy_equals(env.server.generate_ids, env.node_local[0])
+    resp = env.server.post("/update_weights_from_disk", {"model_path": env.local})
+    assert resp.status_code == 200, resp.text
+    assert digests() == live
