@@ -4,7 +4,9 @@ One server, started with ``sglang serve`` (DP=2, ``SGLANG_USE_PICKLE_IPC=0``, so
 between the tokenizer, the DP controller and the schedulers goes through sglang's msgpack codec
 and our registered types).
 The tokenizer fans the pull out to both DP groups and merges their replies: both groups' ranks
-appear on the (single) host.
+appear on the (single) host. Live apply (``/update_weights_from_pulled``) goes the same way: each
+group patches its own copy of the weights in place, and after each of two live applies every
+parameter of both groups equals, bit for bit, what a reload of the same local checkpoint gives.
 """
 
 from __future__ import annotations
@@ -82,29 +84,43 @@ def test_a_failure_is_merged_from_both_groups(env):
     assert host["ranks"] == ["dp0/tp0", "dp1/tp0"] and host["success"] is False
 
 
-def _digests(env) -> dict:
-    resp = env.server.post("/weights_digest", {})
+def update(env, version):
+    resp = env.server.post("/update_weights_from_pulled", {"local_checkpoint_dir": env.local, "target_version": version})
     assert resp.status_code == 200, resp.text
-    return {r["rank"]: r["digests"] for r in resp.json()["ranks"]}
+    return resp.json()
 
 
-def test_a_live_apply_reaches_both_dp_groups_bit_identical_to_a_reload(env):
+def generate_on_both_groups(env, prompt, max_new_tokens):
+    """Greedy ids of ``prompt`` from both DP groups (round robin: two requests in a row reach
+    both), which must agree; one transformers reference then checks both."""
+    ids = [env.server.generate_ids(prompt, max_new_tokens) for _ in range(2)]
+    assert ids[0] == ids[1], f"{prompt!r}: the DP groups generate {ids[0]} and {ids[1]}"
+    return ids[0]
+
+
+@pytest.mark.parametrize("version,encoding", [(3, "sparse-v1"), (4, "xor")])
+def test_a_live_apply_reaches_both_dp_groups_bit_identical_to_a_reload(env, version, encoding):
+    from testbed.live import assert_same_weights, wait_until_map_proven, weights_digest
     from testbed.tiny_qwen3 import assert_server_greedy_equals
 
-    env.feed.publish(3, encoding="sparse-v1")
-    assert pull(env, 3).status_code == 200
-    before = _digests(env)
-    resp = env.server.post("/update_weights_from_pulled", {"local_checkpoint_dir": env.local, "target_version": 3})
-    body = resp.json()
-    assert resp.status_code == 200, body
-    assert body["mode"] == "live" and body["weight_version"] == 3 and body["elements_scattered"] > 0, body
+    # The map is built and proven on a thread after start-up (again after a reload that voided it).
+    wait_until_map_proven(env.server)
+    env.feed.publish(version, encoding=encoding)
+    assert pull(env, version).status_code == 200
+    before = weights_digest(env.server)
+    body = update(env, version)
+    assert body["mode"] == "live" and body["reason"] is None, body
+    assert body["weight_version"] == version and body["elements_scattered"] > 0, body
     [host] = body["hosts"]
-    assert host["ranks"] == ["dp0/tp0", "dp1/tp0"]  # over msgpack IPC, merged from both groups
-    live = _digests(env)
-    assert sorted(live) == ["dp0/tp0", "dp1/tp0"] and live != before
-    assert live["dp0/tp0"] == live["dp1/tp0"]  # both groups hold the same weights
-    assert_server_greedy_equals(env.server.generate_ids, env.local)
-    assert_server_greedy_equals(env.server.generate_ids, env.local)  # round robin: the other group
+    assert host["ranks"] == ["dp0/tp0", "dp1/tp0"] and host["mode"] == "live"  # over msgpack IPC, both groups
+    live = weights_digest(env.server)
+    assert sorted(live) == ["dp0/tp0", "dp1/tp0"]
+    for rank, r in live.items():  # each DP group patched its own copy, in place
+        assert r["live_version"] == version and "live apply from" in r["live_reason"], (rank, r["live_reason"])
+        assert r["data_ptrs"] == before[rank]["data_ptrs"], rank
+        assert r["digests"] != before[rank]["digests"], rank
+    assert live["dp0/tp0"]["digests"] == live["dp1/tp0"]["digests"]  # both groups hold the same weights
+    assert_server_greedy_equals(lambda p, n: generate_on_both_groups(env, p, n), env.local)
     resp = env.server.post("/update_weights_from_disk", {"model_path": env.local})
     assert resp.status_code == 200, resp.text
-    assert _digests(env) == live  # untied lm_head, TP=1: bit for bit what a reload gives
+    assert_same_weights(live, weights_digest(env.server))  # bit for bit what a reload of the same dir gives
