@@ -9,6 +9,10 @@ so a failure on node 1 alone can be caused for real.
 Findings about sglang 0.5.23 on the CPU: two nodes work with gloo over loopback; node 1 serves
 no API but starts a "dummy health check server" on its own ``--port``, so the nodes need
 different ports when they share a machine.
+
+Live apply (``/update_weights_from_pulled``) fans out to both nodes the same way: each node
+patches its own shard from its own local dir, and after each of two live applies every
+parameter on both nodes equals, bit for bit, what a reload of the same local checkpoint gives.
 """
 
 from __future__ import annotations
@@ -162,26 +166,31 @@ def test_once_node1_sees_the_version_the_pull_succeeds_and_serves_it(env):
     assert any(v2[p] != v0[p] for p in v2), "v2 generates exactly what v0 did"
 
 
-def test_a_live_apply_spans_both_nodes_bit_identical_to_a_reload(env):
+@pytest.mark.parametrize("version,encoding", [(3, "sparse-v1"), (4, "xor")])
+def test_a_live_apply_spans_both_nodes_bit_identical_to_a_reload(env, version, encoding):
+    from testbed.live import assert_same_weights, wait_until_map_proven, weights_digest
     from testbed.tiny_qwen3 import assert_server_greedy_equals
 
-    def digests():
-        resp = env.server.post("/weights_digest", {})
-        assert resp.status_code == 200, resp.text
-        return {r["rank"]: (r["host"].rsplit("/", 1)[1], r["digests"]) for r in resp.json()["ranks"]}
-
-    env.feed.publish(3, encoding="sparse-v1")
-    sync_node1_view(env, 3)
-    assert pull(env, 3).status_code == 200
-    resp = env.server.post("/update_weights_from_pulled", {"local_checkpoint_dir": env.local, "target_version": 3})
+    # The map is built and proven on a thread after start-up (again after a reload that voided it).
+    wait_until_map_proven(env.server)
+    env.feed.publish(version, encoding=encoding)
+    sync_node1_view(env, version)
+    assert pull(env, version).status_code == 200
+    before = weights_digest(env.server)
+    resp = env.server.post("/update_weights_from_pulled", {"local_checkpoint_dir": env.local, "target_version": version})
     body = resp.json()
     assert resp.status_code == 200, body
-    assert body["mode"] == "live" and body["weight_version"] == 3, body
+    assert body["mode"] == "live" and body["reason"] is None and body["weight_version"] == version, body
+    assert [h["host"].rsplit("/", 1)[1] for h in body["hosts"]] == ["node0", "node1"]
     assert [h["ranks"] for h in body["hosts"]] == [["dp0/tp0"], ["dp0/tp1"]]
-    assert all(h["mode"] == "live" and h["elements_scattered"] > 0 for h in body["hosts"])
-    live = digests()
-    assert [live[r][0] for r in sorted(live)] == ["node0", "node1"]
+    assert all(h["mode"] == "live" and h["elements_scattered"] > 0 for h in body["hosts"]), body["hosts"]
+    live = weights_digest(env.server)
+    assert {rank: r["host"].rsplit("/", 1)[1] for rank, r in live.items()} == {"dp0/tp0": "node0", "dp0/tp1": "node1"}
+    for rank, r in live.items():  # each node patched its own shard, in place
+        assert r["live_version"] == version and "live apply from" in r["live_reason"], (rank, r["live_reason"])
+        assert r["data_ptrs"] == before[rank]["data_ptrs"], rank
+        assert r["digests"] != before[rank]["digests"], rank
     assert_server_greedy_equals(env.server.generate_ids, env.node_local[0])
     resp = env.server.post("/update_weights_from_disk", {"model_path": env.local})
     assert resp.status_code == 200, resp.text
-    assert digests() == live
+    assert_same_weights(live, weights_digest(env.server))  # bit for bit what a reload of the same dir gives
