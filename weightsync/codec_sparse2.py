@@ -1,14 +1,17 @@
-"""``sparse-v2``: sparse-v1's idea (only changed elements travel) with the change mask and the
-differences coded per *class* of elements, a class being a range of the old element's
-magnitude bits (spec: docs/FORMAT.md).
+"""``sparse-v2``: sparse-v1's idea (only changed elements travel) with every stream coded per
+*class* of elements, a class being a range of the old element's magnitude bits, and each
+stream Golomb-Rice coded instead of zstd'd byte planes (spec: docs/FORMAT.md).
 
 Why it is smaller: a bf16 ulp is proportional to |w| while an Adam step is about the same size
 everywhere, so small-magnitude weights change far more often (and by more ulps) than large
-ones. A coder that sees one stream pays the entropy of the average change rate; one stream
-per class pays each class's own, which is what the receiver can predict from the old bytes it
-already verified. The publisher picks each segment's class boundaries from the segment's own
-statistics (a few bytes in the table); the receiver recomputes every element's class from the
-old bytes before writing anything.
+ones. One stream per class pays each class's own change rate, which is what the receiver can
+predict from the old bytes it already verified. Within a class the changes are close to a
+Bernoulli source, whose gaps are geometric: a Rice code with the class's own parameter is
+within a few percent of their entropy, where zstd over gap bytes lost ~20%.
+
+Every stream decodes with a few whole-array numpy operations (no per-element Python loop): a
+Rice stream is two parts, the k-bit remainders packed at a fixed width and the quotients in
+unary, whose terminators ``np.flatnonzero`` finds in the unpacked bits.
 
 Invariants:
 - exact for any bytes of any element width (classes only reorder what is coded; the
@@ -16,47 +19,69 @@ Invariants:
 - a class is a function of one element's old bytes, so segments stay independent: a chain of
   payloads is applied segment by segment, each payload against the bytes the previous one
   produced, and workers may split a tensor by segments;
-- the payload is self-delimiting and every size is proven from headers at load: member and
-  change counts per class add up to the segment, each frame's declared content size follows
-  from them; at apply the member counts recomputed from the local bytes must equal the
-  declared ones before the segment is written (a local tensor that is not the base version
-  fails there, not after);
+- the payload is self-delimiting and every size is proven from the table at load, before any
+  write: counts per class add up to the segment, every part's length follows from the counts
+  or is declared and bounded by them, so decoding work is tied to the segment; at apply the
+  member counts recomputed from the local bytes must equal the declared ones before the
+  segment is written (a local tensor that is not the base version fails there, not after);
 - memory per worker is bounded by the segment size (at most 2^20 elements), never by the
   tensor or by anything else the payload declares.
 """
 
 from __future__ import annotations
 
+import math
 import struct
 from typing import NamedTuple
 
 import numpy as np
 
-from .codec_sparse import LE_UINT, _gap_width, _planes, _signed, _width, encode_segment_range
+from .codec_sparse import LE_UINT, _from_order, _signed, _to_order, _width, encode_segment_range
 from .codecs import SCRATCH, Encoded, PayloadDensity, register_codec
 from .errors import LocalTensorMismatchError, PayloadBoundError
-from .zstd_frames import check_frame, compress, decompress_exact
 
 MAGIC = b"WSS2"
-VERSION = 1
+VERSION = 2
 HEADER = struct.Struct("<4sBBBBQII")  # magic, version, width, reserved, flags, nelements, seg_elements, nsegments
-CLASS_HEAD = struct.Struct("<IIBB2x")  # members, changes, mask mode, magnitude planes, reserved
+# members, changes, large changes; mask mode, gap parameter, flag mode, flag parameter, value
+# order base and shift; reserved
+CLASS_HEAD = struct.Struct("<IIIBBBBBB2x")
 MAX_CLASSES = 8
 MIN_SEG_ELEMENTS = 1 << 12  # a table entry per 4 Ki elements at most: parsing work tied to the tensor
 MAX_SEG_ELEMENTS = 1 << 20  # bounds a worker's scratch (positions of one class: 8 bytes per element)
 SEG_ELEMENTS = 1 << 20  # what the encoder writes
-MASK_NONE, MASK_BITMAP = 0, 8  # mask modes besides the gap widths 1, 2 and 4
-GAP_WIDTHS = (1, 2, 4)
+MODE_NONE, MODE_RICE, MODE_BITMAP = 0, 1, 2
+MAX_GAP_PARAM = 20  # gaps are below seg <= 2^20
 # The key of an element: the top 8 bits of its magnitude (the bits below the sign): for bf16 and
 # fp32 exactly the exponent, for fp16 the exponent and the top 3 mantissa bits.
 KEY_SHIFT = {1: 0, 2: 7, 4: 23, 8: 55}
 NKEYS = {1: 128, 2: 256, 4: 256, 8: 256}
 # The size/cost rule: a class costs the puller one pass over the segment (a compare and a
-# flatnonzero, ~1 ns per element), so a segment gets another class only when it saves at least
-# this many bytes per element of the segment, plus the frames' own overhead.
-CLASS_MIN_SAVING = 1 / 512
-CLASS_OVERHEAD_BYTES = 48
+# flatnonzero, ~1-1.5 ns per element), so a segment gets another class only when it saves at
+# least this many bytes per element of the segment, plus the class's own table bytes.
+CLASS_MIN_SAVING = 1 / 8192
+CLASS_OVERHEAD_BYTES = 32
 STATS_STRIDE = 4  # element counts per key are estimated on every 4th element (boundaries only)
+
+
+class Rice(NamedTuple):
+    """One Rice-coded sequence of ``nvalues`` integers: remainders, then quotients in unary."""
+
+    nvalues: int
+    param: int
+    rem: memoryview
+    quo: memoryview
+
+
+class Values(NamedTuple):
+    """The Exp-Golomb coded |d| - 2 of a class's large changes: fields, then lengths in unary;
+    each value's order follows from ``a``, ``shift`` and the old element's key."""
+
+    nvalues: int
+    a: int
+    shift: int
+    rem: memoryview
+    quo: memoryview
 
 
 class ClassPart(NamedTuple):
@@ -64,11 +89,13 @@ class ClassPart(NamedTuple):
     hi: int
     members: int
     changes: int
-    mask_mode: int  # 0 none, 1/2/4 gap plane width, 8 bitmap
-    mag_planes: int
-    mask_frames: list[memoryview]
-    sign_frame: memoryview | None
-    mag_frames: list[memoryview]
+    nbig: int  # changes with |d| > 1
+    mask_mode: int
+    mask: Rice | memoryview | None  # Rice gaps, or a bitmap of the members
+    signs: memoryview | None
+    flag_mode: int
+    flags: Rice | memoryview | None  # Rice gaps among the changes, or a bitmap of them
+    values: Values | None  # |d| - 2 of each large change
 
 
 class Segment(NamedTuple):
@@ -87,6 +114,245 @@ class Parsed(NamedTuple):
 
 def _mag_mask(width: int) -> int:
     return (1 << (8 * width - 1)) - 1
+
+
+# --- Rice streams -----------------------------------------------------------------------
+
+
+def rice_bits(x: np.ndarray, r: int) -> int:
+    """Bits of ``x`` (non-negative) Rice-coded with parameter ``r``."""
+    return x.size * (r + 1) + int(np.right_shift(x, r).sum(dtype=np.uint64))
+
+
+def best_rice_param(x: np.ndarray, max_param: int) -> tuple[int, int]:
+    """(parameter, bits) minimising the Rice code of ``x``: the optimum lies next to
+    log2(mean * ln 2) for a geometric source; the neighbours are tried exactly."""
+    mean = float(x.mean(dtype=np.float64)) if x.size else 0.0
+    r0 = int(math.floor(math.log2(mean * math.log(2)))) if mean * math.log(2) >= 1 else 0
+    best = None
+    for r in range(max(0, r0 - 1), min(max_param, r0 + 2) + 1):
+        bits = rice_bits(x, r)
+        if best is None or bits < best[1]:
+            best = (r, bits)
+    assert best is not None
+    return best
+
+
+def pack_fields(x: np.ndarray, r: int) -> bytes:
+    """The low ``r`` bits of each value, LSB first, value after value, zero-padded to a byte."""
+    if r == 0 or x.size == 0:
+        return b""
+    nb = (r + 7) // 8
+    le = np.ascontiguousarray(x, dtype="<u8").view(np.uint8).reshape(-1, 8)[:, :nb]
+    bits = np.unpackbits(le, axis=1, bitorder="little")[:, :r]
+    return np.packbits(bits.reshape(-1), bitorder="little").tobytes()
+
+
+def pack_unary(q: np.ndarray) -> bytes:
+    """Each quotient as that many 0 bits and a terminating 1, LSB first, zero-padded."""
+    ends = np.cumsum(q.astype(np.int64) + 1) - 1
+    bits = np.zeros(int(ends[-1]) + 1, np.uint8)
+    bits[ends] = 1
+    return np.packbits(bits, bitorder="little").tobytes()
+
+
+def rice_encode(x: np.ndarray, r: int) -> tuple[bytes, bytes]:
+    """(remainder part, quotient part) of non-negative ``x``."""
+    x = x.astype(np.uint64, copy=False)
+    return pack_fields(x & np.uint64((1 << r) - 1), r), pack_unary(x >> np.uint64(r))
+
+
+def rice_decode(code: Rice, tensor: str, what: str) -> np.ndarray:
+    """The ``count`` integers (uint64) of a Rice part pair whose sizes were proven at load: the
+    quotient part holds exactly ``count`` terminators and ends in its last byte."""
+    q = unary_decode(code.quo, code.nvalues, tensor, what).astype(np.uint64)
+    if not code.param:
+        return q
+    raw = np.frombuffer(code.rem, np.uint8)
+    _check_padding(raw, code.nvalues * code.param, tensor, f"{what} remainders")
+    q <<= np.uint64(code.param)
+    q |= read_fixed(raw, code.nvalues, code.param)
+    return q
+
+
+def bit_lengths(x: np.ndarray) -> np.ndarray:
+    """Bit length of each uint64 (0 for 0): frexp's exponent, corrected where float64 rounds up."""
+    e = np.frexp(x.astype(np.float64))[1].astype(np.int64)
+    big = e > 53
+    if big.any():
+        lo = np.left_shift(np.uint64(1), (e[big] - 1).astype(np.uint64))
+        e[big] -= (lo > x[big]).astype(np.int64)
+    return e
+
+
+def write_fields(x: np.ndarray, widths: np.ndarray) -> bytes:
+    """The low ``widths[j]`` bits of each ``x[j]``, LSB first, field after field, zero-padded."""
+    ends = np.cumsum(widths, dtype=np.int64)
+    total = int(ends[-1]) if ends.size else 0
+    if total == 0:
+        return b""
+    off = ends - widths
+    bits = np.zeros(total, np.uint8)
+    x = x.astype(np.uint64, copy=False)
+    for b in range(int(widths.max())):
+        at = np.flatnonzero(widths > b)
+        bits[off[at] + b] = (x[at] >> np.uint64(b)) & np.uint64(1)
+    return np.packbits(bits, bitorder="little").tobytes()
+
+
+def _window_dtype(maxw: int):
+    """The narrowest unsigned type whose window of whole bytes holds any field of ``maxw``
+    bits at any bit offset, and that window's byte count."""
+    for dt, nbytes in ((np.uint16, 2), (np.uint32, 4), (np.uint64, 8)):
+        if maxw + 7 <= 8 * nbytes:
+            return dt, nbytes
+    return np.uint64, 9
+
+
+def read_fixed(raw: np.ndarray, count: int, r: int) -> np.ndarray:
+    """``count`` fields of ``r`` bits (1..20) packed LSB first: eight fields fill ``r`` bytes,
+    so each of the eight is a fixed shift of fixed columns (no gather)."""
+    groups = -(-count // 8)
+    padded = np.zeros(groups * r + 2, np.uint8)
+    padded[: raw.size] = raw
+    cols = padded[: groups * r].reshape(groups, r)
+    dt, nb = _window_dtype(r)
+    out = np.empty((groups, 8), dt)
+    mask = dt((1 << r) - 1)
+    for j in range(8):
+        b0, sh = divmod(j * r, 8)
+        acc = cols[:, b0].astype(dt)
+        for i in range(1, min(nb, r - b0)):
+            acc |= cols[:, b0 + i].astype(dt) << dt(8 * i)
+        out[:, j] = (acc >> dt(sh)) & mask
+    return out.reshape(-1)[:count]
+
+
+def read_fields(data, widths: np.ndarray, tensor: str, what: str) -> np.ndarray:
+    """Inverse of ``write_fields``: ``data`` must be exactly the bytes the widths need, with
+    zero padding. Widths are at most 63 (proven by the caller)."""
+    ends = np.cumsum(widths, dtype=np.int64)
+    total = int(ends[-1]) if ends.size else 0
+    raw = np.frombuffer(data, np.uint8)
+    if raw.size != -(-total // 8):
+        raise PayloadBoundError(tensor, f"sparse-v2 {what} hold {raw.size} bytes, their widths need {-(-total // 8)}")
+    if total == 0:
+        return np.zeros(widths.size, np.uint64)
+    _check_padding(raw, total, tensor, what)
+    maxw = int(widths.max())
+    dt, nb = _window_dtype(maxw)
+    buf = np.zeros(raw.size + 9, np.uint8)
+    buf[: raw.size] = raw
+    off = ends - widths
+    byte = off >> 3
+    sh = (off & 7).astype(dt)
+    win = buf[byte].astype(dt)
+    for i in range(1, min(nb, 8)):
+        win |= buf[byte + i].astype(dt) << dt(8 * i)
+    win >>= sh
+    if nb > 8:  # a field may reach into a ninth byte
+        ninth = buf[byte + 8].astype(np.uint64) << np.minimum(np.uint64(64) - sh, np.uint64(63))
+        win |= np.where(sh > 0, ninth, np.uint64(0))
+    w = widths.astype(dt)
+    return (win & ((dt(1) << w) - dt(1))).astype(np.uint64)
+
+
+VALUE_ORDER_CONSTANT = 8  # order shift meaning: every value has order ``a`` (the key is not used)
+
+
+def value_orders(keys: np.ndarray, a: int, shift: int, max_order: int) -> np.ndarray:
+    """Exp-Golomb order of each large change: ``a - (key >> shift)`` clipped to
+    [0, max_order] (an ulp halves per exponent step, so a change of the same size is twice
+    the integer difference one key lower), or ``a`` for every change with shift 8."""
+    if shift == VALUE_ORDER_CONSTANT:
+        return np.full(keys.size, a, np.int64)
+    return np.clip(a - (keys.astype(np.int64) >> shift), 0, max_order)
+
+
+def expgolomb_lengths(x: np.ndarray, orders: np.ndarray) -> np.ndarray:
+    """L of each value: ``x + 2^r`` has ``L + r + 1`` bits."""
+    return bit_lengths(x.astype(np.uint64) + np.left_shift(np.uint64(1), orders.astype(np.uint64))) - 1 - orders
+
+
+def expgolomb_bits(x: np.ndarray, orders: np.ndarray) -> int:
+    """Bits of ``x`` in the Exp-Golomb code of the given orders: 2 L + 1 + r each."""
+    return int((2 * expgolomb_lengths(x, orders) + 1 + orders).sum())
+
+
+def best_value_orders(x: np.ndarray, keys: np.ndarray, max_order: int) -> tuple[int, int]:
+    """(a, shift) of ``value_orders`` with the fewest bits: a constant order, or one that
+    follows the key (one exponent per key for bf16/fp32, eight keys per exponent for fp16)."""
+    log_size = np.log2(x.astype(np.float64) + 1)
+    candidates = []
+    for shift in (0, 3):
+        centre = int(round(float(np.median((keys.astype(np.int64) >> shift) + log_size)))) - 1
+        candidates += [(a, shift) for a in range(max(0, centre - 1), min(255, centre + 2) + 1)]
+    centre = int(round(float(np.median(log_size)))) - 1
+    candidates += [(a, VALUE_ORDER_CONSTANT) for a in range(max(0, centre - 1), min(max_order, centre + 2) + 1)]
+    return min(candidates, key=lambda c: expgolomb_bits(x, value_orders(keys, c[0], c[1], max_order)))
+
+
+def expgolomb_encode(x: np.ndarray, orders: np.ndarray) -> tuple[bytes, bytes]:
+    """(field part, length part): ``w = x + 2^r`` has ``L + r + 1`` bits; L goes in unary,
+    the low ``L + r`` bits of w as a field."""
+    lengths = expgolomb_lengths(x, orders)
+    w = x.astype(np.uint64) + np.left_shift(np.uint64(1), orders.astype(np.uint64))
+    return write_fields(w, lengths + orders), pack_unary(lengths)
+
+
+def unary_decode(quo, count: int, tensor: str, what: str) -> np.ndarray:
+    """The ``count`` unary numbers (int64) of a part that ends with its last terminator."""
+    bits = np.unpackbits(np.frombuffer(quo, np.uint8), bitorder="little").view(np.bool_)
+    ends = np.flatnonzero(bits)
+    if ends.size != count:
+        raise PayloadBoundError(tensor, f"sparse-v2 {what} quotients hold {ends.size} terminators, the table declares {count}")
+    if int(ends[-1]) < bits.size - 8:
+        raise PayloadBoundError(tensor, f"sparse-v2 {what} quotients have {(bits.size - 1 - int(ends[-1])) // 8} bytes after the last terminator")
+    q = np.diff(ends, prepend=-1)
+    q -= 1
+    return q
+
+
+def expgolomb_decode(code: "Values", orders: np.ndarray, max_bits: int, tensor: str, what: str) -> np.ndarray:
+    """The values of an Exp-Golomb part pair; every field width is proven to be at most
+    ``max_bits`` before any field is read."""
+    lengths = unary_decode(code.quo, code.nvalues, tensor, what)
+    widths = lengths + orders
+    if int(widths.max()) > max_bits:
+        raise PayloadBoundError(tensor, f"sparse-v2 {what} need a {int(widths.max())}-bit field, at most {max_bits} fit the element")
+    fields = read_fields(code.rem, widths, tensor, f"{what} fields")
+    w = fields | np.left_shift(np.uint64(1), widths.astype(np.uint64))
+    return w - np.left_shift(np.uint64(1), orders.astype(np.uint64))
+
+
+def gaps_of(local: np.ndarray) -> np.ndarray:
+    """Ascending indices -> gaps (the first index, then differences less one)."""
+    g = np.empty(local.size, np.int64)
+    g[0] = local[0]
+    np.subtract(local[1:], local[:-1], out=g[1:])
+    g[1:] -= 1
+    return g
+
+
+def indices_of(gaps: np.ndarray) -> np.ndarray:
+    local = gaps.astype(np.int64)
+    local += 1
+    np.cumsum(local, out=local)
+    local -= 1
+    return local
+
+
+def _positions_code(local: np.ndarray, universe: int) -> tuple[int, int, list[bytes]]:
+    """(mode, parameter, parts) of ascending indices into ``universe`` slots: Rice gaps or a
+    bitmap, whichever is smaller."""
+    g = gaps_of(local)
+    r, bits = best_rice_param(g, MAX_GAP_PARAM)
+    if universe <= bits:
+        m = np.zeros(universe, np.bool_)
+        m[local] = True
+        return MODE_BITMAP, 0, [np.packbits(m, bitorder="little").tobytes()]
+    rem, quo = rice_encode(g, r)
+    return MODE_RICE, r, [rem, quo]
 
 
 # --- choosing classes -------------------------------------------------------------------
@@ -149,6 +415,33 @@ class Layout(NamedTuple):
     nsegments: int
 
 
+def _encode_class(members: int, local: np.ndarray, signs: np.ndarray, mags: np.ndarray, keys: np.ndarray,
+                  width: int) -> tuple[bytes, list[bytes]]:
+    """One class's table entry and parts: its changes at class indices ``local`` (ascending),
+    their sign flags, |d| - 1 and the old elements' keys."""
+    k = local.size
+    mask_mode, rg, parts = _positions_code(local, members)
+    parts.append(np.packbits(signs, bitorder="little").tobytes())
+    big_at = np.flatnonzero(mags)
+    nbig = big_at.size
+    flag_mode = rf = va = vs = 0
+    declared: list[int] = [len(parts[1])] if mask_mode == MODE_RICE else []
+    if nbig:
+        flag_mode, rf, fparts = _positions_code(big_at, k)
+        parts += fparts
+        if flag_mode == MODE_RICE:
+            declared.append(len(fparts[1]))
+        values = mags[big_at].astype(np.uint64)
+        values -= np.uint64(1)
+        big_keys = keys[big_at]
+        va, vs = best_value_orders(values, big_keys, 8 * width - 2)
+        rem, quo = expgolomb_encode(values, value_orders(big_keys, va, vs, 8 * width - 2))
+        parts += [rem, quo]
+        declared += [len(rem), len(quo)]
+    head = CLASS_HEAD.pack(members, k, nbig, mask_mode, rg, flag_mode, rf, va, vs)
+    return head + struct.pack(f"<{len(declared)}I", *declared), parts
+
+
 class Sparse2Codec:
     name = "sparse-v2"
 
@@ -165,11 +458,11 @@ class Sparse2Codec:
         return -(-(nbytes // _width(nbytes, itemsize)) // self.seg_elements)
 
     def encode_part(self, old, new, itemsize, level, tensor, seg_range: tuple[int, int] | None) -> tuple:
-        """Segments [a, b) (all when None) as (table entries, frames, changed bytes, changed
+        """Segments [a, b) (all when None) as (table entries, parts, changed bytes, changed
         elements), the form ``join`` takes."""
         return encode_segment_range(
             old, new, itemsize, self.seg_elements, seg_range,
-            lambda o, nw, s0, s1, width: self._encode_segment(o[s0:s1], nw[s0:s1], width, level),
+            lambda o, nw, s0, s1, width: self._encode_segment(o[s0:s1], nw[s0:s1], width),
         )
 
     def join(self, parts: list, nbytes: int, itemsize: int) -> Encoded | None:
@@ -186,7 +479,7 @@ class Sparse2Codec:
         return Encoded(b"".join([head, *entries, *(f for p in parts for f in p[1])]), sum(p[2] for p in parts),
                        changed_elements)
 
-    def _encode_segment(self, o: np.ndarray, nw: np.ndarray, width: int, level: int):
+    def _encode_segment(self, o: np.ndarray, nw: np.ndarray, width: int):
         dt = o.dtype
         length = o.size
         ne = SCRATCH.get("sp2-enc-ne", length).view(np.bool_)
@@ -198,7 +491,10 @@ class Sparse2Codec:
         ov = o[idx]
         nv = nw[idx]
         changed_bytes = int(np.count_nonzero((ov ^ nv).view(np.uint8)))
-        d = np.subtract(nv, ov)  # modular: exact for any pair
+        d = np.empty_like(ov)
+        _to_order(ov, d)  # float order: a weight crossing zero moves a few steps, not 2^15
+        _to_order(nv, d)
+        np.subtract(nv, ov, out=d)  # modular: exact for any pair
         ds = d.view(_signed(dt))
         signs = ds < 0
         np.abs(ds, out=ds)  # -2^(b-1) stays itself, which read unsigned is 2^(b-1): right
@@ -216,7 +512,10 @@ class Sparse2Codec:
         starts = choose_boundaries(members, changes, 8.0 * (length * self.class_min_saving + self.class_overhead_bytes))
         bounds = [0, *starts, nkeys]
         entry = [struct.pack("<B", len(bounds) - 1), bytes(starts)]
-        seg_frames: list[bytes] = []
+        seg_parts: list[bytes] = []
+        if len(bounds) == 2:
+            head, parts = _encode_class(length, idx, signs, d, keys_changed, width)
+            return b"".join([*entry, head]), parts, changed_bytes, k
         class_of_key = np.zeros(nkeys, np.uint8)
         for b in starts:
             class_of_key[b:] += 1
@@ -224,50 +523,27 @@ class Sparse2Codec:
         sel = SCRATCH.get("sp2-enc-sel", length).view(np.bool_)
         for c in range(len(bounds) - 1):
             lo, hi = bounds[c] << shift, bounds[c + 1] << shift
-            if len(bounds) == 2:
-                at = None
-                kc, members_c, local = k, length, idx
-            else:
-                at = np.flatnonzero(cls_of_change == c)
-                kc = at.size
-                _select(v, lo, hi, width, sel)
-                members_c, local = _ranks(sel, idx[at])
-            if kc == 0:
-                entry.append(CLASS_HEAD.pack(members_c, 0, MASK_NONE, 0))
+            at = np.flatnonzero(cls_of_change == c)
+            _select(v, lo, hi, width, sel)
+            members_c, local = _ranks(sel, idx[at])
+            if at.size == 0:
+                entry.append(CLASS_HEAD.pack(members_c, 0, 0, 0, 0, 0, 0, 0, 0))
                 continue
-            if 4 * kc >= members_c:
-                mode = MASK_BITMAP
-                chm = np.zeros(members_c, np.bool_)
-                chm[local] = True
-                cframes = [compress(np.packbits(chm, bitorder="little"), level)]
-            else:
-                gaps = np.empty(kc, "<u4")
-                gaps[0] = local[0]
-                np.subtract(local[1:], local[:-1], out=gaps[1:], casting="unsafe")
-                gaps[1:] -= np.uint32(1)
-                mode = _gap_width(int(gaps.max()))
-                cframes = _planes(gaps, mode, level)
-            sc = signs if at is None else signs[at]
-            dc = d if at is None else d[at]
-            cframes.append(compress(np.packbits(sc, bitorder="little"), level))
-            top = int(dc.max())
-            nplanes = (top.bit_length() + 7) // 8
-            if nplanes:
-                cframes.extend(_planes(dc, nplanes, level))
-            entry.append(CLASS_HEAD.pack(members_c, kc, mode, nplanes) + struct.pack(f"<{len(cframes)}I", *map(len, cframes)))
-            seg_frames.extend(cframes)
-        return b"".join(entry), seg_frames, changed_bytes, k
+            head, parts = _encode_class(members_c, local, signs[at], d[at], keys_changed[at], width)
+            entry.append(head)
+            seg_parts.extend(parts)
+        return b"".join(entry), seg_parts, changed_bytes, k
 
     # --- check ----------------------------------------------------------------------------
 
     def check_structure(self, payload, tensor) -> "Layout":
         """Everything but the fit to the local tensor: at load, before any seed or write. Keeps
-        only the header's layout (the apply parses the table again, without the frame checks)."""
+        only the header's layout (the apply parses the table again: it is cheap)."""
         mv = memoryview(payload).cast("B")
         if mv.nbytes < HEADER.size:
             raise PayloadBoundError(tensor, f"sparse-v2 payload of {mv.nbytes} bytes is shorter than its {HEADER.size}-byte header")
         _, _, width, _, _, n, seg, nseg = HEADER.unpack_from(mv, 0)
-        parse(payload, n * width, tensor, check_frames=True)
+        parse(payload, n * width, tensor)
         return Layout(width, n, seg, nseg)
 
     def check_fit(self, structure: "Layout", nbytes, itemsize, tensor):
@@ -277,7 +553,7 @@ class Sparse2Codec:
             )
 
     def check(self, payload, nbytes, itemsize, tensor):
-        parse(payload, nbytes, tensor, check_frames=True)
+        parse(payload, nbytes, tensor)
 
     def apply(self, region, payload, itemsize, tensor, chunk_nbytes, structure=None):
         apply_sparse2_chain(region, [payload], tensor, chunk_nbytes, hasher=None)
@@ -296,7 +572,7 @@ class Sparse2Codec:
         if mv.nbytes < HEADER.size:
             raise PayloadBoundError(tensor, f"sparse-v2 payload of {mv.nbytes} bytes is shorter than its {HEADER.size}-byte header")
         _, _, width, _, _, n, _, _ = HEADER.unpack_from(mv, 0)
-        parsed = parse(payload, n * width if nbytes is None else nbytes, tensor, check_frames=True)
+        parsed = parse(payload, n * width if nbytes is None else nbytes, tensor)
         changed = sum(seg.nchanged for seg in parsed.segments)
         return PayloadDensity(parsed.nelements * parsed.width, parsed.nelements, changed, None)
 
@@ -310,8 +586,8 @@ def _popcount(packed: np.ndarray) -> np.ndarray:
 
 
 def _ranks(sel: np.ndarray, at: np.ndarray) -> tuple[int, np.ndarray]:
-    """(members of ``sel``, rank among them of each position in ``at``, all members): a
-    popcount prefix over the packed mask, so no pass writes a position per element."""
+    """(members of ``sel``, rank among them of each position in ``at``): a popcount prefix
+    over the packed mask, so no pass writes a position per element."""
     packed = np.packbits(sel, bitorder="little")
     prefix = np.empty(packed.size + 1, np.int64)
     prefix[0] = 0
@@ -358,9 +634,77 @@ def _select(v: np.ndarray, lo: int, hi: int, width: int, out: np.ndarray) -> Non
     np.less(t, dt.type(hi - lo), out=out)
 
 
-def parse(payload, nbytes: int, tensor: str, *, check_frames: bool = True) -> Parsed:
-    """Read the header and segment table; prove every size (and, optionally, every frame's
-    declared content size) without decompressing anything."""
+# --- parse ------------------------------------------------------------------------------
+
+
+class _Reader:
+    """Walks the parts of a payload, each proven to lie inside it."""
+
+    def __init__(self, mv: memoryview, pos: int, tensor: str):
+        self.mv, self.pos, self.tensor = mv, pos, tensor
+
+    def take(self, nbytes: int, what: str) -> memoryview:
+        if self.pos + nbytes > self.mv.nbytes:
+            raise PayloadBoundError(self.tensor, f"sparse-v2 {what} of {nbytes} bytes at {self.pos} runs past the {self.mv.nbytes}-byte payload")
+        part = self.mv[self.pos : self.pos + nbytes]
+        self.pos += nbytes
+        return part
+
+
+def _class_head(mv, pos: int, total: int, s: int, c: int, width: int, tensor: str):
+    """One class's head and declared quotient sizes, every rule the table alone can prove."""
+    if pos + CLASS_HEAD.size > total:
+        raise PayloadBoundError(tensor, f"sparse-v2 segment table truncated at segment {s}")
+    members, k, nbig, mask_mode, rg, flag_mode, rf, va, vs = CLASS_HEAD.unpack_from(mv, pos)
+    if bytes(mv[pos + CLASS_HEAD.size - 2 : pos + CLASS_HEAD.size]) != b"\0\0":
+        raise PayloadBoundError(tensor, f"sparse-v2 segment {s} class {c} has non-zero reserved bytes")
+    pos += CLASS_HEAD.size
+    where = f"sparse-v2 segment {s} class {c}"
+    if not nbig <= k <= members:
+        raise PayloadBoundError(tensor, f"{where} claims {k} changes ({nbig} large) in {members} members")
+    if k == 0 and (mask_mode, rg, flag_mode, rf, va, vs) != (0, 0, 0, 0, 0, 0):
+        raise PayloadBoundError(tensor, f"{where} has no changes but mask mode {mask_mode} / parameters")
+    if k and mask_mode not in (MODE_RICE, MODE_BITMAP):
+        raise PayloadBoundError(tensor, f"{where} mask mode {mask_mode}, expected 1 (Rice) or 2 (bitmap)")
+    if nbig == 0 and (flag_mode, rf, va, vs) != (0, 0, 0, 0):
+        raise PayloadBoundError(tensor, f"{where} has no large change but flag mode {flag_mode} / parameters")
+    if nbig and flag_mode not in (MODE_RICE, MODE_BITMAP):
+        raise PayloadBoundError(tensor, f"{where} flag mode {flag_mode}, expected 1 (Rice) or 2 (bitmap)")
+    if (mask_mode != MODE_RICE and rg) or (flag_mode != MODE_RICE and rf):
+        raise PayloadBoundError(tensor, f"{where} has a Rice parameter for a bitmap")
+    if rg > MAX_GAP_PARAM or rf > MAX_GAP_PARAM:
+        raise PayloadBoundError(tensor, f"{where} Rice parameters {rg}/{rf} exceed {MAX_GAP_PARAM}")
+    if vs > VALUE_ORDER_CONSTANT or (vs == VALUE_ORDER_CONSTANT and va > 8 * width - 2):
+        raise PayloadBoundError(tensor, f"{where} value order {va} / shift {vs}: the shift is at most 8, a constant order at most {8 * width - 2}")
+    ndeclared = (mask_mode == MODE_RICE) + (flag_mode == MODE_RICE) + 2 * (nbig > 0)
+    if pos + 4 * ndeclared > total:
+        raise PayloadBoundError(tensor, f"sparse-v2 segment table truncated at segment {s}")
+    declared = list(struct.unpack_from(f"<{ndeclared}I", mv, pos))
+    pos += 4 * ndeclared
+    # quotient parts: terminators plus the zeros the counts allow (sum of floor(g / 2^r) is at
+    # most floor(sum g / 2^r)); values: a length of at most 8 width - 1 - r each, and fields of
+    # at most 8 width - 1 bits
+    bounds = []
+    if mask_mode == MODE_RICE:
+        bounds.append(("gap", k + ((members - k) >> rg)))
+    if flag_mode == MODE_RICE:
+        bounds.append(("flag", nbig + ((k - nbig) >> rf)))
+    if nbig:
+        bounds.append(("value remainder", nbig * (8 * width - 1)))
+        bounds.append(("value", nbig * 8 * width))
+    for (what, bits), size in zip(bounds, declared):
+        if what == "value remainder":
+            if size > -(-bits // 8):
+                raise PayloadBoundError(tensor, f"{where} value remainders of {size} bytes, the counts allow at most {-(-bits // 8)}")
+            continue
+        if not 1 <= size <= -(-bits // 8):
+            raise PayloadBoundError(tensor, f"{where} {what} quotients of {size} bytes, the counts allow 1 to {-(-bits // 8)}")
+    return (members, k, nbig, mask_mode, rg, flag_mode, rf, va, vs, declared), pos
+
+
+def parse(payload, nbytes: int, tensor: str) -> Parsed:
+    """Read the header and segment table and locate every part, proving every size; nothing
+    is decoded."""
     mv = memoryview(payload).cast("B")
     total = mv.nbytes
     if total < HEADER.size:
@@ -385,7 +729,7 @@ def parse(payload, nbytes: int, tensor: str, *, check_frames: bool = True) -> Pa
     shift = KEY_SHIFT[width]
     nkeys = NKEYS[width]
     pos = HEADER.size
-    table: list[tuple[int, int, list[tuple[int, int, int, int, int, int, tuple[int, ...]]]]] = []  # start, length, classes
+    table: list[tuple[int, int, list]] = []  # start, length, classes
     for s in range(nseg):
         start = s * seg
         length = min(seg, n - start)
@@ -406,64 +750,46 @@ def parse(payload, nbytes: int, tensor: str, *, check_frames: bool = True) -> Pa
         if any(a >= b for a, b in zip(bounds, bounds[1:])):
             raise PayloadBoundError(tensor, f"sparse-v2 segment {s} class boundaries {starts} are not increasing inside (0, {nkeys})")
         classes = []
-        members_sum = 0
-        changes_sum = 0
+        members_sum = changes_sum = 0
         for c in range(nclasses):
-            if pos + CLASS_HEAD.size > total:
-                raise PayloadBoundError(tensor, f"sparse-v2 segment table truncated at segment {s}")
-            members, changes, mode, planes = CLASS_HEAD.unpack_from(mv, pos)
-            if bytes(mv[pos + CLASS_HEAD.size - 2 : pos + CLASS_HEAD.size]) != b"\0\0":
-                raise PayloadBoundError(tensor, f"sparse-v2 segment {s} class {c} has non-zero reserved bytes")
-            pos += CLASS_HEAD.size
-            if changes > members:
-                raise PayloadBoundError(tensor, f"sparse-v2 segment {s} class {c} claims {changes} changes in {members} members")
-            if changes == 0:
-                if mode != MASK_NONE or planes != 0:
-                    raise PayloadBoundError(tensor, f"sparse-v2 segment {s} class {c} has no changes but mask mode {mode} / {planes} planes")
-                nframes = 0
-            else:
-                if mode not in (*GAP_WIDTHS, MASK_BITMAP):
-                    raise PayloadBoundError(tensor, f"sparse-v2 segment {s} class {c} mask mode {mode}, expected 1, 2, 4 or 8")
-                if planes > width:
-                    raise PayloadBoundError(tensor, f"sparse-v2 segment {s} class {c} has {planes} magnitude planes, the width is {width}")
-                nframes = (1 if mode == MASK_BITMAP else mode) + 1 + planes
-            if pos + 4 * nframes > total:
-                raise PayloadBoundError(tensor, f"sparse-v2 segment table truncated at segment {s}")
-            sizes = struct.unpack_from(f"<{nframes}I", mv, pos)
-            pos += 4 * nframes
-            members_sum += members
-            changes_sum += changes
-            classes.append((bounds[c] << shift, bounds[c + 1] << shift, members, changes, mode, planes, sizes))
+            head, pos = _class_head(mv, pos, total, s, c, width, tensor)
+            members_sum += head[0]
+            changes_sum += head[1]
+            classes.append((bounds[c] << shift, bounds[c + 1] << shift, head))
         if members_sum != length:
             raise PayloadBoundError(tensor, f"sparse-v2 segment {s} classes have {members_sum} members, the segment {length} elements")
         if changes_sum == 0:
             raise PayloadBoundError(tensor, f"sparse-v2 segment {s} declares classes but no change (write 0 classes)")
         table.append((start, length, classes))
+    reader = _Reader(mv, pos, tensor)
     segments: list[Segment] = []
     for start, length, classes in table:
         parts: list[ClassPart] = []
         nchanged = 0
-        for lo, hi, members, changes, mode, planes, sizes in classes:
-            if changes == 0:
-                parts.append(ClassPart(lo, hi, members, 0, MASK_NONE, 0, [], None, []))
+        for lo, hi, (members, k, nbig, mask_mode, rg, flag_mode, rf, va, vs, declared) in classes:
+            if k == 0:
+                parts.append(ClassPart(lo, hi, members, 0, 0, MODE_NONE, None, None, MODE_NONE, None, None))
                 continue
-            nmask = 1 if mode == MASK_BITMAP else mode
-            contents = [(members + 7) // 8] if mode == MASK_BITMAP else [changes] * mode
-            contents += [(changes + 7) // 8] + [changes] * planes
-            frames: list[memoryview] = []
-            for size, content in zip(sizes, contents):
-                if pos + size > total:
-                    raise PayloadBoundError(tensor, f"sparse-v2 stream of {size} bytes at {pos} runs past the {total}-byte payload")
-                frame = mv[pos : pos + size]
-                if check_frames:
-                    check_frame(frame, content, tensor)
-                frames.append(frame)
-                pos += size
-            parts.append(ClassPart(lo, hi, members, changes, mode, planes, frames[:nmask], frames[nmask], frames[nmask + 1 :]))
-            nchanged += changes
+            sizes = iter(declared)
+            mask: Rice | memoryview
+            if mask_mode == MODE_BITMAP:
+                mask = reader.take(-(-members // 8), "change bitmap")
+            else:
+                mask = Rice(k, rg, reader.take(-(-k * rg // 8), "gap remainders"), reader.take(next(sizes), "gap quotients"))
+            signs = reader.take(-(-k // 8), "signs")
+            large: Rice | memoryview | None = None
+            values = None
+            if nbig:
+                if flag_mode == MODE_BITMAP:
+                    large = reader.take(-(-k // 8), "large-change bitmap")
+                else:
+                    large = Rice(nbig, rf, reader.take(-(-nbig * rf // 8), "flag remainders"), reader.take(next(sizes), "flag quotients"))
+                values = Values(nbig, va, vs, reader.take(next(sizes), "value fields"), reader.take(next(sizes), "value lengths"))
+            parts.append(ClassPart(lo, hi, members, k, nbig, mask_mode, mask, signs, flag_mode, large, values))
+            nchanged += k
         segments.append(Segment(start, length, nchanged, parts))
-    if pos != total:
-        raise PayloadBoundError(tensor, f"{total - pos} trailing bytes after the sparse-v2 streams")
+    if reader.pos != total:
+        raise PayloadBoundError(tensor, f"{total - reader.pos} trailing bytes after the sparse-v2 streams")
     return Parsed(width, n, seg, segments)
 
 
@@ -491,57 +817,68 @@ def _apply_segment(rw: np.ndarray, seg: Segment, tensor: str, index: int) -> Non
         positions = local
         if not single:
             _select(v, part.lo, part.hi, width, sel)
-            members, positions = _member_positions(sel, local)
+            listed = np.flatnonzero(sel)
+            members = listed.size
+            positions = listed[local] if members == part.members else local
             if members != part.members:
                 raise LocalTensorMismatchError(
                     tensor,
                     f"sparse-v2 segment {index} class {c}: the local bytes hold {members} elements of magnitude "
                     f"[{part.lo:#x}, {part.hi:#x}), the payload was encoded against {part.members}",
                 )
-        writes.append((positions, _decode_differences(part, dt, tensor, index, c)))
-    for positions, d in writes:
-        view[positions] += d
+        o = view[positions]  # old values: every class's before the first write
+        d = _decode_differences(part, o, tensor, index, c)
+        m = np.empty_like(o)
+        _to_order(o, m)
+        o += d
+        _from_order(o, m)
+        writes.append((positions, o))
+    for positions, new in writes:
+        view[positions] = new
+
+
+def _decode_indices(code: Rice | memoryview, mode: int, count: int, universe: int, tensor: str, what: str) -> np.ndarray:
+    """Ascending indices (int64) of ``count`` marked slots among ``universe``, proven below it."""
+    if mode == MODE_BITMAP:
+        packed = np.frombuffer(code, np.uint8)  # type: ignore[arg-type]
+        _check_padding(packed, universe, tensor, what)
+        local = np.flatnonzero(np.unpackbits(packed, count=universe, bitorder="little").view(np.bool_))
+        if local.size != count:
+            raise PayloadBoundError(tensor, f"sparse-v2 {what} marks {local.size}, the table declares {count}")
+        return local
+    assert isinstance(code, Rice)
+    local = indices_of(rice_decode(code, tensor, what))
+    if int(local[-1]) >= universe:
+        raise PayloadBoundError(tensor, f"sparse-v2 {what}: index {int(local[-1])} is past its {universe} slots")
+    return local
 
 
 def _decode_mask(part: ClassPart, tensor: str, index: int, c: int) -> np.ndarray:
     """Class-local indices of the changes, ascending, each proven below the member count."""
-    k = part.changes
-    if part.mask_mode == MASK_BITMAP:
-        packed = np.frombuffer(decompress_exact(part.mask_frames[0], (part.members + 7) // 8, tensor), np.uint8)
-        _check_padding(packed, part.members, tensor, "change bitmap")
-        local = np.flatnonzero(np.unpackbits(packed, count=part.members, bitorder="little").view(np.bool_))
-        if local.size != k:
-            raise PayloadBoundError(tensor, f"sparse-v2 segment {index} class {c} bitmap marks {local.size} changes, the table declares {k}")
-        return local
-    local = np.empty(k, np.int64)
-    tmp = np.empty(k, np.int64)
-    for j, frame in enumerate(part.mask_frames):
-        plane = np.frombuffer(decompress_exact(frame, k, tensor), np.uint8)
-        if j == 0:
-            np.add(plane, 1, out=local, dtype=np.int64)
-        else:
-            np.left_shift(plane, 8 * j, out=tmp, dtype=np.int64)
-            local += tmp
-    np.cumsum(local, out=local)
-    local -= 1
-    if int(local[-1]) >= part.members:
-        raise PayloadBoundError(tensor, f"sparse-v2 segment {index} class {c} change {int(local[-1])} is past its {part.members} members")
-    return local
+    assert part.mask is not None
+    return _decode_indices(part.mask, part.mask_mode, part.changes, part.members, tensor,
+                           f"segment {index} class {c} changes")
 
 
-def _decode_differences(part: ClassPart, dt: np.dtype, tensor: str, index: int, c: int) -> np.ndarray:
-    """(new - old) modulo 2^bits of each change: sign bit and magnitude - 1 in byte planes."""
+def _decode_differences(part: ClassPart, old: np.ndarray, tensor: str, index: int, c: int) -> np.ndarray:
+    """T(new) - T(old) modulo 2^bits of each change: 1, or 2 + the large value, then the sign.
+    ``old``: the changed elements' old values (their keys set the value orders)."""
     k = part.changes
+    dt = old.dtype
     width = dt.itemsize
-    d = np.zeros(k, dt) if part.mag_planes else np.ones(k, dt)
-    if part.mag_planes:
-        db = d.view(np.uint8).reshape(k, width)
-        for j, frame in enumerate(part.mag_frames):
-            db[:, j] = np.frombuffer(decompress_exact(frame, k, tensor), np.uint8)
-        if part.mag_planes == width and int(db[:, width - 1].max()) >= 0x80:
-            raise PayloadBoundError(tensor, f"sparse-v2 segment {index} class {c} has a magnitude of 2^{8 * width - 1} or more")
-        d += dt.type(1)
-    packed = np.frombuffer(decompress_exact(part.sign_frame, (k + 7) // 8, tensor), np.uint8)
+    d = np.ones(k, dt)
+    if part.nbig:
+        assert part.flags is not None and part.values is not None
+        at = _decode_indices(part.flags, part.flag_mode, part.nbig, k, tensor, f"segment {index} class {c} large changes")
+        keys = (old[at] & dt.type(_mag_mask(width))) >> dt.type(KEY_SHIFT[width])
+        orders = value_orders(keys, part.values.a, part.values.shift, 8 * width - 2)
+        values = expgolomb_decode(part.values, orders, 8 * width - 1, tensor, f"segment {index} class {c} values")
+        if int(values.max()) > (1 << (8 * width - 1)) - 2:
+            raise PayloadBoundError(tensor, f"sparse-v2 segment {index} class {c} has a magnitude above 2^{8 * width - 1}")
+        values += np.uint64(2)
+        d[at] = values.astype(dt)
+    assert part.signs is not None
+    packed = np.frombuffer(part.signs, np.uint8)
     _check_padding(packed, k, tensor, "signs")
     m = np.negative(np.unpackbits(packed, count=k, bitorder="little"), dtype=dt, casting="unsafe")
     d ^= m  # two's complement where the sign is set: (x ^ -1) + 1
@@ -549,10 +886,10 @@ def _decode_differences(part: ClassPart, dt: np.dtype, tensor: str, index: int, 
     return d
 
 
-def _check_padding(packed: np.ndarray, k: int, tensor: str, what: str) -> None:
-    rem = k % 8
+def _check_padding(packed: np.ndarray, nbits: int, tensor: str, what: str) -> None:
+    rem = nbits % 8
     if rem and int(packed[-1]) >> rem:
-        raise PayloadBoundError(tensor, f"sparse-v2 {what} have set bits past the last element")
+        raise PayloadBoundError(tensor, f"sparse-v2 {what} have set bits past the last one")
 
 
 def apply_sparse2_chain(
@@ -563,7 +900,7 @@ def apply_sparse2_chain(
     then the segment is hashed while in cache. ``seg_range``: only segments [a, b) (a worker's
     part; the caller hashes; the chain must segment alike)."""
     nbytes = region.nbytes
-    parsed = [parse(p, nbytes, tensor, check_frames=False) for p in payloads]
+    parsed = [parse(p, nbytes, tensor) for p in payloads]
     if not parsed:
         return
     aligned = all(p.width == parsed[0].width and p.seg_elements == parsed[0].seg_elements for p in parsed)

@@ -62,10 +62,55 @@ def _zframe(data: bytes) -> bytes:
     return zstandard.ZstdCompressor(level=1, write_content_size=True).compress(data)
 
 
+# --- bit streams (FORMAT.md "sparse-v2": LSB first within each byte, zero padding) -------------
+
+
+class BitWriter:
+    def __init__(self) -> None:
+        self.bits: list[int] = []
+
+    def field(self, value: int, width: int) -> None:
+        self.bits += [(value >> i) & 1 for i in range(width)]
+
+    def unary(self, q: int) -> None:
+        self.bits += [0] * q + [1]
+
+    def getvalue(self) -> bytes:
+        bits = self.bits + [0] * (-len(self.bits) % 8)
+        return bytes(sum(b << i for i, b in enumerate(bits[j : j + 8])) for j in range(0, len(bits), 8))
+
+
+class BitReader:
+    def __init__(self, data: bytes) -> None:
+        self.data, self.pos = data, 0
+
+    def bit(self) -> int:
+        assert self.pos < 8 * len(self.data), "read past the end of a part"
+        b = (self.data[self.pos >> 3] >> (self.pos & 7)) & 1
+        self.pos += 1
+        return b
+
+    def field(self, width: int) -> int:
+        return sum(self.bit() << i for i in range(width))
+
+    def unary(self) -> int:
+        q = 0
+        while not self.bit():
+            q += 1
+        return q
+
+    def finish(self) -> None:
+        """The part is exactly used: what is left is zero padding inside its last byte."""
+        assert -(-self.pos // 8) == len(self.data), "a part is longer than its contents"
+        while self.pos < 8 * len(self.data):
+            assert self.bit() == 0, "padding bits must be zero"
+
+
 # --- sparse-v2 (FORMAT.md "sparse-v2") --------------------------------------------------------
 
 V2_SEG = 4096  # the smallest segment the format allows: several segments even for small tensors
 V2_LE = {1: "u1", 2: "<u2", 4: "<u4", 8: "<u8"}
+V2_CLASS = "<IIIBBBBBB2x"
 
 
 def _v2_width(nbytes: int) -> int:
@@ -73,79 +118,143 @@ def _v2_width(nbytes: int) -> int:
     return next(w for w in (4, 2, 1) if nbytes % w == 0)
 
 
-def _v2_keys(x: np.ndarray, width: int) -> np.ndarray:
-    magnitude = x.astype(np.uint64) & np.uint64((1 << (8 * width - 1)) - 1)
-    shift = {1: 0, 2: 7, 4: 23, 8: 55}[width]
-    return (magnitude >> np.uint64(shift)).astype(np.int64)
+def v2_key(x: int, width: int) -> int:
+    return (x & ((1 << (8 * width - 1)) - 1)) >> {1: 0, 2: 7, 4: 23, 8: 55}[width]
+
+
+def v2_order(x: int, width: int) -> int:
+    """T: sign-magnitude bits -> a monotone order."""
+    bits = 8 * width
+    return x ^ ((1 << bits) - 1 if x >> (bits - 1) else 1 << (bits - 1))
+
+
+def v2_unorder(y: int, width: int) -> int:
+    bits = 8 * width
+    return y ^ (1 << (bits - 1) if y >> (bits - 1) else (1 << bits) - 1)
+
+
+def _rice(values: list[int], r: int) -> tuple[bytes, bytes]:
+    rem, quo = BitWriter(), BitWriter()
+    for x in values:
+        rem.field(x & ((1 << r) - 1), r)
+        quo.unary(x >> r)
+    return rem.getvalue(), quo.getvalue()
+
+
+def _rice_param(values: list[int]) -> int:
+    mean = sum(values) / len(values)
+    return max(0, min(20, int(mean).bit_length() - 1))
+
+
+def _indices_part(indices: list[int], universe: int, use_bitmap: bool) -> tuple[int, int, list[bytes], list[int]]:
+    """(mode, parameter, parts, declared sizes) of ascending indices into ``universe`` slots."""
+    if use_bitmap:
+        w = BitWriter()
+        marked = set(indices)
+        for i in range(universe):
+            w.field(int(i in marked), 1)
+        return 2, 0, [w.getvalue()], []
+    gaps = [b - a - 1 for a, b in zip([-1, *indices], indices)]
+    r = _rice_param(gaps)
+    rem, quo = _rice(gaps, r)
+    return 1, r, [rem, quo], [len(quo)]
+
+
+def v2_value_order(key: int, a: int, shift: int, width: int) -> int:
+    return a if shift == 8 else max(0, min(8 * width - 2, a - (key >> shift)))
+
+
+def v2_class(members: int, local: list[int], d: list[int], keys: list[int], width: int, *,
+             bitmap: bool | None = None, value_order: tuple[int, int] = (0, 8)) -> tuple[bytes, bytes]:
+    """One class's table bytes and data bytes: changes at class indices ``local`` (ascending)
+    with differences ``d`` (T(new) - T(old) mod 2^bits) and old keys ``keys``."""
+    bits = 8 * width
+    k = len(local)
+    if k == 0:
+        return struct.pack(V2_CLASS, members, 0, 0, 0, 0, 0, 0, 0, 0), b""
+    negative = [x >= 1 << (bits - 1) for x in d]
+    mags = [((1 << bits) - x if neg else x) - 1 for x, neg in zip(d, negative)]
+    mode, rg, parts, declared = _indices_part(local, members, 4 * k >= members if bitmap is None else bitmap)
+    signs = BitWriter()
+    for neg in negative:
+        signs.field(int(neg), 1)
+    parts.append(signs.getvalue())
+    big = [j for j, m in enumerate(mags) if m > 0]
+    flag_mode = rf = 0
+    a, shift = value_order if big else (0, 0)
+    if big:
+        flag_mode, rf, fparts, fdeclared = _indices_part(big, k, 4 * len(big) >= k)
+        parts += fparts
+        declared += fdeclared
+        fields, lengths = BitWriter(), BitWriter()
+        for j in big:
+            r = v2_value_order(keys[j], a, shift, width)
+            w = mags[j] - 1 + (1 << r)
+            length = w.bit_length() - 1 - r
+            lengths.unary(length)
+            fields.field(w, length + r)  # the low L + r bits (the top bit is implied)
+        parts += [fields.getvalue(), lengths.getvalue()]
+        declared += [len(parts[-2]), len(parts[-1])]
+    head = struct.pack(V2_CLASS, members, k, len(big), mode, rg, flag_mode, rf, a, shift)
+    return head + struct.pack(f"<{len(declared)}I", *declared), b"".join(parts)
 
 
 def encode_sparse_v2(old: bytes, new: bytes) -> bytes:
     """Classes: one boundary at the median key of the segment's old elements (when there are two
-    keys or more); the format leaves the choice to the writer."""
+    keys or more); Rice parameters from the mean gap; value orders constant 0. The format leaves
+    all of these to the writer."""
     width = _v2_width(len(old))
-    bits = 8 * width
-    o = np.frombuffer(old, V2_LE[width]).astype(np.uint64)
-    nw = np.frombuffer(new, V2_LE[width]).astype(np.uint64)
-    n = o.size
+    o = [int(x) for x in np.frombuffer(old, V2_LE[width])]
+    nw = [int(x) for x in np.frombuffer(new, V2_LE[width])]
+    n = len(o)
     nseg = -(-n // V2_SEG)
-    table, streams = b"", b""
+    table, data = b"", b""
     for s in range(nseg):
         a, b = s * V2_SEG, min(n, (s + 1) * V2_SEG)
-        so, sn = o[a:b], nw[a:b]
-        if not np.any(so != sn):
+        if o[a:b] == nw[a:b]:
             table += b"\0"
             continue
-        keys = _v2_keys(so, width)
-        median = int(np.median(keys))
-        starts = [median] if 0 < median and np.any(keys < median) else []
+        keys = [v2_key(x, width) for x in o[a:b]]
+        median = sorted(keys)[len(keys) // 2]
+        starts = [median] if median > 0 and min(keys) < median else []
         bounds = [0, *starts, 256 if width > 1 else 128]
         table += bytes([len(bounds) - 1, *starts])
         for c in range(len(bounds) - 1):
-            members = np.flatnonzero((keys >= bounds[c]) & (keys < bounds[c + 1]))
-            changed = np.flatnonzero(so[members] != sn[members])  # class indices
-            k = changed.size
-            if k == 0:
-                table += struct.pack("<IIBB2x", members.size, 0, 0, 0)
-                continue
-            at = members[changed]
-            d = [(int(sn[i]) - int(so[i])) % (1 << bits) for i in at]
-            negative = [x >= 1 << (bits - 1) for x in d]
-            mags = [((1 << bits) - x if neg else x) - 1 for x, neg in zip(d, negative)]
-            if 4 * k >= members.size:
-                mode = 8
-                bitmap = np.zeros(members.size, bool)
-                bitmap[changed] = True
-                parts = [np.packbits(bitmap, bitorder="little").tobytes()]
-            else:
-                gaps = np.diff(np.concatenate([[-1], changed])) - 1
-                mode = next(w for w in (1, 2, 4) if int(gaps.max()) < 1 << (8 * w))
-                g = gaps.astype("<u4").view(np.uint8).reshape(k, 4)
-                parts = [g[:, j].tobytes() for j in range(mode)]
-            parts.append(np.packbits(np.array(negative, bool), bitorder="little").tobytes())
-            planes = (max(mags).bit_length() + 7) // 8
-            m = np.array(mags, V2_LE[width]).view(np.uint8).reshape(k, width)
-            parts += [m[:, j].tobytes() for j in range(planes)]
-            frames = [_zframe(x) for x in parts]
-            table += struct.pack("<IIBB2x", members.size, k, mode, planes) + struct.pack(f"<{len(frames)}I", *map(len, frames))
-            streams += b"".join(frames)
-    head = b"WSS2" + bytes([1, width, 0, 0]) + struct.pack("<QII", n, V2_SEG, nseg)
-    return head + table + streams
+            members = [i for i, key in enumerate(keys) if bounds[c] <= key < bounds[c + 1]]
+            local = [j for j, i in enumerate(members) if o[a + i] != nw[a + i]]
+            d = [(v2_order(nw[a + members[j]], width) - v2_order(o[a + members[j]], width)) % (1 << (8 * width)) for j in local]
+            head, body = v2_class(len(members), local, d, [keys[members[j]] for j in local], width)
+            table += head
+            data += body
+    head = b"WSS2" + bytes([2, width, 0, 0]) + struct.pack("<QII", n, V2_SEG, nseg)
+    return head + table + data
 
 
-def _frame_content(frame: bytes) -> bytes:
-    size = zstandard.get_frame_parameters(frame).content_size
-    out = zstandard.ZstdDecompressor().decompress(frame, max_output_size=size)
-    assert len(out) == size
+def _read_indices(mode: int, r: int, parts: list[bytes], count: int, universe: int) -> list[int]:
+    if mode == 2:
+        bm = BitReader(parts.pop(0))
+        marked = [i for i in range(universe) if bm.field(1)]
+        bm.finish()
+        assert len(marked) == count
+        return marked
+    rem, quo = BitReader(parts.pop(0)), BitReader(parts.pop(0))
+    out, last = [], -1
+    for _ in range(count):
+        last += 1 + ((quo.unary() << r) | rem.field(r))
+        out.append(last)
+    rem.finish()
+    quo.finish()
+    assert last < universe
     return out
 
 
 def apply_sparse_v2(old: bytes, payload: bytes) -> bytes:
     magic, version, width, reserved, flags, n, seg, nseg = struct.unpack_from("<4sBBBBQII", payload, 0)
-    assert (magic, version, reserved, flags) == (b"WSS2", 1, 0, 0) and width in V2_LE
+    assert (magic, version, reserved, flags) == (b"WSS2", 2, 0, 0) and width in V2_LE
     assert n * width == len(old) and 1 << 12 <= seg <= 1 << 20 and nseg == -(-n // seg)
     nkeys = 256 if width > 1 else 128
     bits = 8 * width
-    out = np.frombuffer(old, V2_LE[width]).astype(np.uint64)
+    out = [int(x) for x in np.frombuffer(old, V2_LE[width])]
     pos = 24
     segments = []
     for s in range(nseg):
@@ -156,44 +265,68 @@ def apply_sparse_v2(old: bytes, payload: bytes) -> bytes:
         bounds = [0, *starts, nkeys]
         classes = []
         for c in range(nclasses):
-            members, k, mode, planes = struct.unpack_from("<IIBB2x", payload, pos)
-            pos += 12
-            nframes = 0 if k == 0 else (1 if mode == 8 else mode) + 1 + planes
-            sizes = struct.unpack_from(f"<{nframes}I", payload, pos)
-            pos += 4 * nframes
-            classes.append((bounds[c], bounds[c + 1], members, k, mode, planes, sizes))
+            members, k, nbig, mode, rg, flag_mode, rf, a, shift = struct.unpack_from(V2_CLASS, payload, pos)
+            pos += struct.calcsize(V2_CLASS)
+            ndeclared = (mode == 1) + (flag_mode == 1) + 2 * (nbig > 0)
+            declared = list(struct.unpack_from(f"<{ndeclared}I", payload, pos))
+            pos += 4 * ndeclared
+            classes.append((bounds[c], bounds[c + 1], members, k, nbig, mode, rg, flag_mode, rf, a, shift, declared))
         segments.append(classes)
     for s, classes in enumerate(segments):
-        a, b = s * seg, min(n, (s + 1) * seg)
-        keys = _v2_keys(out[a:b], width)  # all classes from the old bytes, before any write
+        a0, b0 = s * seg, min(n, (s + 1) * seg)
+        keys = [v2_key(x, width) for x in out[a0:b0]]  # all classes from the old bytes, before any write
         updates = []
-        for lo, hi, members_declared, k, mode, planes, sizes in classes:
-            frames = []
-            for size in sizes:
-                frames.append(_frame_content(payload[pos : pos + size]))
-                pos += size
-            members = np.flatnonzero((keys >= lo) & (keys < hi))
-            assert members.size == members_declared
+        for lo, hi, members_declared, k, nbig, mode, rg, flag_mode, rf, va, vs, declared in classes:
+            members = [i for i, key in enumerate(keys) if lo <= key < hi]
+            assert len(members) == members_declared
             if k == 0:
                 continue
-            if mode == 8:
-                q = np.flatnonzero(np.unpackbits(np.frombuffer(frames[0], np.uint8), count=members.size, bitorder="little"))
-                rest = frames[1:]
+            sizes = iter(declared)
+            parts = []
+
+            def take(size: int) -> None:
+                nonlocal pos
+                parts.append(payload[pos : pos + size])
+                pos += size
+
+            if mode == 2:
+                take(-(-members_declared // 8))
             else:
-                gaps = sum(np.frombuffer(frames[j], np.uint8).astype(np.int64) << (8 * j) for j in range(mode))
-                q = np.cumsum(gaps + 1) - 1
-                rest = frames[mode:]
-            assert q.size == k and int(q[-1]) < members.size
-            negative = np.unpackbits(np.frombuffer(rest[0], np.uint8), count=k, bitorder="little")
-            mags = sum((np.frombuffer(rest[1 + j], np.uint8).astype(np.uint64) << np.uint64(8 * j) for j in range(planes)),
-                       np.zeros(k, np.uint64))
-            for i, neg, m in zip(members[q], negative, mags):
-                step = (1 << bits) - (int(m) + 1) if neg else int(m) + 1
-                updates.append((a + int(i), (int(out[a + i]) + step) % (1 << bits)))
+                take(-(-k * rg // 8))
+                take(next(sizes))
+            take(-(-k // 8))
+            if nbig:
+                if flag_mode == 2:
+                    take(-(-k // 8))
+                else:
+                    take(-(-nbig * rf // 8))
+                    take(next(sizes))
+                take(next(sizes))
+                take(next(sizes))
+            local = _read_indices(mode, rg, parts, k, members_declared)
+            sign_bits = BitReader(parts.pop(0))
+            negative = [sign_bits.field(1) for _ in range(k)]
+            sign_bits.finish()
+            mags = [1] * k
+            if nbig:
+                big = _read_indices(flag_mode, rf, parts, nbig, k)
+                fields, lengths = BitReader(parts.pop(0)), BitReader(parts.pop(0))
+                for j in big:
+                    r = v2_value_order(keys[members[local[j]]], va, vs, width)
+                    length = lengths.unary()
+                    w = fields.field(length + r) | (1 << (length + r))
+                    mags[j] = w - (1 << r) + 2
+                    assert mags[j] <= 1 << (bits - 1)
+                fields.finish()
+                lengths.finish()
+            for j, q in enumerate(local):
+                i = a0 + members[q]
+                step = (1 << bits) - mags[j] if negative[j] else mags[j]
+                updates.append((i, v2_unorder((v2_order(out[i], width) + step) % (1 << bits), width)))
         for i, value in updates:
             out[i] = value
     assert pos == len(payload), "trailing bytes after the sparse-v2 streams"
-    return out.astype(V2_LE[width]).tobytes()
+    return np.array(out, dtype=np.uint64).astype(V2_LE[width]).tobytes()
 
 
 def apply_payload(encoding: str, old: bytes, payload: bytes) -> bytes:
