@@ -281,15 +281,25 @@ def expgolomb_bits(x: np.ndarray, orders: np.ndarray) -> int:
 
 def best_value_orders(x: np.ndarray, keys: np.ndarray, max_order: int) -> tuple[int, int]:
     """(a, shift) of ``value_orders`` with the fewest bits: a constant order, or one that
-    follows the key (one exponent per key for bf16/fp32, eight keys per exponent for fp16)."""
-    log_size = np.log2(x.astype(np.float64) + 1)
+    follows the key (one exponent per key for bf16/fp32, eight keys per exponent for fp16).
+    Candidates are costed from a (key, bit length) histogram, not value by value."""
+    lengths = bit_lengths(x.astype(np.uint64, copy=False))
+    pairs, counts = np.unique(keys.astype(np.int64) * 128 + lengths, return_counts=True)
+    key_of, bits_of = pairs >> 7, pairs & 127
+    log_size = np.repeat(bits_of, counts)
     candidates = []
     for shift in (0, 3):
-        centre = int(round(float(np.median((keys.astype(np.int64) >> shift) + log_size)))) - 1
-        candidates += [(a, shift) for a in range(max(0, centre - 1), min(255, centre + 2) + 1)]
-    centre = int(round(float(np.median(log_size)))) - 1
-    candidates += [(a, VALUE_ORDER_CONSTANT) for a in range(max(0, centre - 1), min(max_order, centre + 2) + 1)]
-    return min(candidates, key=lambda c: expgolomb_bits(x, value_orders(keys, c[0], c[1], max_order)))
+        centre = int(np.median(np.repeat(key_of >> shift, counts) + log_size)) - 1
+        candidates += [(a, shift) for a in range(max(0, centre - 2), min(255, centre + 2) + 1)]
+    centre = int(np.median(log_size)) - 1
+    candidates += [(a, VALUE_ORDER_CONSTANT) for a in range(max(0, centre - 2), min(max_order, centre + 2) + 1)]
+
+    def cost(c: tuple[int, int]) -> int:
+        # x + 2^r has max(bits(x), r + 1) bits, or one more: an estimate, ties do not matter
+        r = value_orders(key_of, c[0], c[1], max_order)
+        return int((counts * (2 * np.maximum(bits_of - r, 0) + 1 + r)).sum())
+
+    return min(candidates, key=cost)
 
 
 def expgolomb_encode(x: np.ndarray, orders: np.ndarray) -> tuple[bytes, bytes]:
