@@ -35,6 +35,8 @@ import numpy as np
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from .live_stage import Placement
+
 log = logging.getLogger(__name__)
 
 aten = torch.ops.aten
@@ -46,23 +48,6 @@ TORCH_DTYPE_OF = {
 # numpy cannot hold bf16: such tensors are read as same-width integers and reinterpreted.
 _NUMPY_CARRIER = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 _INT_OF_WIDTH = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-
-
-class Placement(NamedTuple):
-    """One recorded copy: a box of checkpoint tensor ``tensor`` -> the same box of ``param``.
-
-    Element ``i`` (a multi-index over ``sizes``) of the box is checkpoint element
-    ``src_offset + i . src_strides`` and parameter element ``dst_offset + i . dst_strides``
-    (flat, row-major, of the contiguous parameter).
-    """
-
-    tensor: str
-    param: str
-    sizes: tuple[int, ...]
-    src_offset: int
-    src_strides: tuple[int, ...]
-    dst_offset: int
-    dst_strides: tuple[int, ...]
 
 
 class TensorSpec(NamedTuple):

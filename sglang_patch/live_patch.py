@@ -1,46 +1,50 @@
-"""Stage a live update while serving, scatter it during the pause, undo it exactly on failure.
+"""Finish a live update's staging while serving, scatter it during the pause, undo it exactly.
 
-Stage (``stage_update``, in the pull thread, after the core verified the local checkpoint):
-the changed element positions of each checkpoint tensor (decoded from the delta payloads by
-``weightsync.positions``, never by diffing tensors) go through the proven coordinate map to
-this rank's parameter positions; the new values are read at those positions from the verified
-local checkpoint and cast to the parameter's dtype (what the loader's ``copy_`` does), in host
-memory, pinned when the parameters live on a CUDA device.
+Staging has two halves. The heavy one (``live_stage``: positions, mapping, new values read from
+the verified local checkpoint) runs in the rank's pull helper process. This module does the
+engine-side half, in the scheduler process but still while serving (``finish_staging``): cast
+the new values to each parameter's dtype (what the loader's ``copy_`` does), and read the
+*old* values at the same positions from the live parameters, which is the undo log. Both are
+a few large torch calls per parameter. Everything sits in host memory, pinned when the
+parameters live on a CUDA device.
 
-Memory bound: per rank, ``(8 + itemsize)`` bytes per changed element of this rank's shard for the
-staged update, plus 8 bytes per changed element of the one checkpoint tensor being mapped;
-during the pause the undo log adds ``itemsize`` bytes per staged element. Staging stops (and
-the call reloads) once the changed elements pass ``max_elements``.
+Memory bound, per rank: ``8 + 2 x itemsize`` bytes per changed element of this rank's shard
+(the index, the new values, the old values), plus the checkpoint-dtype values while the cast
+runs; staging is refused (the call reloads) once the changed elements pass ``max_elements``.
 
-Scatter (``scatter_with_undo``): ``index_copy_`` into each parameter's own storage (pointers
-unchanged, so captured CUDA graphs stay valid); before each write the old values at the same
-positions go to the undo log, and ``UndoLog.restore`` puts them back in reverse order.
+The pause (``scatter_with_undo``) is then only the writes: ``index_copy_`` into each parameter's
+own storage (pointers unchanged, so captured CUDA graphs stay valid), one intra-op thread on
+the CPU (a multi-threaded ``index_copy_`` of bf16 over scattered positions is many times
+slower here, and the TP ranks already run side by side). On any failure every patch is written
+back from the undo log, in reverse order, so the rank is exactly at the previous version. The
+undo log is valid because the live weights cannot change between staging and the pause
+without voiding the staging (the weights' generation, checked when the ranks vote).
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Mapping, NamedTuple, Optional
+from typing import Callable, Iterable, Iterator, Mapping, NamedTuple, Optional
 
 import numpy as np
 import torch
 
-from .coordinate_map import CheckpointReader, CoordinateMap, Placement
+from .coordinate_map import TORCH_DTYPE_OF, CheckpointReader, CoordinateMap
+from .live_stage import Patch, StagingRefused, positions_through, stage_changes
 
+__all__ = ["ParamPatch", "StagedUpdate", "StagingRefused", "UndoLog", "finish_staging", "positions_through",
+           "scatter_with_undo", "stage_update"]
 
-class StagingRefused(Exception):
-    """This update cannot be patched live; ``reason`` says why (the call reloads instead)."""
-
-    def __init__(self, reason: str) -> None:
-        super().__init__(reason)
-        self.reason = reason
+_INT_OF_WIDTH = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 class ParamPatch(NamedTuple):
     param: str
     index: torch.Tensor  # int64 flat positions in the contiguous parameter
     values: torch.Tensor  # the new values, the parameter's dtype, host memory
+    old: torch.Tensor  # the live values there when staged (the undo log)
 
 
 @dataclass
@@ -55,32 +59,49 @@ class StagedUpdate:
     patches: list[ParamPatch] = field(default_factory=list)
     elements: int = 0
     tensors: int = 0
-    stage_s: float = 0.0
+    stage_s: float = 0.0  # both halves
+    helper_s: float = 0.0  # the helper's half (0 when it ran in this process)
+    keepalive: object = None  # what the patches' memory belongs to (the helper's shared file)
 
     @property
     def nbytes(self) -> int:
-        return sum(p.index.nbytes + p.values.nbytes for p in self.patches)
+        return sum(p.index.nbytes + p.values.nbytes + p.old.nbytes for p in self.patches)
 
 
-def positions_through(p: Placement, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """``(checkpoint positions, parameter positions)`` of the sorted ``positions`` inside ``p``'s box."""
-    lo = p.src_offset
-    hi = lo + sum((n - 1) * s for n, s in zip(p.sizes, p.src_strides))
-    a, b = np.searchsorted(positions, [lo, hi + 1])
-    if a == b:
-        empty = np.empty(0, dtype=np.int64)
-        return empty, empty
-    chosen = positions[a:b]
-    rest = chosen - lo
-    ok = np.ones(rest.size, dtype=bool)
-    dst = np.full(rest.size, p.dst_offset, dtype=np.int64)
-    for d in sorted(range(len(p.sizes)), key=lambda d: -p.src_strides[d]):
-        i = rest // p.src_strides[d]
-        ok &= i < p.sizes[d]
-        rest = rest - i * p.src_strides[d]
-        dst += i * p.dst_strides[d]
-    ok &= rest == 0
-    return chosen[ok], dst[ok]
+def _as_torch(values: np.ndarray, dtype: str) -> torch.Tensor:
+    """The checkpoint values (integer carrier) as a tensor of the checkpoint's dtype, zero-copy."""
+    torch_dtype = TORCH_DTYPE_OF[dtype]
+    width = values.dtype.itemsize
+    carrier = torch.from_numpy(values.view({1: np.uint8, 2: np.int16, 4: np.int32, 8: np.int64}[width]))
+    return carrier.view(torch_dtype) if torch_dtype != _INT_OF_WIDTH[width] else carrier
+
+
+def finish_staging(patches: Iterable[Patch], params: Mapping[str, torch.Tensor], staged: StagedUpdate) -> StagedUpdate:
+    """Cast each patch's values to its parameter's dtype and save the live values it overwrites."""
+    start = time.perf_counter()
+    pin = any(p.device.type == "cuda" for p in params.values())
+    with _quiet_readonly():
+        for patch in patches:
+            param = params[patch.param]
+            flat = param.data.view(-1)
+            index = torch.from_numpy(patch.index)
+            values = _as_torch(patch.values, patch.dtype).to(param.dtype)
+            old = flat.index_select(0, index.to(flat.device)).cpu()
+            if pin:
+                index, values, old = index.pin_memory(), values.pin_memory(), old.pin_memory()
+            staged.patches.append(ParamPatch(patch.param, index, values, old))
+    staged.stage_s += time.perf_counter() - start
+    return staged
+
+
+@contextlib.contextmanager
+def _quiet_readonly() -> Iterator[None]:
+    # The shared file is mapped read-only and nothing writes through these views.
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        yield
 
 
 def stage_update(
@@ -92,70 +113,82 @@ def stage_update(
     max_elements: int,
     staged: StagedUpdate,
 ) -> StagedUpdate:
-    """Fill ``staged`` with this rank's patches for ``changes`` (``(tensor, entry, positions)``).
+    """Both halves of staging in this process, for ``changes`` (``(tensor, entry, positions)``).
+
+    What the helper process does with ``live_stage.stage_job``, here from given positions and a
+    reader of torch tensors (tests, the in-process MoE map check).
 
     Raises:
         StagingRefused: a changed tensor is reload-only, or the changed elements pass
             ``max_elements``.
     """
     start = time.perf_counter()
-    index_parts: dict[str, list[torch.Tensor]] = {}
-    value_parts: dict[str, list[torch.Tensor]] = {}
-    pin = any(p.device.type == "cuda" for p in params.values())
-    for name, _entry, positions in changes:
-        if name in cmap.unused_tensors:
-            continue  # the loader ignores it on this rank, so a reload would too
-        why = cmap.why_reload_only(name)
-        if why is not None:
-            raise StagingRefused(why)
-        placements = cmap.placements.get(name)
-        if not placements:
-            raise StagingRefused(f"checkpoint tensor {name} changed but the map has no placement for it")
-        staged.tensors += 1
-        source = None
-        for p in placements:
-            hf_pos, dst_pos = positions_through(p, positions)
-            if not hf_pos.size:
-                continue
-            staged.elements += int(hf_pos.size)
-            if staged.elements > max_elements:
-                raise StagingRefused(
-                    f"more than {max_elements} changed elements on this rank (the live-apply threshold); "
-                    "a reload is as cheap"
-                )
-            if source is None:
-                source = new_checkpoint.tensor(name).reshape(-1)
-            dtype = params[p.param].dtype
-            values = source[torch.from_numpy(hf_pos)].to(dtype)
-            index_parts.setdefault(p.param, []).append(torch.from_numpy(dst_pos))
-            value_parts.setdefault(p.param, []).append(values)
-    for param, parts in index_parts.items():
-        index = torch.cat(parts) if len(parts) > 1 else parts[0]
-        values = torch.cat(value_parts[param]) if len(parts) > 1 else value_parts[param][0]
-        if pin:
-            index, values = index.pin_memory(), values.pin_memory()
-        staged.patches.append(ParamPatch(param, index, values))
+    carriers: dict[str, np.ndarray] = {}
+    dtypes: dict[str, str] = {}
+
+    def values_at(name: str, positions: np.ndarray) -> np.ndarray:
+        if name not in carriers:
+            t = new_checkpoint.tensor(name).reshape(-1)
+            carriers[name] = t.view(_INT_OF_WIDTH[t.element_size()]).numpy()
+        return carriers[name][positions]
+
+    def with_dtype() -> Iterator[tuple[str, str, np.ndarray]]:
+        for name, _entry, positions in changes:
+            if name not in dtypes:
+                dtypes[name] = _dtype_name(new_checkpoint.tensor(name).dtype)
+            yield name, dtypes[name], positions
+
+    patches, staged.elements, staged.tensors = stage_changes(
+        cmap.placements, cmap.unused_tensors, reload_only_reasons(cmap), with_dtype(), values_at,
+        max_elements=max_elements,
+    )
+    finish_staging(patches, params, staged)
     staged.stage_s = time.perf_counter() - start
     return staged
 
 
+def reload_only_reasons(cmap: CoordinateMap) -> dict[str, str]:
+    """Checkpoint tensor -> why a change to it cannot be patched live (every mapped tensor)."""
+    out = {}
+    for name in set(cmap.placements) | set(cmap.reload_only_tensors):
+        why = cmap.why_reload_only(name)
+        if why is not None:
+            out[name] = why
+    return out
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return next(k for k, v in TORCH_DTYPE_OF.items() if v == dtype)
+
+
 class UndoLog:
-    """The old values at every position a scatter wrote, to put back on failure."""
+    """The old values at every position a scatter may have written, to put back on failure."""
 
-    def __init__(self) -> None:
-        self._entries: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
-
-    def record(self, flat: torch.Tensor, index: torch.Tensor) -> None:
-        self._entries.append((flat, index, flat.index_select(0, index)))
+    def __init__(self, flats: list[torch.Tensor], patches: list[ParamPatch]) -> None:
+        self._entries = list(zip(flats, patches))
 
     def restore(self) -> None:
-        for flat, index, old in reversed(self._entries):
-            flat.index_copy_(0, index, old)
+        for flat, patch in reversed(self._entries):
+            flat.index_copy_(0, patch.index.to(flat.device, non_blocking=True), patch.old.to(flat.device, non_blocking=True))
+        if any(flat.device.type == "cuda" for flat, _ in self._entries):
+            torch.cuda.synchronize()
         self._entries.clear()
 
     @property
     def nbytes(self) -> int:
-        return sum(old.nbytes for _, _, old in self._entries)
+        return sum(patch.old.nbytes for _, patch in self._entries)
+
+
+@contextlib.contextmanager
+def _one_intra_op_thread() -> Iterator[None]:
+    before = torch.get_num_threads()
+    if before != 1:
+        torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        if before != 1:
+            torch.set_num_threads(before)
 
 
 def scatter_with_undo(
@@ -166,23 +199,20 @@ def scatter_with_undo(
 ) -> tuple[UndoLog, int]:
     """Write every patch in place; returns the undo log and the elements written.
 
-    On an exception the positions written so far are restored before it propagates, so this
-    rank is exactly at the previous version; a caller that learns another rank failed calls
-    ``undo.restore()`` itself.
+    On an exception every patch is restored before it propagates, so this rank is exactly at
+    the previous version; a caller that learns another rank failed calls ``undo.restore()``.
     """
-    undo = UndoLog()
+    flats = [params[p.param].data.view(-1) for p in staged.patches]
+    undo = UndoLog(flats, staged.patches)
     written = 0
     try:
-        for k, patch in enumerate(staged.patches):
-            flat = params[patch.param].data.view(-1)
-            index = patch.index.to(flat.device, non_blocking=True)
-            values = patch.values.to(flat.device, non_blocking=True)
-            undo.record(flat, index)
-            if before_write is not None:
-                before_write(k, patch.param)
-            flat.index_copy_(0, index, values)
-            written += int(index.numel())
-        if any(p.device.type == "cuda" for p in params.values()):
+        with _one_intra_op_thread():
+            for k, (flat, patch) in enumerate(zip(flats, staged.patches)):
+                if before_write is not None:
+                    before_write(k, patch.param)
+                flat.index_copy_(0, patch.index.to(flat.device, non_blocking=True), patch.values.to(flat.device, non_blocking=True))
+                written += int(patch.index.numel())
+        if any(f.device.type == "cuda" for f in flats):
             torch.cuda.synchronize()
     except BaseException:
         undo.restore()

@@ -25,20 +25,23 @@ parameter by one ulp (a stand-in for AMX packing or an MoE shuffle; see ``plugin
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
+import sys
 import threading
 import time
-from typing import Any, NamedTuple, Optional
+from typing import Any, Callable, Iterator, NamedTuple, Optional
 
 import weightsync.positions as positions
-from weightsync.errors import InvalidRequestError, PathNotAllowedError, PositionsUnavailableError
+from weightsync.errors import InvalidRequestError, PathNotAllowedError
 
 from . import compat
 from . import live_results as lr
 from .coordinate_map import CheckpointReader, CoordinateMap, build_coordinate_map, prove_map
-from .live_patch import StagedUpdate, StagingRefused, scatter_with_undo, stage_update
+from .live_patch import StagedUpdate, StagingRefused, finish_staging, reload_only_reasons, scatter_with_undo
+from .live_stage import Patch, StageJob, StageReply
 from .paths import ALLOWED_ROOTS_FLAG
 
 log = logging.getLogger(__name__)
@@ -203,18 +206,16 @@ class LiveApplyState:
 
     # --- staging (pull thread) ---------------------------------------------------------------
 
-    def stage_after_pull(self, local_dir: str, source_dir: str, target_version: int) -> None:
+    def stage_after_pull(self, local_dir: str, source_dir: str, target_version: int, stager: "Stager") -> None:
         """Stage ``live -> target`` from the verified local dir; never raises (the pull succeeded)."""
         with self._lock:
             generation, live = self.generation, self.live
             self.staged = None
         try:
-            staged = self._stage(local_dir, source_dir, target_version, generation, live)
+            staged = self._stage(local_dir, source_dir, target_version, generation, live, stager)
             reason = None
         except StagingRefused as exc:
             staged, reason = None, exc.reason
-        except PositionsUnavailableError as exc:  # e.g. sparse-v2 with several magnitude classes
-            staged, reason = None, str(exc)
         except Exception as exc:
             log.exception("live apply %s: staging v%d failed", self.rank, target_version)
             staged, reason = None, f"staging failed: {type(exc).__name__}: {exc}"
@@ -224,13 +225,16 @@ class LiveApplyState:
             self.staged, self.stage_reason = staged, reason
         if staged is not None:
             log.info(
-                "live apply %s: staged v%d -> v%d: %d elements of %d tensors (%d B host memory) in %.3fs",
-                self.rank, staged.from_version, staged.to_version, staged.elements, staged.tensors, staged.nbytes, staged.stage_s,
+                "live apply %s: staged v%d -> v%d: %d elements of %d tensors (%d B host memory) in %.3fs (helper %.3fs)",
+                self.rank, staged.from_version, staged.to_version, staged.elements, staged.tensors, staged.nbytes,
+                staged.stage_s, staged.helper_s,
             )
         else:
             log.info("live apply %s: v%d not staged: %s", self.rank, target_version, reason)
 
-    def _stage(self, local_dir: str, source_dir: str, target: int, generation: int, live: Optional[LiveVersion]) -> StagedUpdate:
+    def _stage(self, local_dir: str, source_dir: str, target: int, generation: int, live: Optional[LiveVersion],
+               stager: "Stager") -> StagedUpdate:
+        start = time.perf_counter()
         if live is None:
             raise StagingRefused(f"the live version is unknown: {self.live_reason}")
         status = self.map_status()
@@ -241,16 +245,24 @@ class LiveApplyState:
             raise StagingRefused(f"the live version v{live.version} came from another source dir ({live.source_dir})")
         if target <= live.version:
             raise StagingRefused(f"the live version v{live.version} is not below the target v{target}")
-        chain, indexes = positions.plan_change_chain(source_dir, live.version, target)
-        if not chain.is_deltas_only:
-            raise StagingRefused(f"v{chain.full_version} in the chain v{live.version} -> v{target} is a full version")
         assert self.cmap is not None
-        max_elements = int(self.max_changed_fraction * self.cmap.mapped_elements)
-        staged = StagedUpdate(live.version, target, source_real, os.path.realpath(local_dir), generation)
-        return stage_update(
-            self.cmap, self.params(), positions.iter_changed_elements(local_dir, source_dir, chain, indexes),
-            CheckpointReader(local_dir), max_elements=max_elements, staged=staged,
+        job = StageJob(
+            local_checkpoint_dir=local_dir, source_dir=source_dir, from_version=live.version, to_version=target,
+            max_elements=int(self.max_changed_fraction * self.cmap.mapped_elements),
+            placements=self.cmap.placements, unused=sorted(self.cmap.unused_tensors),
+            reload_only=reload_only_reasons(self.cmap),
         )
+        reply, patches = stager(job)
+        if reply.error is not None:
+            raise StagingRefused(f"staging failed: {reply.error}")
+        if reply.refused is not None:
+            raise StagingRefused(reply.refused)
+        staged = StagedUpdate(live.version, target, source_real, os.path.realpath(local_dir), generation,
+                              elements=reply.elements, tensors=reply.tensors, helper_s=reply.stage_s)
+        with _short_gil_switches():
+            finish_staging(patches, self.params(), staged)
+        staged.stage_s = time.perf_counter() - start
+        return staged
 
     # --- the pause (scheduler thread, every TP rank) -------------------------------------------
 
@@ -310,7 +322,10 @@ class LiveApplyState:
         start = time.perf_counter()
         target = getattr(request, "target_version", -1)
         try:
-            votes = self._all_gather(self._vote(request))
+            vote = self._vote(request)
+            t_vote = time.perf_counter()
+            votes = self._all_gather(vote)
+            log.info("live apply %s: PHASE vote %.4f gather %.4f", self.rank, t_vote - start, time.perf_counter() - t_vote)
             refusal = lr.first_refusal(votes)
             if refusal is not None:
                 fields = lr.summarize(target, [], error_type=refusal.error_type, http_status=refusal.http_status,
@@ -341,12 +356,16 @@ class LiveApplyState:
                 raise InjectedFault(f"injected fault on {self.rank} while writing {param} (patch {k} of {len(staged.patches)})")
 
         undo, error, written = None, None, 0
+        t0 = time.perf_counter()
         try:
             undo, written = scatter_with_undo(staged, params, before_write=before_write)
         except Exception as exc:
             log.warning("live apply %s: scatter failed, this rank restored: %s", self.rank, exc)
             error = f"{type(exc).__name__}: {exc}"
+        t1 = time.perf_counter()
         outcomes = self._all_gather(error)
+        t2 = time.perf_counter()
+        log.info("live apply %s: PHASE params+setup %.4f scatter %.4f (%d patches) outcome-gather %.4f", self.rank, t0 - start, t1 - t0, len(staged.patches), t2 - t1)
         failed = [(i, e) for i, e in enumerate(outcomes) if e is not None]
         if failed:
             if undo is not None:
@@ -361,6 +380,7 @@ class LiveApplyState:
         manager = self.scheduler.weight_updater
         ok, message = manager.flush_cache_after_weight_update(request, True, f"patched {written} elements live")
         manager.record_weight_version_after_update(str(staged.to_version))
+        log.info("live apply %s: PHASE flush+version %.4f", self.rank, time.perf_counter() - t2)
         with self._lock:
             self.generation += 1
             self.live = LiveVersion(staged.to_version, staged.source_dir, f"live apply from {staged.local_checkpoint_dir}")
@@ -426,11 +446,30 @@ def state_of(scheduler: Any) -> Optional[LiveApplyState]:
     return getattr(scheduler, LIVE_STATE_ATTR, None) if scheduler is not None else None
 
 
-def stage_for(scheduler: Any, local_dir: str, source_dir: str, target_version: int) -> None:
-    """Called by the pull thread once the local checkpoint holds ``target_version`` verified."""
+Stager = Callable[[StageJob], "tuple[StageReply, list[Patch]]"]
+
+
+def stage_for(scheduler: Any, local_dir: str, source_dir: str, target_version: int, stager: Stager) -> None:
+    """Called by the pull thread once the local checkpoint holds ``target_version`` verified;
+    ``stager`` runs the heavy half of staging (in the rank's pull helper process)."""
     state = state_of(scheduler)
     if state is not None:
-        state.stage_after_pull(local_dir, source_dir, target_version)
+        state.stage_after_pull(local_dir, source_dir, target_version, stager)
+
+
+@contextlib.contextmanager
+def _short_gil_switches(interval_s: float = 1e-4) -> Iterator[None]:
+    """While this thread runs many short torch calls beside sglang's busy-polling loop.
+
+    Each call gives the GIL up and must win it back from a thread that never blocks; at the
+    default 5 ms switch interval that wait, not the work, is the cost (hundreds of calls).
+    """
+    before = sys.getswitchinterval()
+    sys.setswitchinterval(min(before, interval_s))
+    try:
+        yield
+    finally:
+        sys.setswitchinterval(before)
 
 
 def make_state(scheduler: Any) -> LiveApplyState:

@@ -15,7 +15,9 @@ The helper (one per scheduler rank, long-lived, serves one pull at a time):
 - binds itself to the CPUs the engine process was started with (captured when this module is
   first imported in the scheduler process, before sglang binds the scheduler to its cores);
 - speaks length-prefixed msgpack frames over a socketpair: ``HelperConfig`` -> ``HelperReady``,
-  then per pull ``PullJob`` -> ``RankPullReport`` (the same ``RankPuller`` runs inside);
+  then per pull ``PullJob`` -> ``RankPullReport`` (the same ``RankPuller`` runs inside), and,
+  after a pull, live apply's ``StageJob`` -> ``StageReply`` plus the staged arrays as a memfd
+  passed with ``SCM_RIGHTS`` (``live_stage``: the heavy half of staging, off the scheduler's GIL);
 - keeps running after it replies, so the core's deferred flush (fsync, marker, lock release)
   finishes in it, and exits when its scheduler goes away (EOF on the socket, or a new parent pid).
 
@@ -40,13 +42,14 @@ import subprocess
 import sys
 import threading
 import time
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Union
 
 import msgspec
 
 from weightsync.errors import PullWorkerDiedError
 
 from . import results
+from .live_stage import Patch, StageJob, StageReply, read_shared, stage_job, write_shared
 from .rank_pull import RankPuller
 from .server_flags import PullWeightsOptions
 
@@ -91,7 +94,7 @@ class HelperReady(msgspec.Struct, frozen=True):
     cpus: list[int]
 
 
-class PullJob(msgspec.Struct, frozen=True):
+class PullJob(msgspec.Struct, frozen=True, tag="pull"):
     """One pull request's fields, unvalidated (the helper's RankPuller checks them)."""
 
     local_checkpoint_dir: Any
@@ -223,16 +226,18 @@ def _helper_env() -> dict[str, str]:
     return env
 
 
-OnVerified = Callable[[str, str, int], None]
+Stager = Callable[[StageJob], "tuple[StageReply, list[Patch]]"]
+OnVerified = Callable[[str, str, int, Stager], None]
 
 
 class HelperRankPuller:
     """``puller(request) -> RankPullReport`` that runs the rank's pull in its helper process.
 
     Called from the coordinator's pull thread, one pull at a time; ``cancel`` may be called from
-    any thread (the scheduler's, on a deadline). ``on_verified(local_dir, source_dir, version)``
-    runs here, in the scheduler process, after every successful pull (wherever the pull ran),
-    with the resolved dirs: work that needs the engine's own state (live apply's staging). It
+    any thread (the scheduler's, on a deadline). ``on_verified(local_dir, source_dir, version,
+    stager)`` runs here, in the scheduler process, after every successful pull (wherever the pull
+    ran), with the resolved dirs: work that needs the engine's own state (live apply's staging),
+    which may hand its engine-free part to the helper through ``stager`` (``self.stage``). It
     cannot fail the pull; its exceptions are logged. ``in_process=True`` never starts a helper.
     """
 
@@ -289,9 +294,37 @@ class HelperRankPuller:
     def _run_on_verified(self, request: Any, report: results.RankPullReport) -> None:
         try:
             checked = self.puller.check_paths(request)
-            self.on_verified(checked.local_checkpoint_dir, checked.source_dir, int(report.applied_version))
+            self.on_verified(checked.local_checkpoint_dir, checked.source_dir, int(report.applied_version), self.stage)
         except Exception:
             log.exception("pull_weights %s: the after-pull hook failed (the pull itself succeeded)", self.puller.rank)
+
+    def stage(self, job: StageJob) -> tuple[StageReply, list[Patch]]:
+        """Run live apply's staging ``job`` in the helper (in this process without one).
+
+        Only from ``on_verified``, i.e. inside a pull call, so the helper is idle and ours.
+        A helper that dies here is discarded (the next pull starts another) and the reply
+        refuses, so the update reloads instead of patching live.
+        """
+        helper = self._helper
+        if self.in_process or helper is None or helper.ready is None or not helper.is_alive():
+            return stage_job(job)
+        try:
+            send_frame(helper.sock, job)
+            reply = helper.wait_frame(StageReply, None, stop=self._is_cancelled)
+            if not reply.patches:
+                return reply, []
+            _, fds, _, _ = socket.recv_fds(helper.sock, 1, 1)
+            if not fds:
+                raise _HelperGone(helper.proc.pid, helper.proc.poll())
+            try:
+                return reply, read_shared(fds[0], reply.patches, reply.shared_nbytes)
+            finally:
+                for fd in fds:
+                    os.close(fd)
+        except (_HelperGone, OSError) as gone:
+            self._discard(helper)
+            log.error("pull_weights %s: the pull helper failed while staging: %s", self.puller.rank, gone)
+            return StageReply(refused=f"the pull helper (pid {helper.proc.pid}) failed while staging the live update"), []
 
     def _pull_in_helper(self, request: Any) -> results.RankPullReport:
         start = time.monotonic()
@@ -419,9 +452,12 @@ def helper_main(fd: int) -> int:
     send_frame(sock, HelperReady(pid=os.getpid(), cpus=cpus))
     pulled: set[str] = set()
     while True:
-        job = recv_frame(sock, PullJob)
+        job = recv_frame(sock, Union[PullJob, StageJob])
         if job is None:
             break
+        if isinstance(job, StageJob):
+            _serve_stage_job(sock, job)
+            continue
         report = puller(job)
         if isinstance(job.local_checkpoint_dir, str):
             pulled.add(job.local_checkpoint_dir)
@@ -431,6 +467,25 @@ def helper_main(fd: int) -> int:
     for local in pulled:  # let a deferred flush write its marker before we go
         wait_until_durable(local)
     return 0
+
+
+def _serve_stage_job(sock: socket.socket, job: StageJob) -> None:
+    try:
+        reply, patches = stage_job(job)
+    except Exception as exc:  # a bug or a malformed payload: the update reloads, the helper lives on
+        log.exception("live apply staging of v%d failed", job.to_version)
+        reply, patches = StageReply(error=f"{type(exc).__name__}: {exc}"), []
+    if not patches:
+        send_frame(sock, msgspec.structs.replace(reply, patches=[]))
+        return
+    fd, refs, size = write_shared(patches)
+    try:
+        send_frame(sock, msgspec.structs.replace(reply, patches=refs, shared_nbytes=size))
+        socket.send_fds(sock, [b"F"], [fd])
+    finally:
+        os.close(fd)
+    log.info("live apply: staged v%d -> v%d: %d elements in %.3fs (%d B shared)", job.from_version, job.to_version,
+             reply.elements, reply.stage_s, size)
 
 
 def _bind_cpus(cpus: list[int]) -> list[int]:

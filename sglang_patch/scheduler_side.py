@@ -126,7 +126,7 @@ def make_coordinator(scheduler: Any) -> PullCoordinator:
     puller = make_rank_puller(
         RankPuller(options=options, seed_dir=seed_dir, host=host, rank=rank),
         # live apply stages its update once the local checkpoint holds the target, verified
-        on_verified=lambda local, source, version: live_side.stage_for(scheduler, local, source, version),
+        on_verified=lambda local, source, version, stager: live_side.stage_for(scheduler, local, source, version, stager),
     )
     return PullCoordinator(
         group=group,

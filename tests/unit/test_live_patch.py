@@ -66,7 +66,7 @@ def test_a_staged_scatter_equals_a_reload_and_keeps_the_storage():
     v1["b"][2, 1] += 1
     staged = stage_update(cmap, dict(model.named_parameters()), _changes(v0, v1), _Reader(v1), max_elements=100,
                           staged=StagedUpdate(0, 1, None, "/x", 0))
-    assert staged.elements == 2 and staged.nbytes == 2 * (8 + 4)
+    assert staged.elements == 2 and staged.nbytes == 2 * (8 + 4 + 4)  # index, new values, old values (undo)
     ptr = model.fused.data_ptr()
     _, written = scatter_with_undo(staged, dict(model.named_parameters()))
     assert written == 2 and model.fused.data_ptr() == ptr
@@ -90,8 +90,8 @@ def test_a_failure_mid_scatter_restores_every_written_position():
     # one parameter: make two patches by splitting it, so the fault lands after a write
     half = staged.patches[0].index.numel() // 2
     p = staged.patches[0]
-    staged.patches = [p._replace(index=p.index[:half], values=p.values[:half]),
-                      p._replace(index=p.index[half:], values=p.values[half:])]
+    staged.patches = [p._replace(index=p.index[:half], values=p.values[:half], old=p.old[:half]),
+                      p._replace(index=p.index[half:], values=p.values[half:], old=p.old[half:])]
     with pytest.raises(RuntimeError, match="boom"):
         scatter_with_undo(staged, dict(model.named_parameters()), before_write=fail_second)
     assert torch.equal(model.fused.detach(), before)

@@ -18,6 +18,7 @@ import pytest
 
 import weightsync
 from sglang_patch import pull_process
+from sglang_patch.live_stage import Placement, StageJob, stage_job
 from sglang_patch.pull_process import HelperRankPuller
 from sglang_patch.rank_pull import RankPuller
 from sglang_patch.server_flags import PullWeightsOptions
@@ -187,7 +188,7 @@ def test_the_in_process_switch_keeps_the_pull_in_the_scheduler_process(world, mo
 def test_the_after_pull_hook_runs_in_the_calling_process_after_each_success_only(world, in_process):
     calls: list = []
     puller = world.puller()
-    puller.on_verified = lambda local, source, version: calls.append((os.getpid(), local, source, version))
+    puller.on_verified = lambda local, source, version, stager: calls.append((os.getpid(), local, source, version))
     puller.in_process = in_process
     try:
         assert puller(world.request(1)).success
@@ -198,6 +199,64 @@ def test_the_after_pull_hook_runs_in_the_calling_process_after_each_success_only
         assert puller(world.request(2)).success
     finally:
         puller.close()
+
+
+def _identity_job(world, from_version: int, to_version: int, **kwargs) -> StageJob:
+    # each checkpoint tensor is one parameter of the same name, element for element; w3 is split
+    # in two boxes over two parameters, and w2 is ignored on this rank
+    n = 64 * 64
+    placements = {f"w{i}": [Placement(f"w{i}", f"p{i}", (n,), 0, (1,), 0, (1,))] for i in (0, 1)}
+    placements["w3"] = [Placement("w3", "p3a", (32, 64), 0, (64, 1), 0, (64, 1)),
+                        Placement("w3", "p3b", (64, 32), 32, (64, 1), 0, (32, 1))]
+    fields = dict(local_checkpoint_dir=world.local, source_dir=world.source, from_version=from_version,
+                  to_version=to_version, max_elements=10**6, placements=placements, unused=["w2"], reload_only={})
+    fields.update(kwargs)
+    return StageJob(**fields)
+
+
+@pytest.mark.parametrize("in_process", [False, True])
+def test_staging_in_the_helper_hands_back_exactly_what_staging_here_computes(world, in_process):
+    seen: list = []
+
+    def on_verified(local, source, version, stager):
+        job = _identity_job(world, version - 1, version)
+        reply, patches = stager(job)
+        here_reply, here = stage_job(job)
+        seen.append((reply, patches, here_reply, here))
+
+    puller = world.puller(on_verified=on_verified, in_process=in_process)
+    try:
+        assert puller(world.request(1)).success
+        reply, patches, here_reply, here = seen[0]
+        assert reply.refused is None and reply.error is None, reply
+        assert (reply.elements, reply.tensors) == (here_reply.elements, here_reply.tensors) and reply.elements > 0
+        assert [(p.param, p.dtype) for p in patches] == [(p.param, p.dtype) for p in here]
+        for got, want in zip(patches, here):
+            assert np.array_equal(got.index, want.index) and np.array_equal(got.values, want.values)
+        # and what they hold is the truth: the changed elements of v0 -> v1 with v1's values
+        v0, v1 = world.versions[0], world.versions[1]
+        by_param = {p.param: p for p in patches}
+        for i in (0, 1):
+            changed = np.flatnonzero(v0[f"w{i}"].reshape(-1) != v1[f"w{i}"].reshape(-1))
+            assert np.array_equal(by_param[f"p{i}"].index, changed)
+            assert np.array_equal(by_param[f"p{i}"].values, v1[f"w{i}"].reshape(-1)[changed])
+        assert "p2" not in by_param
+        w3 = v1["w3"]
+        for name, sl in (("p3a", w3[:32]), ("p3b", w3[:, 32:])):
+            if name in by_param:
+                flat = np.ascontiguousarray(sl).reshape(-1)
+                assert np.array_equal(flat[by_param[name].index], by_param[name].values)
+    finally:
+        puller.close()
+
+
+def test_staging_refuses_a_change_past_the_threshold_and_one_to_a_reload_only_tensor(world):
+    puller = world.puller(in_process=True)
+    assert puller(world.request(1)).success
+    reply, patches = stage_job(_identity_job(world, 0, 1, max_elements=3))
+    assert patches == [] and "more than 3 changed elements" in reply.refused
+    reply, _ = stage_job(_identity_job(world, 0, 1, reload_only={"w1": "w1 is packed after loading"}))
+    assert reply.refused == "w1 is packed after loading"
 
 
 def test_a_closed_helper_finishes_its_deferred_flush_and_exits(world):
@@ -225,6 +284,7 @@ def test_a_helper_whose_scheduler_died_mid_pull_exits_instead_of_lingering(world
 import sys, threading, time, types
 sys.path[:0] = [{ROOT!r}]
 from sglang_patch import pull_process
+from sglang_patch.live_stage import Placement, StageJob, stage_job
 from sglang_patch.rank_pull import RankPuller
 from sglang_patch.server_flags import PullWeightsOptions
 options = PullWeightsOptions(pre_read_hook={GATE_HOOK!r}, allowed_roots=({str(world.root)!r},))

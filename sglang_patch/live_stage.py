@@ -1,0 +1,301 @@
+"""What a live update changes on one rank, computed from the verified local checkpoint alone.
+
+This is the heavy half of live apply's staging, and it needs no engine: the changed element
+positions of each checkpoint tensor (decoded from the delta payloads by
+``weightsync.positions``, never by diffing tensors), mapped through the rank's proven
+placements to parameter positions, and the new values read at those positions from the local
+checkpoint, still in the checkpoint's dtype. It runs in the rank's pull helper process
+(``pull_process``), which has its own interpreter and CPUs: in the scheduler process every
+numpy call would have to win the GIL back from sglang's busy-polling loop (about 5 ms each,
+thousands of calls). The scheduler then only casts the values and saves the old ones
+(``live_patch.finish_staging``), a few large torch calls per parameter.
+
+No torch and no sglang here (the helper imports only the core and numpy).
+
+Results travel as one anonymous shared-memory file (``memfd``) passed over the helper's socket:
+per patch an int64 index array and a values array, at 64-byte aligned offsets that the reply
+(``StageReply.patches``) names. Its size is ``(8 + checkpoint itemsize)`` bytes per changed
+element of this rank's shard, refused past ``max_elements`` (the live-apply threshold).
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import time
+from typing import Callable, Iterable, NamedTuple, Optional
+
+import msgspec
+import numpy as np
+
+# numpy cannot hold bf16: checkpoint values travel as same-width integers.
+CARRIER = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
+_ALIGN = 64
+
+
+class Placement(NamedTuple):
+    """One recorded copy: a box of checkpoint tensor ``tensor`` -> the same box of ``param``.
+
+    Element ``i`` (a multi-index over ``sizes``) of the box is checkpoint element
+    ``src_offset + i . src_strides`` and parameter element ``dst_offset + i . dst_strides``
+    (flat, row-major, of the contiguous parameter).
+    """
+
+    tensor: str
+    param: str
+    sizes: tuple[int, ...]
+    src_offset: int
+    src_strides: tuple[int, ...]
+    dst_offset: int
+    dst_strides: tuple[int, ...]
+
+
+class StageJob(msgspec.Struct, frozen=True, tag="stage"):
+    """Stage ``from_version -> to_version`` of ``source_dir`` out of ``local_checkpoint_dir``."""
+
+    local_checkpoint_dir: str
+    source_dir: str
+    from_version: int
+    to_version: int
+    max_elements: int
+    placements: dict[str, list[Placement]]  # the rank's proven map: checkpoint tensor -> boxes
+    unused: list[str]  # tensors the loader ignores on this rank (a reload would too)
+    reload_only: dict[str, str]  # tensor -> why a change to it cannot be patched live
+
+
+class PatchRef(msgspec.Struct, frozen=True):
+    """Where one patch lies in the shared file: ``count`` positions of ``param``, values in ``dtype``."""
+
+    param: str
+    dtype: str  # the checkpoint tensor's safetensors dtype (the scheduler casts)
+    count: int
+    index_offset: int
+    values_offset: int
+
+
+class StageReply(msgspec.Struct, frozen=True, tag="staged"):
+    """The helper's answer: patches in the shared file that follows, or why not (``refused``)."""
+
+    refused: Optional[str] = None
+    error: Optional[str] = None  # staging itself failed (a bug, a malformed payload): logged
+    patches: list[PatchRef] = []
+    shared_nbytes: int = 0  # the size of the shared file that follows when there are patches
+    elements: int = 0
+    tensors: int = 0
+    nbytes: int = 0
+    stage_s: float = 0.0
+
+
+class StagingRefused(Exception):
+    """This update cannot be patched live; ``reason`` says why (the call reloads instead)."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+class Patch(NamedTuple):
+    param: str
+    dtype: str
+    index: np.ndarray  # int64 flat positions in the contiguous parameter
+    values: np.ndarray  # the checkpoint's values there, as the same-width integer carrier
+
+
+def positions_through(p: Placement, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``(checkpoint positions, parameter positions)`` of the sorted ``positions`` inside ``p``'s box."""
+    lo = p.src_offset
+    hi = lo + sum((n - 1) * s for n, s in zip(p.sizes, p.src_strides))
+    a, b = np.searchsorted(positions, [lo, hi + 1])
+    if a == b:
+        empty = np.empty(0, dtype=np.int64)
+        return empty, empty
+    chosen = positions[a:b]
+    order = sorted(range(len(p.sizes)), key=lambda d: -p.src_strides[d])
+    if _is_run(p.sizes, p.src_strides, order) and _is_run(p.sizes, p.dst_strides, order):
+        # both boxes are one contiguous run (TP row slices, fused rows): a shift, no division
+        return chosen, chosen + (p.dst_offset - lo)
+    rest = chosen - lo
+    ok = np.ones(rest.size, dtype=bool)
+    dst = np.full(rest.size, p.dst_offset, dtype=np.int64)
+    for d in order:
+        i = rest // p.src_strides[d]
+        ok &= i < p.sizes[d]
+        rest = rest - i * p.src_strides[d]
+        dst += i * p.dst_strides[d]
+    ok &= rest == 0
+    return chosen[ok], dst[ok]
+
+
+def _is_run(sizes: tuple[int, ...], strides: tuple[int, ...], order: list[int]) -> bool:
+    """Whether a box with ``strides`` (dims in ``order``, outermost first) is one contiguous run."""
+    step = 1
+    for d in reversed(order):
+        if sizes[d] != 1 and strides[d] != step:
+            return False
+        step *= sizes[d]
+    return True
+
+
+def stage_changes(
+    placements: dict[str, list[Placement]],
+    unused: Iterable[str],
+    reload_only: dict[str, str],
+    changes: Iterable[tuple[str, str, np.ndarray]],
+    values_at: Callable[[str, np.ndarray], np.ndarray],
+    *,
+    max_elements: int,
+) -> tuple[list[Patch], int, int]:
+    """``(patches, elements, tensors)`` for ``changes`` (``(tensor, dtype, sorted positions)``).
+
+    ``values_at(tensor, checkpoint positions)`` reads the new values (integer carrier).
+
+    Raises:
+        StagingRefused: a changed tensor is reload-only or unmapped, or the changed elements
+            pass ``max_elements``.
+    """
+    unused = set(unused)
+    index_parts: dict[tuple[str, str], list[np.ndarray]] = {}
+    value_parts: dict[tuple[str, str], list[np.ndarray]] = {}
+    elements = tensors = 0
+    for name, dtype, positions in changes:
+        if name in unused:
+            continue
+        why = reload_only.get(name)
+        if why is not None:
+            raise StagingRefused(why)
+        boxes = placements.get(name)
+        if not boxes:
+            raise StagingRefused(f"checkpoint tensor {name} changed but the map has no placement for it")
+        tensors += 1
+        for p in boxes:
+            hf_pos, dst_pos = positions_through(p, positions)
+            if not hf_pos.size:
+                continue
+            elements += int(hf_pos.size)
+            if elements > max_elements:
+                raise StagingRefused(
+                    f"more than {max_elements} changed elements on this rank (the live-apply threshold); "
+                    "a reload is as cheap"
+                )
+            key = (p.param, dtype)
+            index_parts.setdefault(key, []).append(dst_pos)
+            value_parts.setdefault(key, []).append(values_at(name, hf_pos))
+    patches = []
+    for (param, dtype), parts in index_parts.items():
+        vparts = value_parts[(param, dtype)]
+        index = np.concatenate(parts) if len(parts) > 1 else parts[0]
+        values = np.concatenate(vparts) if len(vparts) > 1 else vparts[0]
+        patches.append(Patch(param, dtype, index, values))
+    return patches, elements, tensors
+
+
+class _LocalValues:
+    """New values at given positions of the local checkpoint's tensors (one map per weight file)."""
+
+    def __init__(self, table: dict) -> None:
+        self.table = table
+        self._maps: dict[str, mmap.mmap] = {}
+
+    def dtype_of(self, name: str) -> str:
+        return self.table[name][1].dtype
+
+    def at(self, name: str, positions: np.ndarray) -> np.ndarray:
+        from weightsync.safetensors_io import DTYPE_NBYTES
+
+        path, e = self.table[name]
+        mm = self._maps.get(path)
+        if mm is None:
+            with open(path, "rb") as f:
+                mm = self._maps[path] = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        itemsize = DTYPE_NBYTES[e.dtype]
+        flat = np.frombuffer(mm, dtype=CARRIER[itemsize], count=e.nbytes // itemsize, offset=e.offset)
+        return flat[positions]  # a copy: nothing refers to the map afterwards
+
+    def close(self) -> None:
+        for mm in self._maps.values():
+            mm.close()
+        self._maps.clear()
+
+
+def stage_job(job: StageJob) -> tuple[StageReply, list[Patch]]:
+    """Everything ``job`` changes on this rank, or the reason it cannot be patched live."""
+    import weightsync.positions as positions
+    from weightsync.errors import PositionsUnavailableError
+    from weightsync.manifest import checkpoint_weight_files
+    from weightsync.safetensors_io import local_tensor_table
+
+    start = time.perf_counter()
+    try:
+        chain, indexes = positions.plan_change_chain(job.source_dir, job.from_version, job.to_version)
+        if not chain.is_deltas_only:
+            raise StagingRefused(f"v{chain.full_version} in the chain v{job.from_version} -> v{job.to_version} is a full version")
+        local = job.local_checkpoint_dir
+        values = _LocalValues(local_tensor_table(local, checkpoint_weight_files(local)))
+        try:
+            changes = (
+                (name, entry.dtype, pos)
+                for name, entry, pos in positions.iter_changed_elements(local, job.source_dir, chain, indexes)
+            )
+            patches, elements, tensors = stage_changes(
+                job.placements, job.unused, job.reload_only, changes, values.at, max_elements=job.max_elements
+            )
+        finally:
+            values.close()
+    except StagingRefused as exc:
+        return StageReply(refused=exc.reason, stage_s=time.perf_counter() - start), []
+    except PositionsUnavailableError as exc:  # e.g. sparse-v2 with several magnitude classes
+        return StageReply(refused=str(exc), stage_s=time.perf_counter() - start), []
+    nbytes = sum(p.index.nbytes + p.values.nbytes for p in patches)
+    return StageReply(elements=elements, tensors=tensors, nbytes=nbytes, stage_s=time.perf_counter() - start), patches
+
+
+def _aligned(n: int) -> int:
+    return (n + _ALIGN - 1) // _ALIGN * _ALIGN
+
+
+def layout(patches: list[Patch]) -> tuple[list[PatchRef], int]:
+    """Each patch's offsets in the shared file, and the file's size."""
+    refs, at = [], 0
+    for p in patches:
+        index_at = at
+        at = _aligned(at + p.index.nbytes)
+        values_at = at
+        at = _aligned(at + p.values.nbytes)
+        refs.append(PatchRef(p.param, p.dtype, int(p.index.size), index_at, values_at))
+    return refs, at
+
+
+def write_shared(patches: list[Patch]) -> tuple[int, list[PatchRef], int]:
+    """``(memfd, refs, size)``: the patches in an anonymous shared-memory file (caller closes it)."""
+    refs, size = layout(patches)
+    fd = os.memfd_create("weightsync-live-stage", os.MFD_CLOEXEC)
+    try:
+        os.ftruncate(fd, max(size, 1))
+        if size:
+            with mmap.mmap(fd, size) as mm:
+                buf = np.frombuffer(mm, dtype=np.uint8)
+                for p, r in zip(patches, refs):
+                    buf[r.index_offset : r.index_offset + p.index.nbytes] = p.index.view(np.uint8)
+                    buf[r.values_offset : r.values_offset + p.values.nbytes] = p.values.view(np.uint8)
+                del buf
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, refs, size
+
+
+def read_shared(fd: int, refs: list[PatchRef], size: int) -> list[Patch]:
+    """The patches of a shared file (read-only views of one map that lives as long as they do)."""
+    from weightsync.safetensors_io import DTYPE_NBYTES
+
+    if not refs:
+        return []
+    mm = mmap.mmap(fd, size, access=mmap.ACCESS_READ)
+    buf = np.frombuffer(mm, dtype=np.uint8)
+    out = []
+    for r in refs:
+        carrier = CARRIER[DTYPE_NBYTES[r.dtype]]
+        index = buf[r.index_offset : r.index_offset + 8 * r.count].view(np.int64)
+        values = buf[r.values_offset : r.values_offset + r.count * np.dtype(carrier).itemsize].view(carrier)
+        out.append(Patch(r.param, r.dtype, index, values))
+    return out
