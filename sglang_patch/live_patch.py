@@ -42,6 +42,7 @@ _INT_OF_WIDTH = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 class ParamPatch(NamedTuple):
     param: str
+    flat: torch.Tensor  # the parameter's own storage, flat (a view: writes go to the live weights)
     index: torch.Tensor  # int64 flat positions in the contiguous parameter
     values: torch.Tensor  # the new values, the parameter's dtype, host memory
     old: torch.Tensor  # the live values there when staged (the undo log)
@@ -89,7 +90,7 @@ def finish_staging(patches: Iterable[Patch], params: Mapping[str, torch.Tensor],
             old = flat.index_select(0, index.to(flat.device)).cpu()
             if pin:
                 index, values, old = index.pin_memory(), values.pin_memory(), old.pin_memory()
-            staged.patches.append(ParamPatch(patch.param, index, values, old))
+            staged.patches.append(ParamPatch(patch.param, flat, index, values, old))
     staged.stage_s += time.perf_counter() - start
     return staged
 
@@ -164,19 +165,19 @@ def _dtype_name(dtype: torch.dtype) -> str:
 class UndoLog:
     """The old values at every position a scatter may have written, to put back on failure."""
 
-    def __init__(self, flats: list[torch.Tensor], patches: list[ParamPatch]) -> None:
-        self._entries = list(zip(flats, patches))
+    def __init__(self, patches: list[ParamPatch]) -> None:
+        self._patches = list(patches)
 
     def restore(self) -> None:
-        for flat, patch in reversed(self._entries):
-            flat.index_copy_(0, patch.index.to(flat.device, non_blocking=True), patch.old.to(flat.device, non_blocking=True))
-        if any(flat.device.type == "cuda" for flat, _ in self._entries):
+        for p in reversed(self._patches):
+            p.flat.index_copy_(0, p.index.to(p.flat.device, non_blocking=True), p.old.to(p.flat.device, non_blocking=True))
+        if any(p.flat.device.type == "cuda" for p in self._patches):
             torch.cuda.synchronize()
-        self._entries.clear()
+        self._patches.clear()
 
     @property
     def nbytes(self) -> int:
-        return sum(patch.old.nbytes for _, patch in self._entries)
+        return sum(p.old.nbytes for p in self._patches)
 
 
 @contextlib.contextmanager
@@ -192,27 +193,24 @@ def _one_intra_op_thread() -> Iterator[None]:
 
 
 def scatter_with_undo(
-    staged: StagedUpdate,
-    params: Mapping[str, torch.Tensor],
-    *,
-    before_write: Optional[Callable[[int, str], None]] = None,
+    staged: StagedUpdate, *, before_write: Optional[Callable[[int, str], None]] = None
 ) -> tuple[UndoLog, int]:
-    """Write every patch in place; returns the undo log and the elements written.
+    """Write every patch into the parameter it was staged for; returns the undo log and the
+    elements written.
 
     On an exception every patch is restored before it propagates, so this rank is exactly at
     the previous version; a caller that learns another rank failed calls ``undo.restore()``.
     """
-    flats = [params[p.param].data.view(-1) for p in staged.patches]
-    undo = UndoLog(flats, staged.patches)
+    undo = UndoLog(staged.patches)
     written = 0
     try:
         with _one_intra_op_thread():
-            for k, (flat, patch) in enumerate(zip(flats, staged.patches)):
+            for k, p in enumerate(staged.patches):
                 if before_write is not None:
-                    before_write(k, patch.param)
-                flat.index_copy_(0, patch.index.to(flat.device, non_blocking=True), patch.values.to(flat.device, non_blocking=True))
-                written += int(patch.index.numel())
-        if any(f.device.type == "cuda" for f in flats):
+                    before_write(k, p.param)
+                p.flat.index_copy_(0, p.index.to(p.flat.device, non_blocking=True), p.values.to(p.flat.device, non_blocking=True))
+                written += int(p.index.numel())
+        if any(p.flat.device.type == "cuda" for p in staged.patches):
             torch.cuda.synchronize()
     except BaseException:
         undo.restore()

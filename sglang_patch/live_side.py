@@ -347,7 +347,6 @@ class LiveApplyState:
     def _apply_live(self, request: Any, start: float) -> lr.LiveRankReport:
         staged = self._voted  # what this rank voted on, even if a pull thread replaced it since
         assert staged is not None
-        params = self.params()
         fault = fault_file(self.rank)
 
         def before_write(k: int, param: str) -> None:
@@ -358,7 +357,7 @@ class LiveApplyState:
         undo, error, written = None, None, 0
         t0 = time.perf_counter()
         try:
-            undo, written = scatter_with_undo(staged, params, before_write=before_write)
+            undo, written = scatter_with_undo(staged, before_write=before_write)
         except Exception as exc:
             log.warning("live apply %s: scatter failed, this rank restored: %s", self.rank, exc)
             error = f"{type(exc).__name__}: {exc}"

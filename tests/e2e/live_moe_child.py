@@ -96,7 +96,7 @@ def main() -> None:
         staged=StagedUpdate(0, 1, None, "/nowhere", 0),
     )
     ptrs = {n: p.data_ptr() for n, p in params.items()}
-    _, written = scatter_with_undo(staged, params)
+    _, written = scatter_with_undo(staged)
     live = {n: p.clone() for n, p in params.items()}
     model.load_weights(iter(v1.items()))  # the reload
     reloaded = {n: p.clone() for n, p in params.items()}

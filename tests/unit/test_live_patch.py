@@ -68,7 +68,7 @@ def test_a_staged_scatter_equals_a_reload_and_keeps_the_storage():
                           staged=StagedUpdate(0, 1, None, "/x", 0))
     assert staged.elements == 2 and staged.nbytes == 2 * (8 + 4 + 4)  # index, new values, old values (undo)
     ptr = model.fused.data_ptr()
-    _, written = scatter_with_undo(staged, dict(model.named_parameters()))
+    _, written = scatter_with_undo(staged)
     assert written == 2 and model.fused.data_ptr() == ptr
     reloaded = TwoShards()
     reloaded.load_weights(iter(v1.items()))
@@ -93,9 +93,9 @@ def test_a_failure_mid_scatter_restores_every_written_position():
     staged.patches = [p._replace(index=p.index[:half], values=p.values[:half], old=p.old[:half]),
                       p._replace(index=p.index[half:], values=p.values[half:], old=p.old[half:])]
     with pytest.raises(RuntimeError, match="boom"):
-        scatter_with_undo(staged, dict(model.named_parameters()), before_write=fail_second)
+        scatter_with_undo(staged, before_write=fail_second)
     assert torch.equal(model.fused.detach(), before)
-    undo, _ = scatter_with_undo(staged, dict(model.named_parameters()))  # the retry, then another rank failed
+    undo, _ = scatter_with_undo(staged)  # the retry, then another rank failed
     assert not torch.equal(model.fused.detach(), before)
     undo.restore()
     assert torch.equal(model.fused.detach(), before)
