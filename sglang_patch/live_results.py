@@ -44,6 +44,7 @@ class _LiveOutcome(msgspec.Struct, kw_only=True):
     weight_version: Optional[int] = None
     elements_scattered: int = 0
     pause_s: float = 0.0
+    scatter_s: float = 0.0  # of the pause, the writes themselves (the rest: votes, gathers, cache flush)
     rolled_back: bool = False
     stage_s: float = 0.0
     staged_nbytes: int = 0
@@ -93,6 +94,7 @@ def merge_hosts(items: Sequence[LiveRankReport | LiveHostResult]) -> list[LiveHo
                 weight_version=versions.pop() if len(versions) == 1 else None,
                 elements_scattered=sum(i.elements_scattered for i in group),
                 pause_s=max(i.pause_s for i in group),
+                scatter_s=max(i.scatter_s for i in group),
                 rolled_back=any(i.rolled_back for i in group),
                 stage_s=max(i.stage_s for i in group),
                 staged_nbytes=sum(i.staged_nbytes for i in group),

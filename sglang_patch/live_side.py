@@ -26,6 +26,7 @@ parameter by one ulp (a stand-in for AMX packing or an MoE shuffle; see ``plugin
 from __future__ import annotations
 
 import contextlib
+import gc
 import hashlib
 import logging
 import os
@@ -317,15 +318,16 @@ class LiveApplyState:
 
     def handle_update(self, request: Any) -> Any:
         """``UpdateWeightsFromPulledReqInput`` -> the DP group's reply (every rank; entry rank sends)."""
-        from .io_types import UpdateWeightsFromPulledReqOutput
-
         start = time.perf_counter()
         target = getattr(request, "target_version", -1)
+        with _no_gc_pause():
+            return self._handle_update(request, start, target)
+
+    def _handle_update(self, request: Any, start: float, target: int) -> Any:
+        from .io_types import UpdateWeightsFromPulledReqOutput
+
         try:
-            vote = self._vote(request)
-            t_vote = time.perf_counter()
-            votes = self._all_gather(vote)
-            log.info("live apply %s: PHASE vote %.4f gather %.4f", self.rank, t_vote - start, time.perf_counter() - t_vote)
+            votes = self._all_gather(self._vote(request))
             refusal = lr.first_refusal(votes)
             if refusal is not None:
                 fields = lr.summarize(target, [], error_type=refusal.error_type, http_status=refusal.http_status,
@@ -361,10 +363,8 @@ class LiveApplyState:
         except Exception as exc:
             log.warning("live apply %s: scatter failed, this rank restored: %s", self.rank, exc)
             error = f"{type(exc).__name__}: {exc}"
-        t1 = time.perf_counter()
+        scatter_s = time.perf_counter() - t0
         outcomes = self._all_gather(error)
-        t2 = time.perf_counter()
-        log.info("live apply %s: PHASE params+setup %.4f scatter %.4f (%d patches) outcome-gather %.4f", self.rank, t0 - start, t1 - t0, len(staged.patches), t2 - t1)
         failed = [(i, e) for i, e in enumerate(outcomes) if e is not None]
         if failed:
             if undo is not None:
@@ -379,7 +379,6 @@ class LiveApplyState:
         manager = self.scheduler.weight_updater
         ok, message = manager.flush_cache_after_weight_update(request, True, f"patched {written} elements live")
         manager.record_weight_version_after_update(str(staged.to_version))
-        log.info("live apply %s: PHASE flush+version %.4f", self.rank, time.perf_counter() - t2)
         with self._lock:
             self.generation += 1
             self.live = LiveVersion(staged.to_version, staged.source_dir, f"live apply from {staged.local_checkpoint_dir}")
@@ -389,7 +388,7 @@ class LiveApplyState:
         return lr.LiveRankReport(
             host=self.host, rank=self.rank, success=ok, mode=lr.LIVE, message=message,
             weight_version=staged.to_version, elements_scattered=written, pause_s=time.perf_counter() - start,
-            stage_s=staged.stage_s, staged_nbytes=staged.nbytes,
+            scatter_s=scatter_s, stage_s=staged.stage_s, staged_nbytes=staged.nbytes,
         )
 
     def _reload(self, request: Any, reason: Optional[str], start: float) -> lr.LiveRankReport:
@@ -454,6 +453,19 @@ def stage_for(scheduler: Any, local_dir: str, source_dir: str, target_version: i
     state = state_of(scheduler)
     if state is not None:
         state.stage_after_pull(local_dir, source_dir, target_version, stager)
+
+
+@contextlib.contextmanager
+def _no_gc_pause() -> Iterator[None]:
+    """No cyclic garbage collection inside the pause (a full one over sglang's heap takes tens
+    of ms); it runs when the pause is over, while serving."""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
 
 
 @contextlib.contextmanager
