@@ -38,12 +38,17 @@ def loop(tmp_path_factory):
     from miles_updater.cpu_trainer import MegatronCPUTrainer
     from miles_updater.demo import ENGINE_ARGS
     from miles_updater.engines import make_engine_actor_class
+    from testbed.live import wait_until_map_proven
     from testbed.sglang_cpu import SglangCpuServer, find_free_port
     from testbed.tiny_qwen3 import make_tiny_qwen3
 
     work = tmp_path_factory.mktemp("e2e").resolve()
     hf = make_tiny_qwen3(work / "hf", seed=0)
-    server = SglangCpuServer(hf, extra_args=ENGINE_ARGS + ["--pull-weights-allowed-roots", str(work)],
+    # An AdamW step at this lr changes most elements of the tiny bf16 model, above the engine's
+    # default live threshold (10%, where a reload is as cheap): allow any density, so that every
+    # delta is patched live and checked here (the threshold's fallback: test_live_apply_tp2.py).
+    server = SglangCpuServer(hf, extra_args=ENGINE_ARGS + ["--pull-weights-allowed-roots", str(work),
+                                                           "--update-weights-live-max-changed-fraction", "1"],
                              log_path=work / "sglang.log").start(wait_healthy=False)
     args = add_update_weight_arguments(argparse.ArgumentParser()).parse_args([
         "--update-weight-mode", "delta", "--update-weight-transport", "disk",
@@ -58,6 +63,8 @@ def loop(tmp_path_factory):
         port = find_free_port()
         trainers = [MegatronCPUTrainer.remote(r, 2, port, config, tp=2, lr=4e-4, seed=0) for r in range(2)]
         server.wait_healthy()
+        # The map is built and proven on a thread after start-up: the first sync must not race it.
+        wait_until_map_proven(server)
         engine = make_engine_actor_class().remote(server.base_url, name="engine0", timeout_s=120)
         ray.get(trainers[0].connect_rollout_engines.remote([engine], ["engine0"]))
         ray.get([t.start.remote() for t in trainers])
@@ -154,20 +161,28 @@ def test_pull_killed_midway_then_retried_ends_bit_exact(loop):
     retry = ray.get([t.update_engines_to.remote(version) for t in loop["trainers"]])[0]
     assert retry["pulls"][0]["applied_version"] == version
     assert any("seed" in a for a in retry["pulls"][0]["actions"])  # reseeded and replayed the chain
+    _assert_applied(retry)  # the engine's weights never left the chain: still a live patch
     _assert_engine_matches_trainer(loop)
     # And the next ordinary sync chains from the repaired state.
     m = _step(loop)
     assert m["pulls"][0]["actions"] == ["chain"]
+    _assert_applied(m)
     _assert_engine_matches_trainer(loop)
 
 
-def _assert_applied(m):
-    """The pause applied the version: live, or a reload with its reason (an engine without the route)."""
+def _assert_applied(m, *, reload_because: str | None = None):
+    """The pause applied the version the way it must: live for a delta the engine can patch (the
+    map is proven before the first sync, and the live version is in the same run's chain), else
+    a reload whose reason contains ``reload_because`` (a run's first version is full)."""
     [apply] = m["applies"]
-    assert apply["mode"] in ("live", "reload")
-    if apply["mode"] == "reload":
-        assert apply["reason"]
     assert m["apply_mode"] == apply["mode"]
+    if reload_because is None:
+        assert apply["mode"] == "live", (f"v{m['version']} ({m['changed_fraction_elements']:.1%} of elements changed) "
+                                         f"reloaded where it should be live: {apply['reason']}")
+        assert apply["elements_scattered"] > 0 and m["elements_scattered"] == apply["elements_scattered"], apply
+    else:
+        assert apply["mode"] == "reload", f"v{m['version']} applied live, expected a reload ({reload_because}): {apply}"
+        assert reload_because in apply["reason"], apply
 
 
 def test_a_trainer_resumed_from_a_saved_step_continues_the_engine_versions(loop):
@@ -177,6 +192,7 @@ def test_a_trainer_resumed_from_a_saved_step_continues_the_engine_versions(loop)
     checkpoint = str(loop["work"] / "trainer-step")
     ray.get([t.save_checkpoint.remote(checkpoint) for t in loop["trainers"]])
     m = _step(loop)  # one more version after the saved step, then the trainer dies
+    _assert_applied(m)
     newest = m["version"]
     _assert_engine_matches_trainer(loop, newest)
     run_id = os.path.basename(ray.get(loop["trainers"][0].source_dir.remote())).removeprefix("run-")
@@ -196,11 +212,12 @@ def test_a_trainer_resumed_from_a_saved_step_continues_the_engine_versions(loop)
         # trainer's snapshot is the seed), which the engine host seeds from.
         assert m["version"] == newest + 1, label
         assert m["kind"] == "full" and m["pulls"][0]["actions"] == ["seed"], label
-        _assert_applied(m)
+        _assert_applied(m, reload_because=f"v{newest + 1} in the chain v{newest} -> v{newest + 1} is a full version")
         _assert_engine_matches_trainer(loop, newest + 1)
         m = _step(loop)
         assert m["version"] == newest + 2 and m["kind"] == "delta", label
         assert m["pulls"][0]["actions"] == ["chain"], label
+        _assert_applied(m)  # after the reload of the full version, its delta patches live
         _assert_engine_matches_trainer(loop, newest + 2)
         newest = m["version"]
 
@@ -233,7 +250,8 @@ def test_a_plain_pytorch_trainer_publishes_every_step_to_the_engine(loop):
             # Numbered after the Megatron runs in the same disk dir; the first version is full.
             assert m.version == first + step and m.kind == ("full" if step == 0 else "delta")
             assert m.pulls[0]["applied_version"] == m.version
-            _assert_applied(m.as_dict())
+            # The run's first version is full, in a new run dir: the engine's live version is not in its chain.
+            _assert_applied(m.as_dict(), reload_because=None if step else "came from another source dir")
             published = sync.published_state_dict()
             on_host = read_state_dict(local)
             for name, t in published.items():
