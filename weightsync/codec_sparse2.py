@@ -43,14 +43,14 @@ from .errors import LocalTensorMismatchError, PayloadBoundError
 MAGIC = b"WSS2"
 VERSION = 2
 HEADER = struct.Struct("<4sBBBBQII")  # magic, version, width, reserved, flags, nelements, seg_elements, nsegments
-# members, changes, large changes; mask mode, gap parameter, flag mode, flag parameter, value
-# order base and shift; reserved
-CLASS_HEAD = struct.Struct("<IIIBBBBBB2x")
+# members, changes, large changes, flagged large changes; mask mode, gap parameter, flag mode,
+# flag parameter, value order base and shift, the key range whose large changes are flagged
+CLASS_HEAD = struct.Struct("<IIIIBBBBBBBB")
 MAX_CLASSES = 8
 MIN_SEG_ELEMENTS = 1 << 12  # a table entry per 4 Ki elements at most: parsing work tied to the tensor
 MAX_SEG_ELEMENTS = 1 << 20  # bounds a worker's scratch (positions of one class: 8 bytes per element)
 SEG_ELEMENTS = 1 << 20  # what the encoder writes
-MODE_NONE, MODE_RICE, MODE_BITMAP = 0, 1, 2
+MODE_NONE, MODE_RICE, MODE_BITMAP, MODE_RICE_OTHERS = 0, 1, 2, 3  # 3: flags only, the candidates not large
 MAX_GAP_PARAM = 20  # gaps are below seg <= 2^20
 # The key of an element: the top 8 bits of its magnitude (the bits below the sign): for bf16 and
 # fp32 exactly the exponent, for fp16 the exponent and the top 3 mantissa bits.
@@ -90,11 +90,14 @@ class ClassPart(NamedTuple):
     members: int
     changes: int
     nbig: int  # changes with |d| > 1
+    nflag: int  # of them, those with an old key in [flag_lo, flag_hi] (the others follow from the key)
+    flag_lo: int  # a change whose old key is below is large; above flag_hi, not large
+    flag_hi: int
     mask_mode: int
     mask: Rice | memoryview | None  # Rice gaps, or a bitmap of the members
     signs: memoryview | None
     flag_mode: int
-    flags: Rice | memoryview | None  # Rice gaps among the changes, or a bitmap of them
+    flags: Rice | memoryview | None  # Rice gaps among the flag candidates, or a bitmap of them
     values: Values | None  # |d| - 2 of each large change
 
 
@@ -432,15 +435,35 @@ def _encode_class(members: int, local: np.ndarray, signs: np.ndarray, mags: np.n
     k = local.size
     mask_mode, rg, parts = _positions_code(local, members)
     parts.append(np.packbits(signs, bitorder="little").tobytes())
-    big_at = np.flatnonzero(mags)
+    big = mags != 0
+    big_at = np.flatnonzero(big)
     nbig = big_at.size
-    flag_mode = rf = va = vs = 0
+    nflag = flag_mode = rf = va = vs = flag_lo = flag_hi = 0
     declared: list[int] = [len(parts[1])] if mask_mode == MODE_RICE else []
     if nbig:
-        flag_mode, rf, fparts = _positions_code(big_at, k)
-        parts += fparts
-        if flag_mode == MODE_RICE:
-            declared.append(len(fparts[1]))
+        # below the smallest key of a change that is not large, every change is large; above the
+        # largest key of a large one, none is: only changes with keys in between carry a flag
+        flag_hi = int(keys[big_at].max())
+        flag_lo = int(keys[~big].min()) if nbig < k else flag_hi
+        candidates = np.flatnonzero((keys >= flag_lo) & (keys <= flag_hi))
+        if flag_hi < 255 and big[candidates].all():  # every change up to flag_hi is large: no flag
+            flag_lo = flag_hi + 1
+            candidates = candidates[:0]
+        flagged = np.flatnonzero(big[candidates])
+        # most candidates large: code the few that are not (some are not: an empty part would read as none large)
+        others = candidates.size > flagged.size > candidates.size // 2
+        if others:
+            flagged = np.flatnonzero(~big[candidates])
+        nflag = flagged.size
+        if nflag:
+            flag_mode, rf, fparts = _positions_code(flagged, candidates.size)
+            if others and flag_mode == MODE_RICE:
+                flag_mode = MODE_RICE_OTHERS
+            elif others:  # a bitmap of the others is the bitmap of the large ones, inverted
+                fparts = [np.packbits(big[candidates], bitorder="little").tobytes()]
+                nflag = candidates.size - nflag
+            parts += fparts
+            declared.append(len(fparts[-1]))
         values = mags[big_at].astype(np.uint64)
         values -= np.uint64(1)
         big_keys = keys[big_at]
@@ -448,7 +471,7 @@ def _encode_class(members: int, local: np.ndarray, signs: np.ndarray, mags: np.n
         rem, quo = expgolomb_encode(values, value_orders(big_keys, va, vs, 8 * width - 2))
         parts += [rem, quo]
         declared += [len(rem), len(quo)]
-    head = CLASS_HEAD.pack(members, k, nbig, mask_mode, rg, flag_mode, rf, va, vs)
+    head = CLASS_HEAD.pack(members, k, nbig, nflag, mask_mode, rg, flag_mode, rf, va, vs, flag_lo, flag_hi)
     return head + struct.pack(f"<{len(declared)}I", *declared), parts
 
 
@@ -537,7 +560,7 @@ class Sparse2Codec:
             _select(v, lo, hi, width, sel)
             members_c, local = _ranks(sel, idx[at])
             if at.size == 0:
-                entry.append(CLASS_HEAD.pack(members_c, 0, 0, 0, 0, 0, 0, 0, 0))
+                entry.append(CLASS_HEAD.pack(members_c, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0))
                 continue
             head, parts = _encode_class(members_c, local, signs[at], d[at], keys_changed[at], width)
             entry.append(head)
@@ -665,28 +688,28 @@ def _class_head(mv, pos: int, total: int, s: int, c: int, width: int, tensor: st
     """One class's head and declared quotient sizes, every rule the table alone can prove."""
     if pos + CLASS_HEAD.size > total:
         raise PayloadBoundError(tensor, f"sparse-v2 segment table truncated at segment {s}")
-    members, k, nbig, mask_mode, rg, flag_mode, rf, va, vs = CLASS_HEAD.unpack_from(mv, pos)
-    if bytes(mv[pos + CLASS_HEAD.size - 2 : pos + CLASS_HEAD.size]) != b"\0\0":
-        raise PayloadBoundError(tensor, f"sparse-v2 segment {s} class {c} has non-zero reserved bytes")
+    members, k, nbig, nflag, mask_mode, rg, flag_mode, rf, va, vs, flag_lo, flag_hi = CLASS_HEAD.unpack_from(mv, pos)
     pos += CLASS_HEAD.size
     where = f"sparse-v2 segment {s} class {c}"
-    if not nbig <= k <= members:
-        raise PayloadBoundError(tensor, f"{where} claims {k} changes ({nbig} large) in {members} members")
-    if k == 0 and (mask_mode, rg, flag_mode, rf, va, vs) != (0, 0, 0, 0, 0, 0):
+    if not nflag <= nbig <= k <= members:
+        raise PayloadBoundError(tensor, f"{where} claims {k} changes ({nbig} large, {nflag} flagged) in {members} members")
+    if k == 0 and (mask_mode, rg, flag_mode, rf, va, vs, flag_lo, flag_hi) != (0,) * 8:
         raise PayloadBoundError(tensor, f"{where} has no changes but mask mode {mask_mode} / parameters")
     if k and mask_mode not in (MODE_RICE, MODE_BITMAP):
         raise PayloadBoundError(tensor, f"{where} mask mode {mask_mode}, expected 1 (Rice) or 2 (bitmap)")
-    if nbig == 0 and (flag_mode, rf, va, vs) != (0, 0, 0, 0):
-        raise PayloadBoundError(tensor, f"{where} has no large change but flag mode {flag_mode} / parameters")
-    if nbig and flag_mode not in (MODE_RICE, MODE_BITMAP):
-        raise PayloadBoundError(tensor, f"{where} flag mode {flag_mode}, expected 1 (Rice) or 2 (bitmap)")
-    if (mask_mode != MODE_RICE and rg) or (flag_mode != MODE_RICE and rf):
+    if nbig == 0 and (va, vs, flag_lo, flag_hi) != (0, 0, 0, 0):
+        raise PayloadBoundError(tensor, f"{where} has no large change but value orders / flag keys")
+    if nflag == 0 and (flag_mode, rf) != (0, 0):
+        raise PayloadBoundError(tensor, f"{where} has no flagged change but flag mode {flag_mode} / parameters")
+    if nflag and flag_mode not in (MODE_RICE, MODE_BITMAP, MODE_RICE_OTHERS):
+        raise PayloadBoundError(tensor, f"{where} flag mode {flag_mode}, expected 1 (Rice), 2 (bitmap) or 3 (Rice, the others)")
+    if (mask_mode != MODE_RICE and rg) or (flag_mode == MODE_BITMAP and rf):
         raise PayloadBoundError(tensor, f"{where} has a Rice parameter for a bitmap")
     if rg > MAX_GAP_PARAM or rf > MAX_GAP_PARAM:
         raise PayloadBoundError(tensor, f"{where} Rice parameters {rg}/{rf} exceed {MAX_GAP_PARAM}")
     if vs > VALUE_ORDER_CONSTANT or (vs == VALUE_ORDER_CONSTANT and va > 8 * width - 2):
         raise PayloadBoundError(tensor, f"{where} value order {va} / shift {vs}: the shift is at most 8, a constant order at most {8 * width - 2}")
-    ndeclared = (mask_mode == MODE_RICE) + (flag_mode == MODE_RICE) + 2 * (nbig > 0)
+    ndeclared = (mask_mode == MODE_RICE) + (nflag > 0) + 2 * (nbig > 0)
     if pos + 4 * ndeclared > total:
         raise PayloadBoundError(tensor, f"sparse-v2 segment table truncated at segment {s}")
     declared = list(struct.unpack_from(f"<{ndeclared}I", mv, pos))
@@ -697,19 +720,25 @@ def _class_head(mv, pos: int, total: int, s: int, c: int, width: int, tensor: st
     bounds = []
     if mask_mode == MODE_RICE:
         bounds.append(("gap", k + ((members - k) >> rg)))
-    if flag_mode == MODE_RICE:
-        bounds.append(("flag", nbig + ((k - nbig) >> rf)))
+    if flag_mode in (MODE_RICE, MODE_RICE_OTHERS):  # the candidates are some of the k changes
+        bounds.append(("flag", nflag + ((k - nflag) >> rf)))
+    if flag_mode == MODE_BITMAP:
+        bounds.append(("flag bitmap", k))
     if nbig:
         bounds.append(("value remainder", nbig * (8 * width - 1)))
         bounds.append(("value", nbig * 8 * width))
     for (what, bits), size in zip(bounds, declared):
+        if what == "flag bitmap":
+            if not 1 <= size <= -(-bits // 8):
+                raise PayloadBoundError(tensor, f"{where} flag bitmap of {size} bytes, the counts allow 1 to {-(-bits // 8)}")
+            continue
         if what == "value remainder":
             if size > -(-bits // 8):
                 raise PayloadBoundError(tensor, f"{where} value remainders of {size} bytes, the counts allow at most {-(-bits // 8)}")
             continue
         if not 1 <= size <= -(-bits // 8):
             raise PayloadBoundError(tensor, f"{where} {what} quotients of {size} bytes, the counts allow 1 to {-(-bits // 8)}")
-    return (members, k, nbig, mask_mode, rg, flag_mode, rf, va, vs, declared), pos
+    return (members, k, nbig, nflag, mask_mode, rg, flag_mode, rf, va, vs, flag_lo, flag_hi, declared), pos
 
 
 def parse(payload, nbytes: int, tensor: str) -> Parsed:
@@ -776,9 +805,9 @@ def parse(payload, nbytes: int, tensor: str) -> Parsed:
     for start, length, classes in table:
         parts: list[ClassPart] = []
         nchanged = 0
-        for lo, hi, (members, k, nbig, mask_mode, rg, flag_mode, rf, va, vs, declared) in classes:
+        for lo, hi, (members, k, nbig, nflag, mask_mode, rg, flag_mode, rf, va, vs, flag_lo, flag_hi, declared) in classes:
             if k == 0:
-                parts.append(ClassPart(lo, hi, members, 0, 0, MODE_NONE, None, None, MODE_NONE, None, None))
+                parts.append(ClassPart(lo, hi, members, 0, 0, 0, 0, 0, MODE_NONE, None, None, MODE_NONE, None, None))
                 continue
             sizes = iter(declared)
             mask: Rice | memoryview
@@ -789,13 +818,14 @@ def parse(payload, nbytes: int, tensor: str) -> Parsed:
             signs = reader.take(-(-k // 8), "signs")
             large: Rice | memoryview | None = None
             values = None
-            if nbig:
+            if nflag:
                 if flag_mode == MODE_BITMAP:
-                    large = reader.take(-(-k // 8), "large-change bitmap")
+                    large = reader.take(next(sizes), "large-change bitmap")
                 else:
-                    large = Rice(nbig, rf, reader.take(-(-nbig * rf // 8), "flag remainders"), reader.take(next(sizes), "flag quotients"))
+                    large = Rice(nflag, rf, reader.take(-(-nflag * rf // 8), "flag remainders"), reader.take(next(sizes), "flag quotients"))
+            if nbig:
                 values = Values(nbig, va, vs, reader.take(next(sizes), "value fields"), reader.take(next(sizes), "value lengths"))
-            parts.append(ClassPart(lo, hi, members, k, nbig, mask_mode, mask, signs, flag_mode, large, values))
+            parts.append(ClassPart(lo, hi, members, k, nbig, nflag, flag_lo, flag_hi, mask_mode, mask, signs, flag_mode, large, values))
             nchanged += k
         segments.append(Segment(start, length, nchanged, parts))
     if reader.pos != total:
@@ -878,9 +908,28 @@ def _decode_differences(part: ClassPart, old: np.ndarray, tensor: str, index: in
     width = dt.itemsize
     d = np.ones(k, dt)
     if part.nbig:
-        assert part.flags is not None and part.values is not None
-        at = _decode_indices(part.flags, part.flag_mode, part.nbig, k, tensor, f"segment {index} class {c} large changes")
-        keys = (old[at] & dt.type(_mag_mask(width))) >> dt.type(KEY_SHIFT[width])
+        assert part.values is not None
+        all_keys = (old & dt.type(_mag_mask(width))) >> dt.type(KEY_SHIFT[width])
+        large = all_keys < dt.type(part.flag_lo)
+        if part.nflag:
+            assert part.flags is not None
+            candidates = np.flatnonzero((all_keys >= dt.type(part.flag_lo)) & (all_keys <= dt.type(part.flag_hi)))
+            if part.flag_mode == MODE_BITMAP and len(part.flags) != -(-candidates.size // 8):  # type: ignore[arg-type]
+                raise PayloadBoundError(tensor, f"sparse-v2 segment {index} class {c} flag bitmap of {len(part.flags)} bytes "  # type: ignore[arg-type]
+                                        f"for {candidates.size} candidates")
+            mode = MODE_RICE if part.flag_mode == MODE_RICE_OTHERS else part.flag_mode
+            flagged = _decode_indices(part.flags, mode, part.nflag, candidates.size, tensor,
+                                      f"segment {index} class {c} large changes")
+            if part.flag_mode == MODE_RICE_OTHERS:
+                large[candidates] = True
+                large[candidates[flagged]] = False
+            else:
+                large[candidates[flagged]] = True
+        at = np.flatnonzero(large)
+        if at.size != part.nbig:
+            raise PayloadBoundError(tensor, f"sparse-v2 segment {index} class {c}: its keys and flags make {at.size} large changes, "
+                                    f"the table declares {part.nbig}")
+        keys = all_keys[at]
         orders = value_orders(keys, part.values.a, part.values.shift, 8 * width - 2)
         values = expgolomb_decode(part.values, orders, 8 * width - 1, tensor, f"segment {index} class {c} values")
         if int(values.max()) > (1 << (8 * width - 1)) - 2:

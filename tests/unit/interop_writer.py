@@ -110,7 +110,7 @@ class BitReader:
 
 V2_SEG = 4096  # the smallest segment the format allows: several segments even for small tensors
 V2_LE = {1: "u1", 2: "<u2", 4: "<u4", 8: "<u8"}
-V2_CLASS = "<IIIBBBBBB2x"
+V2_CLASS = "<IIIIBBBBBBBB"
 
 
 def _v2_width(nbytes: int) -> int:
@@ -147,13 +147,14 @@ def _rice_param(values: list[int]) -> int:
 
 
 def _indices_part(indices: list[int], universe: int, use_bitmap: bool) -> tuple[int, int, list[bytes], list[int]]:
-    """(mode, parameter, parts, declared sizes) of ascending indices into ``universe`` slots."""
+    """(mode, parameter, parts, declared sizes) of ascending indices into ``universe`` slots
+    (a bitmap's size is declared by the caller when it is not implied)."""
     if use_bitmap:
         w = BitWriter()
         marked = set(indices)
         for i in range(universe):
             w.field(int(i in marked), 1)
-        return 2, 0, [w.getvalue()], []
+        return 2, 0, [w.getvalue()], [len(w.getvalue())]
     gaps = [b - a - 1 for a, b in zip([-1, *indices], indices)]
     r = _rice_param(gaps)
     rem, quo = _rice(gaps, r)
@@ -171,19 +172,26 @@ def v2_class(members: int, local: list[int], d: list[int], keys: list[int], widt
     bits = 8 * width
     k = len(local)
     if k == 0:
-        return struct.pack(V2_CLASS, members, 0, 0, 0, 0, 0, 0, 0, 0), b""
+        return struct.pack(V2_CLASS, members, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0), b""
     negative = [x >= 1 << (bits - 1) for x in d]
     mags = [((1 << bits) - x if neg else x) - 1 for x, neg in zip(d, negative)]
     mode, rg, parts, declared = _indices_part(local, members, 4 * k >= members if bitmap is None else bitmap)
+    if mode == 2:
+        declared = []  # the change bitmap's size follows from members
     signs = BitWriter()
     for neg in negative:
         signs.field(int(neg), 1)
     parts.append(signs.getvalue())
     big = [j for j, m in enumerate(mags) if m > 0]
-    flag_mode = rf = 0
+    flag_mode = rf = nflag = lo = hi = 0
     a, shift = value_order if big else (0, 0)
     if big:
-        flag_mode, rf, fparts, fdeclared = _indices_part(big, k, 4 * len(big) >= k)
+        # this writer flags every large change: keys [0, max key of a large one] are candidates
+        hi = max(keys[j] for j in big)
+        candidates = [j for j in range(k) if keys[j] <= hi]
+        flagged = [i for i, j in enumerate(candidates) if mags[j] > 0]
+        nflag = len(flagged)
+        flag_mode, rf, fparts, fdeclared = _indices_part(flagged, len(candidates), 4 * nflag >= len(candidates))
         parts += fparts
         declared += fdeclared
         fields, lengths = BitWriter(), BitWriter()
@@ -195,7 +203,7 @@ def v2_class(members: int, local: list[int], d: list[int], keys: list[int], widt
             fields.field(w, length + r)  # the low L + r bits (the top bit is implied)
         parts += [fields.getvalue(), lengths.getvalue()]
         declared += [len(parts[-2]), len(parts[-1])]
-    head = struct.pack(V2_CLASS, members, k, len(big), mode, rg, flag_mode, rf, a, shift)
+    head = struct.pack(V2_CLASS, members, k, len(big), nflag, mode, rg, flag_mode, rf, a, shift, lo, hi)
     return head + struct.pack(f"<{len(declared)}I", *declared), b"".join(parts)
 
 
@@ -265,18 +273,19 @@ def apply_sparse_v2(old: bytes, payload: bytes) -> bytes:
         bounds = [0, *starts, nkeys]
         classes = []
         for c in range(nclasses):
-            members, k, nbig, mode, rg, flag_mode, rf, a, shift = struct.unpack_from(V2_CLASS, payload, pos)
+            members, k, nbig, nflag, mode, rg, flag_mode, rf, a, shift, lo_key, hi_key = struct.unpack_from(V2_CLASS, payload, pos)
             pos += struct.calcsize(V2_CLASS)
-            ndeclared = (mode == 1) + (flag_mode == 1) + 2 * (nbig > 0)
+            ndeclared = (mode == 1) + (nflag > 0) + 2 * (nbig > 0)
             declared = list(struct.unpack_from(f"<{ndeclared}I", payload, pos))
             pos += 4 * ndeclared
-            classes.append((bounds[c], bounds[c + 1], members, k, nbig, mode, rg, flag_mode, rf, a, shift, declared))
+            classes.append((bounds[c], bounds[c + 1], members, k, nbig, nflag, mode, rg, flag_mode, rf, a, shift, lo_key, hi_key,
+                            declared))
         segments.append(classes)
     for s, classes in enumerate(segments):
         a0, b0 = s * seg, min(n, (s + 1) * seg)
         keys = [v2_key(x, width) for x in out[a0:b0]]  # all classes from the old bytes, before any write
         updates = []
-        for lo, hi, members_declared, k, nbig, mode, rg, flag_mode, rf, va, vs, declared in classes:
+        for lo, hi, members_declared, k, nbig, nflag, mode, rg, flag_mode, rf, va, vs, lo_key, hi_key, declared in classes:
             members = [i for i, key in enumerate(keys) if lo <= key < hi]
             assert len(members) == members_declared
             if k == 0:
@@ -295,12 +304,13 @@ def apply_sparse_v2(old: bytes, payload: bytes) -> bytes:
                 take(-(-k * rg // 8))
                 take(next(sizes))
             take(-(-k // 8))
-            if nbig:
+            if nflag:
                 if flag_mode == 2:
-                    take(-(-k // 8))
-                else:
-                    take(-(-nbig * rf // 8))
                     take(next(sizes))
+                else:
+                    take(-(-nflag * rf // 8))
+                    take(next(sizes))
+            if nbig:
                 take(next(sizes))
                 take(next(sizes))
             local = _read_indices(mode, rg, parts, k, members_declared)
@@ -309,7 +319,17 @@ def apply_sparse_v2(old: bytes, payload: bytes) -> bytes:
             sign_bits.finish()
             mags = [1] * k
             if nbig:
-                big = _read_indices(flag_mode, rf, parts, nbig, k)
+                change_keys = [keys[members[q]] for q in local]
+                large = [key < lo_key for key in change_keys]
+                candidates = [j for j, key in enumerate(change_keys) if lo_key <= key <= hi_key]
+                if nflag:
+                    coded = _read_indices(1 if flag_mode == 3 else flag_mode, rf, parts, nflag, len(candidates))
+                    for i in range(len(candidates)) if flag_mode == 3 else []:
+                        large[candidates[i]] = True
+                    for i in coded:
+                        large[candidates[i]] = flag_mode != 3
+                big = [j for j in range(k) if large[j]]
+                assert len(big) == nbig
                 fields, lengths = BitReader(parts.pop(0)), BitReader(parts.pop(0))
                 for j in big:
                     r = v2_value_order(keys[members[local[j]]], va, vs, width)
