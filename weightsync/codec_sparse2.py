@@ -37,6 +37,7 @@ from typing import NamedTuple
 import numpy as np
 
 from .codec_sparse import LE_UINT, _from_order, _signed, _to_order, _width, encode_segment_range
+from . import knobs
 from .codecs import SCRATCH, Encoded, PayloadDensity, register_codec
 from .errors import LocalTensorMismatchError, PayloadBoundError
 
@@ -58,8 +59,8 @@ KEY_SHIFT = {1: 0, 2: 7, 4: 23, 8: 55}
 NKEYS = {1: 128, 2: 256, 4: 256, 8: 256}
 # The size/cost rule: a class costs the puller one pass over the segment (a compare and a
 # flatnonzero, ~1-1.5 ns per element), so a segment gets another class only when it saves at
-# least this many bytes per element of the segment, plus the class's own table bytes.
-CLASS_MIN_SAVING = 1 / 8192
+# least knobs.SPARSE2_CLASS_MIN_SAVING bytes per element of the segment, plus the class's own
+# table bytes.
 CLASS_OVERHEAD_BYTES = 32
 STATS_STRIDE = 4  # element counts per key are estimated on every 4th element (boundaries only)
 
@@ -478,8 +479,9 @@ def _encode_class(members: int, local: np.ndarray, signs: np.ndarray, mags: np.n
 class Sparse2Codec:
     name = "sparse-v2"
 
-    def __init__(self, seg_elements: int = SEG_ELEMENTS, class_min_saving: float = CLASS_MIN_SAVING,
+    def __init__(self, seg_elements: int = SEG_ELEMENTS, class_min_saving: float | None = None,
                  class_overhead_bytes: int = CLASS_OVERHEAD_BYTES):
+        """``class_min_saving`` None: the knob's (read at every encode)."""
         self.seg_elements = seg_elements
         self.class_min_saving = class_min_saving
         self.class_overhead_bytes = class_overhead_bytes
@@ -542,7 +544,8 @@ class Sparse2Codec:
         members = np.bincount((v[::stride] >> dt.type(shift)).astype(np.intp), minlength=nkeys) * stride
         changes = np.bincount(keys_changed, minlength=nkeys)
         members = np.maximum(members, changes)  # the estimate never below what changed
-        starts = choose_boundaries(members, changes, 8.0 * (length * self.class_min_saving + self.class_overhead_bytes))
+        saving = knobs.SPARSE2_CLASS_MIN_SAVING.get() if self.class_min_saving is None else self.class_min_saving
+        starts = choose_boundaries(members, changes, 8.0 * (length * saving + self.class_overhead_bytes))
         bounds = [0, *starts, nkeys]
         entry = [struct.pack("<B", len(bounds) - 1), bytes(starts)]
         seg_parts: list[bytes] = []
@@ -630,24 +633,12 @@ def _ranks(sel: np.ndarray, at: np.ndarray) -> tuple[int, np.ndarray]:
     return int(prefix[-1]), prefix[byte] + _popcount(below)
 
 
-POSITION_BLOCK = 1 << 14  # members listed per block: small, reused allocations that stay in cache
-
-
-def _member_positions(sel: np.ndarray, local: np.ndarray) -> tuple[int, np.ndarray]:
-    """(members of ``sel``, the positions of the members whose indices ``local`` lists,
-    ascending). Members are listed block by block: one list for a whole segment would be a
-    fresh multi-megabyte allocation per class, whose page faults cost more than the scan."""
-    out = np.empty(local.size, np.int64)
-    members = 0
-    done = 0
-    for b0 in range(0, sel.size, POSITION_BLOCK):
-        at = np.flatnonzero(sel[b0 : b0 + POSITION_BLOCK])
-        end = done + int(np.searchsorted(local[done:], members + at.size))
-        if end > done:
-            np.add(at[local[done:end] - members], b0, out=out[done:end])
-        members += at.size
-        done = end
-    return members, out
+def _member_positions(sel: np.ndarray, local: np.ndarray, declared: int) -> tuple[int, np.ndarray]:
+    """(members of ``sel``, the positions of the members whose ranks ``local`` lists; the
+    positions only when the members are ``declared``). One list of every member: a binary
+    search in a popcount prefix measured no faster, even for classes with few changes."""
+    listed = np.flatnonzero(sel)
+    return listed.size, listed[local] if listed.size == declared else local
 
 
 def _select(v: np.ndarray, lo: int, hi: int, width: int, out: np.ndarray) -> None:
@@ -857,9 +848,7 @@ def _apply_segment(rw: np.ndarray, seg: Segment, tensor: str, index: int) -> Non
         positions = local
         if not single:
             _select(v, part.lo, part.hi, width, sel)
-            listed = np.flatnonzero(sel)
-            members = listed.size
-            positions = listed[local] if members == part.members else local
+            members, positions = _member_positions(sel, local, part.members)
             if members != part.members:
                 raise LocalTensorMismatchError(
                     tensor,

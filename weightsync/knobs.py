@@ -50,6 +50,11 @@ ANCHOR_FRACTION = Knob(
 ANCHOR_MAX_DELTAS = Knob(
     "WEIGHTSYNC_ANCHOR_MAX_DELTAS", 64, "write a side anchor after this many deltas since the last one (0: no limit)"
 )
+SPARSE2_CLASS_MIN_SAVING = Knob(
+    "WEIGHTSYNC_SPARSE2_CLASS_MIN_SAVING", 1 / 8192,
+    "sparse-v2: bytes per segment element a class must save to be kept (each costs the puller a pass; "
+    "larger: fewer classes, faster pull, more bytes)",
+)
 KEEP_VERSIONS = Knob("WEIGHTSYNC_KEEP_VERSIONS", 8, "newest versions the publisher's pruning never removes")
 
 

@@ -661,3 +661,22 @@ def test_broken_sparse_v2_payload_is_refused_at_load_before_any_seed(tmp_path):
         pull(local, seed, source, 2)
     seeded = os.path.exists(local) and any(f.endswith(".safetensors") for f in os.listdir(local))
     assert not seeded, "the seed ran before the broken payload was refused"
+
+
+def test_the_class_saving_knob_trades_bytes_for_fewer_passes(monkeypatch, rng):
+    """WEIGHTSYNC_SPARSE2_CLASS_MIN_SAVING: a class must save this many bytes per element; a
+    large value leaves one class (no pass over the segment at apply), at more bytes."""
+    w = (0.02 * rng.standard_normal(200_000)).astype(np.float32)
+    step = (2e-5 * rng.standard_normal(w.size)).astype(np.float32)
+    bf = lambda x: (x.view("<u4") >> 16).astype("<u2")  # noqa: E731
+    old, new = bf(w).view(np.uint8), bf(w + step).view(np.uint8)
+    payloads = {}
+    for saving in ("0", "1e9"):
+        monkeypatch.setenv("WEIGHTSYNC_SPARSE2_CLASS_MIN_SAVING", saving)
+        payloads[saving] = CODEC.encode(old, new, 2, 1, "t").payload
+        region = old.copy()
+        CODEC.apply(region, payloads[saving], 2, "t", 1 << 20)
+        assert region.tobytes() == new.tobytes()
+    classes = {s: len(codec_sparse2.parse(p, old.nbytes, "t").segments[0].classes) for s, p in payloads.items()}
+    assert classes["0"] >= 3 and classes["1e9"] == 1
+    assert len(payloads["0"]) < len(payloads["1e9"])
