@@ -96,6 +96,8 @@ class LiveApplyState:
         self.generation = 0
         self.live: Optional[LiveVersion] = LiveVersion(0, None, "start-up from the seed dir") if seed_dir else None
         self.live_reason = "" if seed_dir else "the engine's model path is not a local dir"
+        # the dir of the last load that named a verified version (a map built later is proven against it)
+        self.live_dir: Optional[str] = seed_dir
         self.cmap: Optional[CoordinateMap] = None
         self.map_error: Optional[str] = None
         self._map_thread: Optional[threading.Thread] = None
@@ -129,8 +131,9 @@ class LiveApplyState:
             if held is not None:
                 self.live = LiveVersion(held.version, held.source_dir if held.version > 0 else None, f"reload from {model_path} ({held.how})")
                 self.live_reason = ""
+                self.live_dir = model_path
             else:
-                self.live = None
+                self.live, self.live_dir = None, None
                 self.live_reason = (
                     f"the weights were reloaded from {model_path}, which names no verified version"
                     if success else f"a reload from {model_path} failed"
@@ -145,7 +148,7 @@ class LiveApplyState:
 
     def _prove_quietly(self, checkpoint_dir: str, expected: LiveVersion) -> None:
         try:
-            self.prove(CheckpointReader(checkpoint_dir), expected)
+            self.prove(CheckpointReader(checkpoint_dir), expected, checkpoint_dir=checkpoint_dir)
         except Exception:
             log.exception("live apply %s: the proof against %s failed", self.rank, checkpoint_dir)
 
@@ -153,7 +156,7 @@ class LiveApplyState:
         with self._lock:
             self.generation += 1
             self.staged = None
-            self.live = None
+            self.live, self.live_dir = None, None
             self.live_reason = f"the weights were last updated through {how}"
             self.stage_reason = self.live_reason
 
@@ -179,21 +182,41 @@ class LiveApplyState:
                 {**cmap.reload_only_tensors, **cmap.reload_only_params} or "none",
             )
             self.cmap = cmap
-            self.prove(reader, expected=LiveVersion(0, None, ""))
+            with self._lock:
+                live, live_dir = self.live, self.live_dir
+            if live is not None and live_dir is not None and live_dir != self.seed_dir:
+                # a reload from a local checkpoint landed while the map was built: prove against it
+                self.prove(CheckpointReader(live_dir), live, checkpoint_dir=live_dir)
+            else:
+                self.prove(reader, expected=LiveVersion(0, None, ""))
         except Exception as exc:
             log.exception("live apply %s: the coordinate map could not be built", self.rank)
             self.map_error = f"{type(exc).__name__}: {exc}"
 
-    def prove(self, reader: CheckpointReader, expected: LiveVersion) -> None:
-        """Prove the map while the live weights hold ``expected`` (the reader's version)."""
+    def prove(self, reader: CheckpointReader, expected: LiveVersion, checkpoint_dir: Optional[str] = None) -> None:
+        """Prove the map while the live weights hold ``expected`` (the reader's version).
+
+        ``checkpoint_dir``: a local checkpoint that a pull may rewrite during the proof. The proof
+        counts only if the dir still holds ``expected`` when it ends: a pull's new bytes would
+        otherwise make every parameter they touch reload-only for the engine's lifetime.
+        """
         cmap = self.cmap
         with self._lock:
             generation, live = self.generation, self.live
         if cmap is None or live is None or live.version != expected.version:
             return
-        ok = prove_map(cmap, self.params(), reader.tensor, still_valid=lambda: self.generation == generation)
-        log.info("live apply %s: proof %s in %.3fs: %s", self.rank, "done" if ok else "voided (weights changed)",
-                 cmap.proof_s, cmap.proof_reason)
+
+        def still_valid() -> bool:
+            if self.generation != generation:
+                return False
+            if checkpoint_dir is None:  # the seed dir: no pull writes there
+                return True
+            held = positions.held_version(checkpoint_dir)
+            return held is not None and held.version == expected.version
+
+        ok = prove_map(cmap, self.params(), reader.tensor, still_valid=still_valid)
+        log.info("live apply %s: proof %s in %.3fs: %s", self.rank,
+                 "done" if ok else "voided (the weights or the checkpoint changed meanwhile)", cmap.proof_s, cmap.proof_reason)
 
     def map_status(self) -> Optional[str]:
         """None when the map is ready to use, else why not."""

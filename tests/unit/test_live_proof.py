@@ -1,0 +1,101 @@
+"""The proof of a rank's map against a local checkpoint (``sglang_patch.live_side.LiveApplyState.prove``).
+
+After a reload that voided the start-up proof, the map is proven against the reloaded local
+checkpoint on a thread while the engine serves, and a pull may rewrite that dir meanwhile. The
+proof must then count for nothing: recording it would make every parameter whose bytes the pull
+changed reload-only for the rest of the engine's life. A real core pull (tiny Qwen3 checkpoint,
+published chain), a torch-only model, no sglang.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+
+class FlatModel(torch.nn.Module):
+    """One parameter per checkpoint tensor, loaded by a plain copy."""
+
+    def __init__(self, tensors: dict) -> None:
+        super().__init__()
+        self.names = sorted(tensors)
+        for i, name in enumerate(self.names):
+            self.register_parameter(f"p{i}", torch.nn.Parameter(torch.zeros_like(tensors[name]), requires_grad=False))
+
+    def load_weights(self, weights):
+        params = dict(self.named_parameters())
+        for name, t in weights:
+            params[f"p{self.names.index(name)}"].data.copy_(t)
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    """``state()``: the engine reloaded from ``local`` (at the version it holds then), its map built, not proven."""
+    from sglang_patch.coordinate_map import CheckpointReader, build_coordinate_map
+    from sglang_patch.coordinator import SingleRankGroup
+    from sglang_patch.live_side import LiveApplyState, LiveVersion
+    from testbed.feed import VersionFeed
+    from testbed.tiny_qwen3 import make_tiny_qwen3, read_state_dict
+    from weightsync import pull
+    from weightsync.positions import held_version
+
+    root = tmp_path_factory.mktemp("live_proof")
+    model_dir = make_tiny_qwen3(root / "model")
+    feed = VersionFeed(model_dir, root / "shared")
+    feed.publish(1)
+    feed.publish(2)
+    local = str(root / "local")
+    pull(local, model_dir, feed.source_dir, 1)
+
+    def state():
+        model = FlatModel(read_state_dict(local))
+        model.load_weights(read_state_dict(local).items())
+        scheduler = SimpleNamespace(tp_worker=SimpleNamespace(model_runner=SimpleNamespace(model=model)))
+        s = LiveApplyState(scheduler=scheduler, group=SingleRankGroup(), host="host/node0", rank="dp0/tp0",
+                           seed_dir=model_dir, allowed_roots=(), max_changed_fraction=0.1)
+        s.cmap = build_coordinate_map(model, CheckpointReader(local).specs())
+        s.live = LiveVersion(held_version(local).version, feed.source_dir, f"reload from {local} (marker)")
+        s.live_dir = local
+        return s
+
+    return SimpleNamespace(state=state, local=local, model_dir=model_dir, feed=feed, pull=pull)
+
+
+def test_a_proof_against_the_reloaded_local_checkpoint_proves_every_parameter(served):
+    from sglang_patch.coordinate_map import CheckpointReader
+
+    state = served.state()
+    state.prove(CheckpointReader(served.local), state.live, checkpoint_dir=served.local)
+    assert state.cmap.proven and not state.cmap.reload_only_params
+    assert len(state.cmap.proven_params) == len(list(state.model.parameters()))
+
+
+def test_a_proof_against_a_local_checkpoint_a_pull_rewrote_meanwhile_records_nothing(served):
+    from sglang_patch.coordinate_map import CheckpointReader
+
+    state = served.state()
+    reader = CheckpointReader(served.local)
+    read = reader.tensor
+    pulled = []
+
+    def tensor_while_a_pull_lands(name):
+        if not pulled:  # the next version's pull lands while the proof reads
+            pulled.append(served.pull(served.local, served.model_dir, served.feed.source_dir, 2))
+        return read(name)
+
+    reader.tensor = tensor_while_a_pull_lands
+    state.prove(reader, state.live, checkpoint_dir=served.local)
+    assert pulled, "the proof never read the checkpoint"
+    assert not state.cmap.proven and not state.cmap.reload_only_params and not state.cmap.proven_params
+
+
+def test_a_map_built_after_a_reload_from_a_local_checkpoint_is_proven_against_that_dir(served):
+    from sglang_patch.live_side import LiveVersion
+
+    state = served.state()  # the reload landed before the map thread finished building
+    state.cmap = None
+    state._build_and_prove()
+    assert state.map_error is None and state.map_status() is None, state.cmap.proof_reason
+    assert not state.cmap.reload_only_params
