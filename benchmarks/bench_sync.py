@@ -311,7 +311,7 @@ def run(args, N: int, steps, machine: str, work: str) -> str:
     locals_ = {}
     for enc in ENCODINGS:
         src = os.path.join(work, f"src-{enc}")
-        pubs[enc] = Publisher(src, encoding=enc, workers=N)
+        pubs[enc] = Publisher(src, encoding=enc, workers=N, prune=False)  # the catch-up needs the whole chain
         pubs[enc].seed_snapshot(as_raw(v0))
         locals_[enc] = os.path.join(work, f"local-{enc}")
         pull(locals_[enc], seed, src, 0, workers=N)
