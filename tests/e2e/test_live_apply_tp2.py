@@ -64,9 +64,9 @@ def env(tmp_path_factory, server_factory):
 
 
 def digests(env) -> dict:
-    resp = env.server.post("/weights_digest", {})
-    assert resp.status_code == 200, resp.text
-    return {r["rank"]: r for r in resp.json()["ranks"]}
+    from testbed.live import weights_digest
+
+    return weights_digest(env.server)
 
 
 def pull(env, version):
@@ -90,21 +90,17 @@ def reload_digests(env) -> dict:
 
 
 def assert_same_weights(a: dict, b: dict) -> None:
-    assert sorted(a) == sorted(b) == ["dp0/tp0", "dp0/tp1"]
-    for rank in a:
-        differ = [n for n in a[rank]["digests"] if a[rank]["digests"][n] != b[rank]["digests"][n]]
-        assert not differ, f"{rank}: {differ}"
+    from testbed import live
+
+    assert sorted(a) == ["dp0/tp0", "dp0/tp1"]
+    live.assert_same_weights(a, b)
 
 
 def test_the_map_is_proven_on_every_rank_except_for_the_transformed_parameter(env, record_property):
-    import time
+    from testbed.live import wait_until_map_proven
 
-    deadline = time.monotonic() + 120
-    while True:
-        ranks = digests(env)
-        if all(r["coordinate_map"].get("proven") for r in ranks.values()) or time.monotonic() > deadline:
-            break
-        time.sleep(0.5)
+    ranks = wait_until_map_proven(env.server)  # built and proven on a thread after start-up
+    assert sorted(ranks) == ["dp0/tp0", "dp0/tp1"]
     for rank, r in ranks.items():
         cmap = r["coordinate_map"]
         assert cmap["proven"], (rank, cmap)
