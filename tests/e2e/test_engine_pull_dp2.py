@@ -98,8 +98,10 @@ def generate_on_both_groups(env, prompt, max_new_tokens):
     return ids[0]
 
 
-@pytest.mark.parametrize("version,encoding", [(3, "sparse-v1"), (4, "xor")])
-def test_a_live_apply_reaches_both_dp_groups_bit_identical_to_a_reload(env, version, encoding):
+# Greedy output (ten prompts, from both groups, against transformers) after the second apply only:
+# it costs a minute on this box, and the digests already show each apply equals a reload.
+@pytest.mark.parametrize("version,encoding,check_output", [(3, "sparse-v1", False), (4, "xor", True)])
+def test_a_live_apply_reaches_both_dp_groups_bit_identical_to_a_reload(env, version, encoding, check_output):
     from testbed.live import assert_same_weights, wait_until_map_proven, weights_digest
     from testbed.tiny_qwen3 import assert_server_greedy_equals
 
@@ -120,7 +122,8 @@ def test_a_live_apply_reaches_both_dp_groups_bit_identical_to_a_reload(env, vers
         assert r["data_ptrs"] == before[rank]["data_ptrs"], rank
         assert r["digests"] != before[rank]["digests"], rank
     assert live["dp0/tp0"]["digests"] == live["dp1/tp0"]["digests"]  # both groups hold the same weights
-    assert_server_greedy_equals(lambda p, n: generate_on_both_groups(env, p, n), env.local)
+    if check_output:
+        assert_server_greedy_equals(lambda p, n: generate_on_both_groups(env, p, n), env.local)
     resp = env.server.post("/update_weights_from_disk", {"model_path": env.local})
     assert resp.status_code == 200, resp.text
     assert_same_weights(live, weights_digest(env.server))  # bit for bit what a reload of the same dir gives
