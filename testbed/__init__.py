@@ -5,4 +5,6 @@ Modules:
   greedy continuation for given weights (the reference the server must match).
 - ``testbed.sglang_cpu``: launch/stop ``python -m sglang.launch_server`` on the CPU, loopback only,
   with this repo's sglang plugin installed and the CPU-test stand-ins on ``PYTHONPATH``.
+- ``testbed.live``: a server's per-rank ``/weights_digest`` records, waiting for the live-apply
+  map's proof, and "same bytes in every parameter of every rank".
 """
