@@ -349,9 +349,67 @@ def apply_sparse_v2(old: bytes, payload: bytes) -> bytes:
     return np.array(out, dtype=np.uint64).astype(V2_LE[width]).tobytes()
 
 
+# --- sparse-v1 (FORMAT.md "sparse-v1"), reader only -------------------------------------------
+
+
+def apply_sparse_v1(old: bytes, payload: bytes) -> bytes:
+    magic, version, width, transform, flags, n, seg, nseg = struct.unpack_from("<4sBBBBQII", payload, 0)
+    assert (magic, version, flags) == (b"WSSP", 1, 0) and width in V2_LE and transform in (0, 1)
+    assert n * width == len(old) and 1 <= seg <= 1 << 30 and seg >= min(n, 1 << 16) and nseg == -(-n // seg)
+    bits = 8 * width
+    out = [int(x) for x in np.frombuffer(old, V2_LE[width])]
+    pos = 24
+    entries = []
+    for s in range(nseg):
+        count, nbig, gw = struct.unpack_from("<IIB", payload, pos)
+        assert payload[pos + 9 : pos + 12] == b"\0\0\0"
+        pos += 12
+        nframes = 0 if count == 0 else gw + 2 + (width if nbig else 0)
+        entries.append((count, nbig, gw, struct.unpack_from(f"<{nframes}I", payload, pos)))
+        pos += 4 * nframes
+    order = (lambda x: v2_order(x, width)) if transform else (lambda x: x)
+    unorder = (lambda y: v2_unorder(y, width)) if transform else (lambda y: y)
+    for s, (count, nbig, gw, sizes) in enumerate(entries):
+        frames = []
+        for size in sizes:
+            frames.append(_frame_content(payload[pos : pos + size]))
+            pos += size
+        if count == 0:
+            continue
+        gaps = [sum(frames[j][i] << (8 * j) for j in range(gw)) for i in range(count)]
+        signs = BitReader(frames[gw])
+        large = BitReader(frames[gw + 1])
+        planes = frames[gw + 2 :]
+        at, b = s * seg - 1, 0
+        for i in range(count):
+            at += gaps[i] + 1
+            assert at < min(n, (s + 1) * seg)
+            negative, is_large = signs.field(1), large.field(1)
+            m = 1
+            if is_large:
+                m = 2 + sum(planes[j][b] << (8 * j) for j in range(width))
+                b += 1
+            step = (1 << bits) - m if negative else m
+            out[at] = unorder((order(out[at]) + step) % (1 << bits))
+        assert b == nbig
+        signs.finish()
+        large.finish()
+    assert pos == len(payload), "trailing bytes after the sparse-v1 streams"
+    return np.array(out, dtype=np.uint64).astype(V2_LE[width]).tobytes()
+
+
+def _frame_content(frame: bytes) -> bytes:
+    size = zstandard.get_frame_parameters(frame).content_size
+    out = zstandard.ZstdDecompressor().decompress(frame, max_output_size=size)
+    assert len(out) == size
+    return out
+
+
 def apply_payload(encoding: str, old: bytes, payload: bytes) -> bytes:
     if encoding == "sparse-v2":
         return apply_sparse_v2(old, payload)
+    if encoding == "sparse-v1":
+        return apply_sparse_v1(old, payload)
     params = zstandard.get_frame_parameters(payload)
     body = zstandard.ZstdDecompressor().decompress(payload, max_output_size=params.content_size)
     assert len(body) == params.content_size
@@ -366,7 +424,7 @@ def apply_payload(encoding: str, old: bytes, payload: bytes) -> bytes:
         out = np.frombuffer(old, np.uint8).copy()
         out[pos] = np.frombuffer(body, np.uint8, offset=4 + 4 * count)
         return out.tobytes()
-    raise ValueError(f"unsupported delta_encoding {encoding!r}; supported ['overwrite', 'sparse-v2', 'xor']")
+    raise ValueError(f"unsupported delta_encoding {encoding!r}; supported ['overwrite', 'sparse-v1', 'sparse-v2', 'xor']")
 
 
 # --- the writer ---------------------------------------------------------------------------------

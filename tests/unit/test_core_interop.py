@@ -144,7 +144,7 @@ def test_a_sparse_v2_chain_of_the_independent_writer_pulls_bit_exact(fast_tmp_pa
     assert_checkpoint_is(folded, expected[4])
 
 
-@pytest.mark.parametrize("encoding", ["xor", "overwrite", "sparse-v2"])
+@pytest.mark.parametrize("encoding", ["xor", "overwrite", "sparse-v1", "sparse-v2"])
 def test_versions_our_publisher_writes_are_read_by_the_independent_reader(fast_tmp_path, encoding):
     rng = np.random.default_rng(11)
     source = str(fast_tmp_path / "src")
