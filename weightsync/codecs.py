@@ -4,8 +4,8 @@ and applying a payload to a region of the local checkpoint in place.
 - ``xor`` (upstream): payload = zstd(new XOR old) over the whole tensor; an involution.
 - ``overwrite`` (upstream): zstd(u32 count, count ascending u32 byte positions, count new bytes).
 - ``sparse-v1`` (ours, opt-in for upstream readers): see ``codec_sparse``.
-- ``sparse-v2`` (ours): sparse-v1's streams coded per class of the old element's exponent;
-  see ``codec_sparse2``.
+- ``sparse-v2`` (ours): the changed elements, Rice / Exp-Golomb coded per class of the old
+  element's exponent; see ``codec_sparse2``.
 
 Codecs are byte-level. ``itemsize`` (the element width of the tensor's dtype) is passed so a
 codec may work on elements; xor and overwrite ignore it.
