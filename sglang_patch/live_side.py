@@ -104,6 +104,7 @@ class LiveApplyState:
         self.staged: Optional[StagedUpdate] = None
         self._voted: Optional[StagedUpdate] = None
         self.stage_reason: Optional[str] = "nothing staged yet (pull the target version first)"
+        self._phase: dict[str, float] = {}  # seconds into the last update call, per step (logged)
 
     # --- the model ---------------------------------------------------------------------------
 
@@ -343,14 +344,17 @@ class LiveApplyState:
         """``UpdateWeightsFromPulledReqInput`` -> the DP group's reply (every rank; entry rank sends)."""
         start = time.perf_counter()
         target = getattr(request, "target_version", -1)
-        with _no_gc_pause():
+        with _no_gc_pause(), _short_gil_switches():
             return self._handle_update(request, start, target)
 
     def _handle_update(self, request: Any, start: float, target: int) -> Any:
         from .io_types import UpdateWeightsFromPulledReqOutput
 
         try:
-            votes = self._all_gather(self._vote(request))
+            vote = self._vote(request)
+            self._phase = {"vote": time.perf_counter() - start}
+            votes = self._all_gather(vote)
+            self._phase["votes_gathered"] = time.perf_counter() - start
             refusal = lr.first_refusal(votes)
             if refusal is not None:
                 fields = lr.summarize(target, [], error_type=refusal.error_type, http_status=refusal.http_status,
@@ -361,7 +365,11 @@ class LiveApplyState:
                 report = self._apply_live(request, start)
             else:
                 report = self._reload(request, reason, start)
+            self._phase["applied"] = time.perf_counter() - start
             reports = self._all_gather(report)
+            self._phase["reports_gathered"] = time.perf_counter() - start
+            log.info("live apply %s: v%s %s in %.3fs: %s", self.rank, target, report.mode, self._phase["reports_gathered"],
+                     ", ".join(f"{k} {v:.4f}" for k, v in self._phase.items()))
             fields = lr.summarize(target, lr.merge_hosts(reports))
         except Exception as exc:  # never into the scheduler
             log.exception("live apply %s: the update failed", self.rank)
@@ -387,7 +395,9 @@ class LiveApplyState:
             log.warning("live apply %s: scatter failed, this rank restored: %s", self.rank, exc)
             error = f"{type(exc).__name__}: {exc}"
         scatter_s = time.perf_counter() - t0
+        self._phase["scattered"] = time.perf_counter() - start
         outcomes = self._all_gather(error)
+        self._phase["outcomes_gathered"] = time.perf_counter() - start
         failed = [(i, e) for i, e in enumerate(outcomes) if e is not None]
         if failed:
             if undo is not None:
@@ -402,6 +412,7 @@ class LiveApplyState:
         manager = self.scheduler.weight_updater
         ok, message = manager.flush_cache_after_weight_update(request, True, f"patched {written} elements live")
         manager.record_weight_version_after_update(str(staged.to_version))
+        self._phase["flushed"] = time.perf_counter() - start
         with self._lock:
             self.generation += 1
             self.live = LiveVersion(staged.to_version, staged.source_dir, f"live apply from {staged.local_checkpoint_dir}")
@@ -493,10 +504,11 @@ def _no_gc_pause() -> Iterator[None]:
 
 @contextlib.contextmanager
 def _short_gil_switches(interval_s: float = 1e-4) -> Iterator[None]:
-    """While this thread runs many short torch calls beside sglang's busy-polling loop.
+    """While this thread makes many short calls that give the GIL up (torch ops, syscalls).
 
-    Each call gives the GIL up and must win it back from a thread that never blocks; at the
-    default 5 ms switch interval that wait, not the work, is the cost (hundreds of calls).
+    Each must win the GIL back from whichever thread took it meanwhile (in the scheduler
+    process there is always one: sglang's loop while we stage, other threads in the pause); at
+    the default 5 ms switch interval that wait, not the work, is the cost: hundreds of calls.
     """
     before = sys.getswitchinterval()
     sys.setswitchinterval(min(before, interval_s))
