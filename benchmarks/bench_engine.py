@@ -370,10 +370,11 @@ def report(args, res: dict) -> str:
                 line += (f" live {med(live):.3f} ({spread(live)}) | until served {med(live_srv):.3f} | "
                          f"{ratio:.3f}x | {', '.join(modes)}, scatter {med(scatter):.3f} | staging {stage:.2f} |")
                 targets.append(live_target(args.device, tp, label, med(live), ratio))
-                pull_alone = med(row["pull"]["endpoint"])
+                # the same version's pull: the /pull_weights wall (which returns after staging) less staging
+                pull_alone = med([w - st for w, st in zip(p["pull_live"], p["stage_s"])])
                 targets.append(
                     f"- TP={tp}, {label} changed: preparation while serving (staging, after the pull's verify) "
-                    f"{stage:.2f}s against the pull itself {pull_alone:.2f}s: {stage / pull_alone:.2f}x "
+                    f"{stage:.2f}s against the same version's pull itself {pull_alone:.2f}s: {stage / pull_alone:.2f}x "
                     f"(target <= 1.0x: {'MET' if stage <= pull_alone else 'NOT MET'})"
                 )
             else:
