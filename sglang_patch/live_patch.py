@@ -12,10 +12,11 @@ Memory bound, per rank: ``8 + 2 x itemsize`` bytes per changed element of this r
 (the index, the new values, the old values), plus the checkpoint-dtype values while the cast
 runs; staging is refused (the call reloads) once the changed elements pass ``max_elements``.
 
-The pause (``scatter_with_undo``) is then only the writes: ``index_copy_`` into each parameter's
-own storage (pointers unchanged, so captured CUDA graphs stay valid), one intra-op thread on
-the CPU (a multi-threaded ``index_copy_`` of bf16 over scattered positions is many times
-slower here, and the TP ranks already run side by side). On any failure every patch is written
+The pause (``scatter_with_undo``) is then only the writes into each parameter's own storage
+(pointers unchanged, so captured CUDA graphs stay valid): ``index_copy_`` on a device, numpy
+fancy assignment over integer views on the CPU, with one intra-op thread (a multi-threaded
+``index_copy_`` of bf16 over scattered positions is many times slower here, and the TP ranks
+already run side by side). On any failure every patch is written
 back from the undo log, in reverse order, so the rank is exactly at the previous version. The
 undo log is valid because the live weights cannot change between staging and the pause
 without voiding the staging (the weights' generation, checked when the ranks vote).
@@ -46,6 +47,17 @@ class ParamPatch(NamedTuple):
     index: torch.Tensor  # int64 flat positions in the contiguous parameter
     values: torch.Tensor  # the new values, the parameter's dtype, host memory
     old: torch.Tensor  # the live values there when staged (the undo log)
+
+    def write(self, source: torch.Tensor) -> None:
+        """``flat[index] = source`` in place."""
+        if self.flat.device.type == "cpu":
+            # numpy's fancy assignment over same-width integer views: the same bytes, measured
+            # about 1.5x faster than index_copy_ at 1% density (no per-element dispatch)
+            carrier = _INT_OF_WIDTH[self.flat.element_size()]
+            self.flat.view(carrier).numpy()[self.index.numpy()] = source.view(carrier).numpy()
+        else:
+            self.flat.index_copy_(0, self.index.to(self.flat.device, non_blocking=True),
+                                  source.to(self.flat.device, non_blocking=True))
 
 
 @dataclass
@@ -170,7 +182,7 @@ class UndoLog:
 
     def restore(self) -> None:
         for p in reversed(self._patches):
-            p.flat.index_copy_(0, p.index.to(p.flat.device, non_blocking=True), p.old.to(p.flat.device, non_blocking=True))
+            p.write(p.old)
         if any(p.flat.device.type == "cuda" for p in self._patches):
             torch.cuda.synchronize()
         self._patches.clear()
@@ -208,7 +220,7 @@ def scatter_with_undo(
             for k, p in enumerate(staged.patches):
                 if before_write is not None:
                     before_write(k, p.param)
-                p.flat.index_copy_(0, p.index.to(p.flat.device, non_blocking=True), p.values.to(p.flat.device, non_blocking=True))
+                p.write(p.values)
                 written += int(p.index.numel())
         if any(p.flat.device.type == "cuda" for p in staged.patches):
             torch.cuda.synchronize()
