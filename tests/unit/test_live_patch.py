@@ -128,3 +128,25 @@ def test_a_rolled_back_reply_is_a_failure_that_says_every_rank_was_restored():
     fields = lr.summarize(4, lr.merge_hosts(reports))
     assert fields["success"] is False and fields["rolled_back"] is True and fields["http_status"] == 500
     assert fields["weight_version"] == 3 and "every rank was restored" in fields["message"]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16])
+@pytest.mark.parametrize("density", [0.001, 0.5])  # below and above SPARSE_WRITE_DENSITY: both write paths
+def test_a_patch_writes_exactly_its_positions_in_place_and_restores_them(dtype, density):
+    from sglang_patch.live_patch import SPARSE_WRITE_DENSITY, ParamPatch
+
+    g = torch.Generator().manual_seed(1)
+    param = torch.randn(20_000, generator=g).to(dtype)
+    before, ptr = param.clone(), param.data_ptr()
+    index = torch.from_numpy(np.sort(np.random.default_rng(1).choice(param.numel(), int(density * param.numel()), replace=False)))
+    assert (index.numel() < SPARSE_WRITE_DENSITY * param.numel()) == (density < SPARSE_WRITE_DENSITY)
+    values = torch.randn(index.numel(), generator=g).to(dtype)
+    patch = ParamPatch("p", param.view(-1), index, values, param.index_select(0, index))
+    patch.write(patch.values)
+    expected = before.clone()
+    expected[index] = values
+    assert torch.equal(param.view(torch.int16 if dtype != torch.float32 else torch.int32),
+                       expected.view(torch.int16 if dtype != torch.float32 else torch.int32))
+    assert param.data_ptr() == ptr
+    patch.write(patch.old)
+    assert torch.equal(param, before)
