@@ -215,7 +215,11 @@ class LiveApplyState:
             held = positions.held_version(checkpoint_dir)
             return held is not None and held.version == expected.version
 
-        ok = prove_map(cmap, self.params(), reader.tensor, still_valid=still_valid)
+        # A shared hold of the host's pull lock: a pull (exclusive) from any co-located rank
+        # waits until every rank's proof has read the dir. Without it a trainer that pulls
+        # right after a fallback reload voids every proof, and the engine reloads for ever.
+        with _shared_pull_lock(checkpoint_dir):
+            ok = prove_map(cmap, self.params(), reader.tensor, still_valid=still_valid)
         log.info("live apply %s: proof %s in %.3fs: %s", self.rank,
                  "done" if ok else "voided (the weights or the checkpoint changed meanwhile)", cmap.proof_s, cmap.proof_reason)
 
@@ -490,6 +494,25 @@ def stage_for(scheduler: Any, local_dir: str, source_dir: str, target_version: i
     state = state_of(scheduler)
     if state is not None:
         state.stage_after_pull(local_dir, source_dir, target_version, stager)
+
+
+@contextlib.contextmanager
+def _shared_pull_lock(checkpoint_dir: Optional[str]) -> Iterator[None]:
+    """Hold the host's pull lock of ``checkpoint_dir`` shared (None: nothing to hold)."""
+    if checkpoint_dir is None:
+        yield
+        return
+    import fcntl
+
+    from weightsync.layout import lock_path, sync_dir
+
+    os.makedirs(sync_dir(checkpoint_dir), exist_ok=True)
+    fd = os.open(lock_path(checkpoint_dir), os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH)  # waits out a pull or its deferred flush: a proof then would be void
+        yield
+    finally:
+        os.close(fd)  # closing the description releases the lock
 
 
 def _release_later(staged: Optional[StagedUpdate], delay_s: float = 0.5) -> None:

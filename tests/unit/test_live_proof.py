@@ -9,6 +9,8 @@ published chain), a torch-only model, no sglang.
 
 from __future__ import annotations
 
+import os
+
 from types import SimpleNamespace
 
 import pytest
@@ -72,22 +74,62 @@ def test_a_proof_against_the_reloaded_local_checkpoint_proves_every_parameter(se
     assert len(state.cmap.proven_params) == len(list(state.model.parameters()))
 
 
-def test_a_proof_against_a_local_checkpoint_a_pull_rewrote_meanwhile_records_nothing(served):
+def test_a_pull_of_the_checkpoint_a_proof_is_reading_waits_for_the_proof_to_finish(served):
+    import threading
+    import time
+
     from sglang_patch.coordinate_map import CheckpointReader
 
     state = served.state()
     reader = CheckpointReader(served.local)
     read = reader.tensor
-    pulled = []
+    events: list = []
 
-    def tensor_while_a_pull_lands(name):
-        if not pulled:  # the next version's pull lands while the proof reads
-            pulled.append(served.pull(served.local, served.model_dir, served.feed.source_dir, 2))
+    def pull_in_background():
+        served.pull(served.local, served.model_dir, served.feed.source_dir, 2)
+        events.append(("pulled", time.monotonic()))
+
+    puller = threading.Thread(target=pull_in_background)
+
+    def tensor_while_a_pull_starts(name):
+        if not puller.is_alive() and not events:  # the next version's pull starts while the proof reads
+            puller.start()
+            time.sleep(0.5)  # time enough for an unguarded pull to rewrite the dir
         return read(name)
 
-    reader.tensor = tensor_while_a_pull_lands
+    reader.tensor = tensor_while_a_pull_starts
     state.prove(reader, state.live, checkpoint_dir=served.local)
-    assert pulled, "the proof never read the checkpoint"
+    proof_done = time.monotonic()
+    puller.join(timeout=120)
+    assert events and events[0][1] >= proof_done, "the pull rewrote the dir while the proof read it"
+    assert state.cmap.proven and not state.cmap.reload_only_params, state.cmap.proof_reason
+
+
+def test_a_proof_against_a_checkpoint_rewritten_meanwhile_by_anyone_records_nothing(served):
+    # a writer that ignores the host lock (an operator's copy): the proof's end check catches it
+    from sglang_patch.coordinate_map import CheckpointReader
+    from weightsync.layout import state_path
+
+    state = served.state()
+    reader = CheckpointReader(served.local)
+    read = reader.tensor
+    touched = []
+
+    def tensor_while_the_marker_changes(name):
+        if not touched:
+            touched.append(True)
+            os.unlink(state_path(served.local))  # the dir no longer names the proven version
+        return read(name)
+
+    reader.tensor = tensor_while_the_marker_changes
+    with open(state_path(served.local), "rb") as f:
+        marker = f.read()
+    try:
+        state.prove(reader, state.live, checkpoint_dir=served.local)
+    finally:
+        with open(state_path(served.local), "wb") as f:  # the module's other tests use the dir
+            f.write(marker)
+    assert touched, "the proof never read the checkpoint"
     assert not state.cmap.proven and not state.cmap.reload_only_params and not state.cmap.proven_params
 
 
