@@ -41,7 +41,7 @@ from weightsync.errors import InvalidRequestError, PathNotAllowedError
 from . import compat
 from . import live_results as lr
 from .coordinate_map import CheckpointReader, CoordinateMap, build_coordinate_map, prove_map
-from .live_patch import StagedUpdate, StagingRefused, finish_staging, reload_only_reasons, scatter_with_undo
+from .live_patch import StagedUpdate, StagingRefused, finish_staging, one_intra_op_thread, reload_only_reasons, scatter_with_undo
 from .live_stage import Patch, StageJob, StageReply
 from .paths import ALLOWED_ROOTS_FLAG
 
@@ -218,7 +218,7 @@ class LiveApplyState:
         # A shared hold of the host's pull lock: a pull (exclusive) from any co-located rank
         # waits until every rank's proof has read the dir. Without it a trainer that pulls
         # right after a fallback reload voids every proof, and the engine reloads for ever.
-        with _shared_pull_lock(checkpoint_dir):
+        with _shared_pull_lock(checkpoint_dir), one_intra_op_thread():  # (see live_patch.finish_staging)
             ok = prove_map(cmap, self.params(), reader.tensor, still_valid=still_valid)
         log.info("live apply %s: proof %s in %.3fs: %s", self.rank,
                  "done" if ok else "voided (the weights or the checkpoint changed meanwhile)", cmap.proof_s, cmap.proof_reason)
