@@ -35,7 +35,7 @@ import numpy as np
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from .live_stage import Placement
+from .live_stage import CARRIER, Placement
 
 log = logging.getLogger(__name__)
 
@@ -46,8 +46,7 @@ TORCH_DTYPE_OF = {
     "I64": torch.int64, "F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32, "F64": torch.float64,
 }
 # numpy cannot hold bf16: such tensors are read as same-width integers and reinterpreted.
-_NUMPY_CARRIER = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
-_INT_OF_WIDTH = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+INT_OF_WIDTH = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 class TensorSpec(NamedTuple):
@@ -395,7 +394,7 @@ def as_int_bits(t: torch.Tensor) -> torch.Tensor:
     """The same bytes as integers, so that comparisons are bit for bit (NaN, -0.0)."""
     if t.dtype == torch.bool:
         return t.view(torch.uint8)
-    return t.view(_INT_OF_WIDTH[t.element_size()])
+    return t.view(INT_OF_WIDTH[t.element_size()])
 
 
 def prove_map(
@@ -478,7 +477,7 @@ def tensor_from_file(path: str, offset: int, nbytes: int, dtype: str, shape: tup
     count = nbytes // itemsize
     if count == 0:
         return torch.empty(shape, dtype=torch_dtype)
-    arr = np.memmap(path, dtype=_NUMPY_CARRIER[itemsize], mode="r", offset=offset, shape=(count,))
+    arr = np.memmap(path, dtype=CARRIER[itemsize], mode="r", offset=offset, shape=(count,))
     import warnings
 
     with warnings.catch_warnings():

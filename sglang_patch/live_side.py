@@ -37,6 +37,7 @@ from typing import Any, Callable, Iterator, NamedTuple, Optional
 
 import weightsync.positions as positions
 from weightsync.errors import InvalidRequestError, PathNotAllowedError
+from weightsync.lock import shared_host_lock
 
 from . import compat
 from . import live_results as lr
@@ -218,7 +219,8 @@ class LiveApplyState:
         # A shared hold of the host's pull lock: a pull (exclusive) from any co-located rank
         # waits until every rank's proof has read the dir. Without it a trainer that pulls
         # right after a fallback reload voids every proof, and the engine reloads for ever.
-        with _shared_pull_lock(checkpoint_dir), one_intra_op_thread():  # (see live_patch.finish_staging)
+        held = shared_host_lock(checkpoint_dir) if checkpoint_dir is not None else contextlib.nullcontext()
+        with held, one_intra_op_thread():  # (see live_patch.finish_staging)
             ok = prove_map(cmap, self.params(), reader.tensor, still_valid=still_valid)
         log.info("live apply %s: proof %s in %.3fs: %s", self.rank,
                  "done" if ok else "voided (the weights or the checkpoint changed meanwhile)", cmap.proof_s, cmap.proof_reason)
@@ -494,25 +496,6 @@ def stage_for(scheduler: Any, local_dir: str, source_dir: str, target_version: i
     state = state_of(scheduler)
     if state is not None:
         state.stage_after_pull(local_dir, source_dir, target_version, stager)
-
-
-@contextlib.contextmanager
-def _shared_pull_lock(checkpoint_dir: Optional[str]) -> Iterator[None]:
-    """Hold the host's pull lock of ``checkpoint_dir`` shared (None: nothing to hold)."""
-    if checkpoint_dir is None:
-        yield
-        return
-    import fcntl
-
-    from weightsync.layout import lock_path, sync_dir
-
-    os.makedirs(sync_dir(checkpoint_dir), exist_ok=True)
-    fd = os.open(lock_path(checkpoint_dir), os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_SH)  # waits out a pull or its deferred flush: a proof then would be void
-        yield
-    finally:
-        os.close(fd)  # closing the description releases the lock
 
 
 def _release_later(staged: Optional[StagedUpdate], delay_s: float = 0.5) -> None:

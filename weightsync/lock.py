@@ -83,3 +83,17 @@ def host_lock(local_checkpoint_dir: str, timeout_s: float | None = None) -> Iter
         yield held.waited_s
     finally:
         held.release()
+
+
+@contextlib.contextmanager
+def shared_host_lock(local_checkpoint_dir: str) -> Iterator[None]:
+    """Hold the host's pull lock *shared* for a block: readers of the local checkpoint that a
+    pull must not rewrite meanwhile (several at once; a pull, exclusive, waits for them all).
+    Waits out a pull or its deferred flush in progress."""
+    os.makedirs(sync_dir(local_checkpoint_dir), exist_ok=True)
+    fd = os.open(lock_path(local_checkpoint_dir), os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH)
+        yield
+    finally:
+        os.close(fd)  # closing the description releases the lock
