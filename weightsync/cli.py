@@ -110,7 +110,7 @@ def cmd_publish(args) -> int:
     pub = Publisher(
         args.source_dir, encoding=args.encoding, checksum=args.checksum, template_dir=args.template_dir or args.checkpoint,
         fallback_fraction=args.fallback_fraction, full_above_changed_fraction=args.full_above_changed_fraction,
-        keep_versions=args.keep,
+        keep_versions=args.keep, link_bytes_per_s=args.link_bytes_per_s,
     )
     try:
         new = read_checkpoint_tensors(args.checkpoint)
@@ -127,10 +127,12 @@ def cmd_publish(args) -> int:
     finally:
         pub.close()
     table = format_table(
-        ["version", "kind", "reason", "wire", "full", "changed elements"],
-        [[result.version, result.kind, result.reason, human_bytes(result.wire_nbytes), human_bytes(result.full_nbytes),
-          f"{100 * result.changed_fraction:.3f}%"]],
+        ["version", "kind", "encoding", "reason", "wire", "full", "changed elements"],
+        [[result.version, result.kind, result.encoding, result.reason, human_bytes(result.wire_nbytes),
+          human_bytes(result.full_nbytes), f"{100 * result.changed_fraction:.3f}%"]],
     )
+    if result.encoding_reason:
+        table += f"\nencoding: {result.encoding_reason}"
     _emit(args, result, table)
     return 0
 
@@ -217,7 +219,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--checkpoint", required=True, help="HF checkpoint holding the new weights")
     s.add_argument("--base-checkpoint", help="HF checkpoint holding version - 1 (for a delta)")
     s.add_argument("--full", action="store_true", help="publish a full version (an anchor)")
-    s.add_argument("--encoding", default=None, choices=supported_encodings())
+    s.add_argument("--encoding", default=None, choices=[*supported_encodings(), "auto"],
+                   help="delta encoding; auto: sparse-v1 or sparse-v2, whichever costs a puller less (needs the link)")
+    s.add_argument("--link-bytes-per-s", type=float, default=None,
+                   help="for --encoding auto: bytes/s one puller gets from SRC (default: WEIGHTSYNC_LINK_BYTES_PER_S)")
     s.add_argument("--checksum", default=DEFAULT_CHECKSUM, choices=supported_checksums())
     s.add_argument("--template-dir", help="dir whose config/tokenizer files a full version carries")
     s.add_argument("--fallback-fraction", type=float, default=None, help="full version when delta bytes > F x full")

@@ -48,22 +48,30 @@ class PreparedVersion(msgspec.Struct):
     total_elements: int
     encode_s: float
     encoded: bool = True  # False: prepared for a full version only (no payloads, no change counts)
+    encoding: str = ""  # the delta encoding of the payloads ("" when not encoded)
+    encoding_reason: str = ""  # why the publisher chose it (encoding "auto"), else ""
 
 
 class Encoder:
-    """Encodes with one codec and checksum on a shared thread pool."""
+    """Encodes with a codec chosen per version, and one checksum, on a shared thread pool."""
 
     def __init__(self, encoding: str, checksum: str, level: int, workers: int, pool: ThreadPoolExecutor):
-        self.codec: Codec = get_codec(encoding)
+        """``encoding``: what ``prepare`` uses when it is not told ("auto" has no codec: the
+        publisher names one per version)."""
+        self.encoding = encoding
         self.checksum = checksum
         self.level = level
         self.workers = workers
         self.pool = pool
 
-    def prepare(self, version: int, rank: int, jobs: list[EncodeJob], *, encode: bool = True) -> PreparedVersion:
+    def prepare(
+        self, version: int, rank: int, jobs: list[EncodeJob], *, encode: bool = True, encoding: str | None = None,
+        encoding_reason: str = "",
+    ) -> PreparedVersion:
         t0 = time.perf_counter()
+        name = encoding or self.encoding
         if encode:
-            tensors = self._encode(jobs)
+            tensors = self._encode(jobs, get_codec(name))
             self._hash_changed(tensors)
         else:
             tensors = [_unencoded(j) for j in jobs]
@@ -78,11 +86,12 @@ class Encoder:
             total_elements=sum(t.nelements for t in tensors),
             encode_s=time.perf_counter() - t0,
             encoded=encode,
+            encoding=name if encode else "",
+            encoding_reason=encoding_reason if encode else "",
         )
 
-    def _encode(self, jobs: list[EncodeJob]) -> list[PreparedTensor]:
-        codec = self.codec
-        plan = self._split_plan(jobs)
+    def _encode(self, jobs: list[EncodeJob], codec: Codec) -> list[PreparedTensor]:
+        plan = self._split_plan(jobs, codec)
         parted = cast(SegmentedCodec, codec)  # used only when plan is non-empty: a codec with parts
 
         def encode_whole(job: EncodeJob) -> PreparedTensor:
@@ -126,20 +135,20 @@ class Encoder:
         changed = sorted((t for t in tensors if t.payload is not None), key=lambda t: -t.nbytes)
         list(self.pool.map(digest, changed))
 
-    def _split_plan(self, jobs: list[EncodeJob]) -> dict[str, list[tuple[int, int]]]:
+    def _split_plan(self, jobs: list[EncodeJob], codec: Codec) -> dict[str, list[tuple[int, int]]]:
         """name -> segment ranges for the tensors worth encoding on several workers: larger
         than SPLIT_MIN_NBYTES and than half a worker's fair share (one embedding would
         otherwise keep one worker busy while the others idle). Needs a codec with parts."""
-        if self.workers <= 1 or not hasattr(self.codec, "encode_part"):
+        if self.workers <= 1 or not hasattr(codec, "encode_part"):
             return {}
-        codec = cast(SegmentedCodec, self.codec)
+        parted = cast(SegmentedCodec, codec)
         total = sum(j.new.nbytes for j in jobs)
         limit = max(SPLIT_MIN_NBYTES, total // (2 * self.workers))
         plan = {}
         for job in jobs:
             if job.untouched or job.new.nbytes <= limit:
                 continue
-            nseg = codec.segment_count(job.new.nbytes, DTYPE_NBYTES[job.dtype])
+            nseg = parted.segment_count(job.new.nbytes, DTYPE_NBYTES[job.dtype])
             nparts = min(nseg, self.workers, -(-job.new.nbytes // (limit // 2)))
             if nparts >= 2:
                 bounds = [nseg * i // nparts for i in range(nparts + 1)]

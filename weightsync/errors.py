@@ -23,6 +23,7 @@ __all__ = [
     "WeightSyncError",
     "InvalidRequestError",
     "BackwardPullError",
+    "InvalidKnobError",
     "PathNotAllowedError",
     "SourceNotReadyError",
     "VersionMissingError",
@@ -79,6 +80,19 @@ class BackwardPullError(InvalidRequestError):
             f"the request asks for {target_version}. Deltas only go forward; pull version 0 "
             "to reset to the engine's own model, then pull forward again."
         )
+
+
+class InvalidKnobError(InvalidRequestError):
+    """A tunable (an environment knob or the argument that overrides it) has a value outside
+    what it can mean. Nothing was written: fix the value and call again."""
+
+    error_type = "invalid_knob"
+
+    def __init__(self, knob: str, value: object, expected: str):
+        self.knob = knob
+        self.value = value
+        self.expected = expected
+        super().__init__(f"{knob}={value!r} is not valid: expected {expected}")
 
 
 class PathNotAllowedError(InvalidRequestError, PermissionError):

@@ -8,6 +8,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+from .errors import InvalidKnobError
+
 
 @dataclass(frozen=True)
 class Knob:
@@ -22,7 +24,7 @@ class Knob:
         try:
             return float(raw)
         except ValueError:
-            raise ValueError(f"{self.env}={raw!r} is not a number ({self.help})") from None
+            raise InvalidKnobError(self.env, raw, f"a number ({self.help})") from None
 
 
 APPLY_WORKERS = Knob("WEIGHTSYNC_APPLY_WORKERS", 0, "threads applying deltas; 0 = one per core, at most 32")
@@ -54,6 +56,23 @@ SPARSE2_CLASS_MIN_SAVING = Knob(
     "WEIGHTSYNC_SPARSE2_CLASS_MIN_SAVING", 1 / 8192,
     "sparse-v2: bytes per segment element a class must save to be kept (each costs the puller a pass; "
     "larger: fewer classes, faster pull, more bytes)",
+)
+# encoding="auto" (encoding_choice.py): the link a puller has, what sparse-v2 costs it, the sample
+LINK_BYTES_PER_S = Knob(
+    "WEIGHTSYNC_LINK_BYTES_PER_S", 0,
+    "encoding auto: bytes per second one puller gets from the source dir (its share of the link); 0: not declared",
+)
+SPARSE2_PASS_NS = Knob(
+    "WEIGHTSYNC_SPARSE2_PASS_NS", 1.9,
+    "encoding auto: puller CPU ns per element and pass of a sparse-v2 segment with several classes (one core)",
+)
+SPARSE2_CHANGE_NS = Knob(
+    "WEIGHTSYNC_SPARSE2_CHANGE_NS", 17,
+    "encoding auto: puller CPU ns per changed element that sparse-v2 costs beyond sparse-v1 (one core)",
+)
+AUTO_SAMPLE_FRACTION = Knob(
+    "WEIGHTSYNC_AUTO_SAMPLE_FRACTION", 1 / 64,
+    "encoding auto: share of the 2^20-element windows encoded both ways to estimate the sizes (0 < f <= 1)",
 )
 KEEP_VERSIONS = Knob("WEIGHTSYNC_KEEP_VERSIONS", 8, "newest versions the publisher's pruning never removes")
 

@@ -35,6 +35,7 @@ from . import knobs
 from .checksum import DEFAULT_CHECKSUM, new_hasher, supported_checksums
 from .codecs import get_codec
 from .encode import PreparedTensor, PreparedVersion, Encoder
+from .encoding_choice import AUTO, Cost, EncodingChoice, EncodingChooser, EncodingSample, check_candidates, merge_samples
 from .errors import PublishError, UnsupportedFormatError
 from .fsio import fsync_dir, write_bytes, write_file
 from .hooks import load_callable
@@ -69,6 +70,7 @@ class ShardManifest(msgspec.Struct, frozen=True):
     tensor_nbytes: int = 0  # bytes of the tensors this rank owns (a full index's total_size)
     anchor_weight_map: dict[str, str] | None = None  # this rank's shards of the side anchor, if one is due
     anchor_nbytes: int = 0
+    encoding: str = ""  # the delta encoding of this rank's payloads ("" for a full version)
 
 
 class PublishResult(msgspec.Struct):
@@ -83,6 +85,8 @@ class PublishResult(msgspec.Struct):
     encode_s: float
     write_s: float
     anchor_nbytes: int = 0  # bytes of the side anchor written beside this version (0: none)
+    encoding: str = ""  # the version's delta encoding ("" for a full version)
+    encoding_reason: str = ""  # why encoding "auto" chose it ("" when the caller named the encoding)
 
     @property
     def changed_fraction(self) -> float:
@@ -199,9 +203,21 @@ class Committer:
             self._copy_template_files(vdir)
             index = build_full_index(version, weight_map, sum(m.tensor_nbytes for m in manifests))
         else:
-            index = build_delta_index(version, self.encoding, self.checksum, weight_map)
+            index = build_delta_index(version, self._delta_encoding(version, manifests), self.checksum, weight_map)
         self._write_index(vdir, index)
         return vdir, anchor_nbytes
+
+    def _delta_encoding(self, version: int, manifests: list[ShardManifest]) -> str:
+        """The one encoding every rank's payloads of a delta use (the index names one)."""
+        named = {m.encoding for m in manifests if m.encoding}
+        if len(named) > 1:
+            raise PublishError(
+                f"the ranks encoded v{version} with different encodings {sorted(named)}; a version has one "
+                "delta_encoding: choose it once from the summed samples (choose_encoding) and prepare every rank with it"
+            )
+        if named:
+            return named.pop()
+        return "sparse-v1" if self.encoding == AUTO else self.encoding
 
     def _write_index(self, directory: str, index: bytes) -> None:
         fsync_dir(directory)
@@ -227,7 +243,10 @@ class Publisher:
 
     Several ranks (each with its own Publisher, ``rank``/``world_size`` set), per version ``v``:
 
-    1. every rank: ``prepared = prepare(v, tensors)``;
+    1. every rank: ``prepared = prepare(v, tensors)``. With ``encoding="auto"``, first every
+       rank ``sample = sample_encodings(v, tensors)``, then ``choice = choose_encoding(v,
+       merge_samples(all ranks' samples))`` (the same sum gives the same choice everywhere), then
+       ``prepare(v, tensors, encoding=choice.encoding)``;
     2. every rank: ``kind, reason = choose_kind(v, *totals)`` with the totals over all ranks
        of ``delta_nbytes, full_nbytes, changed_elements, total_elements`` (the same totals give
        the same kind, and the same side-anchor decision, everywhere);
@@ -250,7 +269,18 @@ class Publisher:
     Args:
         source_dir: the shared directory holding ``weight_vNNNNNN/`` dirs.
         encoding: delta encoding (``sparse-v1`` ours and the default; ``sparse-v2`` ours, fewer
-            bytes for a slower pull, see the README; ``xor``/``overwrite`` upstream).
+            bytes for a slower pull, see the README; ``xor``/``overwrite`` upstream; ``auto``:
+            sparse-v1 or sparse-v2 per version, whichever costs a puller less time, wire plus
+            apply).
+        link_bytes_per_s: for ``auto``, the bytes per second one puller gets from the source dir
+            (its share of the link; default: the ``WEIGHTSYNC_LINK_BYTES_PER_S`` knob, which
+            must then be set). The rule (``encoding_choice``): encode a sample of 2^20-element
+            windows (``WEIGHTSYNC_AUTO_SAMPLE_FRACTION``, 1/64, at least 4) both ways; a step
+            the sample shows dense gets sparse-v1 (a full version is likely); else sparse-v2
+            when (sparse-v1 bytes - sparse-v2 bytes) / link_bytes_per_s exceeds its extra
+            apply time, ``WEIGHTSYNC_SPARSE2_PASS_NS`` (1.9) per element and pass of its
+            several-class segments plus ``WEIGHTSYNC_SPARSE2_CHANGE_NS`` (17) per change, on
+            one core. The choice and its numbers are in ``PublishResult.encoding_reason``.
         checksum: ``xxh3-128``, ``blake3`` or ``adler32``.
         rank, world_size: this rank among the ranks that write shards of one version.
         template_dir: an HF checkpoint whose non-weight files (config, tokenizer) each full
@@ -290,8 +320,14 @@ class Publisher:
         post_write_hook: "str | Callable | None" = None,
         atomic_rename: bool = True,
         workers: int | None = None,
+        link_bytes_per_s: float | None = None,
     ):
-        get_codec(encoding)  # reject unknown encodings up front
+        cost: Cost | None = None
+        if encoding == AUTO:
+            check_candidates()
+            cost = Cost.from_knobs(link_bytes_per_s)  # a bad or missing link fails here, not mid-publish
+        else:
+            get_codec(encoding)  # reject unknown encodings up front
         if checksum not in supported_checksums():
             raise UnsupportedFormatError("checksum_format", checksum, supported_checksums())
         new_hasher(checksum)  # blake3 without its package fails here, not mid-publish
@@ -315,7 +351,9 @@ class Publisher:
         self.workers = knobs.workers(knobs.PUBLISH_WORKERS, workers)
         self._pool = ThreadPoolExecutor(self.workers, thread_name_prefix="weightsync-publish")
         self.snapshot = Snapshot()
-        self.encoder = Encoder(encoding, checksum, int(knobs.ZSTD_LEVEL.get()), self.workers, self._pool)
+        level = int(knobs.ZSTD_LEVEL.get())
+        self.encoder = Encoder(encoding, checksum, level, self.workers, self._pool)
+        self.chooser = EncodingChooser(cost, level, self._pool) if cost is not None else None
         self.writer = ShardWriter(rank, atomic_rename)
         self.committer = Committer(source_dir, encoding, checksum, template_dir, atomic_rename)
         self.budget = AnchorBudget(
@@ -380,25 +418,29 @@ class Publisher:
         result = PublishResult(
             version, kind, reason, manifest.nbytes, prepared.full_nbytes, prepared.changed_bytes,
             prepared.changed_elements, prepared.total_elements, prepared.encode_s, time.perf_counter() - t0,
-            anchor_nbytes,
+            anchor_nbytes, manifest.encoding, prepared.encoding_reason,
         )
         log.info(
-            "published v%d as %s (%s): %d wire bytes of %d full, %.3f%% elements changed, encode %.3fs write %.3fs",
-            version, kind, reason, result.wire_nbytes, result.full_nbytes, 100 * result.changed_fraction,
-            result.encode_s, result.write_s,
+            "published v%d as %s%s (%s): %d wire bytes of %d full, %.3f%% elements changed, encode %.3fs write %.3fs%s",
+            version, kind, f" {result.encoding}" if result.encoding else "", reason, result.wire_nbytes,
+            result.full_nbytes, 100 * result.changed_fraction, result.encode_s, result.write_s,
+            f"; {result.encoding_reason}" if result.encoding_reason else "",
         )
         return result
 
     # --- the multi-rank protocol -------------------------------------------------------------
 
     def prepare(
-        self, version: int, tensors: Mapping[str, "RawTensor | np.ndarray"], *, kind: Kind | None = None
+        self, version: int, tensors: Mapping[str, "RawTensor | np.ndarray"], *, kind: Kind | None = None,
+        encoding: str | None = None,
     ) -> PreparedVersion:
         """Diff, encode, compress and checksum in memory (parallel over tensors).
 
         ``kind="full"`` (or a version that ``full_every`` makes full) skips the encoding: a full
         version stores the bytes. Preparing a version this rank already wrote (a retry) checks
-        that the bytes are the same and returns what was written.
+        that the bytes are the same and returns what was written. ``encoding``: this version's
+        (what ``choose_encoding`` answered; default: the publisher's, and with ``auto`` on one
+        rank the choice is made here).
         """
         self._settle(version)
         staged = self._staged
@@ -417,7 +459,23 @@ class Publisher:
             )
         jobs = self.snapshot.jobs(tensors)
         encode = kind != "full" and not self._full_by_schedule(version)
-        return self.encoder.prepare(version, self.rank, jobs, encode=encode)
+        if not encode:
+            return self.encoder.prepare(version, self.rank, jobs, encode=False)
+        choice = self._encoding_for(version, jobs, encoding)
+        return self.encoder.prepare(version, self.rank, jobs, encoding=choice.encoding, encoding_reason=choice.reason)
+
+    def sample_encodings(self, version: int, tensors: Mapping[str, "RawTensor | np.ndarray"]) -> EncodingSample:
+        """Encoding ``auto``, several ranks: this rank's sample of ``version`` (see
+        ``encoding_choice``); sum every rank's with ``merge_samples`` for ``choose_encoding``."""
+        chooser = self._auto_chooser()
+        return chooser.sample(version, self.snapshot.jobs(tensors))
+
+    def choose_encoding(self, version: int, sample: EncodingSample) -> EncodingChoice:
+        """Encoding ``auto``: sparse-v1 or sparse-v2 for ``version`` from the samples of every
+        rank, summed (the same sum gives the same answer on every rank), with the reason."""
+        choice = self._auto_chooser().choose(sample, self.full_above_changed_fraction)
+        log.info("v%d: %s (%s)", version, choice.encoding, choice.reason)
+        return choice
 
     def choose_kind(
         self,
@@ -478,7 +536,8 @@ class Publisher:
         else:
             self._stage(prepared, kind)
         return ShardManifest(
-            prepared.version, self.rank, kind, weight_map, nbytes, prepared.full_nbytes, anchor_map, anchor_nbytes
+            prepared.version, self.rank, kind, weight_map, nbytes, prepared.full_nbytes, anchor_map, anchor_nbytes,
+            prepared.encoding if kind == "delta" else "",
         )
 
     def commit(self, version: int, kind: Kind, manifests: list[ShardManifest]) -> str:
@@ -567,6 +626,26 @@ class Publisher:
             f"(prepare/write it again with the same bytes), or call confirm({staged.version}) once rank 0's commit succeeded"
         )
 
+    def _encoding_for(self, version: int, jobs, requested: str | None) -> EncodingChoice:
+        if requested is not None and requested != AUTO:
+            get_codec(requested)
+            return EncodingChoice(requested, "")
+        if self.encoding != AUTO:
+            return EncodingChoice(self.encoding, "")
+        if self.world_size != 1:
+            raise PublishError(
+                f"v{version}: encoding 'auto' with {self.world_size} ranks needs one choice for all of them: call "
+                "sample_encodings on every rank, choose_encoding on the sum (merge_samples), then "
+                "prepare(..., encoding=choice.encoding)"
+            )
+        chooser = self._auto_chooser()
+        return chooser.choose(chooser.sample(version, jobs), self.full_above_changed_fraction)
+
+    def _auto_chooser(self) -> EncodingChooser:
+        if self.chooser is None:
+            raise PublishError(f"this publisher encodes with {self.encoding!r}, not 'auto': it has no encoding to choose")
+        return self.chooser
+
     def _full_by_schedule(self, version: int) -> bool:
         return self.full_every > 0 and version % self.full_every == 0
 
@@ -642,5 +721,5 @@ def _group_by_size(items, size_of, limit: int) -> list[list]:
 
 __all__ = [
     "Publisher", "RawTensor", "PublishResult", "PreparedVersion", "ShardManifest", "read_checkpoint_tensors",
-    "DEFAULT_ENCODING", "as_raw",
+    "DEFAULT_ENCODING", "as_raw", "AUTO", "EncodingSample", "EncodingChoice", "merge_samples",
 ]
