@@ -47,10 +47,12 @@ import numpy as np  # noqa: E402
 import baseline_upstream as base  # noqa: E402
 from bench_data import DEFAULT_STEPS, PRESETS, RLStream  # noqa: E402
 from weightsync import Publisher, RawTensor, pull  # noqa: E402
+from weightsync.encoding_choice import Cost, EncodingChooser  # noqa: E402
 from weightsync.fsio import write_file  # noqa: E402
 from weightsync.safetensors_io import iter_file_chunks  # noqa: E402
 
 ENCODINGS = ("sparse-v1", "sparse-v2", "xor")
+AUTO_LINKS = (1e6, 100e6)  # bytes/s per puller the report says encoding "auto" chooses at
 CATCHUP = 8
 MB = 1e6
 
@@ -329,6 +331,9 @@ def run(args, N: int, steps, machine: str, work: str) -> str:
         subset = names[::k]
     scale = total_nbytes / sum(v0[n].nbytes for n in subset)
     pub1s = {enc: Publisher(os.path.join(work, f"percore-{enc}"), encoding=enc, workers=1) for enc in ENCODINGS}
+    # encoding "auto": its real sample per step (the sample does not depend on the link; each
+    # declared link is one more choose() on it), on the publisher's pool as in a publish
+    choosers = [EncodingChooser(Cost.from_knobs(link), 1, pubs["sparse-v1"]._pool) for link in AUTO_LINKS]
     print(f"checkpoint: {len(v0)} tensors, {total_nbytes / MB:.0f} MB bf16 (set-up {time.perf_counter() - t_gen:.1f}s)", flush=True)
 
     rows = []
@@ -360,6 +365,8 @@ def run(args, N: int, steps, machine: str, work: str) -> str:
         base.write_delta(bfile, bprep)
         base_files.append(bfile)
         del bprep
+        sample, _, row["auto_sample_s"] = METER.run(choosers[0].sample, i, pubs["sparse-v1"].snapshot.jobs(raw))
+        row["auto"] = [_auto_choice(c, sample, pubs["sparse-v1"].full_above_changed_fraction) for c in choosers]
         for enc in ENCODINGS:
             pub = pubs[enc]
             prepared, _, row[f"{enc}_pubN_s"] = METER.run(pub.prepare, i, raw)
@@ -411,6 +418,38 @@ def run(args, N: int, steps, machine: str, work: str) -> str:
     extra["base_pullNw_s"] = base.apply(cu_local, base_files[:1], N)
     gpu_line = gpu_diff_probe(stream, steps[0][0]) if args.device != "cpu" else None
     return _report(args, machine, N, total_nbytes, len(v0), rows, extra, n_cu, gpu_line)
+
+
+def _auto_choice(chooser: EncodingChooser, sample, dense_fraction: float) -> tuple[str, float, float]:
+    """(encoding, estimated extra apply s, estimated saved bytes) at the chooser's declared link."""
+    est = chooser.estimate(sample)
+    return chooser.choose(sample, dense_fraction).encoding, est.extra_apply_s, est.v1_nbytes - est.v2_nbytes
+
+
+def _report_auto(rows: list[dict]) -> list[str]:
+    """What encoding "auto" chose per step, against the choice this run's own measurements make
+    (sparse-v2 when the bytes it saved, at the link, outweigh its measured extra pull CPU)."""
+    realistic = [r for r in rows if r["label"] != "dense"]
+    short = {"sparse-v1": "v1", "sparse-v2": "v2"}
+    parts = []
+    for k, link in enumerate(AUTO_LINKS):
+        picks = " ".join(short.get(r["auto"][k][0], r["auto"][k][0]) for r in rows)
+        oracle = [("sparse-v2" if (r["sparse-v1_wire"] - r["sparse-v2_wire"]) / link
+                   > r["sparse-v2_pullcpu_s"] - r["sparse-v1_pullcpu_s"] else "sparse-v1") for r in realistic]
+        agree = sum(r["auto"][k][0] == o for r, o in zip(realistic, oracle))
+        parts.append(f"at {link / 1e6:g} MB/s per puller {picks} (the measured figures agree on {agree}/{len(realistic)} "
+                     "realistic steps)")
+    est = sum(r["auto"][0][1] for r in realistic)
+    measured = sum(r["sparse-v2_pullcpu_s"] - r["sparse-v1_pullcpu_s"] for r in realistic)
+    saved_est = sum(r["auto"][0][2] for r in realistic)
+    saved = sum(r["sparse-v1_wire"] - r["sparse-v2_wire"] for r in realistic)
+    sample_s = sum(r["auto_sample_s"] for r in rows)
+    pub_s = sum(r["sparse-v1_pubN_s"] for r in rows)
+    return [
+        f"- encoding auto, per step (the dense one last): {'; '.join(parts)}; on realistic steps its sample estimated "
+        f"{saved_est / MB:.2f} MB saved (measured {saved / MB:.2f}) and {est:.2f} CPU-s of extra apply (measured "
+        f"{measured:.2f}); the sample took {100 * sample_s / max(pub_s, 1e-9):.0f}% of sparse-v1's publish time (wall)",
+    ]
 
 
 def _row_line_v2(r: dict, total: int) -> str:
@@ -516,6 +555,7 @@ def _report(args, machine, N, total, ntensors, rows, extra, n_cu, gpu_line) -> s
         f"step pulled ({dense_kinds}) in {', '.join('%.2fs' % r['sparse-v1_pull_s'] for r in dense)}",
     ]
     lines += _report_v2(N, total, rows, extra, n_cu, ok)
+    lines += _report_auto(rows)
     if gpu_line:
         lines.append(f"- {gpu_line}")
     return "\n".join(lines) + "\n"

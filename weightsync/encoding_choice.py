@@ -95,6 +95,15 @@ class EncodingSample(msgspec.Struct, frozen=True):
     v2_pass_elements: int  # segment elements x passes sparse-v2's apply makes over them
 
 
+class Estimate(msgspec.Struct, frozen=True):
+    """A sample scaled to the whole version."""
+
+    changed_fraction: float
+    v1_nbytes: float
+    v2_nbytes: float
+    extra_apply_s: float  # what sparse-v2 costs one puller core beyond sparse-v1
+
+
 class EncodingChoice(msgspec.Struct, frozen=True):
     """The encoding a version is prepared with, and why (logged, and in ``PublishResult``)."""
 
@@ -140,17 +149,16 @@ class EncodingChooser:
     def choose(self, sample: EncodingSample, full_above_changed_fraction: float) -> EncodingChoice:
         if sample.sampled_elements == 0 or sample.changed_elements == 0:
             return EncodingChoice("sparse-v1", "auto: the sample changed nothing (sparse-v1 costs a puller least)")
-        scale = sample.elements / sample.sampled_elements
-        changed = sample.changed_elements / sample.sampled_elements
+        est = self.estimate(sample)
+        changed = est.changed_fraction
         if changed > full_above_changed_fraction:
             return EncodingChoice("sparse-v1", (
                 f"auto: the sample shows a dense step ({changed:.0%} of the elements changed, threshold "
                 f"{full_above_changed_fraction:.0%}); a full version is likely, so the cheaper encode"
             ))
-        v1_nbytes, v2_nbytes = sample.v1_nbytes * scale, sample.v2_nbytes * scale
+        v1_nbytes, v2_nbytes, extra_s = est.v1_nbytes, est.v2_nbytes, est.extra_apply_s
         saved = v1_nbytes - v2_nbytes
         c = self.cost
-        extra_s = 1e-9 * (c.pass_ns * sample.v2_pass_elements + c.change_ns * sample.changed_elements) * scale
         sizes = f"~{v2_nbytes / 1e6:.3g} MB against ~{v1_nbytes / 1e6:.3g} MB ({v2_nbytes / max(v1_nbytes, 1):.2f}x)"
         if saved <= 0:
             return EncodingChoice("sparse-v1", f"auto: sparse-v2 would not be smaller ({sizes})")
@@ -163,6 +171,13 @@ class EncodingChooser:
         if saved_s > extra_s:
             return EncodingChoice("sparse-v2", f"auto: {why}")
         return EncodingChoice("sparse-v1", f"auto: {why}")
+
+    def estimate(self, sample: EncodingSample) -> Estimate:
+        scale = sample.elements / max(sample.sampled_elements, 1)
+        c = self.cost
+        extra_ns = c.pass_ns * sample.v2_pass_elements + c.change_ns * sample.changed_elements
+        return Estimate(sample.changed_elements / max(sample.sampled_elements, 1), sample.v1_nbytes * scale,
+                        sample.v2_nbytes * scale, 1e-9 * extra_ns * scale)
 
     def _encode_window(self, window: tuple[EncodeJob, int], encoding: str) -> tuple[int, int, int]:
         """(payload bytes, changed elements, sparse-v2 pass elements) of one window, coded
@@ -227,4 +242,4 @@ def check_candidates() -> None:
         get_codec(name)
 
 
-__all__ = ["AUTO", "Cost", "EncodingChoice", "EncodingChooser", "EncodingSample", "merge_samples", "pick_windows"]
+__all__ = ["AUTO", "Cost", "EncodingChoice", "EncodingChooser", "EncodingSample", "Estimate", "merge_samples", "pick_windows"]
