@@ -42,8 +42,9 @@ from weightsync.lock import shared_host_lock
 from . import compat
 from . import live_results as lr
 from .coordinate_map import CheckpointReader, CoordinateMap, build_coordinate_map, prove_map
-from .live_patch import StagedUpdate, StagingRefused, finish_staging, one_intra_op_thread, reload_only_reasons, scatter_with_undo
+from .live_patch import StagedUpdate, StagingRefused, finish_staging_steps, one_intra_op_thread, reload_only_reasons, scatter_with_undo
 from .live_stage import Patch, StageJob, StageReply
+from .loop_slices import LoopSlices, LoopWorkTimeout
 from .paths import ALLOWED_ROOTS_FLAG
 
 log = logging.getLogger(__name__)
@@ -51,6 +52,7 @@ log = logging.getLogger(__name__)
 LIVE_STATE_ATTR = "_weightsync_live"
 FAULT_DIR_ENV = "WEIGHTSYNC_TEST_FAULT_DIR"
 TRANSFORM_ENV = "WEIGHTSYNC_TEST_POST_LOAD_TRANSFORM"
+LOOP_STAGING_TIMEOUT_S = 120.0  # the loop runs a slice every iteration; only a stalled loop takes this long
 
 
 class LiveVersion(NamedTuple):
@@ -106,6 +108,7 @@ class LiveApplyState:
         self._voted: Optional[StagedUpdate] = None
         self.stage_reason: Optional[str] = "nothing staged yet (pull the target version first)"
         self._phase: dict[str, float] = {}  # seconds into the last update call, per step (logged)
+        self.loop = LoopSlices(around_slice=one_intra_op_thread)  # staging's engine half (see loop_slices)
 
     # --- the model ---------------------------------------------------------------------------
 
@@ -256,9 +259,10 @@ class LiveApplyState:
             self.staged, self.stage_reason = staged, reason
         if staged is not None:
             log.info(
-                "live apply %s: staged v%d -> v%d: %d elements of %d tensors (%d B host memory) in %.3fs (helper %.3fs)",
+                "live apply %s: staged v%d -> v%d: %d elements of %d tensors (%d B host memory) in %.3fs "
+                "(helper %.3fs, engine %.3fs %s)",
                 self.rank, staged.from_version, staged.to_version, staged.elements, staged.tensors, staged.nbytes,
-                staged.stage_s, staged.helper_s,
+                staged.stage_s, staged.helper_s, staged.engine_s, staged.engine_where,
             )
         else:
             log.info("live apply %s: v%d not staged: %s", self.rank, target_version, reason)
@@ -290,8 +294,18 @@ class LiveApplyState:
             raise StagingRefused(reply.refused)
         staged = StagedUpdate(live.version, target, source_real, os.path.realpath(local_dir), generation,
                               elements=reply.elements, tensors=reply.tensors, helper_s=reply.stage_s)
-        with _short_gil_switches():
-            finish_staging(patches, self.params(), staged)
+        steps = finish_staging_steps(patches, self.params(), staged)
+        if self.loop.is_driven:
+            staged.engine_where = "on the scheduler thread"
+            try:
+                self.loop.run(steps, timeout_s=LOOP_STAGING_TIMEOUT_S)
+            except LoopWorkTimeout as exc:
+                raise StagingRefused(f"staging did not finish: {exc}") from exc
+        else:  # no loop calls our hook (yet): the slow way, from this thread
+            staged.engine_where = "on the pull thread"
+            with _short_gil_switches(), one_intra_op_thread():
+                for _ in steps:
+                    pass
         staged.stage_s = time.perf_counter() - start
         return staged
 
@@ -599,8 +613,10 @@ def _after_init_request_dispatcher(result, scheduler, *args, **kwargs):
 @_safely
 def _after_process_input_requests(result, scheduler, *args, **kwargs):
     state = state_of(scheduler)
-    if state is not None and state._map_thread is None:
-        state.ensure_map_started()
+    if state is not None:
+        if state._map_thread is None:
+            state.ensure_map_started()
+        state.loop.run_slice()
 
 
 @_safely

@@ -136,26 +136,35 @@ def _is_run(sizes: tuple[int, ...], strides: tuple[int, ...], order: list[int]) 
     return True
 
 
-def stage_changes(
+class PlannedPatch(NamedTuple):
+    """One parameter's changed positions, before any value is read: ``parts`` of
+    ``(checkpoint tensor, checkpoint positions, parameter positions)``."""
+
+    param: str
+    dtype: str
+    parts: list[tuple[str, np.ndarray, np.ndarray]]
+
+    @property
+    def count(self) -> int:
+        return sum(int(dst.size) for _, _, dst in self.parts)
+
+
+def plan_changes(
     placements: dict[str, list[Placement]],
     unused: Iterable[str],
     reload_only: dict[str, str],
     changes: Iterable[tuple[str, str, np.ndarray]],
-    values_at: Callable[[str, np.ndarray], np.ndarray],
     *,
     max_elements: int,
-) -> tuple[list[Patch], int, int]:
-    """``(patches, elements, tensors)`` for ``changes`` (``(tensor, dtype, sorted positions)``).
-
-    ``values_at(tensor, checkpoint positions)`` reads the new values (integer carrier).
+) -> tuple[list[PlannedPatch], int, int]:
+    """``(planned patches, elements, tensors)`` for ``changes`` (``(tensor, dtype, sorted positions)``).
 
     Raises:
         StagingRefused: a changed tensor is reload-only or unmapped, or the changed elements
             pass ``max_elements``.
     """
     unused = set(unused)
-    index_parts: dict[tuple[str, str], list[np.ndarray]] = {}
-    value_parts: dict[tuple[str, str], list[np.ndarray]] = {}
+    planned: dict[tuple[str, str], PlannedPatch] = {}
     elements = tensors = 0
     for name, dtype, positions in changes:
         if name in unused:
@@ -178,14 +187,29 @@ def stage_changes(
                     "a reload is as cheap"
                 )
             key = (p.param, dtype)
-            index_parts.setdefault(key, []).append(dst_pos)
-            value_parts.setdefault(key, []).append(values_at(name, hf_pos))
+            if key not in planned:
+                planned[key] = PlannedPatch(p.param, dtype, [])
+            planned[key].parts.append((name, hf_pos, dst_pos))
+    return list(planned.values()), elements, tensors
+
+
+def stage_changes(
+    placements: dict[str, list[Placement]],
+    unused: Iterable[str],
+    reload_only: dict[str, str],
+    changes: Iterable[tuple[str, str, np.ndarray]],
+    values_at: Callable[[str, np.ndarray], np.ndarray],
+    *,
+    max_elements: int,
+) -> tuple[list[Patch], int, int]:
+    """``plan_changes``, then each patch's new values read by ``values_at(tensor, checkpoint
+    positions)`` (integer carrier), as arrays of this process."""
+    planned, elements, tensors = plan_changes(placements, unused, reload_only, changes, max_elements=max_elements)
     patches = []
-    for (param, dtype), parts in index_parts.items():
-        vparts = value_parts[(param, dtype)]
-        index = np.concatenate(parts) if len(parts) > 1 else parts[0]
-        values = np.concatenate(vparts) if len(vparts) > 1 else vparts[0]
-        patches.append(Patch(param, dtype, index, values))
+    for pp in planned:
+        index = np.concatenate([dst for _, _, dst in pp.parts])
+        values = np.concatenate([values_at(name, hf) for name, hf, _ in pp.parts])
+        patches.append(Patch(pp.param, pp.dtype, index, values))
     return patches, elements, tensors
 
 
@@ -200,6 +224,12 @@ class _LocalValues:
         return self.table[name][1].dtype
 
     def at(self, name: str, positions: np.ndarray) -> np.ndarray:
+        return self._flat(name)[positions]  # a copy: nothing refers to the map afterwards
+
+    def into(self, name: str, positions: np.ndarray, out: np.ndarray) -> None:
+        np.take(self._flat(name), positions, out=out)
+
+    def _flat(self, name: str) -> np.ndarray:
         from weightsync.safetensors_io import DTYPE_NBYTES
 
         path, e = self.table[name]
@@ -208,8 +238,7 @@ class _LocalValues:
             with open(path, "rb") as f:
                 mm = self._maps[path] = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
         itemsize = DTYPE_NBYTES[e.dtype]
-        flat = np.frombuffer(mm, dtype=CARRIER[itemsize], count=e.nbytes // itemsize, offset=e.offset)
-        return flat[positions]  # a copy: nothing refers to the map afterwards
+        return np.frombuffer(mm, dtype=CARRIER[itemsize], count=e.nbytes // itemsize, offset=e.offset)
 
     def close(self) -> None:
         for mm in self._maps.values():
@@ -217,71 +246,131 @@ class _LocalValues:
         self._maps.clear()
 
 
-def stage_job(job: StageJob) -> tuple[StageReply, list[Patch]]:
-    """Everything ``job`` changes on this rank, or the reason it cannot be patched live."""
+class _Plan(NamedTuple):
+    planned: list[PlannedPatch]
+    elements: int
+    tensors: int
+
+
+def _plan_job(job: StageJob) -> _Plan:
+    """The positions ``job`` changes on this rank (no value read yet).
+
+    Raises:
+        StagingRefused, PositionsUnavailableError: it cannot be patched live.
+    """
     import weightsync.positions as positions
-    from weightsync.errors import PositionsUnavailableError
+
+    chain, indexes = positions.plan_change_chain(job.source_dir, job.from_version, job.to_version)
+    if not chain.is_deltas_only:
+        raise StagingRefused(f"v{chain.full_version} in the chain v{job.from_version} -> v{job.to_version} is a full version")
+    changes = (
+        (name, entry.dtype, pos)
+        for name, entry, pos in positions.iter_changed_elements(job.local_checkpoint_dir, job.source_dir, chain, indexes)
+    )
+    return _Plan(*plan_changes(job.placements, job.unused, job.reload_only, changes, max_elements=job.max_elements))
+
+
+def _local_values(job: StageJob) -> _LocalValues:
     from weightsync.manifest import checkpoint_weight_files
     from weightsync.safetensors_io import local_tensor_table
 
+    local = job.local_checkpoint_dir
+    return _LocalValues(local_tensor_table(local, checkpoint_weight_files(local)))
+
+
+def _refusal(exc: Exception, start: float) -> StageReply:
+    reason = exc.reason if isinstance(exc, StagingRefused) else str(exc)
+    return StageReply(refused=reason, stage_s=time.perf_counter() - start)
+
+
+def stage_job(job: StageJob) -> tuple[StageReply, list[Patch]]:
+    """Everything ``job`` changes on this rank, as arrays of this process, or the reason it
+    cannot be patched live (the scheduler's own path when it has no helper; tests)."""
+    from weightsync.errors import PositionsUnavailableError
+
     start = time.perf_counter()
     try:
-        chain, indexes = positions.plan_change_chain(job.source_dir, job.from_version, job.to_version)
-        if not chain.is_deltas_only:
-            raise StagingRefused(f"v{chain.full_version} in the chain v{job.from_version} -> v{job.to_version} is a full version")
-        local = job.local_checkpoint_dir
-        values = _LocalValues(local_tensor_table(local, checkpoint_weight_files(local)))
+        plan = _plan_job(job)
+        values = _local_values(job)
         try:
-            changes = (
-                (name, entry.dtype, pos)
-                for name, entry, pos in positions.iter_changed_elements(local, job.source_dir, chain, indexes)
-            )
-            patches, elements, tensors = stage_changes(
-                job.placements, job.unused, job.reload_only, changes, values.at, max_elements=job.max_elements
-            )
+            patches = [
+                Patch(pp.param, pp.dtype, np.concatenate([dst for _, _, dst in pp.parts]),
+                      np.concatenate([values.at(name, hf) for name, hf, _ in pp.parts]))
+                for pp in plan.planned
+            ]
         finally:
             values.close()
-    except StagingRefused as exc:
-        return StageReply(refused=exc.reason, stage_s=time.perf_counter() - start), []
-    except PositionsUnavailableError as exc:  # e.g. sparse-v2 with several magnitude classes
-        return StageReply(refused=str(exc), stage_s=time.perf_counter() - start), []
+    except (StagingRefused, PositionsUnavailableError) as exc:  # e.g. sparse-v2 with several magnitude classes
+        return _refusal(exc, start), []
     nbytes = sum(p.index.nbytes + p.values.nbytes for p in patches)
-    return StageReply(elements=elements, tensors=tensors, nbytes=nbytes, stage_s=time.perf_counter() - start), patches
+    return StageReply(elements=plan.elements, tensors=plan.tensors, nbytes=nbytes, stage_s=time.perf_counter() - start), patches
+
+
+def stage_job_shared(job: StageJob) -> tuple[StageReply, Optional[int]]:
+    """``stage_job`` written straight into an anonymous shared-memory file: ``(reply, memfd)``,
+    the memfd (the caller closes it) only when there are patches; ``reply.patches`` locates them.
+
+    The positions are planned first, so the file is sized once and every index and value is
+    written into it where the scheduler will read it: no array of the whole result is built in
+    this process and copied afterwards (that copy cost 0.47 s of 1.9 s for 32M elements).
+    Memory here: 16 bytes per changed element for the plan, besides the file.
+    """
+    from weightsync.errors import PositionsUnavailableError
+    from weightsync.safetensors_io import DTYPE_NBYTES
+
+    start = time.perf_counter()
+    try:
+        plan = _plan_job(job)
+    except (StagingRefused, PositionsUnavailableError) as exc:
+        return _refusal(exc, start), None
+    if not plan.planned:
+        return StageReply(elements=plan.elements, tensors=plan.tensors, stage_s=time.perf_counter() - start), None
+    refs, size = layout([(pp.param, pp.dtype, pp.count) for pp in plan.planned])
+    fd = os.memfd_create("weightsync-live-stage", os.MFD_CLOEXEC)
+    try:
+        os.ftruncate(fd, size)
+        values = _local_values(job)
+        try:
+            with mmap.mmap(fd, size) as mm:
+                buf = np.frombuffer(mm, dtype=np.uint8)
+                for pp, r in zip(plan.planned, refs):
+                    carrier = CARRIER[DTYPE_NBYTES[pp.dtype]]
+                    index = buf[r.index_offset : r.index_offset + 8 * r.count].view(np.int64)
+                    out = buf[r.values_offset : r.values_offset + r.count * np.dtype(carrier).itemsize].view(carrier)
+                    at = 0
+                    for name, hf, dst in pp.parts:
+                        index[at : at + dst.size] = dst
+                        values.into(name, hf, out[at : at + hf.size])
+                        at += int(dst.size)
+                    del index, out
+                del buf
+        finally:
+            values.close()
+    except BaseException:
+        os.close(fd)
+        raise
+    nbytes = sum(r.count * (8 + DTYPE_NBYTES[r.dtype]) for r in refs)
+    reply = StageReply(patches=refs, shared_nbytes=size, elements=plan.elements, tensors=plan.tensors, nbytes=nbytes,
+                       stage_s=time.perf_counter() - start)
+    return reply, fd
 
 
 def _aligned(n: int) -> int:
     return (n + _ALIGN - 1) // _ALIGN * _ALIGN
 
 
-def layout(patches: list[Patch]) -> tuple[list[PatchRef], int]:
-    """Each patch's offsets in the shared file, and the file's size."""
+def layout(patches: list[tuple[str, str, int]]) -> tuple[list[PatchRef], int]:
+    """Each patch's offsets in the shared file (``(param, dtype, count)`` each), and the file's size."""
+    from weightsync.safetensors_io import DTYPE_NBYTES
+
     refs, at = [], 0
-    for p in patches:
+    for param, dtype, count in patches:
         index_at = at
-        at = _aligned(at + p.index.nbytes)
+        at = _aligned(at + 8 * count)
         values_at = at
-        at = _aligned(at + p.values.nbytes)
-        refs.append(PatchRef(p.param, p.dtype, int(p.index.size), index_at, values_at))
+        at = _aligned(at + count * DTYPE_NBYTES[dtype])
+        refs.append(PatchRef(param, dtype, count, index_at, values_at))
     return refs, at
-
-
-def write_shared(patches: list[Patch]) -> tuple[int, list[PatchRef], int]:
-    """``(memfd, refs, size)``: the patches in an anonymous shared-memory file (caller closes it)."""
-    refs, size = layout(patches)
-    fd = os.memfd_create("weightsync-live-stage", os.MFD_CLOEXEC)
-    try:
-        os.ftruncate(fd, max(size, 1))
-        if size:
-            with mmap.mmap(fd, size) as mm:
-                buf = np.frombuffer(mm, dtype=np.uint8)
-                for p, r in zip(patches, refs):
-                    buf[r.index_offset : r.index_offset + p.index.nbytes] = p.index.view(np.uint8)
-                    buf[r.values_offset : r.values_offset + p.values.nbytes] = p.values.view(np.uint8)
-                del buf
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd, refs, size
 
 
 def read_shared(fd: int, refs: list[PatchRef], size: int) -> list[Patch]:

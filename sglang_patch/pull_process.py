@@ -49,7 +49,7 @@ import msgspec
 from weightsync.errors import PullWorkerDiedError
 
 from . import results
-from .live_stage import Patch, StageJob, StageReply, read_shared, stage_job, write_shared
+from .live_stage import Patch, StageJob, StageReply, read_shared, stage_job, stage_job_shared
 from .rank_pull import RankPuller
 from .server_flags import PullWeightsOptions
 
@@ -470,22 +470,22 @@ def helper_main(fd: int) -> int:
 
 
 def _serve_stage_job(sock: socket.socket, job: StageJob) -> None:
+    fd = None
     try:
-        reply, patches = stage_job(job)
+        reply, fd = stage_job_shared(job)
     except Exception as exc:  # a bug or a malformed payload: the update reloads, the helper lives on
         log.exception("live apply staging of v%d failed", job.to_version)
-        reply, patches = StageReply(error=f"{type(exc).__name__}: {exc}"), []
-    if not patches:
+        reply = StageReply(error=f"{type(exc).__name__}: {exc}")
+    if fd is None:
         send_frame(sock, msgspec.structs.replace(reply, patches=[]))
         return
-    fd, refs, size = write_shared(patches)
     try:
-        send_frame(sock, msgspec.structs.replace(reply, patches=refs, shared_nbytes=size))
+        send_frame(sock, reply)
         socket.send_fds(sock, [b"F"], [fd])
     finally:
         os.close(fd)
     log.info("live apply: staged v%d -> v%d: %d elements in %.3fs (%d B shared)", job.from_version, job.to_version,
-             reply.elements, reply.stage_s, size)
+             reply.elements, reply.stage_s, reply.shared_nbytes)
 
 
 def _bind_cpus(cpus: list[int]) -> list[int]:

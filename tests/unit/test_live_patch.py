@@ -150,3 +150,26 @@ def test_a_patch_writes_exactly_its_positions_in_place_and_restores_them(dtype, 
     assert param.data_ptr() == ptr
     patch.write(patch.old)
     assert torch.equal(param, before)
+
+
+def test_staging_in_steps_bounds_each_step_and_ends_where_staging_at_once_does():
+    from sglang_patch import live_patch
+    from sglang_patch.live_stage import Patch
+
+    flat = torch.arange(10_000, dtype=torch.float32)
+    index = np.arange(0, 10_000, 3, dtype=np.int64)
+    values = (np.arange(index.size, dtype=np.float32) + 0.5).view(np.uint32)
+    patches = [Patch("p", "F32", index, values)]
+    at_once = live_patch.finish_staging(patches, {"p": flat}, StagedUpdate(0, 1, None, "/x", 0))
+    stepped = StagedUpdate(0, 1, None, "/x", 0)
+    steps = 0
+    old_step, live_patch.STEP_ELEMENTS = live_patch.STEP_ELEMENTS, 1000
+    try:
+        for _ in live_patch.finish_staging_steps(patches, {"p": flat}, stepped):
+            steps += 1
+    finally:
+        live_patch.STEP_ELEMENTS = old_step
+    assert steps == -(-index.size // 1000)  # one step per 1000 elements, no more
+    (a,), (b,) = at_once.patches, stepped.patches
+    assert torch.equal(a.index, b.index) and torch.equal(a.values, b.values) and torch.equal(a.old, b.old)
+    assert torch.equal(b.old, flat[torch.from_numpy(index)])  # the undo log is what the weights held
