@@ -265,7 +265,9 @@ def _plan_job(job: StageJob) -> _Plan:
         raise StagingRefused(f"v{chain.full_version} in the chain v{job.from_version} -> v{job.to_version} is a full version")
     changes = (
         (name, entry.dtype, pos)
-        for name, entry, pos in positions.iter_changed_elements(job.local_checkpoint_dir, job.source_dir, chain, indexes)
+        for name, entry, pos in positions.iter_changed_elements(
+            job.local_checkpoint_dir, job.source_dir, chain, indexes, skip=frozenset(job.unused)
+        )
     )
     return _Plan(*plan_changes(job.placements, job.unused, job.reload_only, changes, max_elements=job.max_elements))
 

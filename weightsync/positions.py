@@ -80,12 +80,18 @@ def plan_change_chain(source_dir: str, from_version: int, to_version: int) -> tu
 
 
 def iter_changed_elements(
-    local_checkpoint_dir: str, source_dir: str, chain: ChangeChain, indexes: dict[int, VersionIndex] | None = None
+    local_checkpoint_dir: str,
+    source_dir: str,
+    chain: ChangeChain,
+    indexes: dict[int, VersionIndex] | None = None,
+    *,
+    skip: frozenset[str] = frozenset(),
 ) -> Iterator[tuple[str, TensorEntry, np.ndarray]]:
     """``(tensor name, its local entry, sorted unique int64 element positions)`` per changed tensor.
 
     The local checkpoint supplies each tensor's dtype and byte length (its headers only; no
-    tensor bytes are read). Tensors come in name order.
+    tensor bytes are read). Tensors come in name order. Tensors named in ``skip`` are not
+    decoded (a pipeline stage or expert rank that holds none of their elements).
 
     Raises:
         PositionsUnavailableError: the chain has a full version, or a sparse-v2 payload whose
@@ -110,6 +116,8 @@ def iter_changed_elements(
         for name in names:
             if name not in table:
                 raise LocalTensorMismatchError(name, "the chain changes it, but the local checkpoint has no such tensor")
+            if name in skip:
+                continue
             entry = table[name][1]
             itemsize = DTYPE_NBYTES[entry.dtype]
             parts = []

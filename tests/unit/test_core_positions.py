@@ -74,6 +74,20 @@ def test_positions_of_a_mixed_chain_are_the_union_over_its_versions(tmp_path):
         np.testing.assert_array_equal(got[name], want, err_msg=name)
 
 
+def test_skipped_tensors_are_not_decoded_and_the_others_are_unchanged(tmp_path, monkeypatch):
+    import weightsync.positions as positions
+
+    _, source, local, versions = _chain(tmp_path, ["sparse-v1"])
+    chain, indexes = plan_change_chain(source, 0, 1)
+    decoded: list[str] = []
+    real = positions.changed_elements
+    monkeypatch.setattr(positions, "changed_elements", lambda *a: decoded.append(a[-1]) or real(*a))
+    got = {name: pos for name, _, pos in iter_changed_elements(local, source, chain, indexes, skip=frozenset({"b.weight"}))}
+    assert "b.weight" not in got and "b.weight" not in decoded
+    for name in ("a.weight", "c.bytes"):
+        np.testing.assert_array_equal(got[name], _changed(versions[0][name], versions[1][name]), err_msg=name)
+
+
 def test_a_full_version_in_the_chain_has_no_positions(tmp_path):
     _, source, local, _ = _chain(tmp_path, ["xor", "xor", "xor"], full_at=2)
     chain, _ = plan_change_chain(source, 0, 3)
