@@ -18,7 +18,7 @@ import argparse
 import os
 from dataclasses import dataclass
 
-ENCODINGS = ("sparse-v1", "xor", "overwrite")
+ENCODINGS = ("sparse-v1", "sparse-v2", "auto", "xor", "overwrite")
 CHECKSUMS = ("xxh3-128", "blake3", "adler32")
 PAUSE_MODES = ("retract", "abort", "in_place")
 APPLY_MODES = ("auto", "live", "reload")  # the same registry as engine_sync.APPLY_MODES (a test pins it)
@@ -37,6 +37,7 @@ class DiskDeltaConfig:
     local_checkpoint_dir: str
     hf_checkpoint: str
     encoding: str = "sparse-v1"
+    link_bytes_per_s: float | None = None  # encoding "auto": one engine's share of the link (bytes/s)
     checksum: str = "xxh3-128"
     full_every: int = 0
     fallback_fraction: float = 0.5
@@ -75,7 +76,13 @@ def add_update_weight_arguments(parser: argparse.ArgumentParser) -> argparse.Arg
     _add(g, parser, "--update-weight-local-checkpoint-dir", type=str, default=None,
          help="Host-local dir on each engine host that holds the engine's current checkpoint.")
     _add(g, parser, "--update-weight-delta-encoding", type=str, default="sparse-v1", choices=ENCODINGS,
-         help="How changed bytes are encoded in a delta version.")
+         help="How changed bytes are encoded in a delta version: sparse-v1 (default); sparse-v2 (about 0.75x "
+              "the bytes for a slower pull, and engines reload those versions instead of applying them live); "
+              "auto: sparse-v1 or sparse-v2 per version, whichever costs an engine less time given "
+              "--update-weight-link-bytes-per-s; xor/overwrite for upstream readers.")
+    _add(g, parser, "--update-weight-link-bytes-per-s", type=float, default=None,
+         help="For --update-weight-delta-encoding auto: the bytes per second one engine host gets from "
+              "--update-weight-disk-dir (its share of the link), e.g. 31e6 for 40 engines behind 10 Gb/s.")
     _add(g, parser, "--update-weight-delta-checksum", type=str, default="xxh3-128", choices=CHECKSUMS,
          help="Checksum recorded per tensor and verified by every pull.")
     _add(g, parser, "--update-weight-full-every", type=int, default=0,
@@ -210,6 +217,12 @@ def validate_update_weight_args(args: argparse.Namespace) -> DiskDeltaConfig | N
     backoff = float(g("update_weight_publish_retry_backoff_s", 1.0))
     if backoff < 0:
         raise UpdateWeightArgsError(f"--update-weight-publish-retry-backoff-s must be >= 0, got {backoff}.")
+    encoding = g("update_weight_delta_encoding", "sparse-v1")
+    link = g("update_weight_link_bytes_per_s")
+    if encoding == "auto" and (link is None or not float(link) > 0 or float(link) == float("inf")):
+        raise UpdateWeightArgsError(
+            f"--update-weight-delta-encoding auto needs --update-weight-link-bytes-per-s > 0 (the bytes per second "
+            f"one engine host gets from the shared dir; it trades wire time against apply time), got {link!r}.")
     post = g("custom_update_weight_post_write_path")
     if post is not None and "." not in post:
         raise UpdateWeightArgsError(
@@ -219,7 +232,8 @@ def validate_update_weight_args(args: argparse.Namespace) -> DiskDeltaConfig | N
         source_dir=source_dir,
         local_checkpoint_dir=local_dir,
         hf_checkpoint=hf,
-        encoding=g("update_weight_delta_encoding", "sparse-v1"),
+        encoding=encoding,
+        link_bytes_per_s=None if link is None else float(link),
         checksum=g("update_weight_delta_checksum", "xxh3-128"),
         full_every=full_every,
         fallback_fraction=fallback,

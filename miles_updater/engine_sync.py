@@ -47,6 +47,7 @@ class SyncMetrics:
     version: int
     kind: str = ""
     reason: str = ""
+    encoding: str = ""  # a delta's encoding ("" for a full version)
     changed_bytes: int = 0
     changed_elements: int = 0
     total_elements: int = 0
@@ -86,7 +87,8 @@ class SyncMetrics:
         return d
 
     def summary(self) -> str:
-        return (f"v{self.version} {self.kind} ({self.reason}): changed {self.changed_fraction_bytes:.2%} of bytes, "
+        kind = f"{self.kind} {self.encoding}" if self.encoding else self.kind
+        return (f"v{self.version} {kind} ({self.reason}): changed {self.changed_fraction_bytes:.2%} of bytes, "
                 f"{self.changed_fraction_elements:.2%} of elements; wire {self.wire_nbytes} B of {self.full_nbytes} B "
                 f"full; gather {self.gather_s:.2f}s encode {self.encode_s:.2f}s publish {self.publish_s:.2f}s "
                 f"pull {self.pull_s:.2f}s pause {self.pause_s:.2f}s ({self.apply_mode or 'no apply'}, "

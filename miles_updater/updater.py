@@ -6,7 +6,10 @@ Role: runs in every trainer rank (a miles/slime Megatron actor). Each sync:
 2. publish version v, in three collective steps that every rank runs in the same order:
    *prepare* (each source rank diffs against its snapshot, the previous version's bytes, and all
    ranks agree on delta vs full from the summed sizes), *write* (each source rank writes its
-   shards; the all-gather of their manifests is the barrier), *commit* (rank 0 writes the index);
+   shards; the all-gather of their manifests is the barrier), *commit* (rank 0 writes the index).
+   With ``--update-weight-delta-encoding auto`` a *sample* step comes first: each source rank
+   encodes a sample of its tensors both ways, and the all-gather of the samples gives every
+   source rank the same sum, hence the same encoding (``weightsync.encoding_choice``);
 3. on rank 0 only, the engines (``engine_sync.EngineSync``): post-write hook -> ``pull_weights(v)``
    everywhere while they generate -> pause -> live apply or reload -> continue.
 
@@ -35,6 +38,7 @@ import msgspec
 import torch.distributed as dist
 
 from weightsync import Publisher
+from weightsync.encoding_choice import AUTO, merge_samples
 from weightsync.layout import version_dir
 
 from .args import DiskDeltaConfig
@@ -56,6 +60,8 @@ class PendingVersion(msgspec.Struct):
     prepared: Any = None  # this source rank's PreparedVersion, until its shards are written
     stats: tuple | None = None  # this rank's sizes, for the agreed choice
     kind: str = ""  # agreed by every rank once the prepare step succeeded everywhere
+    sampled: bool = False  # encoding "auto": every rank has the summed samples (so it samples once)
+    encoding: str = ""  # encoding "auto": what the source ranks chose from the summed samples
     reason: str = ""
     manifest: Any = None  # this source rank's ShardManifest, once its shards are durable
     attempts: int = 0
@@ -91,6 +97,7 @@ class DiskDeltaWeightUpdater:
                 self.source_dir, encoding=config.encoding, checksum=config.checksum,
                 rank=self.plan.source_rank, world_size=self.plan.num_sources,
                 template_dir=config.hf_checkpoint, full_every=config.full_every,
+                link_bytes_per_s=config.link_bytes_per_s,
                 fallback_fraction=config.fallback_fraction,
                 full_above_changed_fraction=config.full_above_changed_fraction, keep_versions=config.keep_versions,
             )
@@ -224,6 +231,7 @@ class DiskDeltaWeightUpdater:
                 time.sleep(delay)
                 delay = min(2 * delay, 30.0)
         m.kind, m.reason, m.publish_attempts = p.kind, p.reason, p.attempts
+        m.encoding = (p.encoding or self.config.encoding) if p.kind == "delta" else ""
         self.version = p.version
         self._pending = None
         self._full_reason = None
@@ -232,14 +240,16 @@ class DiskDeltaWeightUpdater:
             self._prune_old_runs()
 
     def _publish_steps(self, p: PendingVersion, tensors: dict | None, m: SyncMetrics) -> None:
-        """prepare -> agree on the kind -> write -> barrier -> commit, skipping steps already done."""
+        """(sample ->) prepare -> agree on the kind -> write -> barrier -> commit, skipping steps already done."""
         if not p.kind:
+            self._choose_encoding(p, tensors)
             error = None
             try:
                 if self.publisher is not None and p.prepared is None:
                     # A full version after a restart needs no encoding (it stores the bytes).
                     p.prepared = self.publisher.prepare(
-                        p.version, tensors, kind="full" if self._full_reason is not None else None)
+                        p.version, tensors, kind="full" if self._full_reason is not None else None,
+                        encoding=p.encoding or None)
                     pr = p.prepared
                     p.stats = (pr.delta_nbytes, pr.full_nbytes, pr.changed_bytes, pr.changed_elements,
                                pr.total_elements, pr.encode_s)
@@ -282,6 +292,27 @@ class DiskDeltaWeightUpdater:
         if self.publisher is not None and self.rank != 0:
             self.publisher.confirm(p.version)  # rank 0's commit succeeded: v counts as committed here too
         self._version_dirs[p.version] = vdir or version_dir(self.source_dir, p.version)
+
+    def _choose_encoding(self, p: PendingVersion, tensors: dict | None) -> None:
+        """Encoding "auto" (collective): every source rank samples the tensors it owns, every rank
+        gathers the samples, and each source rank takes the choice of their sum (the same sum
+        gives the same choice, so the version has one encoding). Once per version: a retry reuses
+        it. A full version (after a restart, or on the ``full_every`` schedule) needs none."""
+        every = self.config.full_every
+        if self.config.encoding != AUTO or p.sampled or self._full_reason is not None or (every and p.version % every == 0):
+            return
+        sample, error = None, None
+        try:
+            if self.publisher is not None:
+                sample = self.publisher.sample_encodings(p.version, tensors or {})
+        except Exception as e:  # noqa: BLE001
+            log.exception("sampling v%d's encodings failed", p.version)
+            error = f"encoding sample: {type(e).__name__}: {e}"
+        samples = self._all_gather(sample, error, step="encoding sample")
+        if self.publisher is not None:
+            choice = self.publisher.choose_encoding(p.version, merge_samples(s for s in samples if s is not None))
+            p.encoding = choice.encoding
+        p.sampled = True
 
     def _first_version_in_dir(self) -> int:
         start = self.run_start

@@ -131,3 +131,19 @@ def test_apply_mode_defaults_to_auto_and_takes_live_or_reload(hf_dir, tmp_path):
 def test_unknown_encoding_is_refused_by_the_parser():
     with pytest.raises(SystemExit):
         parse(["--update-weight-delta-encoding", "gzip"])
+
+
+def test_encoding_auto_takes_the_declared_link(hf_dir, tmp_path):
+    args = parse(["--update-weight-transfer-mode", "disk-delta", "--update-weight-delta-encoding", "auto",
+                  "--update-weight-link-bytes-per-s", "31e6", *good(hf_dir, tmp_path)])
+    cfg = validate_update_weight_args(args)
+    assert (cfg.encoding, cfg.link_bytes_per_s) == ("auto", 31e6)
+
+
+@pytest.mark.parametrize("link", [None, "0", "-1", "inf", "nan"])
+def test_encoding_auto_without_a_positive_link_is_refused(hf_dir, tmp_path, link):
+    extra = [] if link is None else ["--update-weight-link-bytes-per-s", link]
+    args = parse(["--update-weight-transfer-mode", "disk-delta", "--update-weight-delta-encoding", "auto", *extra,
+                  *good(hf_dir, tmp_path)])
+    with pytest.raises(UpdateWeightArgsError, match="--update-weight-link-bytes-per-s > 0"):
+        validate_update_weight_args(args)

@@ -5,7 +5,9 @@ on a tiny Qwen3 and move their weights before each sync. A small fake passed int
 makes one step fail once: encode (prepare) on rank 1, rank 1's shard write, the barrier
 collective on every rank, rank 0's index write (ENOSPC). Then a write fails on every attempt, so
 the sync fails on both ranks; the next sync publishes that version first. Then the updater is
-restarted: with the same run id, then twice with fresh ids (pruning the oldest run dir).
+restarted: with the same run id, then twice with fresh ids (pruning the oldest run dir). Last,
+two runs with ``--update-weight-delta-encoding auto``, on a slow and on a fast declared link,
+after Adam-like steps (rank 1's encoding sample fails once in the slow run).
 
 The parent pulls every version with the core's ``pull`` onto a local checkpoint, as an engine
 host would, and compares every tensor with the digests the ranks recorded for that version.
@@ -144,6 +146,24 @@ def test_restart_with_a_fresh_run_id_continues_the_numbering_and_prunes_old_runs
     assert _assert_pulls_to(run, local, third_dir, 12) == "seed"
 
 
+def test_encoding_auto_gives_every_rank_the_one_encoding_their_summed_samples_choose(run, tmp_path):
+    r0, r1 = run["seen"]
+    slow, fast = r0["auto"]
+    assert [s["version"] for s in slow["syncs"]] == [13, 14] and [s["version"] for s in fast["syncs"]] == [15, 16]
+    for r in (r0, r1):  # the metrics every rank returns (rank 0's, shared)
+        assert [(s["kind"], s["encoding"]) for a in r["auto"] for s in a["syncs"]] == [
+            ("full", ""), ("delta", "sparse-v2"), ("full", ""), ("delta", "sparse-v1")]
+    assert slow["syncs"][1]["publish_attempts"] == 2  # the failed sample was retried, choosing the same
+    assert r1["auto_sample_hits"] == 1 and r0["auto_sample_hits"] == 0
+    local = tmp_path / "ckpt"
+    for a, v, encoding in ((slow, 14, "sparse-v2"), (fast, 16, "sparse-v1")):
+        index = json.loads((Path(a["source_dir"]) / f"weight_v{v:06d}" / "model.safetensors.index.json").read_text())
+        assert index["metadata"]["delta_encoding"] == encoding
+        assert sorted({f.split("-")[1] for f in index["weight_map"].values()}) == ["r00000", "r00001"]  # both ranks wrote
+        _assert_pulls_to(run, local, a["source_dir"], v - 1)
+        assert _assert_pulls_to(run, local, a["source_dir"], v) == "chain"
+
+
 def test_reconnecting_engines_does_not_leak_threads(run):
     assert run["seen"][0]["leaked_engine_threads"] == 0
 
@@ -179,6 +199,17 @@ def _move_weights(model, step: int) -> None:
             flat = p.view(-1)
             idx = torch.randperm(flat.numel(), generator=g)[: max(1, flat.numel() // 100)]
             flat[idx] += torch.randn(idx.numel(), generator=g) * 0.05
+
+
+def _adam_like_step(model, step: int, lr: float = 2e-5) -> None:
+    """Every element moves by about ``lr`` (a sign and a log-normal size): after the bf16 cast
+    small weights change more often than large ones, the data sparse-v2 is for."""
+    import torch
+
+    with torch.no_grad():
+        for i, p in enumerate(model.parameters()):
+            g = torch.Generator().manual_seed(20_000 * step + i)
+            p += lr * torch.sign(torch.randn(p.shape, generator=g)) * torch.exp(0.5 * torch.randn(p.shape, generator=g))
 
 
 def _worker(rank: int, cfg: dict) -> None:
@@ -295,6 +326,28 @@ def _worker(rank: int, cfg: dict) -> None:
         seen["restarts"].append({"start": dict(newest_version=start.newest_version, reopened=start.reopened,
                                                removed=start.removed), "syncs": syncs})
         updater.close()
+    # Encoding auto, a slow then a fast declared link (fresh runs, every run dir kept).
+    import dataclasses
+
+    seen["auto"] = []
+    for link in (1e3, 1e15):
+        auto = dataclasses.replace(config, encoding="auto", link_bytes_per_s=link, keep_runs=0)
+        updater = DiskDeltaWeightUpdater(auto, [model])
+        if updater.publisher is not None and link == 1e3:
+            updater.publisher.sample_encodings = faults.wrap(
+                "sample@1", updater.publisher.sample_encodings, lambda: MemoryError("sample ran out of memory"))
+        updater.start()
+        syncs = []
+        for _ in range(2):
+            step += 1
+            _adam_like_step(model, step)
+            if link == 1e3 and rank == 1:
+                faults.armed["sample@1"] = 1
+            m = updater.update_weights(update_engines=False)
+            syncs.append(dict(record(m), encoding=m.encoding))
+        seen["auto"].append({"source_dir": updater.source_dir, "syncs": syncs})
+        updater.close()
+    seen["auto_sample_hits"] = faults.hits.get("sample@1", 0)
     (Path(cfg["out_dir"]) / f"rank{rank}.json").write_text(json.dumps(seen))
     dist.barrier()
 
