@@ -20,6 +20,7 @@ tensor only (a quick look); nothing is timed.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 
@@ -162,6 +163,17 @@ def _project_segment(o: np.ndarray, n: np.ndarray, h: np.ndarray | None, last_ne
     return sum(streams.values()), nclasses, streams
 
 
+def _kt_bits(n0: np.ndarray, n1: np.ndarray) -> float:
+    """Bits an adaptive binary arithmetic coder with a Krichevsky-Trofimov estimate per
+    context spends on n0 zeros and n1 ones (in any order: the product of its predictions
+    depends on the counts only), summed over the contexts."""
+    n0 = n0.astype(np.float64)
+    n1 = n1.astype(np.float64)
+    lg = np.vectorize(math.lgamma, otypes=[np.float64])
+    nats = lg(n0 + n1 + 1) + math.log(math.pi) - lg(n0 + 0.5) - lg(n1 + 0.5)
+    return float(nats[(n0 + n1) > 0].sum()) / math.log(2)
+
+
 def _hist_entropies(o: np.ndarray, n: np.ndarray, h: np.ndarray | None, last_neg: np.ndarray | None, out: dict) -> None:
     """Bits (in bytes) of one segment's streams given the exponent, and given the exponent and
     the history context: the mask given (key, changed last step), the signs given (key, the last
@@ -178,11 +190,14 @@ def _hist_entropies(o: np.ndarray, n: np.ndarray, h: np.ndarray | None, last_neg
         ke = np.bincount(ctx[changed], minlength=512).astype(np.float64)
         present = ne > 0
         out[f"H positions {name}"] += float((ne[present] * _h(ke[present] / ne[present])).sum()) / 8
+        out[f"KT positions {name}"] += _kt_bits(ne - ke, ke) / 8 + 2  # an arithmetic coder's flush
     d = _order(n[changed]) - _order(o[changed])
     neg = (d < 0).astype(np.int64)
     out["H signs exp"] += k / 8
+    out["KT signs exp"] += -(-k // 8)
     if h is None:
         out["H signs hist"] += k / 8
+        out["KT signs hist"] += -(-k // 8)
         state = np.zeros(k, np.int64)
     else:
         hc = h[changed]
@@ -190,12 +205,21 @@ def _hist_entropies(o: np.ndarray, n: np.ndarray, h: np.ndarray | None, last_neg
         ctx = key[changed][hc] * 2 + ln[hc]  # the exponent and the last change's sign
         joint = np.bincount(ctx * 2 + neg[hc], minlength=1024)
         out["H signs hist"] += ((~hc).sum() + _hcounts(joint) - _hcounts(np.bincount(ctx, minlength=512))) / 8
+        pairs = joint.reshape(512, 2)
+        out["KT signs hist"] += -(-int((~hc).sum()) // 8) + _kt_bits(pairs[:, 0], pairs[:, 1]) / 8 + 2
         state = np.where(hc, 1 + (ln != neg), 0)
     kc = key[changed]
     mag = np.abs(d) - 1
     for name, ctx in (("exp", kc), ("hist", kc * 3 + state)):
-        _, joint = np.unique(ctx * 70000 + mag, return_counts=True)
-        out[f"H flags+sizes {name}"] += (_hcounts(joint) - _hcounts(np.bincount(ctx))) / 8
+        pair, joint = np.unique(ctx * 70000 + mag, return_counts=True)
+        per_ctx = np.bincount(ctx)
+        h_cond = _hcounts(joint) - _hcounts(per_ctx)
+        out[f"H flags+sizes {name}"] += h_cond / 8
+        # an adaptive multi-symbol coder per context pays about half log2(n) bits per symbol it learns
+        distinct = np.bincount(pair // 70000, minlength=per_ctx.size)
+        used = per_ctx > 0
+        learn = float((0.5 * (distinct[used] - 1) * np.log2(per_ctx[used])).sum())
+        out[f"KT flags+sizes {name}"] += (h_cond + learn) / 8 + 2
 
 
 def history_table(args) -> None:
@@ -215,7 +239,8 @@ def history_table(args) -> None:
     rows = []
     cols = ["v1", "base", "v2", "proj0", "proj", "classes0", "classes", "segs", "ctx bytes",
             "H positions exp", "H positions hist", "H signs exp", "H signs hist", "H flags+sizes exp", "H flags+sizes hist",
-            "p0", "p1", "flip", "H signs ever", "flip ever", "k ever"]
+            "p0", "p1", "flip", "H signs ever", "KT positions exp", "KT positions hist", "KT signs exp", "KT signs hist",
+            "KT flags+sizes exp", "KT flags+sizes hist", "ntensors", "flip ever", "k ever"]
     streams0 = dict.fromkeys(["positions", "signs", "flags+sizes", "tables"], 0)
     for i, (lr, label) in enumerate(DEFAULT_STEPS[: args.steps], start=1):
         full = stream.step(lr)
@@ -243,6 +268,7 @@ def history_table(args) -> None:
             out["v1"] += len(v1.encode(ob, nb, 2, 1, nm).payload)
             out["v2"] += len(c2.CODEC.encode(ob, nb, 2, 1, nm).payload)
             out["proj0"] += c2.HEADER.size
+            out["ntensors"] += 1
             out["proj"] += c2.HEADER.size
             hfull, lfull = last[nm] if last is not None else (None, None)
             if hfull is not None:
@@ -309,6 +335,19 @@ def history_table(args) -> None:
               f"{mb(out['proj0'])} | {mb(out['proj'])} | {out['proj'] / out['proj0']:.3f}x | {scaled / out['v1']:.3f}x | "
               f"{scaled / out['base']:.3f}x | {out['classes0'] / out['segs']:.1f} -> {out['classes'] / out['segs']:.1f} | "
               + (f"{out['p0']:.4f} / {out['p1']:.4f} | {out['flip']:.3f} | {mb(out['ctx bytes'])} |" if has else "- | - | - |"))
+    print("\nan adaptive binary arithmetic coder instead (KT estimate per context, per segment: the mask given the "
+          "exponent, or the exponent and the last step's change; the signs raw, or given the exponent and the last "
+          "sign where there is one; the sizes given the exponent, or with the last change's direction, plus what an "
+          "adaptive model pays to learn them; 16 table bytes per segment)\n")
+    print("| step | positions exp -> hist | signs exp -> hist | flags+sizes exp -> hist | exp / v1 | hist / v1 | exp / base | hist / base |")
+    print("|---|---|---|---|---|---|---|---|")
+    for i, label, out, st0, st1, _ in rows:
+        tables = out["segs"] * 16 + out["ntensors"] * c2.HEADER.size  # a few counts per segment
+        t0 = out["KT positions exp"] + out["KT signs exp"] + out["KT flags+sizes exp"] + tables
+        t1 = out["KT positions hist"] + out["KT signs hist"] + out["KT flags+sizes hist"] + tables
+        print(f"| {i} {label} | {mb(out['KT positions exp'])} -> {mb(out['KT positions hist'])} | {mb(out['KT signs exp'])} -> "
+              f"{mb(out['KT signs hist'])} | {mb(out['KT flags+sizes exp'])} -> {mb(out['KT flags+sizes hist'])} | "
+              f"{t0 / out['v1']:.3f}x | {t1 / out['v1']:.3f}x | {t0 / out['base']:.3f}x | {t1 / out['base']:.3f}x |")
     print("\nfor comparison, signs given the latest change since the seed (a state over the whole chain): share of "
           "changes with one, P(flip), H signs given the exponent, the last step's / an older change and its sign, and "
           "the projection with the signs at that entropy (an optimistic bound; positions as above)\n")
