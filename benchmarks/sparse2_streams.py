@@ -222,10 +222,12 @@ def _hist_entropies(o: np.ndarray, n: np.ndarray, h: np.ndarray | None, last_neg
         out[f"KT flags+sizes {name}"] += (h_cond + learn) / 8 + 2
 
 
-def history_table(args) -> None:
-    stream = RLStream(PRESETS[args.preset])
+def history_rows(preset: str, steps: int, every: int) -> tuple[list, int]:
+    """Per step (index, label, figures, streams without history, streams with it, whether the
+    step has a history context), and the number of tensors looked at."""
+    stream = RLStream(PRESETS[preset])
     v0 = stream.bf16()
-    names = sorted(v0)[:: args.every]
+    names = sorted(v0)[::every]
     prev = {nm: v0[nm].reshape(-1) for nm in names}
     del v0
     last: dict[str, tuple[np.ndarray, np.ndarray]] | None = None  # name: (changed, negative) of the previous step
@@ -242,7 +244,7 @@ def history_table(args) -> None:
             "p0", "p1", "flip", "H signs ever", "KT positions exp", "KT positions hist", "KT signs exp", "KT signs hist",
             "KT flags+sizes exp", "KT flags+sizes hist", "ntensors", "flip ever", "k ever"]
     streams0 = dict.fromkeys(["positions", "signs", "flags+sizes", "tables"], 0)
-    for i, (lr, label) in enumerate(DEFAULT_STEPS[: args.steps], start=1):
+    for i, (lr, label) in enumerate(DEFAULT_STEPS[:steps], start=1):
         full = stream.step(lr)
         cur = {nm: full[nm].reshape(-1) for nm in names}
         del full
@@ -323,8 +325,13 @@ def history_table(args) -> None:
         rows.append((i, label, out, st0, st1, last is not None))
         prev, last = cur, now
         print(f"step {i} done", file=sys.stderr, flush=True)
+    return rows, len(names)
+
+
+def history_table(args) -> None:
+    rows, ntensors = history_rows(args.preset, args.steps, args.every)
     mb = lambda x: f"{x / 1e6:.3f}"  # noqa: E731
-    print(f"every {args.every}th tensor ({len(names)} tensors); MB; proj0: this script's coder without history "
+    print(f"every {args.every}th tensor ({ntensors} tensors); MB; proj0: this script's coder without history "
           "(calibration against the real sparse-v2), proj: with the history context\n")
     print("| step | v1 | base | v2 | v2/v1 | proj0 | proj | proj/proj0 | proj/v1 (scaled) | proj/base (scaled) | "
           "classes/seg 0 -> hist | P(chg) no-last / last | P(flip) | sidecar MB |")
@@ -338,16 +345,24 @@ def history_table(args) -> None:
     print("\nan adaptive binary arithmetic coder instead (KT estimate per context, per segment: the mask given the "
           "exponent, or the exponent and the last step's change; the signs raw, or given the exponent and the last "
           "sign where there is one; the sizes given the exponent, or with the last change's direction, plus what an "
-          "adaptive model pays to learn them; 16 table bytes per segment)\n")
-    print("| step | positions exp -> hist | signs exp -> hist | flags+sizes exp -> hist | exp / v1 | hist / v1 | exp / base | hist / base |")
-    print("|---|---|---|---|---|---|---|---|")
+          "adaptive model pays to learn them; 16 table bytes per segment). mixed: sparse-v2's Rice classes for the "
+          "positions and signs (with history: as in the first table), an adaptive coder for the flags and sizes only "
+          "(work per change, not per element)\n")
+    print("| step | positions exp -> hist | signs exp -> hist | flags+sizes exp -> hist | exp / v1 | hist / v1 | exp / base "
+          "| hist / base | mixed exp / v1 | mixed hist / v1 | mixed hist / base |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for i, label, out, st0, st1, _ in rows:
         tables = out["segs"] * 16 + out["ntensors"] * c2.HEADER.size  # a few counts per segment
         t0 = out["KT positions exp"] + out["KT signs exp"] + out["KT flags+sizes exp"] + tables
         t1 = out["KT positions hist"] + out["KT signs hist"] + out["KT flags+sizes hist"] + tables
+        # sparse-v2's Rice classes for the positions and signs (split by the history context as in
+        # the first table), the flags and sizes by an adaptive coder (per change, not per element)
+        m0 = out["proj0"] - st0["flags+sizes"] + out["KT flags+sizes exp"]
+        m1 = out["proj"] - st1["flags+sizes"] + out["KT flags+sizes hist"]
         print(f"| {i} {label} | {mb(out['KT positions exp'])} -> {mb(out['KT positions hist'])} | {mb(out['KT signs exp'])} -> "
               f"{mb(out['KT signs hist'])} | {mb(out['KT flags+sizes exp'])} -> {mb(out['KT flags+sizes hist'])} | "
-              f"{t0 / out['v1']:.3f}x | {t1 / out['v1']:.3f}x | {t0 / out['base']:.3f}x | {t1 / out['base']:.3f}x |")
+              f"{t0 / out['v1']:.3f}x | {t1 / out['v1']:.3f}x | {t0 / out['base']:.3f}x | {t1 / out['base']:.3f}x | "
+              f"{m0 / out['v1']:.3f}x | {m1 / out['v1']:.3f}x | {m1 / out['base']:.3f}x |")
     print("\nfor comparison, signs given the latest change since the seed (a state over the whole chain): share of "
           "changes with one, P(flip), H signs given the exponent, the last step's / an older change and its sign, and "
           "the projection with the signs at that entropy (an optimistic bound; positions as above)\n")
