@@ -26,10 +26,11 @@ reload-only, with its reason. Only proven parameters are ever patched live.
 from __future__ import annotations
 
 import logging
+import math
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Iterator, Mapping, NamedTuple, Optional
+from typing import Any, Callable, Generator, Iterable, Iterator, Mapping, NamedTuple, Optional
 
 import numpy as np
 import torch
@@ -397,6 +398,9 @@ def as_int_bits(t: torch.Tensor) -> torch.Tensor:
     return t.view(INT_OF_WIDTH[t.element_size()])
 
 
+PROOF_STEP_ELEMENTS = 1 << 18  # elements per step of prove_map_steps: about a millisecond
+
+
 def prove_map(
     cmap: CoordinateMap,
     live_params: Mapping[str, torch.Tensor],
@@ -415,6 +419,20 @@ def prove_map(
         True when the proof completed (``cmap.proven_params`` and ``reload_only_params`` set);
         False when ``still_valid`` said the weights moved (nothing recorded).
     """
+    from .loop_slices import drain
+
+    return bool(drain(prove_map_steps(cmap, live_params, read_tensor, still_valid=still_valid)))
+
+
+def prove_map_steps(
+    cmap: CoordinateMap,
+    live_params: Mapping[str, torch.Tensor],
+    read_tensor: Callable[[str], torch.Tensor],
+    *,
+    still_valid: Callable[[], bool] = lambda: True,
+) -> Generator[None, None, bool]:
+    """``prove_map`` in steps of at most ``PROOF_STEP_ELEMENTS`` elements (its return value is
+    the generator's), so the scheduler thread can run it between loop iterations."""
     start = time.perf_counter()
     by_param: dict[str, list[Placement]] = {}
     for ps in cmap.placements.values():
@@ -427,7 +445,7 @@ def prove_map(
         if name in cmap.reload_only_params:
             continue
         live = live_params[name]
-        reason = _prove_param(live, placements, lambda t: cache.setdefault(t, read_tensor(t)))
+        reason = yield from _prove_param(live, placements, lambda t: cache.setdefault(t, read_tensor(t)))
         cache.clear()
         if reason is None:
             proven.add(name)
@@ -444,7 +462,9 @@ def prove_map(
     return True
 
 
-def _prove_param(live: torch.Tensor, placements: list[Placement], tensor: Callable[[str], torch.Tensor]) -> Optional[str]:
+def _prove_param(
+    live: torch.Tensor, placements: list[Placement], tensor: Callable[[str], torch.Tensor]
+) -> Generator[None, None, Optional[str]]:
     if not live.is_contiguous():
         return "not contiguous in memory"
     live_cpu = live.detach().reshape(-1).cpu()
@@ -453,15 +473,33 @@ def _prove_param(live: torch.Tensor, placements: list[Placement], tensor: Callab
     for p in placements:
         src = tensor(p.tensor).reshape(-1)
         box = src.as_strided(p.sizes, p.src_strides, src.storage_offset() + p.src_offset)
-        expected.as_strided(p.sizes, p.dst_strides, p.dst_offset).copy_(box)
-        hits.as_strided(p.sizes, p.dst_strides, p.dst_offset).add_(1)
-    if bool((hits > 1).any()):
-        return f"{int((hits > 1).sum())} element(s) are written by more than one checkpoint element"
-    mask = hits > 0
-    differ = int((as_int_bits(expected)[mask] != as_int_bits(live_cpu)[mask]).sum())
+        into = expected.as_strided(p.sizes, p.dst_strides, p.dst_offset)
+        counted = hits.as_strided(p.sizes, p.dst_strides, p.dst_offset)
+        if not p.sizes:  # a scalar box
+            into.copy_(box)
+            counted.add_(1)
+            continue
+        rows = max(1, PROOF_STEP_ELEMENTS // max(1, math.prod(p.sizes[1:])))
+        for a in range(0, p.sizes[0], rows):
+            into[a : a + rows].copy_(box[a : a + rows])
+            counted[a : a + rows].add_(1)
+            yield
+    overlaps = differ = mapped = 0
+    expected_bits, live_bits = as_int_bits(expected), as_int_bits(live_cpu)
+    for a in range(0, live_cpu.numel(), PROOF_STEP_ELEMENTS):
+        b = a + PROOF_STEP_ELEMENTS
+        h = hits[a:b]
+        mask = h > 0
+        if int(h.max()) > 1:
+            overlaps += int(torch.count_nonzero(h > 1))
+        mapped += int(torch.count_nonzero(mask))
+        differ += int(torch.count_nonzero((expected_bits[a:b] != live_bits[a:b]) & mask))
+        yield
+    if overlaps:
+        return f"{overlaps} element(s) are written by more than one checkpoint element"
     if differ:
         return (
-            f"live values differ from the checkpoint on {differ} of {int(mask.sum())} mapped element(s): "
+            f"live values differ from the checkpoint on {differ} of {mapped} mapped element(s): "
             "transformed after loading (e.g. repacked, shuffled, quantized or derived)"
         )
     return None

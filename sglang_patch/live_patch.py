@@ -34,6 +34,7 @@ import torch
 
 from .coordinate_map import INT_OF_WIDTH, TORCH_DTYPE_OF, CheckpointReader, CoordinateMap, as_int_bits
 from .live_stage import Patch, StagingRefused, positions_through, stage_changes
+from .loop_slices import drain
 
 __all__ = ["ParamPatch", "StagedUpdate", "StagingRefused", "UndoLog", "finish_staging", "positions_through",
            "scatter_with_undo", "stage_update"]
@@ -96,8 +97,7 @@ STEP_ELEMENTS = 1 << 16  # elements per step of finish_staging_steps: well under
 def finish_staging(patches: Iterable[Patch], params: Mapping[str, torch.Tensor], staged: StagedUpdate) -> StagedUpdate:
     """Cast each patch's values to its parameter's dtype and save the live values it overwrites."""
     with one_intra_op_thread():
-        for _ in finish_staging_steps(patches, params, staged):
-            pass
+        drain(finish_staging_steps(patches, params, staged))
     return staged
 
 

@@ -41,10 +41,10 @@ from weightsync.lock import shared_host_lock
 
 from . import compat
 from . import live_results as lr
-from .coordinate_map import CheckpointReader, CoordinateMap, build_coordinate_map, prove_map
+from .coordinate_map import CheckpointReader, CoordinateMap, build_coordinate_map, prove_map_steps
 from .live_patch import StagedUpdate, StagingRefused, finish_staging_steps, one_intra_op_thread, reload_only_reasons, scatter_with_undo
 from .live_stage import Patch, StageJob, StageReply
-from .loop_slices import LoopSlices, LoopWorkTimeout
+from .loop_slices import LoopSlices, LoopWorkTimeout, drain
 from .paths import ALLOWED_ROOTS_FLAG
 
 log = logging.getLogger(__name__)
@@ -53,6 +53,7 @@ LIVE_STATE_ATTR = "_weightsync_live"
 FAULT_DIR_ENV = "WEIGHTSYNC_TEST_FAULT_DIR"
 TRANSFORM_ENV = "WEIGHTSYNC_TEST_POST_LOAD_TRANSFORM"
 LOOP_STAGING_TIMEOUT_S = 120.0  # the loop runs a slice every iteration; only a stalled loop takes this long
+LOOP_PROOF_TIMEOUT_S = 1800.0  # O(model): a few seconds for 1.3 GB here, minutes for the largest
 
 
 class LiveVersion(NamedTuple):
@@ -223,8 +224,19 @@ class LiveApplyState:
         # waits until every rank's proof has read the dir. Without it a trainer that pulls
         # right after a fallback reload voids every proof, and the engine reloads for ever.
         held = shared_host_lock(checkpoint_dir) if checkpoint_dir is not None else contextlib.nullcontext()
-        with held, one_intra_op_thread():  # (see live_patch.finish_staging)
-            ok = prove_map(cmap, self.params(), reader.tensor, still_valid=still_valid)
+        steps = prove_map_steps(cmap, self.params(), reader.tensor, still_valid=still_valid)
+        with held:
+            try:
+                if self.loop.is_driven:  # on the scheduler thread, between iterations (see loop_slices)
+                    finished = self.loop.run(steps, timeout_s=LOOP_PROOF_TIMEOUT_S)
+                    ok = bool(finished.result)
+                    log.info("live apply %s: the proof ran on the scheduler thread: %s", self.rank, finished)
+                else:
+                    with one_intra_op_thread():  # (see live_patch.finish_staging)
+                        ok = bool(drain(steps))
+            except LoopWorkTimeout as exc:
+                log.warning("live apply %s: the proof did not finish: %s", self.rank, exc)
+                return
         log.info("live apply %s: proof %s in %.3fs: %s", self.rank,
                  "done" if ok else "voided (the weights or the checkpoint changed meanwhile)", cmap.proof_s, cmap.proof_reason)
 
@@ -296,16 +308,15 @@ class LiveApplyState:
                               elements=reply.elements, tensors=reply.tensors, helper_s=reply.stage_s)
         steps = finish_staging_steps(patches, self.params(), staged)
         if self.loop.is_driven:
-            staged.engine_where = "on the scheduler thread"
             try:
-                self.loop.run(steps, timeout_s=LOOP_STAGING_TIMEOUT_S)
+                finished = self.loop.run(steps, timeout_s=LOOP_STAGING_TIMEOUT_S)
+                staged.engine_where = f"on the scheduler thread: {finished}"
             except LoopWorkTimeout as exc:
                 raise StagingRefused(f"staging did not finish: {exc}") from exc
         else:  # no loop calls our hook (yet): the slow way, from this thread
             staged.engine_where = "on the pull thread"
             with _short_gil_switches(), one_intra_op_thread():
-                for _ in steps:
-                    pass
+                drain(steps)
         staged.stage_s = time.perf_counter() - start
         return staged
 

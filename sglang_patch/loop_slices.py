@@ -19,13 +19,35 @@ from __future__ import annotations
 import collections
 import threading
 import time
-from typing import Callable, Iterator, Optional
+from typing import Callable, Iterator, NamedTuple, Optional
 
-__all__ = ["LoopSlices", "LoopWorkTimeout"]
+__all__ = ["Finished", "LoopSlices", "LoopWorkTimeout", "drain"]
 
 
 class LoopWorkTimeout(Exception):
     """The scheduler loop did not finish the work in time (it was cancelled)."""
+
+
+def drain(steps: Iterator[None]) -> object:
+    """Run ``steps`` to the end in the calling thread; returns the generator's return value."""
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            return done.value
+
+
+class Finished(NamedTuple):
+    """A job the loop finished: the generator's return value, and how the work went."""
+
+    result: object
+    steps: int
+    slices: int
+    busy_s: float  # inside the steps
+    wall_s: float  # from submission to the end
+
+    def __str__(self) -> str:
+        return f"{self.steps} steps in {self.slices} slices, {self.busy_s:.3f}s of work in {self.wall_s:.3f}s"
 
 
 class _Job:
@@ -33,7 +55,12 @@ class _Job:
         self.steps = steps
         self.done = threading.Event()
         self.error: Optional[BaseException] = None
+        self.result: object = None  # the generator's return value
         self.cancelled = False
+        self.queued = time.perf_counter()
+        self.steps_run = 0
+        self.slices = 0
+        self.busy_s = 0.0
 
 
 class LoopSlices:
@@ -51,7 +78,7 @@ class LoopSlices:
         """Whether a loop has called ``run_slice`` in the last few seconds."""
         return self.last_tick is not None and time.monotonic() - self.last_tick < 5.0
 
-    def run(self, steps: Iterator[None], *, timeout_s: float) -> None:
+    def run(self, steps: Iterator[None], *, timeout_s: float) -> "Finished":
         """Have the loop run ``steps`` to the end; blocks the calling thread until it has.
 
         Raises:
@@ -70,6 +97,7 @@ class LoopSlices:
                 raise LoopWorkTimeout(f"the scheduler loop did not finish the work within {timeout_s:.0f}s")
         if job.error is not None:
             raise job.error
+        return Finished(job.result, job.steps_run, job.slices, job.busy_s, time.perf_counter() - job.queued)
 
     def run_slice(self) -> None:
         """Advance the queued jobs for about ``budget_s`` (the loop thread calls this every iteration)."""
@@ -103,11 +131,16 @@ class LoopSlices:
         failed or cancelled)."""
         if job.cancelled:
             return False
+        job.slices += 1
+        t0 = time.perf_counter()
         try:
+            job.steps_run += 1
             next(job.steps)
             while time.perf_counter() < deadline:
+                job.steps_run += 1
                 next(job.steps)
-        except StopIteration:
+        except StopIteration as done:
+            job.result = done.value
             return False
         except Exception as exc:  # handed to the waiting caller, never into the loop
             job.error = exc
@@ -116,4 +149,6 @@ class LoopSlices:
             job.error = exc
             job.done.set()
             raise
+        finally:
+            job.busy_s += time.perf_counter() - t0
         return True

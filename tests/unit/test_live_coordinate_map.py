@@ -159,3 +159,30 @@ def test_a_proof_voided_by_a_concurrent_weight_update_records_nothing():
     model.load_weights(iter(ckpt.items()))
     assert not prove_map(cmap, dict(model.named_parameters()), lambda n: ckpt[n], still_valid=lambda: False)
     assert not cmap.proven and not cmap.proven_params
+
+
+@pytest.mark.parametrize("step", [1, 5, 1 << 20])
+def test_a_proof_in_small_steps_reaches_the_same_verdicts_as_one_in_a_single_step(monkeypatch, step):
+    from sglang_patch import coordinate_map
+    from sglang_patch.coordinate_map import prove_map_steps
+
+    monkeypatch.setattr(coordinate_map, "PROOF_STEP_ELEMENTS", step)
+    ckpt = _checkpoint()
+    model = ToyModel()
+    cmap = build_coordinate_map(model, _specs(ckpt))
+    model.load_weights(iter(ckpt.items()))
+    with torch.no_grad():
+        model.gate_up.data.view(-1)[-1] += 1  # the last element: the last step of its parameter
+    steps = prove_map_steps(cmap, dict(model.named_parameters()), lambda n: ckpt[n])
+    count = 0
+    while True:
+        try:
+            next(steps)
+            count += 1
+        except StopIteration as done:
+            assert done.value is True
+            break
+    assert cmap.proven_params == {"embed", "qkv", "norm", "w13"}
+    assert "differ from the checkpoint on 1 of" in cmap.reload_only_params["gate_up"]
+    biggest = max(p.numel() for p in model.parameters())
+    assert count >= biggest // step  # the work really was cut into steps of at most `step` elements
