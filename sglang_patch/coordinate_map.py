@@ -15,7 +15,8 @@ Anything the recorder cannot follow makes the map refuse rather than guess:
 - a parameter written by anything but a probe copy or a constant fill -> reload-only param;
 - a probe read by an op that is neither a view nor a plain copy -> reload-only checkpoint tensor.
 
-Proof (``prove_map``, O(model) once, while serving): every mapped parameter is rebuilt from a
+Proof (``prove_map``, or ``prove_map_steps`` in steps of ``PROOF_STEP_ELEMENTS`` for the
+scheduler thread; O(model) once, while serving): every mapped parameter is rebuilt from a
 checkpoint that holds the version the live weights hold (the seed dir at start-up) and compared
 bit for bit with the live parameter on every mapped element. A parameter the engine transformed
 after loading (CPU AMX packing, an MoE weight shuffle, a quantized re-layout, a derived cache),

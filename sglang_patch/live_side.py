@@ -9,8 +9,13 @@ Per scheduler rank, one ``LiveApplyState`` (on ``scheduler._weightsync_live``):
   Every weight update also bumps ``generation``, which voids a proof or a staging in flight.
 - **The map**: built once per engine lifetime on a thread started at the first loop
   iteration, then proven against the seed dir while the live weights still hold version 0.
+  The proof's torch work runs on the scheduler thread itself, a ~2 ms slice per loop
+  iteration (``loop``: ``loop_slices.LoopSlices``, driven from our hook on
+  ``process_input_requests``); the map thread waits for it.
 - **Staging**: ``stage_after_pull`` runs in each rank's pull thread once the core verified
-  the local checkpoint (see ``live_patch``).
+  the local checkpoint: the helper process does the heavy half, the scheduler thread the
+  engine half in slices as above (see ``live_patch``). From a side thread every torch call
+  waited for the GIL held by sglang's busy loop (about 9 ms a call here).
 - **The pause**: ``handle_update`` runs in the scheduler's request dispatch on every TP rank at
   the same loop iteration (sglang broadcasts the request). The ranks all-gather their votes,
   then either all scatter (and all-gather the outcome: one failure and every rank restores
