@@ -126,6 +126,16 @@ def positions_through(p: Placement, positions: np.ndarray) -> tuple[np.ndarray, 
     return chosen[ok], dst[ok]
 
 
+def source_windows(placements: dict[str, list[Placement]]) -> dict[str, tuple[int, int]]:
+    """Per checkpoint tensor, the first and last of its elements any of this rank's boxes reads."""
+    out = {}
+    for name, boxes in placements.items():
+        if boxes:
+            out[name] = (min(p.src_offset for p in boxes),
+                         max(p.src_offset + sum((n - 1) * s for n, s in zip(p.sizes, p.src_strides)) for p in boxes))
+    return out
+
+
 def _is_run(sizes: tuple[int, ...], strides: tuple[int, ...], order: list[int]) -> bool:
     """Whether a box with ``strides`` (dims in ``order``, outermost first) is one contiguous run."""
     step = 1
@@ -266,7 +276,8 @@ def _plan_job(job: StageJob) -> _Plan:
     changes = (
         (name, entry.dtype, pos)
         for name, entry, pos in positions.iter_changed_elements(
-            job.local_checkpoint_dir, job.source_dir, chain, indexes, skip=frozenset(job.unused)
+            job.local_checkpoint_dir, job.source_dir, chain, indexes, skip=frozenset(job.unused),
+            windows=source_windows(job.placements),
         )
     )
     return _Plan(*plan_changes(job.placements, job.unused, job.reload_only, changes, max_elements=job.max_elements))

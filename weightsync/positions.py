@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Iterator
+from typing import Iterator, Mapping
 
 import msgspec
 import numpy as np
@@ -86,12 +86,15 @@ def iter_changed_elements(
     indexes: dict[int, VersionIndex] | None = None,
     *,
     skip: frozenset[str] = frozenset(),
+    windows: Mapping[str, tuple[int, int]] | None = None,
 ) -> Iterator[tuple[str, TensorEntry, np.ndarray]]:
     """``(tensor name, its local entry, sorted unique int64 element positions)`` per changed tensor.
 
     The local checkpoint supplies each tensor's dtype and byte length (its headers only; no
     tensor bytes are read). Tensors come in name order. Tensors named in ``skip`` are not
-    decoded (a pipeline stage or expert rank that holds none of their elements).
+    decoded (a pipeline stage or expert rank that holds none of their elements). ``windows``:
+    per tensor, the (first, last) elements the caller needs; positions outside may come too
+    (see ``changed_elements``).
 
     Raises:
         PositionsUnavailableError: the chain has a full version, or a sparse-v2 payload whose
@@ -126,7 +129,8 @@ def iter_changed_elements(
                     continue
                 view = payload_of(d.tensors[name].ref)
                 try:
-                    parts.append(changed_elements(d.index.delta_encoding or "", view, entry.nbytes, itemsize, name))
+                    window = windows.get(name) if windows else None
+                    parts.append(changed_elements(d.index.delta_encoding or "", view, entry.nbytes, itemsize, name, window))
                 finally:
                     view.release()
             yield name, entry, parts[0] if len(parts) == 1 else np.unique(np.concatenate(parts))
@@ -135,13 +139,22 @@ def iter_changed_elements(
             _close_map(mm)  # type: ignore[arg-type]
 
 
-def changed_elements(encoding: str, payload, nbytes: int, itemsize: int, tensor: str) -> np.ndarray:
-    """Sorted unique int64 element positions one payload changes in a tensor of ``nbytes``."""
+def changed_elements(
+    encoding: str, payload, nbytes: int, itemsize: int, tensor: str, window: tuple[int, int] | None = None
+) -> np.ndarray:
+    """Sorted unique int64 element positions one payload changes in a tensor of ``nbytes``.
+
+    ``window`` (first, last element, inclusive): every changed position inside it is returned;
+    positions outside it may be too. A sparse-v1 payload then decodes only the segments that
+    overlap it (a TP rank's rows of a row-split tensor); the other encodings decode everything.
+    """
     decode = _DECODERS.get(encoding)
     if decode is None:
         raise PositionsUnavailableError(
             f"no position decoder for delta encoding {encoding!r}; known: {sorted(_DECODERS)}", tensor=tensor, encoding=encoding
         )
+    if encoding == "sparse-v1":
+        return _sparse_positions(payload, nbytes, itemsize, tensor, window)
     return decode(payload, nbytes, itemsize, tensor)
 
 
@@ -206,16 +219,22 @@ def _overwrite_positions(payload, nbytes: int, itemsize: int, tensor: str) -> np
     return _bytes_to_elements(positions, itemsize)
 
 
-def _sparse_positions(payload, nbytes: int, itemsize: int, tensor: str) -> np.ndarray:
+def _sparse_positions(payload, nbytes: int, itemsize: int, tensor: str, window: tuple[int, int] | None = None) -> np.ndarray:
     from .codec_sparse import parse
 
     parsed = parse(payload, nbytes, tensor)
+    wanted = np.flatnonzero(parsed.counts)
+    if window is not None and wanted.size:
+        # the segments (of ``seg_elements`` units of ``width`` bytes) holding the window's bytes
+        first = window[0] * itemsize // parsed.width // parsed.seg_elements
+        last = ((window[1] + 1) * itemsize - 1) // parsed.width // parsed.seg_elements
+        wanted = wanted[(wanted >= first) & (wanted <= last)]
     # one int64 array for the whole payload, each segment's positions cumulated straight into
     # its slice (a 5% change of a large tensor is tens of millions of positions: every extra
     # int64 pass over them costs as much as the decompression)
-    units = np.empty(int(parsed.counts.sum(dtype=np.int64)), dtype=np.int64)
+    units = np.empty(int(parsed.counts[wanted].sum(dtype=np.int64)), dtype=np.int64)
     at = 0
-    for s in np.flatnonzero(parsed.counts):
+    for s in wanted:
         seg = parsed.segment(payload, int(s))
         count = seg.nchanged
         if count == 0:

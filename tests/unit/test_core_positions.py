@@ -88,6 +88,28 @@ def test_skipped_tensors_are_not_decoded_and_the_others_are_unchanged(tmp_path, 
         np.testing.assert_array_equal(got[name], _changed(versions[0][name], versions[1][name]), err_msg=name)
 
 
+def test_a_window_returns_every_change_inside_it_and_decodes_only_the_segments_it_overlaps(tmp_path, monkeypatch):
+    import weightsync.codec_sparse as codec_sparse
+    import weightsync.positions as positions
+
+    monkeypatch.setattr(codec_sparse.SparseCodec, "seg_elements", codec_sparse.MIN_SEG_ELEMENTS)
+    rng = np.random.default_rng(3)
+    seg = codec_sparse.MIN_SEG_ELEMENTS
+    old = rng.standard_normal(6 * seg).astype(np.float16)
+    new = old.copy()
+    changed = np.sort(rng.choice(old.size, 3000, replace=False))
+    new[changed] += np.float16(1)
+    payload = codec_sparse.SparseCodec().encode(old.view(np.uint8), new.view(np.uint8), 2, 1, "t").payload
+    changed = _changed(old, new)
+    window = (2 * seg + 17, 4 * seg - 5)  # inside segments 2 and 3 of 6
+    got = positions.changed_elements("sparse-v1", payload, old.nbytes, 2, "t", window)
+    inside = changed[(changed >= window[0]) & (changed <= window[1])]
+    assert inside.size and np.isin(inside, got).all()  # every change inside the window
+    assert got.min() >= 2 * seg and got.max() < 4 * seg  # nothing from segments 0, 1, 4 and 5
+    np.testing.assert_array_equal(got, changed[(changed >= 2 * seg) & (changed < 4 * seg)])
+    np.testing.assert_array_equal(positions.changed_elements("sparse-v1", payload, old.nbytes, 2, "t"), changed)
+
+
 def test_a_full_version_in_the_chain_has_no_positions(tmp_path):
     _, source, local, _ = _chain(tmp_path, ["xor", "xor", "xor"], full_at=2)
     chain, _ = plan_change_chain(source, 0, 3)

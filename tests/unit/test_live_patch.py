@@ -173,3 +173,17 @@ def test_staging_in_steps_bounds_each_step_and_ends_where_staging_at_once_does()
     (a,), (b,) = at_once.patches, stepped.patches
     assert torch.equal(a.index, b.index) and torch.equal(a.values, b.values) and torch.equal(a.old, b.old)
     assert torch.equal(b.old, flat[torch.from_numpy(index)])  # the undo log is what the weights held
+
+
+def test_a_ranks_source_window_spans_exactly_the_elements_its_boxes_read():
+    from sglang_patch.live_stage import source_windows
+
+    rows_4_to_7 = Placement("w", "fused", (4, 3), 12, (3, 1), 0, (3, 1))  # of an (8, 3) tensor
+    transposed = Placement("b", "fused", (2, 3), 0, (1, 2), 12, (3, 1))  # all of a (3, 2) tensor
+    windows = source_windows({"w": [rows_4_to_7], "b": [transposed]})
+    assert windows == {"w": (12, 23), "b": (0, 5)}
+    for p in (rows_4_to_7, transposed):
+        everything = np.arange(24 if p.tensor == "w" else 6, dtype=np.int64)
+        hf, _ = positions_through(p, everything)
+        lo, hi = windows[p.tensor]
+        assert hf.min() == lo and hf.max() == hi
