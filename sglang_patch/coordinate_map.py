@@ -468,7 +468,14 @@ def _prove_param(
 ) -> Generator[None, None, Optional[str]]:
     if not live.is_contiguous():
         return "not contiguous in memory"
-    live_cpu = live.detach().reshape(-1).cpu()
+    flat = live.detach().reshape(-1)
+    if flat.device.type == "cpu":
+        live_cpu = flat
+    else:  # a device parameter comes to host memory a step at a time, not in one long copy
+        live_cpu = torch.empty(flat.numel(), dtype=flat.dtype)
+        for a in range(0, flat.numel(), PROOF_STEP_ELEMENTS):
+            live_cpu[a : a + PROOF_STEP_ELEMENTS].copy_(flat[a : a + PROOF_STEP_ELEMENTS])
+            yield
     expected = torch.empty_like(live_cpu)
     hits = torch.zeros(live_cpu.numel(), dtype=torch.int8)
     for p in placements:
