@@ -232,16 +232,12 @@ class LiveApplyState:
         steps = prove_map_steps(cmap, self.params(), reader.tensor, still_valid=still_valid)
         with held:
             try:
-                if self.loop.is_driven:  # on the scheduler thread, between iterations (see loop_slices)
-                    finished = self.loop.run(steps, timeout_s=LOOP_PROOF_TIMEOUT_S)
-                    ok = bool(finished.result)
-                    log.info("live apply %s: the proof ran on the scheduler thread: %s", self.rank, finished)
-                else:
-                    with one_intra_op_thread():  # (see live_patch.finish_staging)
-                        ok = bool(drain(steps))
+                result, where = self._run_steps(steps, LOOP_PROOF_TIMEOUT_S)
             except LoopWorkTimeout as exc:
                 log.warning("live apply %s: the proof did not finish: %s", self.rank, exc)
                 return
+        ok = bool(result)
+        log.info("live apply %s: the proof ran %s", self.rank, where)
         log.info("live apply %s: proof %s in %.3fs: %s", self.rank,
                  "done" if ok else "voided (the weights or the checkpoint changed meanwhile)", cmap.proof_s, cmap.proof_reason)
 
@@ -311,19 +307,26 @@ class LiveApplyState:
             raise StagingRefused(reply.refused)
         staged = StagedUpdate(live.version, target, source_real, os.path.realpath(local_dir), generation,
                               elements=reply.elements, tensors=reply.tensors, helper_s=reply.stage_s)
-        steps = finish_staging_steps(patches, self.params(), staged)
-        if self.loop.is_driven:
-            try:
-                finished = self.loop.run(steps, timeout_s=LOOP_STAGING_TIMEOUT_S)
-                staged.engine_where = f"on the scheduler thread: {finished}"
-            except LoopWorkTimeout as exc:
-                raise StagingRefused(f"staging did not finish: {exc}") from exc
-        else:  # no loop calls our hook (yet): the slow way, from this thread
-            staged.engine_where = "on the pull thread"
-            with _short_gil_switches(), one_intra_op_thread():
-                drain(steps)
+        try:
+            _, staged.engine_where = self._run_steps(finish_staging_steps(patches, self.params(), staged),
+                                                     LOOP_STAGING_TIMEOUT_S)
+        except LoopWorkTimeout as exc:
+            raise StagingRefused(f"staging did not finish: {exc}") from exc
         staged.stage_s = time.perf_counter() - start
         return staged
+
+    def _run_steps(self, steps: Iterator[None], timeout_s: float) -> tuple[object, str]:
+        """Run ``steps`` on the scheduler thread between its loop iterations once a loop drives
+        ours (see ``loop_slices``), else here, the slow way; ``(their result, where they ran)``.
+
+        Raises:
+            LoopWorkTimeout: the loop did not finish them within ``timeout_s``.
+        """
+        if self.loop.is_driven:
+            finished = self.loop.run(steps, timeout_s=timeout_s)
+            return finished.result, f"on the scheduler thread: {finished}"
+        with _short_gil_switches(), one_intra_op_thread():
+            return drain(steps), "on the calling thread (no scheduler loop drives the slices yet)"
 
     # --- the pause (scheduler thread, every TP rank) -------------------------------------------
 

@@ -215,12 +215,16 @@ def stage_changes(
     """``plan_changes``, then each patch's new values read by ``values_at(tensor, checkpoint
     positions)`` (integer carrier), as arrays of this process."""
     planned, elements, tensors = plan_changes(placements, unused, reload_only, changes, max_elements=max_elements)
-    patches = []
-    for pp in planned:
-        index = np.concatenate([dst for _, _, dst in pp.parts])
-        values = np.concatenate([values_at(name, hf) for name, hf, _ in pp.parts])
-        patches.append(Patch(pp.param, pp.dtype, index, values))
-    return patches, elements, tensors
+    return materialize(planned, values_at), elements, tensors
+
+
+def materialize(planned: list[PlannedPatch], values_at: Callable[[str, np.ndarray], np.ndarray]) -> list[Patch]:
+    """Each planned patch as arrays of this process, its new values read by ``values_at``."""
+    return [
+        Patch(pp.param, pp.dtype, np.concatenate([dst for _, _, dst in pp.parts]),
+              np.concatenate([values_at(name, hf) for name, hf, _ in pp.parts]))
+        for pp in planned
+    ]
 
 
 class _LocalValues:
@@ -306,11 +310,7 @@ def stage_job(job: StageJob) -> tuple[StageReply, list[Patch]]:
         plan = _plan_job(job)
         values = _local_values(job)
         try:
-            patches = [
-                Patch(pp.param, pp.dtype, np.concatenate([dst for _, _, dst in pp.parts]),
-                      np.concatenate([values.at(name, hf) for name, hf, _ in pp.parts]))
-                for pp in plan.planned
-            ]
+            patches = materialize(plan.planned, values.at)
         finally:
             values.close()
     except (StagingRefused, PositionsUnavailableError) as exc:  # e.g. sparse-v2 with several magnitude classes
