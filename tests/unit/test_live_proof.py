@@ -141,3 +141,57 @@ def test_a_map_built_after_a_reload_from_a_local_checkpoint_is_proven_against_th
     state._build_and_prove()
     assert state.map_error is None and state.map_status() is None, state.cmap.proof_reason
     assert not state.cmap.reload_only_params
+
+
+def _staging_state(served):
+    """A proven rank whose live weights are taken to be v1 while the local dir holds v2."""
+    from sglang_patch.coordinate_map import CheckpointReader
+    from sglang_patch.live_side import LiveVersion
+
+    served.pull(served.local, served.model_dir, served.feed.source_dir, 2)
+    state = served.state()
+    state.prove(CheckpointReader(served.local), state.live, checkpoint_dir=served.local)
+    assert state.cmap.proven
+    state.live = LiveVersion(1, os.path.realpath(served.feed.source_dir), "test: serving v1")
+    return state
+
+
+def test_staging_runs_its_engine_half_on_the_thread_that_drives_the_loop(served):
+    import threading
+
+    from sglang_patch.live_stage import stage_job
+
+    state = _staging_state(served)
+    stop = threading.Event()
+
+    def scheduler_loop():
+        while not stop.is_set():
+            state.loop.run_slice()
+
+    driver = threading.Thread(target=scheduler_loop, name="scheduler-loop", daemon=True)
+    driver.start()
+    try:
+        while not state.loop.is_driven:
+            pass
+        state.stage_after_pull(served.local, served.feed.source_dir, 2, stage_job)
+    finally:
+        stop.set()
+    staged = state.staged
+    assert staged is not None, state.stage_reason
+    assert staged.elements > 0 and staged.engine_where.startswith("on the scheduler thread")
+    for p in staged.patches:  # the undo log holds what the live weights hold there
+        assert torch.equal(p.old, p.flat[p.index])
+
+
+def test_staging_on_a_scheduler_loop_that_stopped_running_slices_is_refused_with_its_reason(served, monkeypatch):
+    import time
+
+    from sglang_patch import live_side
+    from sglang_patch.live_stage import stage_job
+
+    state = _staging_state(served)
+    monkeypatch.setattr(live_side, "LOOP_STAGING_TIMEOUT_S", 0.3)
+    state.loop.last_tick = time.monotonic()  # a loop ran a moment ago, and then stalled
+    state.stage_after_pull(served.local, served.feed.source_dir, 2, stage_job)
+    assert state.staged is None
+    assert "staging did not finish" in state.stage_reason and "scheduler loop" in state.stage_reason
