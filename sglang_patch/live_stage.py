@@ -23,7 +23,7 @@ from __future__ import annotations
 import mmap
 import os
 import time
-from typing import Callable, Iterable, NamedTuple, Optional
+from typing import Callable, Iterable, Iterator, NamedTuple, Optional
 
 import msgspec
 import numpy as np
@@ -103,6 +103,14 @@ class Patch(NamedTuple):
 
 def positions_through(p: Placement, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """``(checkpoint positions, parameter positions)`` of the sorted ``positions`` inside ``p``'s box."""
+    chosen, dst = _through(p, positions)
+    return chosen, chosen + dst if isinstance(dst, int) else dst
+
+
+def _through(p: Placement, positions: np.ndarray) -> tuple[np.ndarray, "np.ndarray | int"]:
+    """``positions_through``, with the parameter positions left as one shift when the box is a
+    contiguous run: a 5% change is tens of millions of positions, and materializing the shifted
+    copy here only for it to be copied again into the shared file costs a pass and fresh pages."""
     lo = p.src_offset
     hi = lo + sum((n - 1) * s for n, s in zip(p.sizes, p.src_strides))
     a, b = np.searchsorted(positions, [lo, hi + 1])
@@ -113,7 +121,7 @@ def positions_through(p: Placement, positions: np.ndarray) -> tuple[np.ndarray, 
     order = sorted(range(len(p.sizes)), key=lambda d: -p.src_strides[d])
     if _is_run(p.sizes, p.src_strides, order) and _is_run(p.sizes, p.dst_strides, order):
         # both boxes are one contiguous run (TP row slices, fused rows): a shift, no division
-        return chosen, chosen + (p.dst_offset - lo)
+        return chosen, p.dst_offset - lo
     rest = chosen - lo
     ok = np.ones(rest.size, dtype=bool)
     dst = np.full(rest.size, p.dst_offset, dtype=np.int64)
@@ -148,15 +156,19 @@ def _is_run(sizes: tuple[int, ...], strides: tuple[int, ...], order: list[int]) 
 
 class PlannedPatch(NamedTuple):
     """One parameter's changed positions, before any value is read: ``parts`` of
-    ``(checkpoint tensor, checkpoint positions, parameter positions)``."""
+    ``(checkpoint tensor, checkpoint positions, parameter positions)``, the parameter positions
+    either an array or one shift (``int``) to add to the checkpoint positions."""
 
     param: str
     dtype: str
-    parts: list[tuple[str, np.ndarray, np.ndarray]]
+    parts: list[tuple[str, np.ndarray, "np.ndarray | int"]]
 
     @property
     def count(self) -> int:
-        return sum(int(dst.size) for _, _, dst in self.parts)
+        return sum(int(hf.size) for _, hf, _ in self.parts)
+
+    def index_parts(self) -> Iterator[tuple[np.ndarray, "np.ndarray | int"]]:
+        return ((hf, dst) for _, hf, dst in self.parts)
 
 
 def plan_changes(
@@ -187,7 +199,7 @@ def plan_changes(
             raise StagingRefused(f"checkpoint tensor {name} changed but the map has no placement for it")
         tensors += 1
         for p in boxes:
-            hf_pos, dst_pos = positions_through(p, positions)
+            hf_pos, dst_pos = _through(p, positions)
             if not hf_pos.size:
                 continue
             elements += int(hf_pos.size)
@@ -221,7 +233,7 @@ def stage_changes(
 def materialize(planned: list[PlannedPatch], values_at: Callable[[str, np.ndarray], np.ndarray]) -> list[Patch]:
     """Each planned patch as arrays of this process, its new values read by ``values_at``."""
     return [
-        Patch(pp.param, pp.dtype, np.concatenate([dst for _, _, dst in pp.parts]),
+        Patch(pp.param, pp.dtype, np.concatenate([hf + dst if isinstance(dst, int) else dst for hf, dst in pp.index_parts()]),
               np.concatenate([values_at(name, hf) for name, hf, _ in pp.parts]))
         for pp in planned
     ]
@@ -352,9 +364,12 @@ def stage_job_shared(job: StageJob) -> tuple[StageReply, Optional[int]]:
                     out = buf[r.values_offset : r.values_offset + r.count * np.dtype(carrier).itemsize].view(carrier)
                     at = 0
                     for name, hf, dst in pp.parts:
-                        index[at : at + dst.size] = dst
+                        if isinstance(dst, int):
+                            np.add(hf, dst, out=index[at : at + hf.size])
+                        else:
+                            index[at : at + hf.size] = dst
                         values.into(name, hf, out[at : at + hf.size])
-                        at += int(dst.size)
+                        at += int(hf.size)
                     del index, out
                 del buf
         finally:
