@@ -338,7 +338,8 @@ def stage_job_shared(job: StageJob) -> tuple[StageReply, Optional[int]]:
     The positions are planned first, so the file is sized once and every index and value is
     written into it where the scheduler will read it: no array of the whole result is built in
     this process and copied afterwards (that copy cost 0.47 s of 1.9 s for 32M elements).
-    Memory here: 16 bytes per changed element for the plan, besides the file.
+    Memory here: at most 16 bytes per changed element for the plan (8 where a box is a contiguous
+    run), besides the file.
     """
     from weightsync.errors import PositionsUnavailableError
     from weightsync.safetensors_io import DTYPE_NBYTES
