@@ -153,9 +153,7 @@ def changed_elements(
         raise PositionsUnavailableError(
             f"no position decoder for delta encoding {encoding!r}; known: {sorted(_DECODERS)}", tensor=tensor, encoding=encoding
         )
-    if encoding == "sparse-v1":
-        return _sparse_positions(payload, nbytes, itemsize, tensor, window)
-    return decode(payload, nbytes, itemsize, tensor)
+    return decode(payload, nbytes, itemsize, tensor, window)
 
 
 def _bytes_to_elements(byte_positions: np.ndarray, itemsize: int) -> np.ndarray:
@@ -171,7 +169,8 @@ def _bytes_to_elements(byte_positions: np.ndarray, itemsize: int) -> np.ndarray:
     return elements
 
 
-def _xor_positions(payload, nbytes: int, itemsize: int, tensor: str) -> np.ndarray:
+def _xor_positions(payload, nbytes: int, itemsize: int, tensor: str, window: tuple[int, int] | None = None) -> np.ndarray:
+    del window  # one zstd stream: every chunk is decoded to reach the next
     _, content = frame_nbytes(payload, tensor)
     if content != nbytes:
         raise PayloadBoundError(tensor, f"xor stream of {content} bytes for a {nbytes}-byte tensor")
@@ -199,7 +198,10 @@ def _xor_positions(payload, nbytes: int, itemsize: int, tensor: str) -> np.ndarr
     return np.unique(out) if itemsize not in (1, 2, 4, 8) else out
 
 
-def _overwrite_positions(payload, nbytes: int, itemsize: int, tensor: str) -> np.ndarray:
+def _overwrite_positions(
+    payload, nbytes: int, itemsize: int, tensor: str, window: tuple[int, int] | None = None
+) -> np.ndarray:
+    del window  # one stream of positions
     _, content = frame_nbytes(payload, tensor)
     if content < 4 or (content - 4) % 5:
         raise PayloadBoundError(tensor, f"overwrite payload of {content} bytes is not 4 + 5 x count")
@@ -258,7 +260,8 @@ def _sparse_positions(payload, nbytes: int, itemsize: int, tensor: str, window: 
     return _bytes_to_elements(units * parsed.width, itemsize)
 
 
-def _sparse2_positions(payload, nbytes: int, itemsize: int, tensor: str) -> np.ndarray:
+def _sparse2_positions(payload, nbytes: int, itemsize: int, tensor: str, window: tuple[int, int] | None = None) -> np.ndarray:
+    del window  # not used yet: every segment is decoded
     # A class is a range of the *old* element's magnitude: with several classes in a segment
     # the positions are ranks among elements of the old version, which this host no longer
     # holds once the chain is applied. One class spans the whole segment: plain positions.
