@@ -23,7 +23,7 @@ from __future__ import annotations
 import mmap
 import os
 import time
-from typing import Callable, Iterable, Iterator, NamedTuple, Optional
+from typing import Callable, Iterable, NamedTuple, Optional
 
 import msgspec
 import numpy as np
@@ -167,8 +167,27 @@ class PlannedPatch(NamedTuple):
     def count(self) -> int:
         return sum(int(hf.size) for _, hf, _ in self.parts)
 
-    def index_parts(self) -> Iterator[tuple[np.ndarray, "np.ndarray | int"]]:
-        return ((hf, dst) for _, hf, dst in self.parts)
+    def fill(self, index: np.ndarray, values: np.ndarray, into: "ValuesInto") -> None:
+        """Write the parameter positions into ``index`` and, through ``into``, the new values
+        into ``values`` (both ``count`` long: arrays here, or views of the shared file)."""
+        at = 0
+        for name, hf, dst in self.parts:
+            if isinstance(dst, int):
+                np.add(hf, dst, out=index[at : at + hf.size])
+            else:
+                index[at : at + hf.size] = dst
+            into(name, hf, values[at : at + hf.size])
+            at += int(hf.size)
+
+
+# ``into(tensor, checkpoint positions, out)``: the new values there, as the integer carrier
+ValuesInto = Callable[[str, np.ndarray, np.ndarray], None]
+
+
+def carrier_of(dtype: str) -> type:
+    from weightsync.safetensors_io import DTYPE_NBYTES
+
+    return CARRIER[DTYPE_NBYTES[dtype]]
 
 
 def plan_changes(
@@ -227,16 +246,21 @@ def stage_changes(
     """``plan_changes``, then each patch's new values read by ``values_at(tensor, checkpoint
     positions)`` (integer carrier), as arrays of this process."""
     planned, elements, tensors = plan_changes(placements, unused, reload_only, changes, max_elements=max_elements)
-    return materialize(planned, values_at), elements, tensors
+
+    def into(name: str, positions: np.ndarray, out: np.ndarray) -> None:
+        out[...] = values_at(name, positions).view(out.dtype)
+
+    return materialize(planned, into), elements, tensors
 
 
-def materialize(planned: list[PlannedPatch], values_at: Callable[[str, np.ndarray], np.ndarray]) -> list[Patch]:
-    """Each planned patch as arrays of this process, its new values read by ``values_at``."""
-    return [
-        Patch(pp.param, pp.dtype, np.concatenate([hf + dst if isinstance(dst, int) else dst for hf, dst in pp.index_parts()]),
-              np.concatenate([values_at(name, hf) for name, hf, _ in pp.parts]))
-        for pp in planned
-    ]
+def materialize(planned: list[PlannedPatch], into: ValuesInto) -> list[Patch]:
+    """Each planned patch as arrays of this process, its new values read by ``into``."""
+    patches = []
+    for pp in planned:
+        index, values = np.empty(pp.count, dtype=np.int64), np.empty(pp.count, dtype=carrier_of(pp.dtype))
+        pp.fill(index, values, into)
+        patches.append(Patch(pp.param, pp.dtype, index, values))
+    return patches
 
 
 class _LocalValues:
@@ -248,9 +272,6 @@ class _LocalValues:
 
     def dtype_of(self, name: str) -> str:
         return self.table[name][1].dtype
-
-    def at(self, name: str, positions: np.ndarray) -> np.ndarray:
-        return self._flat(name)[positions]  # a copy: nothing refers to the map afterwards
 
     def into(self, name: str, positions: np.ndarray, out: np.ndarray) -> None:
         np.take(self._flat(name), positions, out=out)
@@ -322,7 +343,7 @@ def stage_job(job: StageJob) -> tuple[StageReply, list[Patch]]:
         plan = _plan_job(job)
         values = _local_values(job)
         try:
-            patches = materialize(plan.planned, values.at)
+            patches = materialize(plan.planned, values.into)
         finally:
             values.close()
     except (StagingRefused, PositionsUnavailableError) as exc:  # e.g. sparse-v2 with several magnitude classes
@@ -360,18 +381,7 @@ def stage_job_shared(job: StageJob) -> tuple[StageReply, Optional[int]]:
             with mmap.mmap(fd, size) as mm:
                 buf = np.frombuffer(mm, dtype=np.uint8)
                 for pp, r in zip(plan.planned, refs):
-                    carrier = CARRIER[DTYPE_NBYTES[pp.dtype]]
-                    index = buf[r.index_offset : r.index_offset + 8 * r.count].view(np.int64)
-                    out = buf[r.values_offset : r.values_offset + r.count * np.dtype(carrier).itemsize].view(carrier)
-                    at = 0
-                    for name, hf, dst in pp.parts:
-                        if isinstance(dst, int):
-                            np.add(hf, dst, out=index[at : at + hf.size])
-                        else:
-                            index[at : at + hf.size] = dst
-                        values.into(name, hf, out[at : at + hf.size])
-                        at += int(hf.size)
-                    del index, out
+                    pp.fill(*_views(buf, r), values.into)
                 del buf
         finally:
             values.close()
@@ -402,18 +412,18 @@ def layout(patches: list[tuple[str, str, int]]) -> tuple[list[PatchRef], int]:
     return refs, at
 
 
+def _views(buf: np.ndarray, ref: PatchRef) -> tuple[np.ndarray, np.ndarray]:
+    """``(index, values)`` of one patch in the shared file's bytes ``buf``."""
+    carrier = carrier_of(ref.dtype)
+    index = buf[ref.index_offset : ref.index_offset + 8 * ref.count].view(np.int64)
+    values = buf[ref.values_offset : ref.values_offset + ref.count * np.dtype(carrier).itemsize].view(carrier)
+    return index, values
+
+
 def read_shared(fd: int, refs: list[PatchRef], size: int) -> list[Patch]:
     """The patches of a shared file (read-only views of one map that lives as long as they do)."""
-    from weightsync.safetensors_io import DTYPE_NBYTES
-
     if not refs:
         return []
     mm = mmap.mmap(fd, size, access=mmap.ACCESS_READ)
     buf = np.frombuffer(mm, dtype=np.uint8)
-    out = []
-    for r in refs:
-        carrier = CARRIER[DTYPE_NBYTES[r.dtype]]
-        index = buf[r.index_offset : r.index_offset + 8 * r.count].view(np.int64)
-        values = buf[r.values_offset : r.values_offset + r.count * np.dtype(carrier).itemsize].view(carrier)
-        out.append(Patch(r.param, r.dtype, index, values))
-    return out
+    return [Patch(r.param, r.dtype, *_views(buf, r)) for r in refs]
