@@ -38,6 +38,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from .live_stage import CARRIER, Placement
+from .loop_slices import drain
 
 log = logging.getLogger(__name__)
 
@@ -420,8 +421,6 @@ def prove_map(
         True when the proof completed (``cmap.proven_params`` and ``reload_only_params`` set);
         False when ``still_valid`` said the weights moved (nothing recorded).
     """
-    from .loop_slices import drain
-
     return bool(drain(prove_map_steps(cmap, live_params, read_tensor, still_valid=still_valid)))
 
 

@@ -138,7 +138,7 @@ class EncodingChooser:
         v1 = [r for (_, name), r in zip(units, results) if name == "sparse-v1"]
         v2 = [r for (_, name), r in zip(units, results) if name == "sparse-v2"]
         return EncodingSample(
-            elements=sum(j.new.nbytes // _width(j.new.nbytes, DTYPE_NBYTES[j.dtype]) for j in frame),
+            elements=sum(_elements(j) for j in frame),
             sampled_elements=sampled,
             changed_elements=sum(r[1] for r in v1),
             v1_nbytes=sum(r[0] for r in v1),
@@ -216,14 +216,17 @@ def v2_pass_elements(payload: bytes, nbytes: int, tensor: str) -> int:
     return total
 
 
+def _elements(job: EncodeJob) -> int:
+    """The tensor's elements as the sparse codecs count them (units of their element width)."""
+    return job.new.nbytes // _width(job.new.nbytes, DTYPE_NBYTES[job.dtype])
+
+
 def _window_count(job: EncodeJob) -> int:
-    n = job.new.nbytes // _width(job.new.nbytes, DTYPE_NBYTES[job.dtype])
-    return -(-n // WINDOW_ELEMENTS)
+    return -(-_elements(job) // WINDOW_ELEMENTS)
 
 
 def _window_elements(job: EncodeJob, s: int) -> int:
-    n = job.new.nbytes // _width(job.new.nbytes, DTYPE_NBYTES[job.dtype])
-    return min(WINDOW_ELEMENTS, n - s * WINDOW_ELEMENTS)
+    return min(WINDOW_ELEMENTS, _elements(job) - s * WINDOW_ELEMENTS)
 
 
 def _chosen(name: str, value: float | None, knob: knobs.Knob) -> float:
