@@ -105,7 +105,7 @@ def finish_staging_steps(patches: Iterable[Patch], params: Mapping[str, torch.Te
     """``finish_staging`` in steps of at most ``STEP_ELEMENTS`` elements, yielding between them.
 
     The scheduler thread runs these a few at a time between its loop iterations
-    (``live_side.LoopSlices``). From any other thread of the scheduler process every torch
+    (``loop_slices.LoopSlices``). From any other thread of the scheduler process every torch
     call has to win the GIL back from sglang's busy loop: measured 9 ms per call at TP=1, with
     a 0.1 ms switch interval (4.3 s for 6.6M elements; 0.17 s of steps on the loop thread).
     ``staged.engine_s`` counts only the time spent in the steps.
