@@ -104,13 +104,34 @@ class Patch(NamedTuple):
 def positions_through(p: Placement, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """``(checkpoint positions, parameter positions)`` of the sorted ``positions`` inside ``p``'s box."""
     chosen, dst = _through(p, positions)
-    return chosen, chosen + dst if isinstance(dst, int) else dst
+    return chosen, _parameter_positions(chosen, dst)
 
 
-def _through(p: Placement, positions: np.ndarray) -> tuple[np.ndarray, "np.ndarray | int"]:
-    """``positions_through``, with the parameter positions left as one shift when the box is a
-    contiguous run: a 5% change is tens of millions of positions, and materializing the shifted
-    copy here only for it to be copied again into the shared file costs a pass and fresh pages."""
+class RunShifts(NamedTuple):
+    """Parameter positions as one shift per run of checkpoint positions: the first ``counts[0]``
+    positions move by ``shifts[0]``, the next ``counts[1]`` by ``shifts[1]``, and so on."""
+
+    shifts: np.ndarray  # int64, one per run of the box
+    counts: np.ndarray  # int64, the chosen positions in each run
+
+    def added_to(self, chosen: np.ndarray, out: Optional[np.ndarray] = None) -> np.ndarray:
+        return np.add(chosen, np.repeat(self.shifts, self.counts), out=out)
+
+
+def _parameter_positions(chosen: np.ndarray, dst: "np.ndarray | int | RunShifts") -> np.ndarray:
+    if isinstance(dst, RunShifts):
+        return dst.added_to(chosen)
+    return chosen + dst if isinstance(dst, int) else dst
+
+
+MAX_RUNS = 1 << 20  # past it a box's rows are too many and too short for the run path to pay
+
+
+def _through(p: Placement, positions: np.ndarray) -> tuple[np.ndarray, "np.ndarray | int | RunShifts"]:
+    """``positions_through``, with the parameter positions left as shifts where the box is made
+    of contiguous runs: a 5% change is tens of millions of positions, and materializing the
+    shifted copy here only for it to be copied again into the shared file costs a pass and
+    fresh pages."""
     lo = p.src_offset
     hi = lo + sum((n - 1) * s for n, s in zip(p.sizes, p.src_strides))
     a, b = np.searchsorted(positions, [lo, hi + 1])
@@ -118,10 +139,13 @@ def _through(p: Placement, positions: np.ndarray) -> tuple[np.ndarray, "np.ndarr
         empty = np.empty(0, dtype=np.int64)
         return empty, empty
     chosen = positions[a:b]
-    order = sorted(range(len(p.sizes)), key=lambda d: -p.src_strides[d])
+    order = sorted((d for d in range(len(p.sizes)) if p.sizes[d] != 1), key=lambda d: -p.src_strides[d])
     if _is_run(p.sizes, p.src_strides, order) and _is_run(p.sizes, p.dst_strides, order):
         # both boxes are one contiguous run (TP row slices, fused rows): a shift, no division
         return chosen, p.dst_offset - lo
+    runs = _runs(p, order)
+    if runs is not None:
+        return _through_runs(chosen, *runs)
     rest = chosen - lo
     ok = np.ones(rest.size, dtype=bool)
     dst = np.full(rest.size, p.dst_offset, dtype=np.int64)
@@ -132,6 +156,48 @@ def _through(p: Placement, positions: np.ndarray) -> tuple[np.ndarray, "np.ndarr
         dst += i * p.dst_strides[d]
     ok &= rest == 0
     return chosen[ok], dst[ok]
+
+
+def _runs(p: Placement, order: list[int]) -> Optional[tuple[np.ndarray, np.ndarray, int]]:
+    """``(run starts in the checkpoint tensor, run starts in the parameter, run length)`` when
+    ``p``'s box is rows contiguous in both (a row-parallel TP slice: each rank's columns of
+    every row), ascending and apart; None when it is not (the general path decides then)."""
+    inner = order[-1]  # not empty: a box without dims of size > 1 is one run
+    length = p.sizes[inner]
+    if p.src_strides[inner] != 1 or p.dst_strides[inner] != 1 or length < 2:
+        return None
+    outer = order[:-1]
+    count = 1
+    for d in outer:
+        count *= p.sizes[d]
+        if p.src_strides[d] <= 0 or count > MAX_RUNS:
+            return None
+    src = np.full(1, p.src_offset, dtype=np.int64)
+    dst = np.full(1, p.dst_offset, dtype=np.int64)
+    for d in outer:  # row-major over the outer dims, the largest source stride first
+        step = np.arange(p.sizes[d], dtype=np.int64)
+        src = (src[:, None] + step * p.src_strides[d]).reshape(-1)
+        dst = (dst[:, None] + step * p.dst_strides[d]).reshape(-1)
+    if src.size > 1 and not bool(np.all(src[1:] >= src[:-1] + length)):
+        return None  # runs that overlap or go backwards: not a plain row slice
+    return src, dst, length
+
+
+def _through_runs(chosen: np.ndarray, src: np.ndarray, dst: np.ndarray, length: int) -> tuple[np.ndarray, RunShifts]:
+    """The sorted ``chosen`` positions inside the runs ``[src, src + length)``, each run's shift."""
+    first = np.searchsorted(chosen, src)
+    end = np.searchsorted(chosen, src + length)
+    counts = end - first
+    total = int(counts.sum())
+    if total == chosen.size:
+        inside = chosen
+    else:
+        # +1 where a run's positions begin, -1 where they end: the running sum is 1 inside runs
+        edges = np.zeros(chosen.size + 1, dtype=np.int8)
+        np.add.at(edges, first, 1)
+        np.add.at(edges, end, -1)
+        inside = chosen[np.cumsum(edges[:-1], dtype=np.int8).view(bool)]
+    return inside, RunShifts(dst - src, counts)
 
 
 def source_windows(placements: dict[str, list[Placement]]) -> dict[str, tuple[int, int]]:
@@ -157,11 +223,11 @@ def _is_run(sizes: tuple[int, ...], strides: tuple[int, ...], order: list[int]) 
 class PlannedPatch(NamedTuple):
     """One parameter's changed positions, before any value is read: ``parts`` of
     ``(checkpoint tensor, checkpoint positions, parameter positions)``, the parameter positions
-    either an array or one shift (``int``) to add to the checkpoint positions."""
+    an array, one shift (``int``) to add to the checkpoint positions, or one shift per run."""
 
     param: str
     dtype: str
-    parts: list[tuple[str, np.ndarray, "np.ndarray | int"]]
+    parts: list[tuple[str, np.ndarray, "np.ndarray | int | RunShifts"]]
 
     @property
     def count(self) -> int:
@@ -174,6 +240,8 @@ class PlannedPatch(NamedTuple):
         for name, hf, dst in self.parts:
             if isinstance(dst, int):
                 np.add(hf, dst, out=index[at : at + hf.size])
+            elif isinstance(dst, RunShifts):
+                dst.added_to(hf, out=index[at : at + hf.size])
             else:
                 index[at : at + hf.size] = dst
             into(name, hf, values[at : at + hf.size])

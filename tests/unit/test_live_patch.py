@@ -58,6 +58,34 @@ def test_positions_through_a_box_keep_only_what_lands_on_this_rank():
     assert hf.tolist() == [12, 14, 23] and dst.tolist() == [0, 2, 11]
 
 
+def _through_each_element(p, positions):
+    """``positions_through`` the slow way: every element of the box, one at a time."""
+    import itertools
+
+    where = {}
+    for i in itertools.product(*[range(n) for n in p.sizes]):
+        where[p.src_offset + sum(a * s for a, s in zip(i, p.src_strides))] = p.dst_offset + sum(
+            a * s for a, s in zip(i, p.dst_strides))
+    hf = [int(x) for x in positions if int(x) in where]
+    return hf, [where[x] for x in hf]
+
+
+@pytest.mark.parametrize("box", [
+    Placement("w", "p", (6, 4), 4, (8, 1), 0, (4, 1)),  # rank 1's columns of a (6, 8) row-parallel tensor
+    Placement("w", "p", (6, 4), 0, (8, 1), 30, (4, 1)),  # rank 0's, behind other rows of the parameter
+    Placement("w", "p", (2, 3, 4), 5, (40, 8, 1), 3, (12, 4, 1)),  # rows of a 3-d slice (an expert's block)
+    Placement("w", "p", (5, 1, 3), 2, (4, 8, 1), 1, (3, 3, 1)),  # a size-1 dim with the largest stride
+    Placement("w", "p", (3, 4), 0, (1, 3), 0, (4, 1)),  # transposed: no contiguous rows
+    Placement("w", "p", (4, 1), 8, (1, 1), 2, (1, 1)),  # one contiguous run
+])
+def test_positions_through_row_runs_and_any_box_match_each_element(box):
+    rng = np.random.default_rng(7)
+    for density in (0.02, 0.3, 1.0):
+        positions = np.flatnonzero(rng.random(400) < density).astype(np.int64)
+        hf, dst = positions_through(box, positions)
+        assert (hf.tolist(), dst.tolist()) == _through_each_element(box, positions)
+
+
 def test_a_staged_scatter_equals_a_reload_and_keeps_the_storage():
     model, cmap, v0 = _setup()
     v1 = {n: t.clone() for n, t in v0.items()}
