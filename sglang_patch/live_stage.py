@@ -22,7 +22,9 @@ from __future__ import annotations
 
 import mmap
 import os
+import threading
 import time
+import weakref
 from typing import Callable, Iterable, NamedTuple, Optional
 
 import msgspec
@@ -61,6 +63,7 @@ class StageJob(msgspec.Struct, frozen=True, tag="stage"):
     placements: dict[str, list[Placement]]  # the rank's proven map: checkpoint tensor -> boxes
     unused: list[str]  # tensors the loader ignores on this rank (a reload would too)
     reload_only: dict[str, str]  # tensor -> why a change to it cannot be patched live
+    memfd_follows: bool = False  # a spare shared file to write into follows the frame (``SpareFile``)
 
 
 class PatchRef(msgspec.Struct, frozen=True):
@@ -420,9 +423,14 @@ def stage_job(job: StageJob) -> tuple[StageReply, list[Patch]]:
     return StageReply(elements=plan.elements, tensors=plan.tensors, nbytes=nbytes, stage_s=time.perf_counter() - start), patches
 
 
-def stage_job_shared(job: StageJob) -> tuple[StageReply, Optional[int]]:
+def stage_job_shared(job: StageJob, into_fd: Optional[int] = None) -> tuple[StageReply, Optional[int]]:
     """``stage_job`` written straight into an anonymous shared-memory file: ``(reply, memfd)``,
     the memfd (the caller closes it) only when there are patches; ``reply.patches`` locates them.
+
+    ``into_fd``: a spare file of an earlier staging to write into instead of a new one (handed
+    over: it is the returned file, or closed here when there is none). Its pages are already
+    allocated: fresh shared pages fault in at about 1 GB/s on this VM, 0.18 s for the 160 MB
+    of a 5% change at TP=2, against 0.06 s to map pages the file already has.
 
     The positions are planned first, so the file is sized once and every index and value is
     written into it where the scheduler will read it: no array of the whole result is built in
@@ -437,16 +445,22 @@ def stage_job_shared(job: StageJob) -> tuple[StageReply, Optional[int]]:
     try:
         plan = _plan_job(job)
     except (StagingRefused, PositionsUnavailableError) as exc:
+        _close(into_fd)
         return _refusal(exc, start), None
+    except BaseException:
+        _close(into_fd)
+        raise
     if not plan.planned:
+        _close(into_fd)
         return StageReply(elements=plan.elements, tensors=plan.tensors, stage_s=time.perf_counter() - start), None
     refs, size = layout([(pp.param, pp.dtype, pp.count) for pp in plan.planned])
-    fd = os.memfd_create("weightsync-live-stage", os.MFD_CLOEXEC)
+    fd = into_fd if into_fd is not None else os.memfd_create("weightsync-live-stage", os.MFD_CLOEXEC)
     try:
-        os.ftruncate(fd, size)
+        os.ftruncate(fd, size)  # a spare file keeps its pages up to here, and frees those past it
         values = _local_values(job)
         try:
             with mmap.mmap(fd, size) as mm:
+                _fault_in(mm)
                 buf = np.frombuffer(mm, dtype=np.uint8)
                 for pp, r in zip(plan.planned, refs):
                     pp.fill(*_views(buf, r), values.into)
@@ -460,6 +474,23 @@ def stage_job_shared(job: StageJob) -> tuple[StageReply, Optional[int]]:
     reply = StageReply(patches=refs, shared_nbytes=size, elements=plan.elements, tensors=plan.tensors, nbytes=nbytes,
                        stage_s=time.perf_counter() - start)
     return reply, fd
+
+
+MADV_POPULATE_WRITE = 23  # Linux 5.14 (Python's mmap module does not name it)
+
+
+def _fault_in(mm: mmap.mmap) -> None:
+    """Fault every page of ``mm`` in with one call: 0.14-0.18 s for 160 MB of fresh pages here,
+    against 0.24 s page by page as they are written; older kernels fault them as they are written."""
+    try:
+        mm.madvise(MADV_POPULATE_WRITE)
+    except (OSError, ValueError):
+        pass
+
+
+def _close(fd: Optional[int]) -> None:
+    if fd is not None:
+        os.close(fd)
 
 
 def _aligned(n: int) -> int:
@@ -488,10 +519,64 @@ def _views(buf: np.ndarray, ref: PatchRef) -> tuple[np.ndarray, np.ndarray]:
     return index, values
 
 
-def read_shared(fd: int, refs: list[PatchRef], size: int) -> list[Patch]:
-    """The patches of a shared file (read-only views of one map that lives as long as they do)."""
+def read_shared(fd: int, refs: list[PatchRef], size: int, *, unmapped: Optional[Callable[[], None]] = None) -> list[Patch]:
+    """The patches of a shared file (read-only views of one map that lives as long as they do).
+
+    ``unmapped``: called once the last view is gone and the map with it (at once when there are
+    no patches), from whichever thread dropped it: only then may anything rewrite the file.
+    """
     if not refs:
+        if unmapped is not None:
+            unmapped()
         return []
     mm = mmap.mmap(fd, size, access=mmap.ACCESS_READ)
+    if unmapped is not None:
+        weakref.finalize(mm, unmapped)
     buf = np.frombuffer(mm, dtype=np.uint8)
     return [Patch(r.param, r.dtype, *_views(buf, r)) for r in refs]
+
+
+class SpareFile:
+    """At most one shared file of an earlier staging, kept for the next one to write into (see
+    ``stage_job_shared``): the scheduler side of a rank owns it, lends it with each staging job.
+
+    Invariant: a file is spare only while nothing can read or write it. ``keep_when_unmapped``
+    makes a file spare from the finalizer of its last map in this process (``read_shared``), so
+    no staged update, undo log or scatter still reads it; ``take`` hands it over for good, so a
+    helper that fails or is killed while it writes never gives it back to anyone. Memory: the
+    spare's pages, the size of one staging (bounded as the staging is: ``max_elements``).
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._fd: Optional[int] = None
+        self._closed = False
+
+    def take(self) -> Optional[int]:
+        with self._lock:
+            fd, self._fd = self._fd, None
+        return fd
+
+    def keep_when_unmapped(self, fd: int) -> Callable[[], None]:
+        """A callback for ``read_shared(unmapped=...)`` that makes ``fd`` (owned from now) spare."""
+        return lambda: self._keep(fd)
+
+    def _keep(self, fd: int) -> None:
+        with self._lock:
+            if self._closed:
+                fd, other = -1, fd
+            else:
+                fd, other = self._larger(fd, self._fd)
+                self._fd = fd
+        _close(other)
+
+    @staticmethod
+    def _larger(a: int, b: Optional[int]) -> tuple[int, Optional[int]]:
+        if b is None:
+            return a, None
+        return (a, b) if os.fstat(a).st_size >= os.fstat(b).st_size else (b, a)
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+        _close(self.take())

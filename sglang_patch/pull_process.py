@@ -49,7 +49,7 @@ import msgspec
 from weightsync.errors import PullWorkerDiedError
 
 from . import results
-from .live_stage import Patch, StageJob, StageReply, read_shared, stage_job, stage_job_shared
+from .live_stage import Patch, SpareFile, StageJob, StageReply, read_shared, stage_job, stage_job_shared
 from .rank_pull import RankPuller
 from .server_flags import PullWeightsOptions
 
@@ -254,6 +254,7 @@ class HelperRankPuller:
         self._call_lock = threading.Lock()
         self._helper: Optional[_Helper] = None
         self._cancel_error: Optional[BaseException] = None
+        self._spare = SpareFile()  # the last staging's shared file, once nothing here maps it
 
     def config(self) -> HelperConfig:
         p = self.puller
@@ -309,22 +310,36 @@ class HelperRankPuller:
         if self.in_process or helper is None or helper.ready is None or not helper.is_alive():
             return stage_job(job)
         try:
-            send_frame(helper.sock, job)
+            self._send_stage_job(helper, job)
             reply = helper.wait_frame(StageReply, None, stop=self._is_cancelled)
             if not reply.patches:
                 return reply, []
             _, fds, _, _ = socket.recv_fds(helper.sock, 1, 1)
             if not fds:
                 raise _HelperGone(helper.proc.pid, helper.proc.poll())
+            fd = fds[0]
             try:
-                return reply, read_shared(fds[0], reply.patches, reply.shared_nbytes)
-            finally:
-                for fd in fds:
-                    os.close(fd)
+                return reply, read_shared(fd, reply.patches, reply.shared_nbytes, unmapped=self._spare.keep_when_unmapped(fd))
+            except BaseException:
+                os.close(fd)
+                raise
         except (_HelperGone, OSError) as gone:
             self._discard(helper)
             log.error("pull_weights %s: the pull helper failed while staging: %s", self.puller.rank, gone)
             return StageReply(refused=f"the pull helper (pid {helper.proc.pid}) failed while staging the live update"), []
+
+    def _send_stage_job(self, helper: "_Helper", job: StageJob) -> None:
+        """Send ``job`` with the spare shared file, if any, for the helper to write into; the
+        file is the helper's from here (our copy is closed), so one that fails never returns."""
+        spare = self._spare.take()
+        if spare is None:
+            send_frame(helper.sock, job)
+            return
+        try:
+            send_frame(helper.sock, msgspec.structs.replace(job, memfd_follows=True))
+            socket.send_fds(helper.sock, [b"F"], [spare])
+        finally:
+            os.close(spare)
 
     def _pull_in_helper(self, request: Any) -> results.RankPullReport:
         start = time.monotonic()
@@ -371,6 +386,7 @@ class HelperRankPuller:
             helper, self._helper = self._helper, None
         if helper is not None:
             helper.close()
+        self._spare.close()
 
     # --- internals ------------------------------------------------------------------------------
 
@@ -456,7 +472,13 @@ def helper_main(fd: int) -> int:
         if job is None:
             break
         if isinstance(job, StageJob):
-            _serve_stage_job(sock, job)
+            into_fd = None
+            if job.memfd_follows:
+                _, fds, _, _ = socket.recv_fds(sock, 1, 1)
+                if not fds:
+                    break  # the scheduler went away mid-message
+                into_fd = fds[0]
+            _serve_stage_job(sock, job, into_fd)
             continue
         report = puller(job)
         if isinstance(job.local_checkpoint_dir, str):
@@ -469,10 +491,10 @@ def helper_main(fd: int) -> int:
     return 0
 
 
-def _serve_stage_job(sock: socket.socket, job: StageJob) -> None:
+def _serve_stage_job(sock: socket.socket, job: StageJob, into_fd: Optional[int]) -> None:
     fd = None
     try:
-        reply, fd = stage_job_shared(job)
+        reply, fd = stage_job_shared(job, into_fd)
     except Exception as exc:  # a bug or a malformed payload: the update reloads, the helper lives on
         log.exception("live apply staging of v%d failed", job.to_version)
         reply = StageReply(error=f"{type(exc).__name__}: {exc}")
@@ -484,8 +506,8 @@ def _serve_stage_job(sock: socket.socket, job: StageJob) -> None:
         socket.send_fds(sock, [b"F"], [fd])
     finally:
         os.close(fd)
-    log.info("live apply: staged v%d -> v%d: %d elements in %.3fs (%d B shared)", job.from_version, job.to_version,
-             reply.elements, reply.stage_s, reply.shared_nbytes)
+    log.info("live apply: staged v%d -> v%d: %d elements in %.3fs (%d B shared, %s file)", job.from_version,
+             job.to_version, reply.elements, reply.stage_s, reply.shared_nbytes, "a spare" if into_fd is not None else "a new")
 
 
 def _bind_cpus(cpus: list[int]) -> list[int]:

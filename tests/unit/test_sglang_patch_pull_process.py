@@ -5,6 +5,7 @@ and the fallback to the scheduler process when no helper can start."""
 
 from __future__ import annotations
 
+import gc
 import os
 import signal
 import subprocess
@@ -246,6 +247,51 @@ def test_staging_in_the_helper_hands_back_exactly_what_staging_here_computes(wor
             if name in by_param:
                 flat = np.ascontiguousarray(sl).reshape(-1)
                 assert np.array_equal(flat[by_param[name].index], by_param[name].values)
+    finally:
+        puller.close()
+
+
+def _memfd_inodes_mapped_here() -> set[int]:
+    with open("/proc/self/maps") as f:
+        return {int(line.split()[4]) for line in f if "memfd:weightsync-live-stage" in line}
+
+
+def test_a_stagings_shared_file_is_written_again_only_once_its_last_view_is_gone(world):
+    """The helper writes a staging into the file of an earlier one (its pages already exist)
+    only after every view of that file here is gone; a helper that refuses spends the file."""
+    gc.collect()
+    seen: dict = {}
+
+    def same(patches, want):
+        return all(np.array_equal(p.index, w.index) and np.array_equal(p.values, w.values) for p, w in zip(patches, want))
+
+    def on_verified(local, source, version, stager):
+        if version == 1:
+            seen["first"] = stager(_identity_job(world, 0, 1))[1]
+            seen["first_copy"] = [p._replace(index=p.index.copy(), values=p.values.copy()) for p in seen["first"]]
+            return
+        spare = puller._spare
+        assert spare._fd is None  # the first staging's views are alive: nothing may write its file
+        second = stager(_identity_job(world, 1, 2))[1]
+        assert same(seen["first"], seen["first_copy"])  # untouched by the second
+        del seen["first"]
+        gc.collect()
+        assert spare._fd is not None  # its last view is gone: the file is spare
+        first_file = os.fstat(spare._fd).st_ino
+        third = stager(_identity_job(world, 0, 2))[1]
+        assert spare._fd is None and first_file in _memfd_inodes_mapped_here()
+        assert same(third, stage_job(_identity_job(world, 0, 2))[1])
+        assert same(second, stage_job(_identity_job(world, 1, 2))[1])
+        del second, third
+        gc.collect()
+        refused, patches = stager(_identity_job(world, 0, 2, max_elements=3))
+        assert patches == [] and "more than 3" in refused.refused and spare._fd is None  # spent, not shared
+        seen["last"] = same(stager(_identity_job(world, 1, 2))[1], stage_job(_identity_job(world, 1, 2))[1])
+
+    puller = world.puller(on_verified=on_verified)
+    try:
+        assert puller(world.request(1)).success and puller(world.request(2)).success
+        assert seen["last"] is True
     finally:
         puller.close()
 
