@@ -114,7 +114,8 @@ class LiveApplyState:
         self._voted: Optional[StagedUpdate] = None
         self.stage_reason: Optional[str] = "nothing staged yet (pull the target version first)"
         self._phase: dict[str, float] = {}  # seconds into the last update call, per step (logged)
-        self.loop = LoopSlices(around_slice=one_intra_op_thread)  # staging's engine half (see loop_slices)
+        # staging's engine half and the proof (see loop_slices)
+        self.loop = LoopSlices(around_slice=one_intra_op_thread, is_idle=lambda: _engine_is_idle(scheduler))
 
     # --- the model ---------------------------------------------------------------------------
 
@@ -503,6 +504,12 @@ class LiveApplyState:
 
     def _all_gather(self, obj: Any) -> list:
         return self.group.all_gather(obj) if self.group.size > 1 else [obj]
+
+
+def _engine_is_idle(scheduler: Any) -> bool:
+    """No running batch and no request waiting (sglang's own check; False where it has none)."""
+    check = getattr(scheduler, "is_fully_idle", None)
+    return bool(check()) if callable(check) else False
 
 
 def _check_local_dir(value: object, allowed_roots: tuple) -> str:

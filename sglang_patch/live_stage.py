@@ -428,7 +428,8 @@ def stage_job_shared(job: StageJob, into_fd: Optional[int] = None) -> tuple[Stag
     the memfd (the caller closes it) only when there are patches; ``reply.patches`` locates them.
 
     ``into_fd``: a spare file of an earlier staging to write into instead of a new one (handed
-    over: it is the returned file, or closed here when there is none). Its pages are already
+    over: it is the returned file, or closed here when there is none; it may be larger than this
+    staging needs, and only ``reply.shared_nbytes`` of it are mapped). Its pages are already
     allocated: fresh shared pages fault in at about 1 GB/s on this VM, 0.18 s for the 160 MB
     of a 5% change at TP=2, against 0.06 s to map pages the file already has.
 
@@ -456,7 +457,10 @@ def stage_job_shared(job: StageJob, into_fd: Optional[int] = None) -> tuple[Stag
     refs, size = layout([(pp.param, pp.dtype, pp.count) for pp in plan.planned])
     fd = into_fd if into_fd is not None else os.memfd_create("weightsync-live-stage", os.MFD_CLOEXEC)
     try:
-        os.ftruncate(fd, size)  # a spare file keeps its pages up to here, and frees those past it
+        if os.fstat(fd).st_size < size:
+            # a spare file is never shrunk: it keeps the pages of the largest staging so far
+            # (within the bound of one staging), so a 5% change after a 1% one still finds them
+            os.ftruncate(fd, size)
         values = _local_values(job)
         try:
             with mmap.mmap(fd, size) as mm:
@@ -544,7 +548,7 @@ class SpareFile:
     makes a file spare from the finalizer of its last map in this process (``read_shared``), so
     no staged update, undo log or scatter still reads it; ``take`` hands it over for good, so a
     helper that fails or is killed while it writes never gives it back to anyone. Memory: the
-    spare's pages, the size of one staging (bounded as the staging is: ``max_elements``).
+    spare's pages, those of the largest staging so far (bounded as one staging is: ``max_elements``).
     """
 
     def __init__(self) -> None:

@@ -52,6 +52,35 @@ def test_every_slice_advances_a_job_by_at_least_one_step_even_with_no_budget():
     assert not job.is_alive()
 
 
+def test_a_slice_of_an_idle_engine_runs_to_the_longer_idle_budget():
+    idle, seen, where = [False], [], []
+    loop = LoopSlices(budget_s=0.0, idle_budget_s=600.0, is_idle=lambda: idle[0])
+    job = threading.Thread(target=loop.run, args=(_counting(5, seen, where),), kwargs={"timeout_s": 60})
+    job.start()
+    while not loop._jobs:
+        pass
+    loop.run_slice()
+    assert len(seen) == 1  # serving: one step (no budget)
+    idle[0] = True
+    loop.run_slice()
+    assert len(seen) == 5  # idle: the rest of the job in one slice
+    job.join(timeout=60)
+    assert not job.is_alive()
+
+
+def test_an_idle_check_that_fails_counts_as_serving():
+    seen: list = []
+    loop = LoopSlices(budget_s=0.0, idle_budget_s=600.0, is_idle=lambda: 1 / 0)
+    job = threading.Thread(target=loop.run, args=(_counting(3, seen, []),), kwargs={"timeout_s": 60})
+    job.start()
+    while not loop._jobs:
+        pass
+    loop.run_slice()
+    assert len(seen) == 1
+    while job.is_alive():
+        loop.run_slice()
+
+
 def test_a_step_that_raises_reaches_the_caller_and_the_loop_goes_on():
     loop, stop = LoopSlices(), threading.Event()
 
