@@ -49,7 +49,7 @@ import msgspec
 from weightsync.errors import PullWorkerDiedError
 
 from . import results
-from .live_stage import Patch, SpareFile, StageJob, StageReply, read_shared, stage_job, stage_job_shared
+from .live_stage import KEPT_MAPS, Patch, SpareFile, StageJob, StageReply, read_shared, stage_job, stage_job_shared
 from .rank_pull import RankPuller
 from .server_flags import PullWeightsOptions
 
@@ -494,7 +494,7 @@ def helper_main(fd: int) -> int:
 def _serve_stage_job(sock: socket.socket, job: StageJob, into_fd: Optional[int]) -> None:
     fd = None
     try:
-        reply, fd = stage_job_shared(job, into_fd)
+        reply, fd = stage_job_shared(job, into_fd, kept_maps=KEPT_MAPS)
     except Exception as exc:  # a bug or a malformed payload: the update reloads, the helper lives on
         log.exception("live apply staging of v%d failed", job.to_version)
         reply = StageReply(error=f"{type(exc).__name__}: {exc}")

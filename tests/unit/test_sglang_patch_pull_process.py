@@ -296,6 +296,32 @@ def test_a_stagings_shared_file_is_written_again_only_once_its_last_view_is_gone
         puller.close()
 
 
+def test_a_kept_map_of_a_local_file_sees_it_rewritten_in_place_and_remaps_a_replaced_one(fast_tmp_path):
+    from sglang_patch.live_stage import KeptMaps
+
+    path = str(fast_tmp_path / "model.safetensors")
+    with open(path, "wb") as f:
+        f.write(b"a" * 8192)
+    kept = KeptMaps().begin(str(fast_tmp_path))
+    first = kept.map_of(path)
+    with open(path, "r+b") as f:  # as the pull writes: in place
+        f.seek(4096)
+        f.write(b"b" * 10)
+    assert kept.map_of(path) is first and first[4096:4100] == b"bbbb"
+    with open(path + ".new", "wb") as f:
+        f.write(b"c" * 8192)
+    os.replace(path + ".new", path)  # another file at the same path
+    again = kept.map_of(path)
+    assert again is not first and again[:4] == b"cccc"
+    with open(path, "ab") as f:  # the same file, another size
+        f.write(b"d" * 4096)
+    grown = kept.map_of(path)
+    assert grown is not again and len(grown) == 12288
+    kept.begin(str(fast_tmp_path / "elsewhere"))  # another dir: the old maps go
+    assert grown.closed
+    kept.close()
+
+
 def test_staging_refuses_a_change_past_the_threshold_and_one_to_a_reload_only_tensor(world):
     puller = world.puller(in_process=True)
     assert puller(world.request(1)).success
