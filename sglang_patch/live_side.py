@@ -10,7 +10,7 @@ Per scheduler rank, one ``LiveApplyState`` (on ``scheduler._weightsync_live``):
 - **The map**: built once per engine lifetime on a thread started at the first loop
   iteration, then proven against the seed dir while the live weights still hold version 0.
   The proof's torch work runs on the scheduler thread itself, a ~2 ms slice per loop
-  iteration (``loop``: ``loop_slices.LoopSlices``, driven from our hook on
+  iteration (10 ms while the engine is fully idle) (``loop``: ``loop_slices.LoopSlices``, driven from our hook on
   ``process_input_requests``); the map thread waits for it.
 - **Staging**: ``stage_after_pull`` runs in each rank's pull thread once the core verified
   the local checkpoint: the helper process does the heavy half, the scheduler thread the

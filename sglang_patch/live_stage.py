@@ -15,7 +15,10 @@ No torch and no sglang here (the helper imports only the core and numpy).
 Results travel as one anonymous shared-memory file (``memfd``) passed over the helper's socket:
 per patch an int64 index array and a values array, at 64-byte aligned offsets that the reply
 (``StageReply.patches``) names. Its size is ``(8 + checkpoint itemsize)`` bytes per changed
-element of this rank's shard, refused past ``max_elements`` (the live-apply threshold).
+element of this rank's shard, refused past ``max_elements`` (the live-apply threshold). The
+scheduler side lends the file of an earlier staging back once nothing there maps it any more
+(``SpareFile``), and the helper keeps its maps of the local checkpoint (``KeptMaps``): both
+save faulting in fresh pages, the largest cost of staging on this VM after decoding.
 """
 
 from __future__ import annotations
