@@ -18,9 +18,10 @@ The rule, with its inputs (``Cost``; knobs in ``knobs.py``):
    exact totals decide.
 3. ``saved_s`` = (sparse-v1 bytes - sparse-v2 bytes) / ``link_bytes_per_s``: the wire time one
    puller saves with sparse-v2 (``link_bytes_per_s``: that puller's share of the link).
-4. ``extra_s`` = ``pass_ns`` x (elements of sparse-v2 segments with several classes x the
+4. ``extra_s`` = ``pass_ns`` x (elements of bitstream-2 segments with several classes x the
    passes the apply makes over them: one for the magnitudes, one per class with changes) +
-   ``change_ns`` x changed elements: the apply time sparse-v2 costs that puller beyond
+   ``coded_ns`` x elements of bitstream-3 segments with changes (the range decoder makes one
+   decision per element) + ``change_ns`` x changed elements: the apply time sparse-v2 costs that puller beyond
    sparse-v1, charged on one core (sparse-v2's pull scaled 1.14x from one to two workers on the
    benchmark, so more cores buy little). The defaults were measured on the 2-core CI box.
 5. sparse-v2 when ``saved_s > extra_s``, else sparse-v1. Put another way: sparse-v2 below a
@@ -58,6 +59,7 @@ class Cost(msgspec.Struct, frozen=True):
     pass_ns: float  # per element and pass over a sparse-v2 segment with several classes
     change_ns: float  # per changed element, sparse-v2 beyond sparse-v1
     sample_fraction: float  # share of the windows encoded both ways
+    coded_ns: float = 0.0  # per element of a range-coded (bitstream 3) segment with changes
 
     @classmethod
     def from_knobs(cls, link_bytes_per_s: float | None = None, sample_fraction: float | None = None) -> "Cost":
@@ -70,9 +72,9 @@ class Cost(msgspec.Struct, frozen=True):
                 "'auto' trades wire time against apply time, so it needs the link: pass link_bytes_per_s= "
                 f"or set {knobs.LINK_BYTES_PER_S.env})",
             )
-        pass_ns = _chosen("pass_ns", None, knobs.SPARSE2_PASS_NS)
-        change_ns = _chosen("change_ns", None, knobs.SPARSE2_CHANGE_NS)
-        for name, knob, value in (("pass_ns", knobs.SPARSE2_PASS_NS, pass_ns), ("change_ns", knobs.SPARSE2_CHANGE_NS, change_ns)):
+        per_unit = {knob: _chosen(name, None, knob) for name, knob in (
+            ("pass_ns", knobs.SPARSE2_PASS_NS), ("change_ns", knobs.SPARSE2_CHANGE_NS), ("coded_ns", knobs.SPARSE2_CODED_NS))}
+        for knob, value in per_unit.items():
             if not (math.isfinite(value) and value >= 0):
                 raise InvalidKnobError(knob.env, value, "a finite number of nanoseconds >= 0")
         fraction = _chosen("sample_fraction", sample_fraction, knobs.AUTO_SAMPLE_FRACTION)
@@ -81,7 +83,8 @@ class Cost(msgspec.Struct, frozen=True):
                 knobs.AUTO_SAMPLE_FRACTION.env if sample_fraction is None else "sample_fraction", fraction,
                 "a share of the windows in (0, 1]",
             )
-        return cls(link, pass_ns, change_ns, fraction)
+        return cls(link, per_unit[knobs.SPARSE2_PASS_NS], per_unit[knobs.SPARSE2_CHANGE_NS], fraction,
+                   per_unit[knobs.SPARSE2_CODED_NS])
 
 
 class EncodingSample(msgspec.Struct, frozen=True):
@@ -93,6 +96,7 @@ class EncodingSample(msgspec.Struct, frozen=True):
     v1_nbytes: int  # the sampled windows' sparse-v1 payloads
     v2_nbytes: int
     v2_pass_elements: int  # segment elements x passes sparse-v2's apply makes over them
+    v2_coded_elements: int = 0  # elements of range-coded segments with changes
 
 
 class Estimate(msgspec.Struct, frozen=True):
@@ -113,7 +117,7 @@ class EncodingChoice(msgspec.Struct, frozen=True):
 
 def merge_samples(samples: Iterable[EncodingSample]) -> EncodingSample:
     """The sum of several ranks' samples (each rank samples the tensors it owns)."""
-    fields = [0] * 6
+    fields = [0] * len(EncodingSample.__struct_fields__)
     for s in samples:
         for i, value in enumerate(msgspec.structs.astuple(s)):
             fields[i] += value
@@ -144,6 +148,7 @@ class EncodingChooser:
             v1_nbytes=sum(r[0] for r in v1),
             v2_nbytes=sum(r[0] for r in v2),
             v2_pass_elements=sum(r[2] for r in v2),
+            v2_coded_elements=sum(r[3] for r in v2),
         )
 
     def choose(self, sample: EncodingSample, full_above_changed_fraction: float) -> EncodingChoice:
@@ -175,13 +180,14 @@ class EncodingChooser:
     def estimate(self, sample: EncodingSample) -> Estimate:
         scale = sample.elements / max(sample.sampled_elements, 1)
         c = self.cost
-        extra_ns = c.pass_ns * sample.v2_pass_elements + c.change_ns * sample.changed_elements
+        extra_ns = (c.pass_ns * sample.v2_pass_elements + c.coded_ns * sample.v2_coded_elements
+                    + c.change_ns * sample.changed_elements)
         return Estimate(sample.changed_elements / max(sample.sampled_elements, 1), sample.v1_nbytes * scale,
                         sample.v2_nbytes * scale, 1e-9 * extra_ns * scale)
 
-    def _encode_window(self, window: tuple[EncodeJob, int], encoding: str) -> tuple[int, int, int]:
-        """(payload bytes, changed elements, sparse-v2 pass elements) of one window, coded
-        alone as the named encoding codes a tensor."""
+    def _encode_window(self, window: tuple[EncodeJob, int], encoding: str) -> tuple[int, int, int, int]:
+        """(payload bytes, changed elements, sparse-v2 pass elements, sparse-v2 range-coded
+        elements) of one window, coded alone as the named encoding codes a tensor."""
         job, s = window
         itemsize = DTYPE_NBYTES[job.dtype]
         width = _width(job.new.nbytes, itemsize)
@@ -190,9 +196,9 @@ class EncodingChooser:
         old, new = job.snap.buf[a:b], job.new[a:b]
         enc = get_codec(encoding).encode(old, new, itemsize, self.level, job.name)
         if enc is None:
-            return 0, 0, 0
-        passes = v2_pass_elements(enc.payload, b - a, job.name) if encoding == "sparse-v2" else 0
-        return len(enc.payload), enc.changed_elements, passes
+            return 0, 0, 0, 0
+        passes, coded = v2_apply_work(enc.payload, b - a, job.name) if encoding == "sparse-v2" else (0, 0)
+        return len(enc.payload), enc.changed_elements, passes, coded
 
 
 def pick_windows(count: int, version: int, fraction: float) -> list[int]:
@@ -204,16 +210,21 @@ def pick_windows(count: int, version: int, fraction: float) -> list[int]:
     return list(range(version % stride, count, stride))
 
 
-def v2_pass_elements(payload: bytes, nbytes: int, tensor: str) -> int:
-    """Segment elements x passes over them that applying this sparse-v2 payload makes: a
+def v2_apply_work(payload: bytes, nbytes: int, tensor: str) -> tuple[int, int]:
+    """(pass elements, coded elements) applying this sparse-v2 payload costs. Bitstream 2: a
     segment with several classes is read once for the magnitudes and once per class with
-    changes; a one-class segment costs only its changes."""
+    changes; a one-class segment costs only its changes. Bitstream 3: the range decoder reads
+    every element of a segment with changes once."""
     parsed = codec_sparse2.parse(payload, nbytes, tensor)
-    total = 0
+    passes = coded = 0
     for seg in parsed.segments:
-        if seg.nchanged and len(seg.classes) > 1:
-            total += seg.length * (1 + sum(1 for c in seg.classes if c.changes))
-    return total
+        if not seg.nchanged:
+            continue
+        if isinstance(seg, codec_sparse2.CodedSegment):
+            coded += seg.length
+        elif len(seg.classes) > 1:
+            passes += seg.length * (1 + sum(1 for c in seg.classes if c.changes))
+    return passes, coded
 
 
 def _elements(job: EncodeJob) -> int:

@@ -47,6 +47,7 @@ __all__ = [
     "PublishError",
     "OverwriteTooLargeError",
     "ChecksumUnavailableError",
+    "CoderUnavailableError",
     "HostResourceError",
     "host_resource_error",
     "error_types",
@@ -370,6 +371,19 @@ class ChecksumUnavailableError(UnsupportedFormatError, ImportError):
         super().__init__("checksum_format", name, [name])
         self.args = (
             f"checksum {name!r} needs the optional package {package!r}: pip install {package}",
+        )
+
+
+class CoderUnavailableError(UnsupportedFormatError, ImportError):
+    """A sparse-v2 payload of bitstream 3 met an install without the compiled range coder."""
+
+    def __init__(self, tensor: str):
+        self.tensor = tensor
+        super().__init__("sparse-v2 bitstream", 3, ["2"])
+        self.args = (
+            f"tensor {tensor}: sparse-v2 bitstream 3 needs the compiled range coder weightsync._sparse2_rc, which "
+            "this install lacks. Reinstall with a C compiler present (`pip install -e .`, or scripts/setup_env.sh), "
+            "or have the publisher write bitstream 2 (WEIGHTSYNC_SPARSE2_BITSTREAM=2)",
         )
 
 

@@ -57,6 +57,11 @@ SPARSE2_CLASS_MIN_SAVING = Knob(
     "sparse-v2: bytes per segment element a class must save to be kept (each costs the puller a pass; "
     "larger: fewer classes, faster pull, more bytes)",
 )
+SPARSE2_BITSTREAM = Knob(
+    "WEIGHTSYNC_SPARSE2_BITSTREAM", 3,
+    "sparse-v2: the bitstream the publisher writes: 3 (range coded, needs the compiled coder; 2 where it is "
+    "missing) or 2 (magnitude classes, Rice coded, numpy only)",
+)
 # encoding="auto" (encoding_choice.py): the link a puller has, what sparse-v2 costs it, the sample
 LINK_BYTES_PER_S = Knob(
     "WEIGHTSYNC_LINK_BYTES_PER_S", 0,
@@ -65,6 +70,10 @@ LINK_BYTES_PER_S = Knob(
 SPARSE2_PASS_NS = Knob(
     "WEIGHTSYNC_SPARSE2_PASS_NS", 1.9,
     "encoding auto: puller CPU ns per element and pass of a sparse-v2 segment with several classes (one core)",
+)
+SPARSE2_CODED_NS = Knob(
+    "WEIGHTSYNC_SPARSE2_CODED_NS", 5.0,
+    "encoding auto: puller CPU ns per element of a range-coded (bitstream 3) sparse-v2 segment with changes (one core)",
 )
 SPARSE2_CHANGE_NS = Knob(
     "WEIGHTSYNC_SPARSE2_CHANGE_NS", 17,

@@ -265,13 +265,19 @@ def _sparse2_positions(payload, nbytes: int, itemsize: int, tensor: str, window:
     # A class is a range of the *old* element's magnitude: with several classes in a segment
     # the positions are ranks among elements of the old version, which this host no longer
     # holds once the chain is applied. One class spans the whole segment: plain positions.
-    from .codec_sparse2 import _decode_mask, parse
+    # A range-coded segment (bitstream 3) takes every decision in the context of the old bytes.
+    from .codec_sparse2 import CodedSegment, _decode_mask, parse
 
     parsed = parse(payload, nbytes, tensor)
     found = []
     for index, seg in enumerate(parsed.segments):
         if seg.nchanged == 0:
             continue
+        if isinstance(seg, CodedSegment):
+            raise PositionsUnavailableError(
+                f"sparse-v2 segment {index} of {tensor} is range coded in the context of the old bytes, which are "
+                "not on this host after the pull", tensor=tensor, encoding="sparse-v2",
+            )
         if len(seg.classes) != 1:
             raise PositionsUnavailableError(
                 f"sparse-v2 segment {index} of {tensor} codes its changes in {len(seg.classes)} magnitude classes of the "

@@ -1,0 +1,419 @@
+/* sparse-v2 bitstream 3: one segment's changes, range coded with adaptive binary contexts
+ * (spec: docs/FORMAT.md, "sparse-v2", "Bitstream 3").
+ *
+ * Why compiled: the coder makes one binary decision per element of the segment (was this
+ * element changed?), with a probability that follows the old element's key and how many of
+ * the previous 64 elements changed. numpy can only run such a decoder across interleaved
+ * lanes, at 50-150 ns an element; here it is a few ns.
+ *
+ * The coder is the classic carry-less range coder with a 32-bit range, byte output and a
+ * cached top byte for carries; probabilities are 16-bit with a count-driven adaptation rate.
+ * Every loop is bounded by the segment's element count (at most one decision per element for
+ * the mask, and at most 3 + 2 (8 width) per change), and the decoder never reads past the
+ * declared part, so work on bad input is tied to the segment. The decoder writes nothing
+ * until the whole segment decoded cleanly: exactly the declared changes, and exactly the
+ * declared bytes consumed. */
+
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define PROB_BITS 16
+#define TOP (1u << 24)
+#define NB 8        /* neighbourhood buckets */
+#define NKEYS 256
+#define NLEN 16     /* unary length contexts per key */
+
+typedef struct {
+    uint16_t p0; /* P(bit == 0) in 1/65536 */
+    uint16_t n;  /* observations, saturating: sets the adaptation rate */
+} Prob;
+
+/* The adaptation rate: 1/2^s with s = min(floor(log2(n + 2)), 10) after n observations, about a
+ * running average at first (n + 2 ~ 2^s), then a window of ~2^10 observations. */
+#define MAX_COUNT 1024
+static uint8_t SHIFT_OF_COUNT[MAX_COUNT + 1];
+
+static void shift_init(void) {
+    for (unsigned n = 0; n <= MAX_COUNT; n++) {
+        unsigned s = 0;
+        while ((n + 2) >> (s + 1)) s++;
+        SHIFT_OF_COUNT[n] = (uint8_t)(s < 10 ? s : 10);
+    }
+}
+
+static inline void adapt(Prob *p, int bit) {
+    unsigned s = SHIFT_OF_COUNT[p->n];
+    if (bit)
+        p->p0 -= p->p0 >> s;
+    else
+        p->p0 += (65536u - p->p0) >> s;
+    p->n += p->n < MAX_COUNT;
+}
+
+/* The bucket of the number of changes among the previous 64 elements of the segment. */
+static const uint8_t BUCKET[65] = {0, 1, 2, 3, 3, 4, 4, 4, 5, 5, 5, 5, 5, 6, 6, 6, 6, 6, 6, 6, 6,
+                                   7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7,
+                                   7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7};
+
+typedef struct {
+    Prob mask[NKEYS * NB];
+    Prob sign[NKEYS];
+    Prob large[NKEYS];
+    Prob len[NKEYS * NLEN];
+    Prob top[NLEN];
+} Model;
+
+static void model_init(Model *m) {
+    Prob *all = (Prob *)m;
+    size_t count = sizeof(Model) / sizeof(Prob);
+    for (size_t i = 0; i < count; i++) {
+        all[i].p0 = 32768;
+        all[i].n = 0;
+    }
+}
+
+/* --- encoder ------------------------------------------------------------------------------ */
+
+typedef struct {
+    uint64_t low;
+    uint32_t range;
+    uint8_t cache;
+    uint64_t cache_size;
+    uint8_t *out;
+    size_t len, cap;
+    int failed;
+} Enc;
+
+static void enc_put(Enc *e, uint8_t b) {
+    if (e->len == e->cap) {
+        size_t cap = e->cap ? 2 * e->cap : 4096;
+        uint8_t *grown = realloc(e->out, cap);
+        if (!grown) {
+            e->failed = 1;
+            return;
+        }
+        e->out = grown;
+        e->cap = cap;
+    }
+    e->out[e->len++] = b;
+}
+
+static void enc_shift_low(Enc *e) {
+    if ((uint32_t)e->low < 0xFF000000u || (e->low >> 32) != 0) {
+        uint8_t carry = (uint8_t)(e->low >> 32);
+        uint8_t temp = e->cache;
+        do {
+            enc_put(e, (uint8_t)(temp + carry));
+            temp = 0xFF;
+        } while (--e->cache_size != 0);
+        e->cache = (uint8_t)((uint32_t)e->low >> 24);
+    }
+    e->cache_size++;
+    e->low = (uint32_t)e->low << 8;
+}
+
+static inline void enc_bit(Enc *e, Prob *p, int bit) {
+    uint32_t bound = (e->range >> PROB_BITS) * p->p0;
+    if (bit) {
+        e->low += bound;
+        e->range -= bound;
+    } else {
+        e->range = bound;
+    }
+    adapt(p, bit);
+    while (e->range < TOP) {
+        e->range <<= 8;
+        enc_shift_low(e);
+    }
+}
+
+static inline void enc_raw(Enc *e, int bit) {
+    uint32_t bound = (e->range >> 1);
+    if (bit) {
+        e->low += bound;
+        e->range -= bound;
+    } else {
+        e->range = bound;
+    }
+    while (e->range < TOP) {
+        e->range <<= 8;
+        enc_shift_low(e);
+    }
+}
+
+static void enc_flush(Enc *e) {
+    for (int i = 0; i < 5; i++) enc_shift_low(e);
+}
+
+/* --- decoder ------------------------------------------------------------------------------ */
+
+typedef struct {
+    uint32_t code;
+    uint32_t range;
+    const uint8_t *in, *end;
+    int overrun;
+} Dec;
+
+static inline uint8_t dec_byte(Dec *d) {
+    if (d->in == d->end) {
+        d->overrun = 1;
+        return 0;
+    }
+    return *d->in++;
+}
+
+static inline int dec_bit(Dec *d, Prob *p) {
+    uint32_t bound = (d->range >> PROB_BITS) * p->p0;
+    int bit;
+    if (d->code < bound) {
+        d->range = bound;
+        bit = 0;
+    } else {
+        d->code -= bound;
+        d->range -= bound;
+        bit = 1;
+    }
+    adapt(p, bit);
+    while (d->range < TOP) {
+        d->range <<= 8;
+        d->code = (d->code << 8) | dec_byte(d);
+    }
+    return bit;
+}
+
+static inline int dec_raw(Dec *d) {
+    uint32_t bound = d->range >> 1;
+    int bit;
+    if (d->code < bound) {
+        d->range = bound;
+        bit = 0;
+    } else {
+        d->code -= bound;
+        d->range -= bound;
+        bit = 1;
+    }
+    while (d->range < TOP) {
+        d->range <<= 8;
+        d->code = (d->code << 8) | dec_byte(d);
+    }
+    return bit;
+}
+
+/* --- the element code, one function per width ------------------------------------------------
+ * The order map T of sparse-v1 (transform 1): negative values are inverted, positive ones get
+ * the top bit, so a weight crossing zero moves a few steps. d = T(new) - T(old) mod 2^b. */
+
+#define DEFINE_WIDTH(T, B, KEY_SHIFT)                                                            \
+    static inline T order_##B(T x) {                                                             \
+        T top = (T)((T)1 << (B - 1));                                                            \
+        return (x & top) ? (T)~x : (T)(x | top);                                                 \
+    }                                                                                            \
+    static inline T unorder_##B(T y) {                                                           \
+        T top = (T)((T)1 << (B - 1));                                                            \
+        return (y & top) ? (T)(y & (T)~top) : (T)~y;                                             \
+    }                                                                                            \
+    static inline unsigned key_##B(T x) {                                                        \
+        return (unsigned)((x & (T)~((T)1 << (B - 1))) >> KEY_SHIFT);                            \
+    }                                                                                            \
+    static void encode_##B(Enc *e, Model *m, const T *old, const T *new_, size_t n, size_t *k,   \
+                           size_t *changed_bytes) {                                              \
+        uint64_t hist = 0;                                                                       \
+        unsigned recent = 0;                                                                     \
+        for (size_t i = 0; i < n; i++) {                                                         \
+            T o = old[i], w = new_[i];                                                           \
+            unsigned key = key_##B(o);                                                           \
+            int changed = o != w;                                                                \
+            enc_bit(e, &m->mask[key * NB + BUCKET[recent]], changed);                            \
+            recent += (unsigned)changed - (unsigned)(hist >> 63);                                \
+            hist = (hist << 1) | (uint64_t)changed;                                              \
+            if (!changed) continue;                                                              \
+            (*k)++;                                                                              \
+            T x = o ^ w;                                                                         \
+            for (int byte = 0; byte < B / 8; byte++) *changed_bytes += ((x >> (8 * byte)) & 0xFF) != 0; \
+            T d = (T)(order_##B(w) - order_##B(o));                                              \
+            int negative = (d >> (B - 1)) & 1;                                                   \
+            T mag = negative ? (T)(0 - d) : d; /* 2^(B-1) stays itself: right, read unsigned */  \
+            enc_bit(e, &m->sign[key], negative);                                                 \
+            enc_bit(e, &m->large[key], mag > 1);                                                 \
+            if (mag <= 1) continue;                                                              \
+            uint64_t v = (uint64_t)mag - 1; /* Exp-Golomb of mag - 2: v + 1 = mag - 1 >= 1 */   \
+            int len = 63 - __builtin_clzll(v);                                                   \
+            for (int j = 0; j < len; j++) enc_bit(e, &m->len[key * NLEN + (j < NLEN ? j : NLEN - 1)], 1); \
+            if (len < B - 2) enc_bit(e, &m->len[key * NLEN + (len < NLEN ? len : NLEN - 1)], 0); \
+            if (len > 0) enc_bit(e, &m->top[len < NLEN ? len : NLEN - 1], (int)((v >> (len - 1)) & 1)); \
+            for (int j = len - 2; j >= 0; j--) enc_raw(e, (int)((v >> j) & 1));                 \
+        }                                                                                        \
+    }                                                                                            \
+    /* 0 on success; else an error message. pos/val receive at most cap changes. */              \
+    static const char *decode_##B(Dec *dc, Model *m, const T *old, size_t n, size_t cap,         \
+                                  uint32_t *pos, T *val, size_t *k) {                           \
+        uint64_t hist = 0;                                                                       \
+        unsigned recent = 0;                                                                     \
+        for (size_t i = 0; i < n; i++) {                                                         \
+            T o = old[i];                                                                        \
+            unsigned key = key_##B(o);                                                           \
+            int changed = dec_bit(dc, &m->mask[key * NB + BUCKET[recent]]);                      \
+            recent += (unsigned)changed - (unsigned)(hist >> 63);                                \
+            hist = (hist << 1) | (uint64_t)changed;                                              \
+            if (!changed) continue;                                                              \
+            if (*k == cap) return "more changes than the segment table declares";               \
+            if (dc->overrun) return "the coded part ends before its segment does";              \
+            int negative = dec_bit(dc, &m->sign[key]);                                           \
+            uint64_t mag = 1;                                                                    \
+            if (dec_bit(dc, &m->large[key])) {                                                   \
+                int len = 0;                                                                     \
+                while (len < B - 2 && dec_bit(dc, &m->len[key * NLEN + (len < NLEN ? len : NLEN - 1)])) len++; \
+                uint64_t v = 1;                                                                  \
+                if (len > 0) v = (v << 1) | (uint64_t)dec_bit(dc, &m->top[len < NLEN ? len : NLEN - 1]); \
+                for (int j = len - 2; j >= 0; j--) v = (v << 1) | (uint64_t)dec_raw(dc);        \
+                mag = v + 1; /* len <= B - 2: mag <= 2^(B - 1) */                                \
+            }                                                                                    \
+            T d = negative ? (T)(0 - (T)mag) : (T)mag;                                           \
+            pos[*k] = (uint32_t)i;                                                               \
+            val[*k] = unorder_##B((T)(order_##B(o) + d));                                        \
+            (*k)++;                                                                              \
+        }                                                                                        \
+        return NULL;                                                                             \
+    }
+
+DEFINE_WIDTH(uint8_t, 8, 0)
+DEFINE_WIDTH(uint16_t, 16, 7)
+DEFINE_WIDTH(uint32_t, 32, 23)
+DEFINE_WIDTH(uint64_t, 64, 55)
+
+/* --- Python glue -------------------------------------------------------------------------- */
+
+#define MAX_SEGMENT (1u << 20)
+
+static int width_ok(int width) { return width == 1 || width == 2 || width == 4 || width == 8; }
+
+/* encode_segment(old, new, width) -> (coded bytes, changes, changed bytes); (b"", 0, 0) when
+ * nothing changed. */
+static PyObject *py_encode_segment(PyObject *self, PyObject *args) {
+    (void)self;
+    Py_buffer old, new_;
+    int width;
+    if (!PyArg_ParseTuple(args, "y*y*i", &old, &new_, &width)) return NULL;
+    PyObject *result = NULL;
+    if (!width_ok(width) || old.len != new_.len || old.len % width != 0 ||
+        (size_t)(old.len / width) > MAX_SEGMENT) {
+        PyErr_SetString(PyExc_ValueError, "encode_segment: old and new must be one segment of equal size");
+        goto done;
+    }
+    size_t n = (size_t)(old.len / width), k = 0, changed_bytes = 0;
+    Model *m = malloc(sizeof(Model));
+    Enc e = {0, 0xFFFFFFFFu, 0, 1, NULL, 0, 0, 0};
+    if (!m) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    model_init(m);
+    Py_BEGIN_ALLOW_THREADS
+    switch (width) {
+    case 1: encode_8(&e, m, old.buf, new_.buf, n, &k, &changed_bytes); break;
+    case 2: encode_16(&e, m, old.buf, new_.buf, n, &k, &changed_bytes); break;
+    case 4: encode_32(&e, m, old.buf, new_.buf, n, &k, &changed_bytes); break;
+    default: encode_64(&e, m, old.buf, new_.buf, n, &k, &changed_bytes); break;
+    }
+    enc_flush(&e);
+    Py_END_ALLOW_THREADS
+    free(m);
+    if (e.failed) {
+        free(e.out);
+        PyErr_NoMemory();
+        goto done;
+    }
+    if (k == 0)
+        result = Py_BuildValue("(y#nn)", "", (Py_ssize_t)0, (Py_ssize_t)0, (Py_ssize_t)0);
+    else
+        result = Py_BuildValue("(y#nn)", (const char *)e.out, (Py_ssize_t)e.len, (Py_ssize_t)k,
+                               (Py_ssize_t)changed_bytes);
+    free(e.out);
+done:
+    PyBuffer_Release(&old);
+    PyBuffer_Release(&new_);
+    return result;
+}
+
+/* decode_segment(segment, coded, width, changes) -> None: segment (writable, the old bytes)
+ * receives the new bytes, or nothing when the coded part is bad (ValueError: the reason). */
+static PyObject *py_decode_segment(PyObject *self, PyObject *args) {
+    (void)self;
+    Py_buffer seg, coded;
+    int width;
+    Py_ssize_t declared;
+    if (!PyArg_ParseTuple(args, "w*y*in", &seg, &coded, &width, &declared)) return NULL;
+    PyObject *result = NULL;
+    uint32_t *pos = NULL;
+    void *val = NULL;
+    Model *m = NULL;
+    if (!width_ok(width) || seg.len % width != 0 || (size_t)(seg.len / width) > MAX_SEGMENT ||
+        declared < 1 || (size_t)declared > (size_t)(seg.len / width)) {
+        PyErr_SetString(PyExc_ValueError, "decode_segment: a segment of at most 2^20 elements and 1..its length changes");
+        goto done;
+    }
+    size_t n = (size_t)(seg.len / width), k = 0;
+    pos = malloc((size_t)declared * sizeof(uint32_t));
+    val = malloc((size_t)declared * (size_t)width);
+    m = malloc(sizeof(Model));
+    if (!pos || !val || !m) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    model_init(m);
+    const char *err = NULL;
+    const uint8_t *in = coded.buf;
+    Py_BEGIN_ALLOW_THREADS
+    if (coded.len < 5) {
+        err = "the coded part is shorter than the coder's 5 start bytes";
+    } else if (in[0] != 0) {
+        err = "the coded part's first byte is not 0";
+    } else {
+        Dec dc = {0, 0xFFFFFFFFu, in, in + coded.len, 0};
+        for (int i = 0; i < 5; i++) dc.code = (dc.code << 8) | dec_byte(&dc);
+        switch (width) {
+        case 1: err = decode_8(&dc, m, seg.buf, n, (size_t)declared, pos, val, &k); break;
+        case 2: err = decode_16(&dc, m, seg.buf, n, (size_t)declared, pos, val, &k); break;
+        case 4: err = decode_32(&dc, m, seg.buf, n, (size_t)declared, pos, val, &k); break;
+        default: err = decode_64(&dc, m, seg.buf, n, (size_t)declared, pos, val, &k); break;
+        }
+        if (!err && dc.overrun) err = "the coded part ends before its segment does";
+        if (!err && k != (size_t)declared) err = "fewer changes than the segment table declares";
+        if (!err && dc.in != dc.end) err = "bytes follow the end of the coded part";
+        if (!err) {
+            switch (width) {
+            case 1: for (size_t j = 0; j < k; j++) ((uint8_t *)seg.buf)[pos[j]] = ((uint8_t *)val)[j]; break;
+            case 2: for (size_t j = 0; j < k; j++) ((uint16_t *)seg.buf)[pos[j]] = ((uint16_t *)val)[j]; break;
+            case 4: for (size_t j = 0; j < k; j++) ((uint32_t *)seg.buf)[pos[j]] = ((uint32_t *)val)[j]; break;
+            default: for (size_t j = 0; j < k; j++) ((uint64_t *)seg.buf)[pos[j]] = ((uint64_t *)val)[j]; break;
+            }
+        }
+    }
+    Py_END_ALLOW_THREADS
+    if (err) {
+        PyErr_SetString(PyExc_ValueError, err);
+        goto done;
+    }
+    Py_INCREF(Py_None);
+    result = Py_None;
+done:
+    free(pos);
+    free(val);
+    free(m);
+    PyBuffer_Release(&seg);
+    PyBuffer_Release(&coded);
+    return result;
+}
+
+static PyMethodDef METHODS[] = {
+    {"encode_segment", py_encode_segment, METH_VARARGS, "encode_segment(old, new, width) -> (coded, changes, changed_bytes)"},
+    {"decode_segment", py_decode_segment, METH_VARARGS, "decode_segment(segment, coded, width, changes) -> None"},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef MODULE = {PyModuleDef_HEAD_INIT, "_sparse2_rc", "sparse-v2 bitstream 3: the range coder", -1, METHODS, NULL, NULL, NULL, NULL};
+
+PyMODINIT_FUNC PyInit__sparse2_rc(void) { shift_init(); return PyModule_Create(&MODULE); }
