@@ -50,7 +50,7 @@ from .codecs import SCRATCH, Encoded, PayloadDensity, register_codec
 from .errors import CoderUnavailableError, LocalTensorMismatchError, PayloadBoundError
 
 try:  # bitstream 3's range coder, built with the package (setup.py; scripts/setup_env.sh)
-    from . import _sparse2_rc as _rc
+    from . import _sparse2_rc as _rc  # type: ignore[attr-defined]
 except ImportError:  # an install built without a C compiler: bitstream 2 only
     _rc = None
 
@@ -139,7 +139,7 @@ class Parsed(NamedTuple):
     width: int
     nelements: int
     seg_elements: int
-    segments: "list[Segment] | list[CodedSegment]"
+    segments: "list[Segment | CodedSegment]"
 
 
 def compiled_coder_available() -> bool:
@@ -848,7 +848,7 @@ def parse(payload, nbytes: int, tensor: str) -> Parsed:
             raise PayloadBoundError(tensor, f"sparse-v2 segment {s} declares classes but no change (write 0 classes)")
         table.append((start, length, classes))
     reader = _Reader(mv, pos, tensor)
-    segments: list[Segment] = []
+    segments: list[Segment | CodedSegment] = []
     for start, length, classes in table:
         parts: list[ClassPart] = []
         nchanged = 0
@@ -911,7 +911,7 @@ def _parse_coded(mv: memoryview, width: int, n: int, seg: int, nseg: int, tensor
     if end != total:
         raise PayloadBoundError(tensor, f"{total - end} trailing bytes after the sparse-v2 coded parts")
     offsets = (ends - sizes).tolist()
-    segments = [
+    segments: list[Segment | CodedSegment] = [
         CodedSegment(start, length, k, mv[at : at + size])
         for start, length, k, at, size in zip(starts.tolist(), lengths.tolist(), changes.tolist(), offsets, sizes.tolist())
     ]

@@ -1,4 +1,5 @@
-"""sparse-v2: the golden vector, round trips over widths/densities/bit patterns and class
+"""sparse-v2 bitstream 2 (magnitude classes, Rice coded; bitstream 3, the range coder, is
+``test_codec_sparse2_rc.py``): the golden vector, round trips over widths/densities/bit patterns and class
 splits, the Rice and Exp-Golomb primitives, chained apply against the bytes the previous
 payload produced, publish and pull, and one test per way a payload can be malformed
 (docs/FORMAT.md, "sparse-v2" and the catalogue).
@@ -48,7 +49,13 @@ GOLDEN_HEX = (
     "00" "04"  # class 1: gap 4 = 2 * 2 + 0: remainder bit 0, quotient 2 in unary (0, 0, 1)
     "01"  # class 1 sign: -
 )
-EAGER = Sparse2Codec(class_min_saving=0, class_overhead_bytes=0)  # a class wherever it lowers the entropy
+EAGER = Sparse2Codec(class_min_saving=0, class_overhead_bytes=0, bitstream=2)  # a class wherever it lowers the entropy
+
+
+@pytest.fixture(autouse=True)
+def bitstream_2(monkeypatch):
+    """Every encode and publish of this module writes bitstream 2."""
+    monkeypatch.setenv("WEIGHTSYNC_SPARSE2_BITSTREAM", "2")
 
 
 def _u8(values, width=2) -> np.ndarray:

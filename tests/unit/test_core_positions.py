@@ -53,7 +53,8 @@ def _chain(tmp_path, encodings, *, full_at=None, density=0.03):
 
 
 @pytest.mark.parametrize("encoding", ["xor", "overwrite", "sparse-v1", "sparse-v2"])
-def test_positions_of_one_delta_equal_an_independent_diff(tmp_path, encoding):
+def test_positions_of_one_delta_equal_an_independent_diff(tmp_path, encoding, monkeypatch):
+    monkeypatch.setenv("WEIGHTSYNC_SPARSE2_BITSTREAM", "2")  # one-class segments: plain positions
     _, source, local, versions = _chain(tmp_path, [encoding])
     chain, indexes = plan_change_chain(source, 0, 1)
     got = {name: pos for name, _, pos in iter_changed_elements(local, source, chain, indexes)}
@@ -139,7 +140,7 @@ def test_sparse_v2_with_several_magnitude_classes_has_no_positions_without_the_o
     from weightsync import codecs
     from weightsync.codec_sparse2 import Sparse2Codec
 
-    monkeypatch.setitem(codecs._CODECS, "sparse-v2", Sparse2Codec(class_min_saving=0.0))
+    monkeypatch.setitem(codecs._CODECS, "sparse-v2", Sparse2Codec(class_min_saving=0.0, bitstream=2))
     rng = np.random.default_rng(3)
     old = np.where(rng.random(16384) < 0.5, 1e-3, 10.0).astype(np.float16) * rng.random(16384).astype(np.float16)
     new = old.copy()
@@ -158,4 +159,13 @@ def test_sparse_v2_with_several_magnitude_classes_has_no_positions_without_the_o
     pull(local, seed, source, 1)
     chain, _ = plan_change_chain(source, 0, 1)
     with pytest.raises(PositionsUnavailableError, match="magnitude classes of the old bytes"):
+        list(iter_changed_elements(local, source, chain))
+
+
+def test_range_coded_sparse_v2_has_no_positions_without_the_old_bytes(tmp_path, monkeypatch):
+    """Bitstream 3 decides every element in the context of its old bytes."""
+    monkeypatch.setenv("WEIGHTSYNC_SPARSE2_BITSTREAM", "3")
+    _, source, local, _ = _chain(tmp_path, ["sparse-v2"])
+    chain, _ = plan_change_chain(source, 0, 1)
+    with pytest.raises(PositionsUnavailableError, match="range coded in the context of the old bytes"):
         list(iter_changed_elements(local, source, chain))

@@ -164,7 +164,20 @@ def test_a_sample_of_every_window_measures_the_bytes_each_encoding_sends(world):
     pub.close()
     assert (sample.v1_nbytes, sample.changed_elements, sample.sampled_elements) == sent["sparse-v1"]
     assert sample.v2_nbytes == sent["sparse-v2"][0] and sample.elements == sample.sampled_elements
+    # bitstream 3 (the writer's where the coder is built): the range decoder reads every
+    # element of a segment with changes once, and no class passes are made
+    assert sample.v2_coded_elements == sample.sampled_elements and sample.v2_pass_elements == 0
+
+
+def test_a_bitstream_2_sample_counts_the_class_passes_its_apply_makes(world, monkeypatch):
+    monkeypatch.setenv("WEIGHTSYNC_SPARSE2_BITSTREAM", "2")
+    step = world.step(3e-6)
+    pub = world.publisher("src", link_bytes_per_s=SLOW)
+    pub.seed_snapshot(world.versions[0])
+    sample = pub.sample_encodings(1, step)
+    pub.close()
     assert sample.v2_pass_elements >= 2 * sample.sampled_elements  # several classes: magnitudes + a class each
+    assert sample.v2_coded_elements == 0
 
 
 def test_the_sample_is_every_kth_window_from_the_version_and_never_under_four():
