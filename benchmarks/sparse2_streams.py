@@ -37,6 +37,9 @@ from weightsync.codecs import get_codec  # noqa: E402
 from weightsync import knobs  # noqa: E402
 
 
+BITSTREAM2 = c2.Sparse2Codec(bitstream=2)  # the study is of bitstream 2's streams
+
+
 def _h(p: np.ndarray) -> np.ndarray:
     p = np.clip(p, 1e-300, 1.0)
     q = np.clip(1.0 - p, 1e-300, 1.0)
@@ -62,7 +65,7 @@ def _order(x: np.ndarray) -> np.ndarray:
 
 
 def stream_bytes(old: np.ndarray, new: np.ndarray, name: str, out: dict, per_class: list | None) -> None:
-    enc = c2.CODEC.encode(old.view(np.uint8), new.view(np.uint8), 2, 1, name)
+    enc = BITSTREAM2.encode(old.view(np.uint8), new.view(np.uint8), 2, 1, name)
     if enc is None:
         return
     parsed = c2.parse(enc.payload, old.nbytes, name)
@@ -268,7 +271,7 @@ def history_rows(preset: str, steps: int, every: int) -> tuple[list, int]:
             x = np.bitwise_xor(ob, nb)
             out["base"] += len(cctx.compress(x.tobytes()))
             out["v1"] += len(v1.encode(ob, nb, 2, 1, nm).payload)
-            out["v2"] += len(c2.CODEC.encode(ob, nb, 2, 1, nm).payload)
+            out["v2"] += len(BITSTREAM2.encode(ob, nb, 2, 1, nm).payload)
             out["proj0"] += c2.HEADER.size
             out["ntensors"] += 1
             out["proj"] += c2.HEADER.size
