@@ -349,6 +349,125 @@ def apply_sparse_v2(old: bytes, payload: bytes) -> bytes:
     return np.array(out, dtype=np.uint64).astype(V2_LE[width]).tobytes()
 
 
+# --- sparse-v2 bitstream 3 (FORMAT.md "Bitstream 3: range coded"), reader only ---------------
+
+
+class RangeDecoderError(AssertionError):
+    """A coded part that does not decode cleanly (first byte, early end, extra bytes)."""
+
+
+class RangeDecoder:
+    """FORMAT.md "The decoder": 32-bit code and range, 16-bit probabilities, byte renormalisation."""
+
+    def __init__(self, part: bytes) -> None:
+        if len(part) < 5 or part[0] != 0:
+            raise RangeDecoderError(f"a coded part starts with 0 and holds 5 bytes at least, got {part[:5].hex()}")
+        self.part = part
+        self.pos = 5
+        self.range = (1 << 32) - 1
+        self.code = int.from_bytes(part[:5], "big") & 0xFFFFFFFF
+
+    def modelled(self, context: list[int]) -> int:
+        p0, count = context
+        bit = self._decide((self.range >> 16) * p0)
+        shift = min((count + 2).bit_length() - 1, 10)  # floor(log2(c + 2))
+        context[0] = p0 - (p0 >> shift) if bit else p0 + ((65536 - p0) >> shift)
+        context[1] = min(count + 1, 1024)
+        return bit
+
+    def raw(self) -> int:
+        return self._decide(self.range >> 1)
+
+    def _decide(self, bound: int) -> int:
+        if self.code < bound:
+            bit, self.range = 0, bound
+        else:
+            bit, self.code, self.range = 1, self.code - bound, self.range - bound
+        while self.range < 1 << 24:
+            if self.pos >= len(self.part):
+                raise RangeDecoderError(f"a decision reads past its part of {len(self.part)} bytes")
+            self.range = (self.range << 8) & 0xFFFFFFFF
+            self.code = ((self.code << 8) | self.part[self.pos]) & 0xFFFFFFFF
+            self.pos += 1
+        return bit
+
+    def finish(self) -> None:
+        if self.pos != len(self.part):
+            raise RangeDecoderError(f"the decisions consume {self.pos} of the part's {len(self.part)} bytes")
+
+
+class _Contexts(dict):
+    """One (p0, count) state per (table, index), created at p0 = 32768, c = 0 on first use."""
+
+    def __missing__(self, key: tuple) -> list[int]:
+        self[key] = state = [32768, 0]
+        return state
+
+
+def _recent_bucket(r: int) -> int:
+    for bucket, top in enumerate((0, 1, 2, 4, 7, 12, 20)):
+        if r <= top:
+            return bucket
+    return 7
+
+
+def rc_decode_segment(old: list[int], part: bytes, width: int) -> dict[int, int]:
+    """The changes of one segment, {position in segment: signed d}, from its coded part."""
+    decoder, contexts = RangeDecoder(part), _Contexts()
+    bits = 8 * width
+    changed: list[int] = []
+    changes: dict[int, int] = {}
+    recent = 0  # changed elements among the previous min(i, 64)
+    for i, x in enumerate(old):
+        key = v2_key(x, width)
+        if i > 64:
+            recent -= changed[i - 65]
+        is_changed = decoder.modelled(contexts["mask", key, _recent_bucket(recent)])
+        changed.append(is_changed)
+        recent += is_changed
+        if not is_changed:
+            continue
+        negative = decoder.modelled(contexts["sign", key])
+        magnitude = 1
+        if decoder.modelled(contexts["large", key]):
+            length = 0
+            while length < bits - 2 and decoder.modelled(contexts["len", key, min(length, 15)]):
+                length += 1
+            v = 1
+            if length > 0:
+                v = (v << 1) | decoder.modelled(contexts["top", min(length, 15)])
+                for _ in range(length - 1):
+                    v = (v << 1) | decoder.raw()
+            magnitude = v + 1
+        changes[i] = -magnitude if negative else magnitude
+    decoder.finish()
+    return changes
+
+
+def apply_sparse_v2_rc(old: bytes, payload: bytes) -> bytes:
+    magic, version, width, reserved, flags, n, seg, nseg = struct.unpack_from("<4sBBBBQII", payload, 0)
+    assert (magic, version, reserved, flags) == (b"WSS2", 3, 0, 0) and width in V2_LE
+    assert n * width == len(old) and 1 << 12 <= seg <= 1 << 20 and nseg == -(-n // seg)
+    entries = [struct.unpack_from("<II", payload, 24 + 8 * s) for s in range(nseg)]
+    pos = 24 + 8 * nseg
+    for s, (k, b) in enumerate(entries):
+        assert k <= min(n, (s + 1) * seg) - s * seg and (b == 0) == (k == 0) and (b == 0 or b >= 5)
+    assert pos + sum(b for _, b in entries) == len(payload), "parts past the payload or trailing bytes"
+    bits = 8 * width
+    out = [int(x) for x in np.frombuffer(old, V2_LE[width])]
+    for s, (k, b) in enumerate(entries):
+        a0, b0 = s * seg, min(n, (s + 1) * seg)
+        part, pos = payload[pos : pos + b], pos + b
+        if k == 0:
+            continue
+        changes = rc_decode_segment(out[a0:b0], part, width)
+        if len(changes) != k:
+            raise RangeDecoderError(f"segment {s} decodes {len(changes)} changes, its entry declares {k}")
+        for i, d in changes.items():
+            out[a0 + i] = v2_unorder((v2_order(out[a0 + i], width) + d) % (1 << bits), width)
+    return np.array(out, dtype=np.uint64).astype(V2_LE[width]).tobytes()
+
+
 # --- sparse-v1 (FORMAT.md "sparse-v1"), reader only -------------------------------------------
 
 
@@ -407,7 +526,7 @@ def _frame_content(frame: bytes) -> bytes:
 
 def apply_payload(encoding: str, old: bytes, payload: bytes) -> bytes:
     if encoding == "sparse-v2":
-        return apply_sparse_v2(old, payload)
+        return apply_sparse_v2_rc(old, payload) if payload[4:5] == b"\x03" else apply_sparse_v2(old, payload)
     if encoding == "sparse-v1":
         return apply_sparse_v1(old, payload)
     params = zstandard.get_frame_parameters(payload)
