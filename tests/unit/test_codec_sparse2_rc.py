@@ -359,6 +359,36 @@ def test_a_damaged_later_segment_is_refused_before_that_segment_is_written():
     assert region[2 * 8192 :].tobytes() == old[2 * 8192 :].tobytes()
 
 
+@given(st.integers(0, 2**32 - 1), st.sampled_from([1, 2, 4, 8]), st.sampled_from(["flip", "base"]))
+def test_a_damaged_part_or_base_is_refused_or_decoded_exactly_as_the_spec_reader_does(seed, width, damage):
+    """Differential: random bytes of a coded part flipped (or local bytes that are not the base):
+    the compiled decoder and the spec-only reader refuse the same payloads, a refusal leaves the
+    region untouched, and what both accept decodes to the same bytes."""
+    rng = np.random.default_rng(seed)
+    old, new = _nudged(rng, width, int(rng.integers(1, 200)), float(rng.choice([0.05, 0.5, 1.0])))
+    if (old == new).all():
+        return
+    payload = bytearray(RC.encode(old, new, width, 1, "t").payload)
+    base = old.copy()
+    if damage == "flip":
+        at = HEADER.size + 8 + int(rng.integers(1, len(payload) - HEADER.size - 8))  # keep the first byte 0
+        payload[at] ^= int(rng.integers(1, 256))
+    else:
+        base[int(rng.integers(0, base.size))] ^= int(rng.integers(1, 256))
+    region = base.copy()
+    try:
+        CODEC.apply(region, bytes(payload), width, "t", 1 << 20)
+        ours = region.tobytes()
+    except LocalTensorMismatchError:
+        assert region.tobytes() == base.tobytes()
+        ours = None
+    try:
+        theirs = independent.apply_payload("sparse-v2", base.tobytes(), bytes(payload))
+    except AssertionError:
+        theirs = None
+    assert ours == theirs
+
+
 # --- the local bytes are not the base version ---------------------------------------------------
 
 
@@ -471,6 +501,19 @@ def test_without_the_compiled_coder_a_bitstream_3_payload_is_a_typed_error_sayin
         CODEC.check(payload, 6, 2, "t")
     with pytest.raises(CoderUnavailableError):
         Sparse2Codec(bitstream=3)
+
+
+def test_a_pull_of_bitstream_3_without_the_compiled_coder_fails_typed_before_any_seed(fast_tmp_path, rng, monkeypatch):
+    from weightsync import pull
+
+    monkeypatch.delenv("WEIGHTSYNC_SPARSE2_BITSTREAM", raising=False)
+    assert _publish_two(fast_tmp_path, rng)[4] == 3
+    monkeypatch.setattr(codec_sparse2, "_rc", None)
+    local = str(fast_tmp_path / "local")
+    with pytest.raises(CoderUnavailableError, match="tensor w"):
+        pull(local, str(fast_tmp_path / "seed"), str(fast_tmp_path / "src"), 1)
+    seeded = os.path.exists(local) and any(f.endswith(".safetensors") for f in os.listdir(local))
+    assert not seeded, "the seed ran before the unreadable payload was refused"
 
 
 def test_the_bitstream_knob_2_makes_the_publisher_write_version_2(fast_tmp_path, rng, monkeypatch):
