@@ -3,7 +3,8 @@
 It uses ``safetensors.numpy``, ``json``, ``zstandard``, ``xxhash``, ``blake3`` and ``zlib``
 directly and nothing of ``weightsync``, so it stands in for another implementation (an
 upstream trainer or reader): versions it writes must pull bit-exact with our ``pull``, and it
-must read back what our ``Publisher`` writes.
+must read back what our ``Publisher`` writes. It reads both sparse-v2 bitstreams: 2 (it also
+writes it) and 3, the range-coded one (a plain-Python range decoder, slow: small tensors only).
 
 Deliberate variations upstream writers are allowed: shard names of its own, several shards,
 versions as JSON integers or unpadded strings, a full version without an index (one complete
