@@ -136,6 +136,24 @@ def test_the_largest_differences_code_with_the_capped_length_and_no_terminator(w
     _assert_reads_back(enc.payload, old, new, width)
 
 
+@needs_coder
+@pytest.mark.parametrize("width", [2, 4, 8])
+def test_old_new_and_local_bytes_at_unaligned_addresses_code_and_decode(width):
+    """Tensors of a safetensors file sit at any byte offset of the mapped file."""
+    rng = np.random.default_rng(width)
+    n = 4096 + 900
+    old = np.zeros(n * width + 1, np.uint8)[1:]
+    new = np.zeros(n * width + 1, np.uint8)[1:]
+    old[:] = rng.integers(0, 256, n * width, dtype=np.uint8)
+    new[:] = old
+    new[:: 7 * width] ^= 1
+    payload = RC.encode(old, new, width, 1, "t").payload
+    region = np.zeros(n * width + 3, np.uint8)[3:]
+    region[:] = old
+    CODEC.apply(region, payload, width, "t", 1 << 20)
+    assert region.tobytes() == new.tobytes()
+
+
 @st.composite
 def pairs(draw):
     width = draw(st.sampled_from([1, 2, 4, 8]))
