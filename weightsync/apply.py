@@ -25,6 +25,7 @@ import logging
 import mmap
 import os
 import threading
+import traceback
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Iterable, Iterator, cast
@@ -514,6 +515,12 @@ def apply_chain(
         if flush:
             maps.flush()
         return maps.paths()
+    except BaseException as e:
+        # An ndarray over an mmap holds no buffer export, so the close below unmaps regions that
+        # the frames of this traceback still hold: whoever shows their locals (an error
+        # reporter, a test runner) would read unmapped memory. Drop those locals first.
+        traceback.clear_frames(e.__traceback__)
+        raise
     finally:
         shards.close()
         maps.close()

@@ -148,7 +148,7 @@ def compiled_coder_available() -> bool:
 
 def writer_bitstream() -> int:
     """The bitstream a publisher writes now: the knob's, and 2 where the compiled coder is missing."""
-    wanted = int(knobs.SPARSE2_BITSTREAM.get())
+    wanted = knobs.SPARSE2_BITSTREAM.get()
     if wanted not in VERSIONS:
         from .errors import InvalidKnobError
 
