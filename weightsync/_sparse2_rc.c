@@ -64,6 +64,7 @@ typedef struct {
     Prob large[NKEYS];
     Prob len[NKEYS * NLEN];
     Prob top[NLEN];
+    Prob low[NLEN * NLEN];
 } Model;
 
 static void model_init(Model *m) {
@@ -130,20 +131,6 @@ static inline void enc_bit(Enc *e, Prob *p, int bit) {
     }
 }
 
-static inline void enc_raw(Enc *e, int bit) {
-    uint32_t bound = (e->range >> 1);
-    if (bit) {
-        e->low += bound;
-        e->range -= bound;
-    } else {
-        e->range = bound;
-    }
-    while (e->range < TOP) {
-        e->range <<= 8;
-        enc_shift_low(e);
-    }
-}
-
 static void enc_flush(Enc *e) {
     for (int i = 0; i < 5; i++) enc_shift_low(e);
 }
@@ -184,27 +171,13 @@ static inline int dec_bit(Dec *d, Prob *p) {
     return bit;
 }
 
-static inline int dec_raw(Dec *d) {
-    uint32_t bound = d->range >> 1;
-    int bit;
-    if (d->code < bound) {
-        d->range = bound;
-        bit = 0;
-    } else {
-        d->code -= bound;
-        d->range -= bound;
-        bit = 1;
-    }
-    while (d->range < TOP) {
-        d->range <<= 8;
-        d->code = (d->code << 8) | dec_byte(d);
-    }
-    return bit;
-}
-
 /* --- the element code, one function per width ------------------------------------------------
  * The order map T of sparse-v1 (transform 1): negative values are inverted, positive ones get
  * the top bit, so a weight crossing zero moves a few steps. d = T(new) - T(old) mod 2^b. */
+
+static inline unsigned low_context(int len, int j) {
+    return (unsigned)((len < NLEN ? len : NLEN - 1) * NLEN + (j < NLEN ? j : NLEN - 1));
+}
 
 #define DEFINE_WIDTH(T, B, KEY_SHIFT)                                                            \
     static inline T order_##B(T x) {                                                             \
@@ -239,12 +212,12 @@ static inline int dec_raw(Dec *d) {
             enc_bit(e, &m->sign[key], negative);                                                 \
             enc_bit(e, &m->large[key], mag > 1);                                                 \
             if (mag <= 1) continue;                                                              \
-            uint64_t v = (uint64_t)mag - 1; /* Exp-Golomb of mag - 2: v + 1 = mag - 1 >= 1 */   \
+            uint64_t v = (uint64_t)mag - 1; /* >= 1: its bit length, then its bits */          \
             int len = 63 - __builtin_clzll(v);                                                   \
             for (int j = 0; j < len; j++) enc_bit(e, &m->len[key * NLEN + (j < NLEN ? j : NLEN - 1)], 1); \
             if (len < B - 2) enc_bit(e, &m->len[key * NLEN + (len < NLEN ? len : NLEN - 1)], 0); \
             if (len > 0) enc_bit(e, &m->top[len < NLEN ? len : NLEN - 1], (int)((v >> (len - 1)) & 1)); \
-            for (int j = len - 2; j >= 0; j--) enc_raw(e, (int)((v >> j) & 1));                 \
+            for (int b = len - 2; b >= 0; b--) { int j = len - 1 - b; enc_bit(e, &m->low[low_context(len, j)], (int)((v >> b) & 1)); }                 \
         }                                                                                        \
     }                                                                                            \
     /* 0 on success; else an error message. pos/val receive at most cap changes. */              \
@@ -268,7 +241,7 @@ static inline int dec_raw(Dec *d) {
                 while (len < B - 2 && dec_bit(dc, &m->len[key * NLEN + (len < NLEN ? len : NLEN - 1)])) len++; \
                 uint64_t v = 1;                                                                  \
                 if (len > 0) v = (v << 1) | (uint64_t)dec_bit(dc, &m->top[len < NLEN ? len : NLEN - 1]); \
-                for (int j = len - 2; j >= 0; j--) v = (v << 1) | (uint64_t)dec_raw(dc);        \
+                for (int b = len - 2; b >= 0; b--) { int j = len - 1 - b; v = (v << 1) | (uint64_t)dec_bit(dc, &m->low[low_context(len, j)]); }        \
                 mag = v + 1; /* len <= B - 2: mag <= 2^(B - 1) */                                \
             }                                                                                    \
             T d = negative ? (T)(0 - (T)mag) : (T)mag;                                           \

@@ -376,9 +376,6 @@ class RangeDecoder:
         context[1] = min(count + 1, 1024)
         return bit
 
-    def raw(self) -> int:
-        return self._decide(self.range >> 1)
-
     def _decide(self, bound: int) -> int:
         if self.code < bound:
             bit, self.range = 0, bound
@@ -437,8 +434,8 @@ def rc_decode_segment(old: list[int], part: bytes, width: int) -> dict[int, int]
             v = 1
             if length > 0:
                 v = (v << 1) | decoder.modelled(contexts["top", min(length, 15)])
-                for _ in range(length - 1):
-                    v = (v << 1) | decoder.raw()
+                for j in range(1, length):
+                    v = (v << 1) | decoder.modelled(contexts["low", min(length, 15), min(j, 15)])
             magnitude = v + 1
         changes[i] = -magnitude if negative else magnitude
     decoder.finish()
