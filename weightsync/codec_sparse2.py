@@ -47,7 +47,7 @@ import numpy as np
 from .codec_sparse import LE_UINT, _from_order, _signed, _to_order, _width, encode_segment_range
 from . import knobs
 from .codecs import SCRATCH, Encoded, PayloadDensity, register_codec
-from .errors import CoderUnavailableError, LocalTensorMismatchError, PayloadBoundError
+from .errors import CoderUnavailableError, InvalidKnobError, LocalTensorMismatchError, PayloadBoundError
 
 try:  # bitstream 3's range coder, built with the package (setup.py; scripts/setup_env.sh)
     from . import _sparse2_rc as _rc  # type: ignore[attr-defined]
@@ -150,8 +150,6 @@ def writer_bitstream() -> int:
     """The bitstream a publisher writes now: the knob's, and 2 where the compiled coder is missing."""
     wanted = knobs.SPARSE2_BITSTREAM.get()
     if wanted not in VERSIONS:
-        from .errors import InvalidKnobError
-
         raise InvalidKnobError(knobs.SPARSE2_BITSTREAM.env, str(wanted), f"one of {list(VERSIONS)}")
     return VERSION_RC if wanted == VERSION_RC and _rc is not None else VERSION
 
