@@ -27,7 +27,7 @@ from __future__ import annotations
 import contextlib
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Iterator, Mapping, NamedTuple, Optional
+from typing import Callable, Generator, Iterable, Iterator, Mapping, NamedTuple, Optional
 
 import numpy as np
 import torch
@@ -36,8 +36,8 @@ from .coordinate_map import INT_OF_WIDTH, TORCH_DTYPE_OF, CheckpointReader, Coor
 from .live_stage import Patch, StagingRefused, positions_through, stage_changes
 from .loop_slices import drain
 
-__all__ = ["ParamPatch", "StagedUpdate", "StagingRefused", "UndoLog", "finish_staging", "positions_through",
-           "scatter_with_undo", "stage_update"]
+__all__ = ["ParamPatch", "SavedOld", "StagedUpdate", "StagingRefused", "UndoLog", "finish_staging", "positions_through",
+           "scatter_with_undo", "stage_update", "undo_log_steps"]
 
 SPARSE_WRITE_DENSITY = 0.03  # below it a CPU patch is written through numpy (see ParamPatch.write)
 
@@ -101,36 +101,57 @@ def finish_staging(patches: Iterable[Patch], params: Mapping[str, torch.Tensor],
     return staged
 
 
-def finish_staging_steps(patches: Iterable[Patch], params: Mapping[str, torch.Tensor], staged: StagedUpdate) -> Iterator[None]:
+def finish_staging_steps(
+    patches: Iterable[Patch], params: Mapping[str, torch.Tensor], staged: StagedUpdate,
+    saved: "Optional[list[SavedOld]]" = None,
+) -> Iterator[None]:
     """``finish_staging`` in steps of at most ``STEP_ELEMENTS`` elements, yielding between them.
 
     The scheduler thread runs these a few at a time between its loop iterations
     (``loop_slices.LoopSlices``). From any other thread of the scheduler process every torch
     call has to win the GIL back from sglang's busy loop: measured 9 ms per call at TP=1, with
     a 0.1 ms switch interval (4.3 s for 6.6M elements; 0.17 s of steps on the loop thread).
-    ``staged.engine_s`` counts only the time spent in the steps.
+    ``staged.engine_s`` counts only the time spent in the steps. ``saved``: the undo log, when
+    ``undo_log_steps`` already took it from the same patches (while the helper still wrote their
+    values).
     """
+    patches = list(patches)
+    if saved is None:
+        saved = yield from undo_log_steps(patches, params, staged)
+    yield from _new_values_steps(patches, saved, staged)
+
+
+class SavedOld(NamedTuple):
+    """What one patch needs only its positions for: where it writes, and the undo log."""
+
+    flat: torch.Tensor  # the parameter's own storage, flat
+    index: torch.Tensor  # the positions, host memory (pinned with CUDA)
+    old: torch.Tensor  # the live values there (host memory, pinned with CUDA)
+    pinned: bool
+
+
+def undo_log_steps(
+    patches: list[Patch], params: Mapping[str, torch.Tensor], staged: StagedUpdate
+) -> Generator[None, None, list[SavedOld]]:
+    """The first half of ``finish_staging_steps``: save the live values at every patch's
+    positions (reads ``patch.index`` only, never ``patch.values``); returns them."""
     pin = any(p.device.type == "cuda" for p in params.values())
+    saved = []
     for patch in patches:
         t0 = time.perf_counter()
-        param = params[patch.param]
-        flat = param.data.view(-1)
+        flat = params[patch.param].data.view(-1)
         count = int(patch.index.size)
         on_cpu = flat.device.type == "cpu"
         with _quiet_readonly():
             shared_index = torch.from_numpy(patch.index)
-            source = _as_torch(patch.values, patch.dtype)
         # on the CPU the shared file's views are used as they are; for a device, pinned copies
         index = shared_index if not pin else torch.empty(count, dtype=torch.int64, pin_memory=True)
         device_index = index if on_cpu else torch.empty(count, dtype=torch.int64, device=flat.device)
-        values = source if source.dtype == param.dtype and not pin else torch.empty(count, dtype=param.dtype, pin_memory=pin)
-        old = torch.empty(count, dtype=param.dtype, pin_memory=pin)
+        old = torch.empty(count, dtype=flat.dtype, pin_memory=pin)
         for a in range(0, count, STEP_ELEMENTS):
             b = min(count, a + STEP_ELEMENTS)
             if index is not shared_index:
                 index[a:b].copy_(shared_index[a:b])
-            if values is not source:
-                values[a:b].copy_(source[a:b])
             if on_cpu:
                 torch.index_select(flat, 0, index[a:b], out=old[a:b])
             else:
@@ -139,7 +160,29 @@ def finish_staging_steps(patches: Iterable[Patch], params: Mapping[str, torch.Te
             staged.engine_s += time.perf_counter() - t0
             yield
             t0 = time.perf_counter()
-        staged.patches.append(ParamPatch(patch.param, flat, index, values, old))
+        saved.append(SavedOld(flat, index, old, pin))
+        staged.engine_s += time.perf_counter() - t0
+    return saved
+
+
+def _new_values_steps(patches: list[Patch], saved: list[SavedOld], staged: StagedUpdate) -> Iterator[None]:
+    """The second half: each patch's new values in its parameter's dtype (the checkpoint's bytes
+    as they are when the dtypes agree on the CPU: no step then), and the patches it makes."""
+    for patch, s in zip(patches, saved, strict=True):
+        t0 = time.perf_counter()
+        count = int(patch.index.size)
+        with _quiet_readonly():
+            source = _as_torch(patch.values, patch.dtype)
+        values = source
+        if source.dtype != s.flat.dtype or s.pinned:
+            values = torch.empty(count, dtype=s.flat.dtype, pin_memory=s.pinned)
+            for a in range(0, count, STEP_ELEMENTS):
+                b = min(count, a + STEP_ELEMENTS)
+                values[a:b].copy_(source[a:b])
+                staged.engine_s += time.perf_counter() - t0
+                yield
+                t0 = time.perf_counter()
+        staged.patches.append(ParamPatch(patch.param, s.flat, s.index, values, s.old))
         staged.engine_s += time.perf_counter() - t0
 
 

@@ -47,7 +47,8 @@ from weightsync.lock import shared_host_lock
 from . import compat
 from . import live_results as lr
 from .coordinate_map import CheckpointReader, CoordinateMap, build_coordinate_map, prove_map_steps
-from .live_patch import StagedUpdate, StagingRefused, finish_staging_steps, one_intra_op_thread, reload_only_reasons, scatter_with_undo
+from .live_patch import (StagedUpdate, StagingRefused, finish_staging_steps, one_intra_op_thread, reload_only_reasons,
+                         scatter_with_undo, undo_log_steps)
 from .live_stage import Patch, StageJob, StageReply
 from .loop_slices import LoopSlices, LoopWorkTimeout, drain
 from .paths import ALLOWED_ROOTS_FLAG
@@ -301,18 +302,34 @@ class LiveApplyState:
             placements=self.cmap.placements, unused=sorted(self.cmap.unused_tensors),
             reload_only=reload_only_reasons(self.cmap),
         )
-        reply, patches = stager(job)
-        if reply.error is not None:
-            raise StagingRefused(f"staging failed: {reply.error}")
-        if reply.refused is not None:
-            raise StagingRefused(reply.refused)
-        staged = StagedUpdate(live.version, target, source_real, os.path.realpath(local_dir), generation,
-                              elements=reply.elements, tensors=reply.tensors, helper_s=reply.stage_s)
+        staged = StagedUpdate(live.version, target, source_real, os.path.realpath(local_dir), generation)
+        early: list = []  # the undo log's loop job, started as soon as the positions are readable
+
+        def positions_ready(patches: list[Patch]) -> None:
+            # the undo log needs the positions only: the loop takes it while the helper still
+            # gathers the values (the loop would otherwise wait for the helper, and then the
+            # helper's caller for the loop)
+            if self.loop.is_driven:
+                early.append((patches, self.loop.submit(undo_log_steps(patches, self.params(), staged))))
+
         try:
-            _, staged.engine_where = self._run_steps(finish_staging_steps(patches, self.params(), staged),
-                                                     LOOP_STAGING_TIMEOUT_S)
+            reply, patches = stager(job, positions_ready)
+            if reply.error is not None:
+                raise StagingRefused(f"staging failed: {reply.error}")
+            if reply.refused is not None:
+                raise StagingRefused(reply.refused)
+            staged.elements, staged.tensors, staged.helper_s = reply.elements, reply.tensors, reply.stage_s
+            saved, where = None, ""
+            if early and early[0][0] is patches:
+                finished = self.loop.wait(early.pop()[1], timeout_s=LOOP_STAGING_TIMEOUT_S)
+                saved, where = finished.result, f"undo log while the helper gathered the values: {finished}; then "
+            _, rest = self._run_steps(finish_staging_steps(patches, self.params(), staged, saved), LOOP_STAGING_TIMEOUT_S)
+            staged.engine_where = where + rest
         except LoopWorkTimeout as exc:
             raise StagingRefused(f"staging did not finish: {exc}") from exc
+        finally:
+            for _, job_ in early:  # a refusal or a failure: its undo log is not wanted
+                self.loop.cancel(job_)
         staged.stage_s = time.perf_counter() - start
         return staged
 
@@ -527,7 +544,9 @@ def state_of(scheduler: Any) -> Optional[LiveApplyState]:
     return getattr(scheduler, LIVE_STATE_ATTR, None) if scheduler is not None else None
 
 
-Stager = Callable[[StageJob], "tuple[StageReply, list[Patch]]"]
+# ``stager(job, positions_ready)``: runs the heavy half of staging; may call
+# ``positions_ready(patches)`` once their positions are readable (their values not yet)
+Stager = Callable[[StageJob, Callable[[list[Patch]], None]], "tuple[StageReply, list[Patch]]"]
 
 
 def stage_for(scheduler: Any, local_dir: str, source_dir: str, target_version: int, stager: Stager) -> None:

@@ -79,6 +79,15 @@ class PatchRef(msgspec.Struct, frozen=True):
     values_offset: int
 
 
+class StagePositions(msgspec.Struct, frozen=True, tag="positions"):
+    """The helper's first answer when there are patches: every patch's positions are in the
+    shared file that follows, their values not yet (``StageReply`` says when they are). The
+    scheduler saves its undo log from the positions meanwhile (``live_patch.undo_log_steps``)."""
+
+    patches: list[PatchRef]
+    shared_nbytes: int
+
+
 class StageReply(msgspec.Struct, frozen=True, tag="staged"):
     """The helper's answer: patches in the shared file that follows, or why not (``refused``)."""
 
@@ -242,14 +251,23 @@ class PlannedPatch(NamedTuple):
     def fill(self, index: np.ndarray, values: np.ndarray, into: "ValuesInto") -> None:
         """Write the parameter positions into ``index`` and, through ``into``, the new values
         into ``values`` (both ``count`` long: arrays here, or views of the shared file)."""
+        self.fill_index(index)
+        self.fill_values(values, into)
+
+    def fill_index(self, index: np.ndarray) -> None:
         at = 0
-        for name, hf, dst in self.parts:
+        for _, hf, dst in self.parts:
             if isinstance(dst, int):
                 np.add(hf, dst, out=index[at : at + hf.size])
             elif isinstance(dst, RunShifts):
                 dst.added_to(hf, out=index[at : at + hf.size])
             else:
                 index[at : at + hf.size] = dst
+            at += int(hf.size)
+
+    def fill_values(self, values: np.ndarray, into: "ValuesInto") -> None:
+        at = 0
+        for name, hf, _ in self.parts:
             into(name, hf, values[at : at + hf.size])
             at += int(hf.size)
 
@@ -462,9 +480,10 @@ def _refusal(exc: Exception, start: float) -> StageReply:
     return StageReply(refused=reason, stage_s=time.perf_counter() - start)
 
 
-def stage_job(job: StageJob) -> tuple[StageReply, list[Patch]]:
+def stage_job(job: StageJob, positions_ready: Optional[Callable[[list[Patch]], None]] = None) -> tuple[StageReply, list[Patch]]:
     """Everything ``job`` changes on this rank, as arrays of this process, or the reason it
-    cannot be patched live (the scheduler's own path when it has no helper; tests)."""
+    cannot be patched live (the scheduler's own path when it has no helper; tests). A stager:
+    ``positions_ready`` is never called (the values come with the positions)."""
     from weightsync.errors import PositionsUnavailableError
 
     start = time.perf_counter()
@@ -481,8 +500,10 @@ def stage_job(job: StageJob) -> tuple[StageReply, list[Patch]]:
     return StageReply(elements=plan.elements, tensors=plan.tensors, nbytes=nbytes, stage_s=time.perf_counter() - start), patches
 
 
-def stage_job_shared(job: StageJob, into_fd: Optional[int] = None, *,
-                     kept_maps: Optional[KeptMaps] = None) -> tuple[StageReply, Optional[int]]:
+def stage_job_shared(
+    job: StageJob, into_fd: Optional[int] = None, *, kept_maps: Optional[KeptMaps] = None,
+    positions_written: Optional[Callable[[StagePositions, int], None]] = None,
+) -> tuple[StageReply, Optional[int]]:
     """``stage_job`` written straight into an anonymous shared-memory file: ``(reply, memfd)``,
     the memfd (the caller closes it) only when there are patches; ``reply.patches`` locates them.
 
@@ -492,6 +513,9 @@ def stage_job_shared(job: StageJob, into_fd: Optional[int] = None, *,
     allocated: fresh shared pages fault in at about 1 GB/s on this VM, 0.18 s for the 160 MB
     of a 5% change at TP=2, against 0.06 s to map pages the file already has. ``kept_maps``: the
     local checkpoint's maps to reuse and keep (``KeptMaps``; the helper passes ``KEPT_MAPS``).
+    ``positions_written(positions, fd)``: called once every patch's positions are in the file,
+    before any value is read (the helper sends them, so the scheduler's undo log overlaps the
+    values' gather); the file stays open here until this returns the reply.
 
     The positions are planned first, so the file is sized once and every index and value is
     written into it where the scheduler will read it: no array of the whole result is built in
@@ -525,10 +549,8 @@ def stage_job_shared(job: StageJob, into_fd: Optional[int] = None, *,
         try:
             with mmap.mmap(fd, size) as mm:
                 _fault_in(mm)
-                buf = np.frombuffer(mm, dtype=np.uint8)
-                for pp, r in zip(plan.planned, refs):
-                    pp.fill(*_views(buf, r), values.into)
-                del buf
+                _write_patches(mm, plan.planned, refs, values.into,
+                               None if positions_written is None else lambda: positions_written(StagePositions(refs, size), fd))
         finally:
             values.close()
     except BaseException:
@@ -538,6 +560,20 @@ def stage_job_shared(job: StageJob, into_fd: Optional[int] = None, *,
     reply = StageReply(patches=refs, shared_nbytes=size, elements=plan.elements, tensors=plan.tensors, nbytes=nbytes,
                        stage_s=time.perf_counter() - start)
     return reply, fd
+
+
+def _write_patches(mm: mmap.mmap, planned: list[PlannedPatch], refs: list[PatchRef], into: ValuesInto,
+                   positions_written: Optional[Callable[[], None]]) -> None:
+    """Every patch's positions, then (after ``positions_written()``) every patch's values, into
+    the shared file's map ``mm`` (no view of it outlives this call, so the map can close)."""
+    buf = np.frombuffer(mm, dtype=np.uint8)
+    views = [_views(buf, r) for r in refs]
+    for pp, (index, _) in zip(planned, views):
+        pp.fill_index(index)
+    if positions_written is not None:
+        positions_written()
+    for pp, (_, values) in zip(planned, views):
+        pp.fill_values(values, into)
 
 
 MADV_POPULATE_WRITE = 23  # Linux 5.14 (Python's mmap module does not name it)
@@ -621,9 +657,10 @@ class SpareFile:
             fd, self._fd = self._fd, None
         return fd
 
-    def keep_when_unmapped(self, fd: int) -> Callable[[], None]:
-        """A callback for ``read_shared(unmapped=...)`` that makes ``fd`` (owned from now) spare."""
-        return lambda: self._keep(fd)
+    def keep_when_unmapped(self, fd: int, only_if: Callable[[], bool] = lambda: True) -> Callable[[], None]:
+        """A callback for ``read_shared(unmapped=...)`` that makes ``fd`` (owned from now) spare,
+        or closes it unless ``only_if()`` (its helper finished writing it) by then."""
+        return lambda: self._keep(fd) if only_if() else _close(fd)
 
     def _keep(self, fd: int) -> None:
         with self._lock:

@@ -97,19 +97,31 @@ class LoopSlices:
             LoopWorkTimeout: ``timeout_s`` passed without the job finishing (it is cancelled).
             Whatever a step raised.
         """
+        return self.wait(self.submit(steps), timeout_s=timeout_s)
+
+    def submit(self, steps: Iterator[None]) -> "_Job":
+        """Queue ``steps`` for the loop and return at once; ``wait`` for them, or ``cancel``."""
         job = _Job(steps)
         with self._lock:
             self._jobs.append(job)
+        return job
+
+    def wait(self, job: "_Job", *, timeout_s: float) -> "Finished":
+        """Block until the loop finished ``job`` (see ``run``)."""
         if not job.done.wait(timeout_s):
-            with self._lock:
-                job.cancelled = True
-                if job in self._jobs:
-                    self._jobs.remove(job)
+            self.cancel(job)
             if not job.done.is_set():
                 raise LoopWorkTimeout(f"the scheduler loop did not finish the work within {timeout_s:.0f}s")
         if job.error is not None:
             raise job.error
         return Finished(job.result, job.steps_run, job.slices, job.busy_s, time.perf_counter() - job.queued)
+
+    def cancel(self, job: "_Job") -> None:
+        """The loop runs no further step of ``job`` (a step running now ends first)."""
+        with self._lock:
+            job.cancelled = True
+            if job in self._jobs:
+                self._jobs.remove(job)
 
     def run_slice(self) -> None:
         """Advance the queued jobs for about ``budget_s`` (the loop thread calls this every iteration)."""

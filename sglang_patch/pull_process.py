@@ -49,7 +49,8 @@ import msgspec
 from weightsync.errors import PullWorkerDiedError
 
 from . import results
-from .live_stage import KEPT_MAPS, Patch, SpareFile, StageJob, StageReply, read_shared, stage_job, stage_job_shared
+from .live_stage import (KEPT_MAPS, Patch, SpareFile, StageJob, StagePositions, StageReply, read_shared, stage_job,
+                         stage_job_shared)
 from .rank_pull import RankPuller
 from .server_flags import PullWeightsOptions
 
@@ -299,8 +300,13 @@ class HelperRankPuller:
         except Exception:
             log.exception("pull_weights %s: the after-pull hook failed (the pull itself succeeded)", self.puller.rank)
 
-    def stage(self, job: StageJob) -> tuple[StageReply, list[Patch]]:
+    def stage(self, job: StageJob, positions_ready: Optional[Callable[[list[Patch]], None]] = None,
+              ) -> tuple[StageReply, list[Patch]]:
         """Run live apply's staging ``job`` in the helper (in this process without one).
+
+        ``positions_ready(patches)``: called (on this thread) as soon as every patch's positions
+        are readable, their values not yet: the same patches this returns once the values are
+        in too (a refusal or failure returns none, and their values are never filled).
 
         Only from ``on_verified``, i.e. inside a pull call, so the helper is idle and ours.
         A helper that dies here is discarded (the next pull starts another) and the reply
@@ -308,21 +314,30 @@ class HelperRankPuller:
         """
         helper = self._helper
         if self.in_process or helper is None or helper.ready is None or not helper.is_alive():
-            return stage_job(job)
+            return stage_job(job, positions_ready)
         try:
             self._send_stage_job(helper, job)
-            reply = helper.wait_frame(StageReply, None, stop=self._is_cancelled)
-            if not reply.patches:
-                return reply, []
+            first = helper.wait_frame(Union[StagePositions, StageReply], None, stop=self._is_cancelled)
+            if isinstance(first, StageReply):  # refused, failed, or nothing to patch
+                return msgspec.structs.replace(first, patches=[]), []
             _, fds, _, _ = socket.recv_fds(helper.sock, 1, 1)
             if not fds:
                 raise _HelperGone(helper.proc.pid, helper.proc.poll())
+            complete = [False]  # only a file whose helper finished writing it may be reused
             fd = fds[0]
             try:
-                return reply, read_shared(fd, reply.patches, reply.shared_nbytes, unmapped=self._spare.keep_when_unmapped(fd))
+                patches = read_shared(fd, first.patches, first.shared_nbytes,
+                                      unmapped=self._spare.keep_when_unmapped(fd, only_if=lambda: complete[0]))
             except BaseException:
                 os.close(fd)
                 raise
+            if positions_ready is not None:
+                positions_ready(patches)
+            reply = helper.wait_frame(StageReply, None, stop=self._is_cancelled)
+            if reply.refused is not None or reply.error is not None:
+                return reply, []
+            complete[0] = True
+            return reply, patches
         except (_HelperGone, OSError) as gone:
             self._discard(helper)
             log.error("pull_weights %s: the pull helper failed while staging: %s", self.puller.rank, gone)
@@ -492,22 +507,30 @@ def helper_main(fd: int) -> int:
 
 
 def _serve_stage_job(sock: socket.socket, job: StageJob, into_fd: Optional[int]) -> None:
+    """``StagePositions`` + the file once the positions are written (when there are patches),
+    then the ``StageReply`` once the values are too (or why not)."""
+    sent = []
+
+    def positions_written(positions: StagePositions, fd: int) -> None:
+        send_frame(sock, positions)
+        socket.send_fds(sock, [b"F"], [fd])
+        sent.append(True)
+
     fd = None
     try:
-        reply, fd = stage_job_shared(job, into_fd, kept_maps=KEPT_MAPS)
+        reply, fd = stage_job_shared(job, into_fd, kept_maps=KEPT_MAPS, positions_written=positions_written)
     except Exception as exc:  # a bug or a malformed payload: the update reloads, the helper lives on
         log.exception("live apply staging of v%d failed", job.to_version)
         reply = StageReply(error=f"{type(exc).__name__}: {exc}")
-    if fd is None:
-        send_frame(sock, msgspec.structs.replace(reply, patches=[]))
-        return
     try:
-        send_frame(sock, reply)
-        socket.send_fds(sock, [b"F"], [fd])
+        send_frame(sock, reply if sent and fd is not None else msgspec.structs.replace(reply, patches=[]))
     finally:
-        os.close(fd)
-    log.info("live apply: staged v%d -> v%d: %d elements in %.3fs (%d B shared, %s file)", job.from_version,
-             job.to_version, reply.elements, reply.stage_s, reply.shared_nbytes, "a spare" if into_fd is not None else "a new")
+        if fd is not None:
+            os.close(fd)
+    if fd is not None:
+        log.info("live apply: staged v%d -> v%d: %d elements in %.3fs (%d B shared, %s file)", job.from_version,
+                 job.to_version, reply.elements, reply.stage_s, reply.shared_nbytes,
+                 "a spare" if into_fd is not None else "a new")
 
 
 def _bind_cpus(cpus: list[int]) -> list[int]:

@@ -183,6 +183,76 @@ def test_staging_runs_its_engine_half_on_the_thread_that_drives_the_loop(served)
         assert torch.equal(p.old, p.flat[p.index])
 
 
+def test_the_undo_log_is_taken_from_the_positions_while_the_values_are_still_being_written(served):
+    """A helper hands the positions over first (``StagePositions``): the loop saves the undo log
+    meanwhile, and reads each patch's values only once the stager returned them written."""
+    import threading
+
+    import numpy as np
+
+    from sglang_patch.live_patch import _as_torch
+    from sglang_patch.live_stage import stage_job
+
+    state = _staging_state(served)
+    stop = threading.Event()
+    seen: dict = {}
+
+    def stager(job, positions_ready):
+        reply, done = stage_job(job)
+        blank = [p._replace(values=np.zeros_like(p.values)) for p in done]  # values not written yet
+        positions_ready(blank)
+        for p, d in zip(blank, done):
+            p.values[...] = d.values
+        seen["done"] = done
+        return reply, blank
+
+    def scheduler_loop():
+        while not stop.is_set():
+            state.loop.run_slice()
+
+    threading.Thread(target=scheduler_loop, name="scheduler-loop", daemon=True).start()
+    try:
+        while not state.loop.is_driven:
+            pass
+        state.stage_after_pull(served.local, served.feed.source_dir, 2, stager)
+    finally:
+        stop.set()
+    staged = state.staged
+    assert staged is not None, state.stage_reason
+    assert staged.engine_where.startswith("undo log while the helper gathered the values")
+    for p, d in zip(staged.patches, seen["done"]):
+        assert torch.equal(p.old, p.flat[p.index])  # the undo log holds what the live weights hold there
+        assert torch.equal(p.values, _as_torch(d.values, d.dtype).to(p.values.dtype))  # written, not the blank
+
+
+def test_a_staging_the_helper_refuses_after_the_positions_drops_the_undo_log_it_started(served):
+    import threading
+
+    from sglang_patch.live_stage import StageReply, stage_job
+
+    state = _staging_state(served)
+    stop = threading.Event()
+
+    def stager(job, positions_ready):
+        _, done = stage_job(job)
+        positions_ready(done)
+        return StageReply(refused="the helper failed while staging"), []
+
+    def scheduler_loop():
+        while not stop.is_set():
+            state.loop.run_slice()
+
+    threading.Thread(target=scheduler_loop, name="scheduler-loop", daemon=True).start()
+    try:
+        while not state.loop.is_driven:
+            pass
+        state.stage_after_pull(served.local, served.feed.source_dir, 2, stager)
+    finally:
+        stop.set()
+    assert state.staged is None and state.stage_reason == "the helper failed while staging"
+    assert not state.loop._jobs  # nothing left for the loop to run
+
+
 def test_staging_on_a_scheduler_loop_that_stopped_running_slices_is_refused_with_its_reason(served, monkeypatch):
     import time
 

@@ -219,9 +219,11 @@ def _identity_job(world, from_version: int, to_version: int, **kwargs) -> StageJ
 def test_staging_in_the_helper_hands_back_exactly_what_staging_here_computes(world, in_process):
     seen: list = []
 
+    early: list = []
+
     def on_verified(local, source, version, stager):
         job = _identity_job(world, version - 1, version)
-        reply, patches = stager(job)
+        reply, patches = stager(job, lambda ready: early.append((ready, [p.index.copy() for p in ready])))
         here_reply, here = stage_job(job)
         seen.append((reply, patches, here_reply, here))
 
@@ -234,6 +236,11 @@ def test_staging_in_the_helper_hands_back_exactly_what_staging_here_computes(wor
         assert [(p.param, p.dtype) for p in patches] == [(p.param, p.dtype) for p in here]
         for got, want in zip(patches, here):
             assert np.array_equal(got.index, want.index) and np.array_equal(got.values, want.values)
+        if in_process:
+            assert early == []  # the values come with the positions
+        else:  # the positions came first, complete, in the very patches the values then filled
+            ((ready, indexes),) = early
+            assert ready is patches and all(np.array_equal(i, p.index) for i, p in zip(indexes, patches))
         # and what they hold is the truth: the changed elements of v0 -> v1 with v1's values
         v0, v1 = world.versions[0], world.versions[1]
         by_param = {p.param: p for p in patches}
