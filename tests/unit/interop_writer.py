@@ -370,10 +370,10 @@ class RangeDecoder:
 
     def modelled(self, context: list[int]) -> int:
         p0, count = context
-        bit = self._decide((self.range >> 16) * p0)
-        shift = min((count + 2).bit_length() - 1, 10)  # floor(log2(c + 2))
-        context[0] = p0 - (p0 >> shift) if bit else p0 + ((65536 - p0) >> shift)
-        context[1] = min(count + 1, 1024)
+        bit = self._decide((self.range >> 16) * max(p0 >> 16, 1))
+        shift = min((count + 2).bit_length() - 1, 12)  # floor(log2(c + 2))
+        context[0] = p0 - (p0 >> shift) if bit else p0 + (((1 << 32) - p0) >> shift)
+        context[1] = min(count + 1, 4096)
         return bit
 
     def _decide(self, bound: int) -> int:
@@ -395,10 +395,10 @@ class RangeDecoder:
 
 
 class _Contexts(dict):
-    """One (p0, count) state per (table, index), created at p0 = 32768, c = 0 on first use."""
+    """One (p0, count) state per (table, index), created at p0 = 2^31, c = 0 on first use."""
 
     def __missing__(self, key: tuple) -> list[int]:
-        self[key] = state = [32768, 0]
+        self[key] = state = [1 << 31, 0]
         return state
 
 
