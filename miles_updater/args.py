@@ -76,7 +76,7 @@ def add_update_weight_arguments(parser: argparse.ArgumentParser) -> argparse.Arg
     _add(g, parser, "--update-weight-local-checkpoint-dir", type=str, default=None,
          help="Host-local dir on each engine host that holds the engine's current checkpoint.")
     _add(g, parser, "--update-weight-delta-encoding", type=str, default="sparse-v1", choices=ENCODINGS,
-         help="How changed bytes are encoded in a delta version: sparse-v1 (default); sparse-v2 (about 0.75x "
+         help="How changed bytes are encoded in a delta version: sparse-v1 (default); sparse-v2 (about 0.69x "
               "the bytes for a slower pull, and engines reload those versions instead of applying them live); "
               "auto: sparse-v1 or sparse-v2 per version, whichever costs an engine less time given "
               "--update-weight-link-bytes-per-s; xor/overwrite for upstream readers.")

@@ -17,7 +17,7 @@ Bitstream 3 (the default where the compiled coder is built) codes the same chang
 adaptive binary range coder instead: one decision per element of a segment, whose probability
 follows the old element's key and how many of the previous 64 elements changed (a row that
 moves, moves together), then the sign and size of each change, each with the key as context.
-That is 0.66-0.71x sparse-v1's bytes on the benchmark's realistic steps (bitstream 2: 0.74-0.77x),
+That is 0.64-0.71x sparse-v1's bytes on the benchmark's realistic steps (bitstream 2: 0.72-0.77x),
 and its decoder is compiled (``_sparse2_rc.c``): a per-element coder is 50-150 ns an element in
 numpy. Bitstream 2 stays readable, and is what a publisher without the compiled coder writes.
 

@@ -11,8 +11,8 @@ The rule, with its inputs (``Cost``; knobs in ``knobs.py``):
    passed tensors in name order, starting at ``version mod K``; at least ``MIN_WINDOWS``
    windows, all of them in a small model. Each window is encoded both ways on the publisher's
    pool; the sums scale by elements to the whole version. The publish pays the sample on top of
-   the one real encode (about ``7 x sample_fraction`` of a sparse-v1 publish: sparse-v2 encodes
-   about 6x slower), never a second encode of the model.
+   the one real encode (about ``3.4 x sample_fraction`` of a sparse-v1 publish: sparse-v2's
+   bitstream 3 encodes about 2.4x slower), never a second encode of the model.
 2. A step the sample shows dense (more than ``full_above_changed_fraction`` of the elements
    changed) is encoded with sparse-v1, the cheaper encode: a full version is likely, and the
    exact totals decide.

@@ -72,7 +72,7 @@ SPARSE2_PASS_NS = Knob(
     "encoding auto: puller CPU ns per element and pass of a sparse-v2 segment with several classes (one core)",
 )
 SPARSE2_CODED_NS = Knob(
-    "WEIGHTSYNC_SPARSE2_CODED_NS", 5.0,
+    "WEIGHTSYNC_SPARSE2_CODED_NS", 5.6,
     "encoding auto: puller CPU ns per element of a range-coded (bitstream 3) sparse-v2 segment with changes (one core)",
 )
 SPARSE2_CHANGE_NS = Knob(
