@@ -572,13 +572,19 @@ def small_segments(monkeypatch):
     monkeypatch.setattr(encode_mod, "SPLIT_MIN_NBYTES", 0)
 
 
-def _float_chain(tmp, rng, versions: int):
-    """fp32 weights of spread magnitudes nudged each version, plus raw uint16 bits."""
+def _float_chain(tmp, rng, versions: int, bitstream: int):
+    """fp32 weights of spread magnitudes nudged each version, plus raw uint16 bits and a tiny
+    tensor; every delta payload is checked to be of ``bitstream``."""
+    import glob
+    import os
+
     from core_support import write_hf_checkpoint
 
     from weightsync import Publisher
+    from weightsync.layout import version_dir
+    from weightsync.safetensors_io import read_header
 
-    v = {"big": (0.02 * rng.standard_normal((40, 500))).astype(np.float32),
+    v = {"big": (0.02 * rng.standard_normal((40, 500)) * np.exp2(rng.integers(-6, 1, (40, 500)))).astype(np.float32),
          "bf": rng.integers(0, 1 << 16, (9, 1000)).astype(np.uint16),
          "tiny": rng.standard_normal(5).astype(np.float32)}
     write_hf_checkpoint(str(tmp / "seed"), v)
@@ -590,19 +596,36 @@ def _float_chain(tmp, rng, versions: int):
         moved = rng.random(v["big"].shape) < 0.1
         v["big"][moved] += np.float32(1e-4) * rng.standard_normal(int(moved.sum())).astype(np.float32)
         v["bf"][rng.random(v["bf"].shape) < 0.05] += 1
+        v["tiny"][i % 5] += np.float32(1e-3)
         assert pub.publish(i, v).kind == "delta"
         history.append(v)
     pub.close()
+    for i in range(1, versions + 1):
+        (shard,) = glob.glob(os.path.join(version_dir(str(tmp / "src"), i), "delta-*.safetensors"))
+        header = read_header(shard)
+        with open(shard, "rb") as f:
+            for name in ("big", "bf", "tiny"):
+                f.seek(header.tensors[name].offset + 4)
+                assert f.read(1) == bytes([bitstream]), (i, name)
     return history
 
 
-def test_publish_and_pull_a_sparse_v2_chain_split_across_workers(small_segments, fast_tmp_path, rng):
+@pytest.fixture(params=[2, 3])
+def bitstream(request, monkeypatch):
+    """Both bitstreams (3 needs the compiled coder)."""
+    if request.param == 3 and not codec_sparse2.compiled_coder_available():
+        pytest.skip("the compiled range coder is not built")
+    monkeypatch.setenv("WEIGHTSYNC_SPARSE2_BITSTREAM", str(request.param))
+    return request.param
+
+
+def test_publish_and_pull_a_sparse_v2_chain_split_across_workers(small_segments, bitstream, fast_tmp_path, rng):
     from core_support import assert_checkpoint_is, tensor_bytes
 
     from weightsync import apply as apply_mod
     from weightsync import pull
 
-    history = _float_chain(fast_tmp_path, rng, 4)
+    history = _float_chain(fast_tmp_path, rng, 4, bitstream)
     local, seed, src = (str(fast_tmp_path / n) for n in ("local", "seed", "src"))
     res = pull(local, seed, src, 1, workers=3)
     assert res.applied_version == 1
@@ -619,17 +642,20 @@ def test_publish_and_pull_a_sparse_v2_chain_split_across_workers(small_segments,
     assert any(len(p.get("big", [])) > 1 for p in plans), plans
 
 
-@pytest.mark.parametrize("byte,caught_by", [(1003, "the local bytes hold"), (1001, "failed verification")])
-def test_local_damage_under_a_sparse_v2_chain_reseeds_and_replays(small_segments, fast_tmp_path, rng, caplog, byte, caught_by):
-    """Byte 3 of an fp32 holds exponent bits: the element's class changes and the member
-    counts catch it before the segment is written; byte 1 is mantissa: the digest catches it."""
+@pytest.mark.parametrize("byte,caught", [(1003, "exponent"), (1001, "mantissa")])
+def test_local_damage_under_a_sparse_v2_chain_reseeds_and_replays(small_segments, bitstream, fast_tmp_path, rng, caplog, byte, caught):
+    """Byte 3 of an fp32 holds exponent bits: the element's class (bitstream 2) or the coder's
+    context (3) changes, and the member counts, or the part's clean decode, catch it before the
+    segment is written; byte 1 is mantissa: the digest catches it."""
     import logging
 
     from core_support import assert_checkpoint_is, flip_local_byte, tensor_bytes
 
     from weightsync import pull
 
-    history = _float_chain(fast_tmp_path, rng, 3)
+    caught_by = "failed verification" if caught == "mantissa" else {
+        2: "the local bytes hold", 3: "does not decode against the local bytes"}[bitstream]
+    history = _float_chain(fast_tmp_path, rng, 3, bitstream)
     local, seed, src = (str(fast_tmp_path / n) for n in ("local", "seed", "src"))
     pull(local, seed, src, 1, workers=2)
     flip_local_byte(local, "big", byte)
