@@ -10,7 +10,9 @@ the server's environment:
   stand for a read of a hung filesystem;
 - ``TESTBED_PRE_READ_HOOK_CONTROL``: a JSON file; while it exists, ``{"pp_rank": P, "sleep_s": S}``
   makes the call on pipeline stage P (and only there) sleep S seconds, holding the host's pull
-  lock as a slow read would.
+  lock as a slow read would; ``{"first_sleeps_s": S}`` makes the first call to arrive (the stage
+  that took the lock first, whichever it is) sleep S seconds, and writes its stage to the file
+  ``<control>.first`` (``slept_stage`` reads it back).
 """
 
 from __future__ import annotations
@@ -41,9 +43,29 @@ def _obey_control(control_path: str | None) -> None:
         return
     with open(control_path) as f:
         control = json.load(f)
+    if "first_sleeps_s" in control:
+        try:  # only one call creates the marker: it is the one holding the lock
+            fd = os.open(control_path + ".first", os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+        except FileExistsError:
+            return
+        with os.fdopen(fd, "w") as f:
+            f.write(str(_pp_rank()))
+        time.sleep(float(control["first_sleeps_s"]))
+        return
     if control.get("pp_rank") is not None and control["pp_rank"] != _pp_rank():
         return
     time.sleep(float(control.get("sleep_s", 0)))
+
+
+def slept_stage(control_path: str) -> int | None:
+    """The stage that ``first_sleeps_s`` made sleep, once one has (the marker is removed)."""
+    try:
+        with open(control_path + ".first") as f:
+            stage = int(f.read())
+    except (OSError, ValueError):
+        return None
+    os.unlink(control_path + ".first")
+    return stage
 
 
 def _pp_rank() -> int:
