@@ -156,26 +156,30 @@ def _staging_state(served):
     return state
 
 
-def test_staging_runs_its_engine_half_on_the_thread_that_drives_the_loop(served):
+def _stage_with_a_scheduler_loop(state, served, stager) -> None:
+    """Stage v2 while another thread drives the loop, as sglang's scheduler thread does."""
     import threading
 
-    from sglang_patch.live_stage import stage_job
-
-    state = _staging_state(served)
     stop = threading.Event()
 
     def scheduler_loop():
         while not stop.is_set():
             state.loop.run_slice()
 
-    driver = threading.Thread(target=scheduler_loop, name="scheduler-loop", daemon=True)
-    driver.start()
+    threading.Thread(target=scheduler_loop, name="scheduler-loop", daemon=True).start()
     try:
         while not state.loop.is_driven:
             pass
-        state.stage_after_pull(served.local, served.feed.source_dir, 2, stage_job)
+        state.stage_after_pull(served.local, served.feed.source_dir, 2, stager)
     finally:
         stop.set()
+
+
+def test_staging_runs_its_engine_half_on_the_thread_that_drives_the_loop(served):
+    from sglang_patch.live_stage import stage_job
+
+    state = _staging_state(served)
+    _stage_with_a_scheduler_loop(state, served, stage_job)
     staged = state.staged
     assert staged is not None, state.stage_reason
     assert staged.elements > 0 and staged.engine_where.startswith("on the scheduler thread")
@@ -186,15 +190,12 @@ def test_staging_runs_its_engine_half_on_the_thread_that_drives_the_loop(served)
 def test_the_undo_log_is_taken_from_the_positions_while_the_values_are_still_being_written(served):
     """A helper hands the positions over first (``StagePositions``): the loop saves the undo log
     meanwhile, and reads each patch's values only once the stager returned them written."""
-    import threading
-
     import numpy as np
 
     from sglang_patch.live_patch import _as_torch
     from sglang_patch.live_stage import stage_job
 
     state = _staging_state(served)
-    stop = threading.Event()
     seen: dict = {}
 
     def stager(job, positions_ready):
@@ -206,17 +207,7 @@ def test_the_undo_log_is_taken_from_the_positions_while_the_values_are_still_bei
         seen["done"] = done
         return reply, blank
 
-    def scheduler_loop():
-        while not stop.is_set():
-            state.loop.run_slice()
-
-    threading.Thread(target=scheduler_loop, name="scheduler-loop", daemon=True).start()
-    try:
-        while not state.loop.is_driven:
-            pass
-        state.stage_after_pull(served.local, served.feed.source_dir, 2, stager)
-    finally:
-        stop.set()
+    _stage_with_a_scheduler_loop(state, served, stager)
     staged = state.staged
     assert staged is not None, state.stage_reason
     assert staged.engine_where.startswith("undo log while the helper gathered the values")
@@ -226,29 +217,16 @@ def test_the_undo_log_is_taken_from_the_positions_while_the_values_are_still_bei
 
 
 def test_a_staging_the_helper_refuses_after_the_positions_drops_the_undo_log_it_started(served):
-    import threading
-
     from sglang_patch.live_stage import StageReply, stage_job
 
     state = _staging_state(served)
-    stop = threading.Event()
 
     def stager(job, positions_ready):
         _, done = stage_job(job)
         positions_ready(done)
         return StageReply(refused="the helper failed while staging"), []
 
-    def scheduler_loop():
-        while not stop.is_set():
-            state.loop.run_slice()
-
-    threading.Thread(target=scheduler_loop, name="scheduler-loop", daemon=True).start()
-    try:
-        while not state.loop.is_driven:
-            pass
-        state.stage_after_pull(served.local, served.feed.source_dir, 2, stager)
-    finally:
-        stop.set()
+    _stage_with_a_scheduler_loop(state, served, stager)
     assert state.staged is None and state.stage_reason == "the helper failed while staging"
     assert not state.loop._jobs  # nothing left for the loop to run
 
