@@ -23,6 +23,11 @@ PY=${PY:-.venv/bin/python}
     exit 2
 }
 
+# sparse-v2's range coder is compiled in place (a carried tree may lack it, or hold another
+# machine's build); without a compiler sparse-v2 writes bitstream 2 and the report says so.
+"$PY" setup.py --quiet build_ext --inplace >/dev/null 2>&1 ||
+    echo "bigbox: the compiled range coder did not build; sparse-v2 falls back to bitstream 2" >&2
+
 DEVICE=cpu
 if "$PY" -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)"; then
     DEVICE=cuda
