@@ -6,8 +6,8 @@
  * the previous 64 elements changed. numpy can only run such a decoder across interleaved
  * lanes, at 50-150 ns an element; here it is a few ns.
  *
- * The coder is the classic carry-less range coder with a 32-bit range, byte output and a
- * cached top byte for carries. A context's probability is kept in 32 bits (16 would floor a
+ * The coder is the classic range coder with a 32-bit range and byte output, whose encoder
+ * caches its top byte until a carry can no longer reach it (as LZMA's does). A context's probability is kept in 32 bits (16 would floor a
  * rare change's probability near 2^s / 2^16, 1.6% at s = 10: that cost 7% of a sparse step's
  * bytes) and coded at 16, with a count-driven adaptation rate.
  * Every loop is bounded by the segment's element count (at most one decision per element for
@@ -182,8 +182,40 @@ static inline int dec_bit(Dec *d, Prob *p) {
  * The order map T of sparse-v1 (transform 1): negative values are inverted, positive ones get
  * the top bit, so a weight crossing zero moves a few steps. d = T(new) - T(old) mod 2^b. */
 
-static inline unsigned low_context(int len, int j) {
-    return (unsigned)((len < NLEN ? len : NLEN - 1) * NLEN + (j < NLEN ? j : NLEN - 1));
+static inline unsigned capped(int i) { return (unsigned)(i < NLEN ? i : NLEN - 1); }
+
+/* The changed bits of the segment's previous 64 elements, and their count. */
+typedef struct {
+    uint64_t hist;
+    unsigned recent;
+} Neighbours;
+
+static inline Prob *mask_prob(Model *m, unsigned key, const Neighbours *nb) {
+    return &m->mask[key * NB + BUCKET[nb->recent]];
+}
+
+static inline void neighbours_push(Neighbours *nb, int changed) {
+    nb->recent += (unsigned)changed - (unsigned)(nb->hist >> 63);
+    nb->hist = (nb->hist << 1) | (uint64_t)changed;
+}
+
+/* |d| >= 2 as v = |d| - 1 >= 1: its bit length - 1 in unary (no terminator at the longest a
+ * width allows, so |d| <= 2^(bits - 1)), then the bit below its leading one, then the rest. */
+static inline void enc_magnitude(Enc *e, Model *m, unsigned key, uint64_t v, int bits) {
+    int len = 63 - __builtin_clzll(v);
+    for (int j = 0; j < len; j++) enc_bit(e, &m->len[key * NLEN + capped(j)], 1);
+    if (len < bits - 2) enc_bit(e, &m->len[key * NLEN + capped(len)], 0);
+    if (len > 0) enc_bit(e, &m->top[capped(len)], (int)((v >> (len - 1)) & 1));
+    for (int b = len - 2; b >= 0; b--) enc_bit(e, &m->low[capped(len) * NLEN + capped(len - 1 - b)], (int)((v >> b) & 1));
+}
+
+static inline uint64_t dec_magnitude(Dec *d, Model *m, unsigned key, int bits) {
+    int len = 0;
+    while (len < bits - 2 && dec_bit(d, &m->len[key * NLEN + capped(len)])) len++;
+    uint64_t v = 1;
+    if (len > 0) v = (v << 1) | (uint64_t)dec_bit(d, &m->top[capped(len)]);
+    for (int b = len - 2; b >= 0; b--) v = (v << 1) | (uint64_t)dec_bit(d, &m->low[capped(len) * NLEN + capped(len - 1 - b)]);
+    return v + 1;
 }
 
 #define DEFINE_WIDTH(T, B, KEY_SHIFT)                                                            \
@@ -200,15 +232,13 @@ static inline unsigned low_context(int len, int j) {
     }                                                                                            \
     static void encode_##B(Enc *e, Model *m, const T *old, const T *new_, size_t n, size_t *k,   \
                            size_t *changed_bytes) {                                              \
-        uint64_t hist = 0;                                                                       \
-        unsigned recent = 0;                                                                     \
+        Neighbours nb = {0, 0};                                                                  \
         for (size_t i = 0; i < n; i++) {                                                         \
             T o = old[i], w = new_[i];                                                           \
             unsigned key = key_##B(o);                                                           \
             int changed = o != w;                                                                \
-            enc_bit(e, &m->mask[key * NB + BUCKET[recent]], changed);                            \
-            recent += (unsigned)changed - (unsigned)(hist >> 63);                                \
-            hist = (hist << 1) | (uint64_t)changed;                                              \
+            enc_bit(e, mask_prob(m, key, &nb), changed);                                         \
+            neighbours_push(&nb, changed);                                                       \
             if (!changed) continue;                                                              \
             (*k)++;                                                                              \
             T x = o ^ w;                                                                         \
@@ -218,45 +248,32 @@ static inline unsigned low_context(int len, int j) {
             T mag = negative ? (T)(0 - d) : d; /* 2^(B-1) stays itself: right, read unsigned */  \
             enc_bit(e, &m->sign[key], negative);                                                 \
             enc_bit(e, &m->large[key], mag > 1);                                                 \
-            if (mag <= 1) continue;                                                              \
-            uint64_t v = (uint64_t)mag - 1; /* >= 1: its bit length, then its bits */          \
-            int len = 63 - __builtin_clzll(v);                                                   \
-            for (int j = 0; j < len; j++) enc_bit(e, &m->len[key * NLEN + (j < NLEN ? j : NLEN - 1)], 1); \
-            if (len < B - 2) enc_bit(e, &m->len[key * NLEN + (len < NLEN ? len : NLEN - 1)], 0); \
-            if (len > 0) enc_bit(e, &m->top[len < NLEN ? len : NLEN - 1], (int)((v >> (len - 1)) & 1)); \
-            for (int b = len - 2; b >= 0; b--) { int j = len - 1 - b; enc_bit(e, &m->low[low_context(len, j)], (int)((v >> b) & 1)); }                 \
+            if (mag > 1) enc_magnitude(e, m, key, (uint64_t)mag - 1, B);                         \
         }                                                                                        \
     }                                                                                            \
-    /* 0 on success; else an error message. pos/val receive at most cap changes. */              \
+    /* NULL on success, else the reason; pos/val receive at most cap changes. */              \
     static const char *decode_##B(Dec *dc, Model *m, const T *old, size_t n, size_t cap,         \
                                   uint32_t *pos, T *val, size_t *k) {                           \
-        uint64_t hist = 0;                                                                       \
-        unsigned recent = 0;                                                                     \
+        Neighbours nb = {0, 0};                                                                  \
         for (size_t i = 0; i < n; i++) {                                                         \
             T o = old[i];                                                                        \
             unsigned key = key_##B(o);                                                           \
-            int changed = dec_bit(dc, &m->mask[key * NB + BUCKET[recent]]);                      \
-            recent += (unsigned)changed - (unsigned)(hist >> 63);                                \
-            hist = (hist << 1) | (uint64_t)changed;                                              \
+            int changed = dec_bit(dc, mask_prob(m, key, &nb));                                   \
+            neighbours_push(&nb, changed);                                                       \
             if (!changed) continue;                                                              \
             if (*k == cap) return "more changes than the segment table declares";               \
             if (dc->overrun) return "the coded part ends before its segment does";              \
             int negative = dec_bit(dc, &m->sign[key]);                                           \
-            uint64_t mag = 1;                                                                    \
-            if (dec_bit(dc, &m->large[key])) {                                                   \
-                int len = 0;                                                                     \
-                while (len < B - 2 && dec_bit(dc, &m->len[key * NLEN + (len < NLEN ? len : NLEN - 1)])) len++; \
-                uint64_t v = 1;                                                                  \
-                if (len > 0) v = (v << 1) | (uint64_t)dec_bit(dc, &m->top[len < NLEN ? len : NLEN - 1]); \
-                for (int b = len - 2; b >= 0; b--) { int j = len - 1 - b; v = (v << 1) | (uint64_t)dec_bit(dc, &m->low[low_context(len, j)]); }        \
-                mag = v + 1; /* len <= B - 2: mag <= 2^(B - 1) */                                \
-            }                                                                                    \
+            uint64_t mag = dec_bit(dc, &m->large[key]) ? dec_magnitude(dc, m, key, B) : 1;       \
             T d = negative ? (T)(0 - (T)mag) : (T)mag;                                           \
             pos[*k] = (uint32_t)i;                                                               \
             val[*k] = unorder_##B((T)(order_##B(o) + d));                                        \
             (*k)++;                                                                              \
         }                                                                                        \
         return NULL;                                                                             \
+    }                                                                                            \
+    static void scatter_##B(T *seg, const uint32_t *pos, const T *val, size_t k) {               \
+        for (size_t j = 0; j < k; j++) seg[pos[j]] = val[j];                                     \
     }
 
 DEFINE_WIDTH(uint8_t, 8, 0)
@@ -270,8 +287,8 @@ DEFINE_WIDTH(uint64_t, 64, 55)
 
 static int width_ok(int width) { return width == 1 || width == 2 || width == 4 || width == 8; }
 
-/* encode_segment(old, new, width) -> (coded bytes, changes, changed bytes); (b"", 0, 0) when
- * nothing changed. */
+/* encode_segment(old, new, width) -> (coded bytes, changes, changed bytes); the coded bytes
+ * mean nothing when no element changed. */
 static PyObject *py_encode_segment(PyObject *self, PyObject *args) {
     (void)self;
     Py_buffer old, new_;
@@ -306,11 +323,7 @@ static PyObject *py_encode_segment(PyObject *self, PyObject *args) {
         PyErr_NoMemory();
         goto done;
     }
-    if (k == 0)
-        result = Py_BuildValue("(y#nn)", "", (Py_ssize_t)0, (Py_ssize_t)0, (Py_ssize_t)0);
-    else
-        result = Py_BuildValue("(y#nn)", (const char *)e.out, (Py_ssize_t)e.len, (Py_ssize_t)k,
-                               (Py_ssize_t)changed_bytes);
+    result = Py_BuildValue("(y#nn)", (const char *)e.out, (Py_ssize_t)e.len, (Py_ssize_t)k, (Py_ssize_t)changed_bytes);
     free(e.out);
 done:
     PyBuffer_Release(&old);
@@ -365,10 +378,10 @@ static PyObject *py_decode_segment(PyObject *self, PyObject *args) {
         if (!err && dc.in != dc.end) err = "bytes follow the end of the coded part";
         if (!err) {
             switch (width) {
-            case 1: for (size_t j = 0; j < k; j++) ((uint8_t *)seg.buf)[pos[j]] = ((uint8_t *)val)[j]; break;
-            case 2: for (size_t j = 0; j < k; j++) ((uint16_t *)seg.buf)[pos[j]] = ((uint16_t *)val)[j]; break;
-            case 4: for (size_t j = 0; j < k; j++) ((uint32_t *)seg.buf)[pos[j]] = ((uint32_t *)val)[j]; break;
-            default: for (size_t j = 0; j < k; j++) ((uint64_t *)seg.buf)[pos[j]] = ((uint64_t *)val)[j]; break;
+            case 1: scatter_8(seg.buf, pos, val, k); break;
+            case 2: scatter_16(seg.buf, pos, val, k); break;
+            case 4: scatter_32(seg.buf, pos, val, k); break;
+            default: scatter_64(seg.buf, pos, val, k); break;
             }
         }
     }
