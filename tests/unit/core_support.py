@@ -80,6 +80,28 @@ def write_hf_checkpoint(
         json.dump({"metadata": {"total_size": sum(t.nbytes for t in tensors.values())}, "weight_map": weight_map}, f)
 
 
+def publish_one_sparse2_delta(root: str) -> tuple[str, str, str, str, int]:
+    """A seed checkpoint and a source holding v1 (full) and v2 (a sparse-v2 delta, in the
+    bitstream the knob names) of one fp32 tensor ``w``, for a test that damages the delta:
+    ``(seed, source, local, v2's delta shard, the offset of w's payload in it)``."""
+    from weightsync import Publisher
+    from weightsync.layout import version_dir
+    from weightsync.safetensors_io import read_header
+
+    rng = np.random.default_rng(7)
+    seed, source, local = (os.path.join(root, n) for n in ("seed", "src", "local"))
+    t0 = {"w": rng.standard_normal(4096).astype(np.float32)}
+    write_hf_checkpoint(seed, t0)
+    pub = Publisher(source, encoding="sparse-v2")
+    pub.seed_snapshot(t0)
+    t1 = {"w": t0["w"] + np.float32(1e-3) * (rng.random(4096) < 0.1)}
+    pub.publish(1, t1, full=True)
+    pub.publish(2, {"w": t1["w"] + np.float32(1e-3) * (rng.random(4096) < 0.1)}, full=False)
+    pub.close()
+    shard = os.path.join(version_dir(source, 2), "delta-r00000-00001.safetensors")
+    return seed, source, local, shard, read_header(shard).tensors["w"].offset
+
+
 def checkpoint_files(directory: str) -> list[str]:
     ipath = os.path.join(directory, INDEX)
     if os.path.exists(ipath):

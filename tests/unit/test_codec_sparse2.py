@@ -669,26 +669,13 @@ def test_local_damage_under_a_sparse_v2_chain_reseeds_and_replays(small_segments
 def test_broken_sparse_v2_payload_is_refused_at_load_before_any_seed(tmp_path):
     import os
 
-    from core_support import write_hf_checkpoint
+    from core_support import publish_one_sparse2_delta
 
-    from weightsync import Publisher, errors, pull
-    from weightsync.layout import version_dir
-    from weightsync.safetensors_io import read_header
+    from weightsync import errors, pull
 
-    rng = np.random.default_rng(7)
-    seed, source, local = (str(tmp_path / n) for n in ("seed", "src", "local"))
-    t0 = {"w": rng.standard_normal(4096).astype(np.float32)}
-    write_hf_checkpoint(seed, t0)
-    pub = Publisher(source, encoding="sparse-v2")
-    pub.seed_snapshot(t0)
-    t1 = {"w": t0["w"] + np.float32(1e-3) * (rng.random(4096) < 0.1)}
-    pub.publish(1, t1, full=True)
-    t2 = {"w": t1["w"] + np.float32(1e-3) * (rng.random(4096) < 0.1)}
-    pub.publish(2, t2, full=False)
-    shard = os.path.join(version_dir(source, 2), "delta-r00000-00001.safetensors")
-    entry = read_header(shard).tensors["w"]
+    seed, source, local, shard, at = publish_one_sparse2_delta(str(tmp_path))
     with open(shard, "r+b") as f:  # break the segment table: more classes than allowed
-        f.seek(entry.offset + codec_sparse2.HEADER.size)
+        f.seek(at + codec_sparse2.HEADER.size)
         f.write(bytes([9]))
     with pytest.raises(errors.PayloadBoundError, match=r"v2: tensor w"):
         pull(local, seed, source, 2)

@@ -615,28 +615,14 @@ def test_a_fractional_bitstream_knob_is_a_typed_error(monkeypatch):
 
 
 _FAILED_PULL_CHILD = """
-import os, sys
+import sys
 import numpy as np
-from core_support import write_hf_checkpoint
-from weightsync import Publisher, codec_sparse2, errors, pull
-from weightsync.layout import version_dir
-from weightsync.safetensors_io import read_header
+from core_support import publish_one_sparse2_delta
+from weightsync import codec_sparse2, errors, pull
 
-tmp = sys.argv[1]
-seed, source, local = (os.path.join(tmp, n) for n in ("seed", "src", "local"))
-rng = np.random.default_rng(7)
-t0 = {"w": rng.standard_normal(4096).astype(np.float32)}
-write_hf_checkpoint(seed, t0)
-pub = Publisher(source, encoding="sparse-v2")
-pub.seed_snapshot(t0)
-t1 = {"w": t0["w"] + np.float32(1e-3) * (rng.random(4096) < 0.1)}
-pub.publish(1, t1, full=True)
-pub.publish(2, {"w": t1["w"] + np.float32(1e-3) * (rng.random(4096) < 0.1)}, full=False)
-pub.close()
-shard = os.path.join(version_dir(source, 2), "delta-r00000-00001.safetensors")
-entry = read_header(shard).tensors["w"]
+seed, source, local, shard, at = publish_one_sparse2_delta(sys.argv[1])
 with open(shard, "r+b") as f:  # fewer changes declared than the part holds: fails at apply
-    f.seek(entry.offset + codec_sparse2.HEADER.size)
+    f.seek(at + codec_sparse2.HEADER.size)
     f.write(bytes([9]))
 try:
     pull(local, seed, source, 2)
