@@ -33,6 +33,8 @@ from typing import Callable, Iterable, NamedTuple, Optional
 import msgspec
 import numpy as np
 
+from weightsync.safetensors_io import DTYPE_NBYTES
+
 # numpy cannot hold bf16: checkpoint values travel as same-width integers.
 CARRIER = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 _ALIGN = 64
@@ -277,8 +279,6 @@ ValuesInto = Callable[[str, np.ndarray, np.ndarray], None]
 
 
 def carrier_of(dtype: str) -> type:
-    from weightsync.safetensors_io import DTYPE_NBYTES
-
     return CARRIER[DTYPE_NBYTES[dtype]]
 
 
@@ -374,8 +374,6 @@ class _LocalValues:
         np.take(self._flat(name), positions, out=out)
 
     def _flat(self, name: str) -> np.ndarray:
-        from weightsync.safetensors_io import DTYPE_NBYTES
-
         path, e = self.table[name]
         mm = self._maps.get(path)
         if mm is None:
@@ -524,8 +522,6 @@ def stage_job_shared(
     run), besides the file.
     """
     from weightsync.errors import PositionsUnavailableError
-    from weightsync.safetensors_io import DTYPE_NBYTES
-
     start = time.perf_counter()
     try:
         plan = _plan_job(job)
@@ -599,8 +595,6 @@ def _aligned(n: int) -> int:
 
 def layout(patches: list[tuple[str, str, int]]) -> tuple[list[PatchRef], int]:
     """Each patch's offsets in the shared file (``(param, dtype, count)`` each), and the file's size."""
-    from weightsync.safetensors_io import DTYPE_NBYTES
-
     refs, at = [], 0
     for param, dtype, count in patches:
         index_at = at
@@ -665,10 +659,9 @@ class SpareFile:
     def _keep(self, fd: int) -> None:
         with self._lock:
             if self._closed:
-                fd, other = -1, fd
+                other: Optional[int] = fd
             else:
-                fd, other = self._larger(fd, self._fd)
-                self._fd = fd
+                self._fd, other = self._larger(fd, self._fd)
         _close(other)
 
     @staticmethod
