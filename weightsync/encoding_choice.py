@@ -21,9 +21,10 @@ The rule, with its inputs (``Cost``; knobs in ``knobs.py``):
 4. ``extra_s`` = ``pass_ns`` x (elements of bitstream-2 segments with several classes x the
    passes the apply makes over them: one for the magnitudes, one per class with changes) +
    ``coded_ns`` x elements of bitstream-3 segments with changes (the range decoder makes one
-   decision per element) + ``change_ns`` x changed elements: the apply time sparse-v2 costs that puller beyond
-   sparse-v1, charged on one core (sparse-v2's pull scaled 1.14x from one to two workers on the
-   benchmark, so more cores buy little). The defaults were measured on the 2-core CI box.
+   decision per element) + ``change_ns`` x changed elements: the apply time sparse-v2 costs that
+   puller beyond sparse-v1, charged on one core (conservative: bitstream 2's pull scaled 1.14x
+   from one to two workers on the benchmark, bitstream 3's 1.66x). The defaults were measured
+   on the 2-core CI box.
 5. sparse-v2 when ``saved_s > extra_s``, else sparse-v1. Put another way: sparse-v2 below a
    break-even bandwidth of ``saved bytes / extra_s``, which the reason states.
 
