@@ -36,7 +36,7 @@ from .coordinate_map import INT_OF_WIDTH, TORCH_DTYPE_OF, CheckpointReader, Coor
 from .live_stage import Patch, StagingRefused, positions_through, stage_changes
 from .loop_slices import drain
 
-__all__ = ["ParamPatch", "SavedOld", "StagedUpdate", "StagingRefused", "UndoLog", "finish_staging", "positions_through",
+__all__ = ["ParamPatch", "RestoreFailed", "RestoreResult", "SavedOld", "StagedUpdate", "StagingRefused", "UndoLog", "finish_staging", "positions_through",
            "scatter_with_undo", "stage_update", "undo_log_steps"]
 
 SPARSE_WRITE_DENSITY = 0.03  # below it a CPU patch is written through numpy (see ParamPatch.write)
@@ -48,6 +48,7 @@ class ParamPatch(NamedTuple):
     index: torch.Tensor  # int64 flat positions in the contiguous parameter
     values: torch.Tensor  # the new values, the parameter's dtype, host memory
     old: torch.Tensor  # the live values there when staged (the undo log)
+    device_index: Optional[torch.Tensor] = None  # ``index`` on the parameter's device (None on the CPU)
 
     def write(self, source: torch.Tensor) -> None:
         """``flat[index] = source`` in place."""
@@ -56,8 +57,14 @@ class ParamPatch(NamedTuple):
             # about 1.5x faster than index_copy_ at 1% density, and slower from about 5%
             as_int_bits(self.flat).numpy()[self.index.numpy()] = as_int_bits(source).numpy()
         else:
-            self.flat.index_copy_(0, self.index.to(self.flat.device, non_blocking=True),
-                                  source.to(self.flat.device, non_blocking=True))
+            self.flat.index_copy_(0, self.on_device_index(), source.to(self.flat.device, non_blocking=True))
+
+    def on_device_index(self) -> torch.Tensor:
+        if self.flat.device.type == "cpu":
+            return self.index
+        if self.device_index is not None:
+            return self.device_index
+        return self.index.to(self.flat.device, non_blocking=True)
 
 
 @dataclass
@@ -128,6 +135,8 @@ class SavedOld(NamedTuple):
     index: torch.Tensor  # the positions, host memory (pinned with CUDA)
     old: torch.Tensor  # the live values there (host memory, pinned with CUDA)
     pinned: bool
+    device_index: Optional[torch.Tensor] = None  # the positions on the parameter's device (kept: a
+    # restore inside the pause must not allocate device memory for them)
 
 
 def undo_log_steps(
@@ -160,7 +169,7 @@ def undo_log_steps(
             staged.engine_s += time.perf_counter() - t0
             yield
             t0 = time.perf_counter()
-        saved.append(SavedOld(flat, index, old, pin))
+        saved.append(SavedOld(flat, index, old, pin, None if on_cpu else device_index))
         staged.engine_s += time.perf_counter() - t0
     return saved
 
@@ -182,7 +191,7 @@ def _new_values_steps(patches: list[Patch], saved: list[SavedOld], staged: Stage
                 staged.engine_s += time.perf_counter() - t0
                 yield
                 t0 = time.perf_counter()
-        staged.patches.append(ParamPatch(patch.param, s.flat, s.index, values, s.old))
+        staged.patches.append(ParamPatch(patch.param, s.flat, s.index, values, s.old, s.device_index))
         staged.engine_s += time.perf_counter() - t0
 
 
@@ -253,18 +262,96 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return next(k for k, v in TORCH_DTYPE_OF.items() if v == dtype)
 
 
+class RestoreResult(NamedTuple):
+    """What ``UndoLog.restore`` did: ``restored`` only if every patch was written back and reads
+    back exactly as the undo log holds it."""
+
+    restored: bool
+    failures: tuple = ()  # "param: what went wrong", one per patch that failed
+
+    def describe(self) -> str:
+        if self.restored:
+            return "restored"
+        return "not restored: " + "; ".join(self.failures)
+
+
 class UndoLog:
-    """The old values at every position a scatter may have written, to put back on failure."""
+    """The old values at every position a scatter may have written, to put back on failure.
+
+    Failure-atomic: the buffers a restore and its check need are allocated here, before the
+    first write (on a device every write-back would otherwise allocate the index and the values,
+    and an out-of-memory write is exactly what a restore inside the pause may hit); ``restore``
+    tries every patch even after one failed, then reads every patch back and compares it with
+    the undo log bit for bit. It never raises: the caller must reload on ``restored=False``.
+    """
 
     def __init__(self, patches: list[ParamPatch]) -> None:
         self._patches = list(patches)
+        # one scratch pair per (device, width): the undo values on the device, and the read-back
+        largest: dict[tuple[str, int], int] = {}
+        for p in self._patches:
+            key = (str(p.flat.device), p.flat.element_size())
+            largest[key] = max(largest.get(key, 0), int(p.index.numel()))
+        self._scratch = {
+            key: (torch.empty(n, dtype=INT_OF_WIDTH[key[1]], device=key[0]),
+                  torch.empty(n, dtype=INT_OF_WIDTH[key[1]], device=key[0]) if not key[0].startswith("cpu") else None)
+            for key, n in largest.items()
+        }
 
-    def restore(self) -> None:
-        for p in reversed(self._patches):
+    def _buffers(self, p: ParamPatch) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        check, device_old = self._scratch[(str(p.flat.device), p.flat.element_size())]
+        n = int(p.index.numel())
+        return check[:n], (device_old[:n] if device_old is not None else None)
+
+    def _write_back(self, p: ParamPatch) -> None:
+        _, device_old = self._buffers(p)
+        if device_old is None:
             p.write(p.old)
-        if any(p.flat.device.type == "cuda" for p in self._patches):
-            torch.cuda.synchronize()
-        self._patches.clear()
+            return
+        if p.device_index is None:
+            raise RuntimeError("no device copy of the positions was staged (a write-back would allocate)")
+        device_old.copy_(as_int_bits(p.old), non_blocking=True)
+        p.flat.index_copy_(0, p.device_index, device_old.view(p.flat.dtype))
+
+    def _holds_old(self, p: ParamPatch) -> bool:
+        check, device_old = self._buffers(p)
+        torch.index_select(as_int_bits(p.flat), 0, p.on_device_index(), out=check)
+        if device_old is None:
+            return torch.equal(check, as_int_bits(p.old))
+        device_old.copy_(as_int_bits(p.old), non_blocking=True)
+        return torch.equal(check, device_old)
+
+    def restore(self, *, before_write: Optional[Callable[[int, str], None]] = None) -> RestoreResult:
+        """Write every patch back (reverse order), then check each against the undo log.
+
+        ``before_write(k, param)``: called before patch ``k``'s write-back (a test's fault)."""
+        failures: list[str] = []
+        with one_intra_op_thread():
+            for k in reversed(range(len(self._patches))):
+                p = self._patches[k]
+                try:
+                    if before_write is not None:
+                        before_write(k, p.param)
+                    self._write_back(p)
+                except Exception as exc:  # the others are still written back
+                    failures.append(f"{p.param}: write-back failed: {type(exc).__name__}: {exc}")
+            try:
+                if any(p.flat.device.type == "cuda" for p in self._patches):
+                    torch.cuda.synchronize()
+            except Exception as exc:
+                failures.append(f"the device: {type(exc).__name__}: {exc}")
+            failed = {f.split(":", 1)[0] for f in failures}
+            for p in self._patches:
+                try:
+                    if not self._holds_old(p) and p.param not in failed:
+                        failures.append(f"{p.param}: reads back other values than the undo log")
+                        failed.add(p.param)
+                except Exception as exc:
+                    failures.append(f"{p.param}: read-back failed: {type(exc).__name__}: {exc}")
+        if not failures:
+            self._patches.clear()
+            self._scratch.clear()
+        return RestoreResult(not failures, tuple(failures))
 
     @property
     def nbytes(self) -> int:
@@ -284,13 +371,15 @@ def one_intra_op_thread() -> Iterator[None]:
 
 
 def scatter_with_undo(
-    staged: StagedUpdate, *, before_write: Optional[Callable[[int, str], None]] = None
+    staged: StagedUpdate, *, before_write: Optional[Callable[[int, str], None]] = None,
+    before_restore: Optional[Callable[[int, str], None]] = None,
 ) -> tuple[UndoLog, int]:
     """Write every patch into the parameter it was staged for; returns the undo log and the
     elements written.
 
     On an exception every patch is restored before it propagates, so this rank is exactly at
-    the previous version; a caller that learns another rank failed calls ``undo.restore()``.
+    the previous version; if that restore fails too, ``RestoreFailed`` (the rank must reload). A
+    caller that learns another rank failed calls ``undo.restore()`` and checks its result.
     """
     undo = UndoLog(staged.patches)
     written = 0
@@ -303,7 +392,17 @@ def scatter_with_undo(
                 written += int(p.index.numel())
         if any(p.flat.device.type == "cuda" for p in staged.patches):
             torch.cuda.synchronize()
-    except BaseException:
-        undo.restore()
+    except BaseException as exc:
+        result = undo.restore(before_write=before_restore)
+        if not result.restored:
+            raise RestoreFailed(result, exc) from exc
         raise
     return undo, written
+
+
+class RestoreFailed(RuntimeError):
+    """A scatter failed and writing the undo log back failed too: the rank holds neither version."""
+
+    def __init__(self, result: RestoreResult, cause: BaseException) -> None:
+        super().__init__(f"{type(cause).__name__}: {cause}; the restore failed: {result.describe()}")
+        self.result = result

@@ -215,3 +215,78 @@ def test_a_ranks_source_window_spans_exactly_the_elements_its_boxes_read():
         hf, _ = positions_through(p, everything)
         lo, hi = windows[p.tensor]
         assert hf.min() == lo and hf.max() == hi
+
+
+def _three_patches_written():
+    """Three parameters a scatter wrote; returns the patches and each parameter's old values."""
+    from sglang_patch.live_patch import ParamPatch
+
+    g = torch.Generator().manual_seed(3)
+    patches, olds = [], []
+    for k in range(3):
+        old_param = torch.randn(4000, generator=g)
+        index = torch.arange(5, 4000, 97 if k != 1 else 7, dtype=torch.int64)  # both write paths
+        new_values = torch.randn(index.numel(), generator=g)
+        written = old_param.clone()
+        written[index] = new_values
+        patches.append(ParamPatch(f"p{k}", written, index, new_values, old_param[index].clone()))
+        olds.append(old_param)
+    return patches, olds
+
+
+def _out_of_memory_on(name):
+    """The write-back of ``name`` fails as an out-of-memory device write would (no device here)."""
+    def before_write(k, param):
+        if param == name:
+            raise RuntimeError(f"CUDA out of memory (injected while writing {param} back)")
+    return before_write
+
+
+def test_a_restore_whose_one_write_fails_still_restores_the_others_and_reports_not_restored():
+    from sglang_patch.live_patch import UndoLog
+
+    patches, olds = _three_patches_written()
+    result = UndoLog(patches).restore(before_write=_out_of_memory_on("p1"))  # never raises
+    assert result.restored is False
+    assert len(result.failures) == 1 and result.failures[0].startswith("p1: write-back failed: RuntimeError: CUDA out of memory")
+    assert result.describe().startswith("not restored: p1")
+    assert torch.equal(patches[0].flat, olds[0]) and torch.equal(patches[2].flat, olds[2])  # p0 tried after p1 failed
+    assert not torch.equal(patches[1].flat, olds[1])
+
+
+def test_a_restore_checks_every_patch_against_the_undo_log_and_reports_a_write_that_did_not_hold():
+    from sglang_patch.live_patch import UndoLog
+
+    patches, olds = _three_patches_written()
+
+    def scribble_on_p2_after_its_write_back(k, param):  # reverse order: p2 was written back first
+        if k == 0:
+            patches[2].flat[patches[2].index[0]] += 1
+
+    result = UndoLog(patches).restore(before_write=scribble_on_p2_after_its_write_back)
+    assert result.restored is False
+    assert result.failures == ("p2: reads back other values than the undo log",)
+    assert torch.equal(patches[0].flat, olds[0]) and torch.equal(patches[1].flat, olds[1])
+
+
+def test_a_restore_that_holds_reports_restored_and_a_scatter_whose_restore_fails_says_so():
+    from sglang_patch.live_patch import RestoreFailed, UndoLog
+
+    patches, olds = _three_patches_written()
+    assert UndoLog(patches).restore() == (True, ())
+    assert all(torch.equal(p.flat, o) for p, o in zip(patches, olds))
+
+    patches, olds = _three_patches_written()
+    staged = StagedUpdate(0, 1, None, "/x", 0, patches=[p._replace(values=p.values) for p in patches])
+    for p, o in zip(patches, olds):  # back at the old version: the scatter writes the new one
+        p.flat.copy_(o)
+    calls = []
+
+    def fail_the_scatter_then_the_restore_of_p0(k, param):
+        calls.append((k, param))
+        if len(calls) == 2 or param == "p0" and len(calls) > 2:
+            raise RuntimeError("boom")
+
+    undo_faults = fail_the_scatter_then_the_restore_of_p0
+    with pytest.raises(RestoreFailed, match="boom; the restore failed: not restored: p0"):
+        scatter_with_undo(staged, before_write=undo_faults, before_restore=undo_faults)
