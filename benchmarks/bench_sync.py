@@ -46,8 +46,9 @@ import numpy as np  # noqa: E402
 
 import baseline_upstream as base  # noqa: E402
 from bench_data import DEFAULT_STEPS, PRESETS, RLStream  # noqa: E402
-from weightsync import Publisher, RawTensor, codec_sparse2, pull  # noqa: E402
-from weightsync.encoding_choice import Cost, EncodingChooser  # noqa: E402
+from weightsync import Publisher, RawTensor, pull  # noqa: E402
+from weightsync.codecs import sparse_v2 as codec_sparse2  # noqa: E402
+from weightsync.codecs.encoding_choice import Cost, EncodingChooser  # noqa: E402
 from weightsync.fsio import write_file  # noqa: E402
 from weightsync.safetensors_io import iter_file_chunks  # noqa: E402
 

@@ -32,7 +32,7 @@ import numpy as np  # noqa: E402
 import zstandard  # noqa: E402
 
 from bench_data import DEFAULT_STEPS, PRESETS, RLStream  # noqa: E402
-from weightsync import codec_sparse2 as c2  # noqa: E402
+from weightsync.codecs import sparse_v2 as c2  # noqa: E402
 from weightsync.codecs import get_codec  # noqa: E402
 from weightsync import knobs  # noqa: E402
 

@@ -9,7 +9,7 @@ Role: runs in every trainer rank (a miles/slime Megatron actor). Each sync:
    shards; the all-gather of their manifests is the barrier), *commit* (rank 0 writes the index).
    With ``--update-weight-delta-encoding auto`` a *sample* step comes first: each source rank
    encodes a sample of its tensors both ways, and the all-gather of the samples gives every
-   source rank the same sum, hence the same encoding (``weightsync.encoding_choice``);
+   source rank the same sum, hence the same encoding (``weightsync.codecs.encoding_choice``);
 3. on rank 0 only, the engines (``engine_sync.EngineSync``): post-write hook -> ``pull_weights(v)``
    everywhere while they generate -> pause -> live apply or reload -> continue.
 
@@ -38,7 +38,7 @@ import msgspec
 import torch.distributed as dist
 
 from weightsync import Publisher
-from weightsync.encoding_choice import AUTO, merge_samples
+from weightsync.codecs.encoding_choice import AUTO, merge_samples
 from weightsync.layout import version_dir
 
 from .args import DiskDeltaConfig

@@ -83,12 +83,12 @@ build_sglang0516_venv() {
 }
 
 # The core's one compiled part (sparse-v2 bitstream 3's range coder), built in place on every run:
-# setuptools rebuilds it only when weightsync/_sparse2_rc.c is newer, so an existing venv picks up
+# setuptools rebuilds it only when weightsync/codecs/_sparse2_rc.c is newer, so an existing venv picks up
 # a changed coder. Both venvs run the same CPython 3.11, so one build serves both.
 build_coder() {
-  echo "[setup] the compiled range coder (weightsync/_sparse2_rc.c)"
+  echo "[setup] the compiled range coder (weightsync/codecs/_sparse2_rc.c)"
   "$VENV/bin/python" setup.py --quiet build_ext --inplace
-  "$VENV/bin/python" -c "import weightsync._sparse2_rc"
+  "$VENV/bin/python" -c "import weightsync.codecs._sparse2_rc"
 }
 
 build_main_venv

@@ -40,7 +40,7 @@ import threading
 import time
 from typing import Any, Callable, Iterator, NamedTuple, Optional
 
-import weightsync.positions as positions
+import weightsync.codecs.positions as positions
 from weightsync.errors import InvalidRequestError, PathNotAllowedError
 from weightsync.lock import shared_host_lock
 

@@ -2,7 +2,7 @@
 
 This is the heavy half of live apply's staging, and it needs no engine: the changed element
 positions of each checkpoint tensor (decoded from the delta payloads by
-``weightsync.positions``, never by diffing tensors), mapped through the rank's proven
+``weightsync.codecs.positions``, never by diffing tensors), mapped through the rank's proven
 placements to parameter positions, and the new values read at those positions from the local
 checkpoint, still in the checkpoint's dtype. It runs in the rank's pull helper process
 (``pull_process``), which has its own interpreter and CPUs: in the scheduler process every
@@ -449,7 +449,7 @@ def _plan_job(job: StageJob) -> _Plan:
     Raises:
         StagingRefused, PositionsUnavailableError: it cannot be patched live.
     """
-    import weightsync.positions as positions
+    import weightsync.codecs.positions as positions
 
     chain, indexes = positions.plan_change_chain(job.source_dir, job.from_version, job.to_version)
     if not chain.is_deltas_only:

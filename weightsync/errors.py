@@ -381,7 +381,7 @@ class CoderUnavailableError(UnsupportedFormatError, ImportError):
         self.tensor = tensor
         super().__init__("sparse-v2 bitstream", 3, ["2"])
         self.args = (
-            f"tensor {tensor}: sparse-v2 bitstream 3 needs the compiled range coder weightsync._sparse2_rc, which "
+            f"tensor {tensor}: sparse-v2 bitstream 3 needs the compiled range coder weightsync.codecs._sparse2_rc, which "
             "this install lacks. Reinstall with a C compiler present (`pip install -e .`, or scripts/setup_env.sh), "
             "or have the publisher write bitstream 2 (WEIGHTSYNC_SPARSE2_BITSTREAM=2)",
         )

@@ -35,7 +35,7 @@ from . import knobs
 from .checksum import DEFAULT_CHECKSUM, new_hasher, supported_checksums
 from .codecs import get_codec
 from .encode import PreparedTensor, PreparedVersion, Encoder
-from .encoding_choice import AUTO, Cost, EncodingChoice, EncodingChooser, EncodingSample, check_candidates, merge_samples
+from .codecs.encoding_choice import AUTO, Cost, EncodingChoice, EncodingChooser, EncodingSample, check_candidates, merge_samples
 from .errors import PublishError, UnsupportedFormatError
 from .fsio import fsync_dir, write_bytes, write_file
 from .hooks import load_callable

@@ -16,8 +16,8 @@ import zstandard
 from hypothesis import given
 from hypothesis import strategies as st
 
-from weightsync import codec_sparse
-from weightsync.codec_sparse import SparseCodec, apply_sparse_chain
+from weightsync.codecs import sparse_v1 as codec_sparse
+from weightsync.codecs.sparse_v1 import SparseCodec, apply_sparse_chain
 from weightsync.codecs import get_codec
 from weightsync.errors import PayloadBoundError
 

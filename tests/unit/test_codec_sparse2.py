@@ -20,8 +20,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import interop_writer as independent
-from weightsync import codec_sparse2
-from weightsync.codec_sparse2 import Sparse2Codec, apply_sparse2_chain, choose_boundaries
+from weightsync.codecs import sparse_v2 as codec_sparse2
+from weightsync.codecs.sparse_v2 import Sparse2Codec, apply_sparse2_chain, choose_boundaries
 from weightsync.codecs import get_codec
 from weightsync.errors import LocalTensorMismatchError, PayloadBoundError
 

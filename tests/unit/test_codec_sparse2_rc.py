@@ -21,8 +21,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import interop_writer as independent
-from weightsync import codec_sparse2
-from weightsync.codec_sparse2 import HEADER, RC_ENTRY, Sparse2Codec, writer_bitstream
+from weightsync.codecs import sparse_v2 as codec_sparse2
+from weightsync.codecs.sparse_v2 import HEADER, RC_ENTRY, Sparse2Codec, writer_bitstream
 from weightsync.codecs import get_codec
 from weightsync.errors import CoderUnavailableError, InvalidKnobError, LocalTensorMismatchError, PayloadBoundError
 
@@ -618,7 +618,8 @@ _FAILED_PULL_CHILD = """
 import sys
 import numpy as np
 from core_support import publish_one_sparse2_delta
-from weightsync import codec_sparse2, errors, pull
+from weightsync import errors, pull
+from weightsync.codecs import sparse_v2 as codec_sparse2
 
 seed, source, local, shard, at = publish_one_sparse2_delta(sys.argv[1])
 with open(shard, "r+b") as f:  # fewer changes declared than the part holds: fails at apply

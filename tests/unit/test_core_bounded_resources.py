@@ -100,7 +100,8 @@ def test_descriptor_exhaustion_mid_apply_is_a_typed_error_and_the_next_pull_reco
 
 
 def test_live_decompressors_per_worker_do_not_grow_with_an_xor_chain(chain, fast_tmp_path, monkeypatch):
-    from weightsync import knobs, pull, zstd_frames
+    from weightsync import knobs, pull
+    from weightsync.codecs import zstd_frames
 
     slots: list[int] = []
     decompressor = zstd_frames.ThreadCodecs.decompressor

@@ -1,4 +1,4 @@
-"""Changed element positions of a chain, decoded from the payloads (``weightsync.positions``).
+"""Changed element positions of a chain, decoded from the payloads (``weightsync.codecs.positions``).
 
 The reference is an independent numpy diff of the exact tensors each version holds; every
 encoding, element widths 1/2/4, a chain mixing encodings, a full version in the chain, and the
@@ -17,7 +17,7 @@ from core_support import mutate, random_tensors, write_hf_checkpoint
 from weightsync import Publisher, pull
 from weightsync.errors import PositionsUnavailableError
 from weightsync.layout import format_version
-from weightsync.positions import held_version, iter_changed_elements, plan_change_chain
+from weightsync.codecs.positions import held_version, iter_changed_elements, plan_change_chain
 
 SIZES = {
     "a.weight": ("float16", (64, 48)),
@@ -76,7 +76,7 @@ def test_positions_of_a_mixed_chain_are_the_union_over_its_versions(tmp_path):
 
 
 def test_skipped_tensors_are_not_decoded_and_the_others_are_unchanged(tmp_path, monkeypatch):
-    import weightsync.positions as positions
+    import weightsync.codecs.positions as positions
 
     _, source, local, versions = _chain(tmp_path, ["sparse-v1"])
     chain, indexes = plan_change_chain(source, 0, 1)
@@ -90,8 +90,8 @@ def test_skipped_tensors_are_not_decoded_and_the_others_are_unchanged(tmp_path, 
 
 
 def test_a_window_returns_every_change_inside_it_and_decodes_only_the_segments_it_overlaps(tmp_path, monkeypatch):
-    import weightsync.codec_sparse as codec_sparse
-    import weightsync.positions as positions
+    import weightsync.codecs.sparse_v1 as codec_sparse
+    import weightsync.codecs.positions as positions
 
     monkeypatch.setattr(codec_sparse.SparseCodec, "seg_elements", codec_sparse.MIN_SEG_ELEMENTS)
     rng = np.random.default_rng(3)
@@ -138,7 +138,7 @@ def test_held_version_reads_the_marker_then_a_live_verified_note(tmp_path):
 
 def test_sparse_v2_with_several_magnitude_classes_has_no_positions_without_the_old_bytes(tmp_path, monkeypatch):
     from weightsync import codecs
-    from weightsync.codec_sparse2 import Sparse2Codec
+    from weightsync.codecs.sparse_v2 import Sparse2Codec
 
     monkeypatch.setitem(codecs._CODECS, "sparse-v2", Sparse2Codec(class_min_saving=0.0, bitstream=2))
     rng = np.random.default_rng(3)

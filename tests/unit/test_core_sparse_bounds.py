@@ -12,7 +12,8 @@ import tracemalloc
 import numpy as np
 import zstandard
 
-from weightsync import Publisher, codec_sparse, pull
+from weightsync import Publisher, pull
+from weightsync.codecs import sparse_v1 as codec_sparse
 
 from core_support import assert_checkpoint_is, mutate, random_tensors, tensor_bytes, write_hf_checkpoint
 

@@ -41,7 +41,7 @@ def served(tmp_path_factory):
     from testbed.feed import VersionFeed
     from testbed.tiny_qwen3 import make_tiny_qwen3, read_state_dict
     from weightsync import pull
-    from weightsync.positions import held_version
+    from weightsync.codecs.positions import held_version
 
     root = tmp_path_factory.mktemp("live_proof")
     model_dir = make_tiny_qwen3(root / "model")

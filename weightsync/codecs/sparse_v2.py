@@ -44,10 +44,10 @@ from typing import NamedTuple
 
 import numpy as np
 
-from .codec_sparse import LE_UINT, _from_order, _signed, _to_order, _width, encode_segment_range
-from . import knobs
-from .codecs import SCRATCH, Encoded, PayloadDensity, register_codec
-from .errors import CoderUnavailableError, InvalidKnobError, LocalTensorMismatchError, PayloadBoundError
+from .. import knobs
+from ..errors import CoderUnavailableError, InvalidKnobError, LocalTensorMismatchError, PayloadBoundError
+from .base import SCRATCH, Encoded, PayloadDensity
+from .sparse_v1 import LE_UINT, _from_order, _signed, _to_order, _width, encode_segment_range
 
 try:  # bitstream 3's range coder, built with the package (setup.py; scripts/setup_env.sh)
     from . import _sparse2_rc as _rc  # type: ignore[attr-defined]
@@ -1085,5 +1085,4 @@ def apply_sparse2_chain(
             hasher.update(region[seg0.start * width : (seg0.start + seg0.length) * width])
 
 
-CODEC = Sparse2Codec()
-register_codec(CODEC)
+CODEC: Sparse2Codec = Sparse2Codec()

@@ -27,8 +27,8 @@ from typing import NamedTuple, cast
 
 import numpy as np
 
-from .codecs import SCRATCH, Encoded, PayloadDensity, register_codec
-from .errors import PayloadBoundError
+from ..errors import PayloadBoundError
+from .base import SCRATCH, Encoded, PayloadDensity
 from .zstd_frames import ExactReader, check_frame, compress, decompress_exact
 
 MAGIC = b"WSSP"
@@ -574,5 +574,4 @@ def apply_sparse_chain(
             hasher.update(region[start * width : min(nbytes, (start + seg_elements) * width)])
 
 
-CODEC = SparseCodec()
-register_codec(CODEC)
+CODEC: SparseCodec = SparseCodec()

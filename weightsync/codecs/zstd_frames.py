@@ -12,7 +12,7 @@ import threading
 
 import zstandard
 
-from .errors import PayloadBoundError
+from ..errors import PayloadBoundError
 
 _MAGIC = b"\x28\xb5\x2f\xfd"
 

@@ -40,16 +40,16 @@ from typing import Iterable
 
 import msgspec
 
-from . import codec_sparse2, knobs
-from .codec_sparse import _width
-from .codecs import get_codec
-from .errors import InvalidKnobError
-from .safetensors_io import DTYPE_NBYTES
-from .snapshot import EncodeJob
+from .. import knobs
+from ..errors import InvalidKnobError
+from ..safetensors_io import DTYPE_NBYTES
+from ..snapshot import EncodeJob
+from . import get_codec, sparse_v2
+from .sparse_v1 import _width
 
 AUTO = "auto"
 CANDIDATES = ("sparse-v1", "sparse-v2")
-WINDOW_ELEMENTS = codec_sparse2.SEG_ELEMENTS
+WINDOW_ELEMENTS = sparse_v2.SEG_ELEMENTS
 MIN_WINDOWS = 4
 
 
@@ -216,12 +216,12 @@ def v2_apply_work(payload: bytes, nbytes: int, tensor: str) -> tuple[int, int]:
     segment with several classes is read once for the magnitudes and once per class with
     changes; a one-class segment costs only its changes. Bitstream 3: the range decoder reads
     every element of a segment with changes once."""
-    parsed = codec_sparse2.parse(payload, nbytes, tensor)
+    parsed = sparse_v2.parse(payload, nbytes, tensor)
     passes = coded = 0
     for seg in parsed.segments:
         if not seg.nchanged:
             continue
-        if isinstance(seg, codec_sparse2.CodedSegment):
+        if isinstance(seg, sparse_v2.CodedSegment):
             coded += seg.length
         elif len(seg.classes) > 1:
             passes += seg.length * (1 + sum(1 for c in seg.classes if c.changes))
