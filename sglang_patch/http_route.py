@@ -5,11 +5,12 @@ Body: ``{"local_checkpoint_dir": str, "source_dir": str, "target_version": int}`
 admin-optional level, exactly like ``/update_weights_from_disk`` (``--admin-api-key`` if set,
 else ``--api-key`` if set, else open). Reply: 200 ``{"success": true, ...}`` or a 4xx/5xx with
 ``{"success": false, "error_type": ..., "message": ...}`` (see ``sglang_patch.results``): 400
-bad_request, 403 forbidden, 404 source_not_ready, 409 PullInProgress (another target is being
-pulled; ``target_version`` names it), 422 corrupt_artifact / unsupported_format, 500
-local_state_corrupt / internal_error, 503 unavailable (shutting down, or the plugin could not
-install into this sglang), 504 pull_timeout. Tracebacks go to the server log only, and only for
-internal errors.
+bad_request (also a ``target_version`` beyond int64), 403 forbidden, 404 source_not_ready, 409
+PullInProgress (another target is being pulled; ``target_version`` names it), 415
+unsupported_media_type (a body not sent as ``application/json``), 422 corrupt_artifact /
+unsupported_format, 500 local_state_corrupt / internal_error, 503 unavailable (shutting down, or
+the plugin could not install into this sglang), 504 pull_timeout. Tracebacks go to the server
+log only, and only for internal errors.
 
 The route needs nothing of the plugin but ``request`` and ``results`` to answer: if another part
 failed to install (even the IPC types), it still answers 503 with the reason.
@@ -19,7 +20,6 @@ import logging
 from typing import Annotated, Any, Callable
 
 from fastapi import Body, FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import ORJSONResponse
 
 from . import metrics, plugin, request as request_body, results
@@ -57,6 +57,7 @@ def install_route(app: FastAPI, get_tokenizer_manager: Callable[[], Any]) -> boo
             reason = plugin.unavailable_reason()
             if reason is not None:
                 raise EngineUnavailableError(f"/pull_weights is unavailable on this engine: {reason}")
+            request_body.check_json_content_type(ROUTE_PATH, request.headers.get("content-type"))
             body = request_body.parse_pull_body(await request.body())
             target_version = body.target_version
             from . import tokenizer_side
@@ -93,44 +94,9 @@ def describe_endpoint(endpoint: Any) -> str:
     return f"{module}.{name}" if module else name
 
 
-def _answer_bad_bodies_structurally(app: FastAPI) -> None:
-    """A live-apply body that fails validation gets our error shape (400 bad_request); other
-    routes keep theirs (``/pull_weights`` parses its own body, strictly)."""
-    previous = app.exception_handlers.get(RequestValidationError)
-
-    async def on_validation_error(request: Request, exc: RequestValidationError):
-        if request.url.path == LIVE_ROUTE_PATH:
-            problems = "; ".join(_describe_validation_errors(exc.errors()))
-            return ORJSONResponse(
-                {
-                    "success": False,
-                    "error_type": "bad_request",
-                    "mode": None,
-                    "rolled_back": False,
-                    "message": f"invalid {LIVE_ROUTE_PATH} request: {problems}. Expected "
-                    '{"local_checkpoint_dir": str, "target_version": int, "flush_cache": bool (optional)}',
-                },
-                status_code=400,
-            )
-        if previous is not None:
-            return await previous(request, exc)
-        from fastapi.exception_handlers import request_validation_exception_handler
-
-        return await request_validation_exception_handler(request, exc)
-
-    app.add_exception_handler(RequestValidationError, on_validation_error)
-
-
-def _describe_validation_errors(errors) -> list:
-    """'field: problem' lines; drops pydantic's noise about the struct wrapper itself."""
-    lines = []
-    for err in errors:
-        if err.get("type") == "is_instance_of":
-            continue
-        loc = [str(p) for p in err.get("loc", ()) if p != "body"]
-        field = loc[-1] if loc and not loc[-1].startswith("function-after") else "body"
-        lines.append(f"{field}: {err.get('msg')}")
-    return lines or ["the body is not a JSON object"]
+def _live_error_body(error_type: str, message: str) -> dict:
+    """The error shape of ``/update_weights_from_pulled`` for a call that never reached an engine."""
+    return {"success": False, "error_type": error_type, "mode": None, "rolled_back": False, "message": message}
 
 
 def install(module: Any = None) -> None:
@@ -158,20 +124,30 @@ def install_live_routes(app: FastAPI, get_tokenizer_manager: Callable[[], Any]) 
     from .io_types import UpdateWeightsFromPulledReqInput, WeightsDigestReqInput, live_http_body
 
     @auth_level(AuthLevel.ADMIN_OPTIONAL)
-    async def update_weights_from_pulled(obj: Annotated[UpdateWeightsFromPulledReqInput, Body()], request: Request):
+    async def update_weights_from_pulled(request: Request):
         """Serve a pulled version: patch the changed elements live, or reload the local checkpoint."""
+        try:  # parsed here, strictly, like /pull_weights (pydantic took a text/plain body and 2**64)
+            request_body.check_json_content_type(LIVE_ROUTE_PATH, request.headers.get("content-type"))
+            body = request_body.parse_live_body(await request.body())
+        except Exception as exc:
+            error_type, status = results.classify_error(exc)
+            log.warning("update_weights_from_pulled: %s %s", status, results.describe_error(exc))
+            return ORJSONResponse(_live_error_body(error_type, results.describe_error(exc)), status_code=status)
+        obj = UpdateWeightsFromPulledReqInput(
+            local_checkpoint_dir=body.local_checkpoint_dir, target_version=body.target_version,
+            flush_cache=body.flush_cache, torch_empty_cache=body.torch_empty_cache,
+        )
         try:
             output = await tokenizer_side.update_weights_from_pulled(get_tokenizer_manager(), obj)
         except Exception as exc:
             log.exception("update_weights_from_pulled: the request failed")
             return ORJSONResponse(
-                {"success": False, "error_type": "internal_error", "mode": None, "rolled_back": False,
-                 "message": f"update_weights_from_pulled failed in the server: {type(exc).__name__}: {exc}"},
+                _live_error_body("internal_error", f"update_weights_from_pulled failed in the server: {type(exc).__name__}: {exc}"),
                 status_code=500,
             )
-        body = live_http_body(output)
-        metrics.observe_update_from_pulled(body)
-        return ORJSONResponse(body, status_code=output.http_status)
+        reply = live_http_body(output)
+        metrics.observe_update_from_pulled(reply)
+        return ORJSONResponse(reply, status_code=output.http_status)
 
     @auth_level(AuthLevel.ADMIN_OPTIONAL)  # ADMIN_FORCE would refuse every call on a server without an admin key
     async def weights_digest(obj: Annotated[WeightsDigestReqInput, Body()], request: Request):
@@ -183,4 +159,3 @@ def install_live_routes(app: FastAPI, get_tokenizer_manager: Callable[[], Any]) 
 
     app.add_api_route(LIVE_ROUTE_PATH, update_weights_from_pulled, methods=["POST"])
     app.add_api_route(DIGEST_ROUTE_PATH, weights_digest, methods=["POST"])
-    _answer_bad_bodies_structurally(app)

@@ -25,6 +25,7 @@ __all__ = [
     "BackwardPullError",
     "InvalidKnobError",
     "PathNotAllowedError",
+    "UnsupportedMediaTypeError",
     "SourceNotReadyError",
     "VersionMissingError",
     "IndexMissingError",
@@ -49,6 +50,9 @@ __all__ = [
     "ChecksumUnavailableError",
     "CoderUnavailableError",
     "HostResourceError",
+    "AnchorUnusableError",
+    "VersionAlreadyPublishedError",
+    "PendingVersionError",
     "host_resource_error",
     "error_types",
 ]
@@ -108,6 +112,21 @@ class PathNotAllowedError(InvalidRequestError, PermissionError):
             + (f" ({why})" if why else "")
             + ". Ask the operator to add its root to the allowed roots, or use a path below one."
         )
+
+
+class UnsupportedMediaTypeError(InvalidRequestError):
+    """An endpoint body sent as anything but ``application/json``. Refused because a browser
+    page may send a ``text/plain`` body cross-site without a preflight."""
+
+    error_type = "unsupported_media_type"
+    http_status = 415
+
+    def __init__(self, route: str, content_type: str | None):
+        self.route = route
+        self.content_type = content_type
+        got = repr(content_type) if content_type else "no Content-Type header"
+        super().__init__(f"{route} takes a JSON body sent as Content-Type: application/json, got {got}; "
+                         "send the body with that header")
 
 
 # --- the source is not (yet) there: retry later, nothing local was touched -------------
@@ -448,3 +467,55 @@ def error_types() -> dict[str, int]:
         out[cls.error_type] = cls.http_status
         stack.extend(cls.__subclasses__())
     return out
+
+
+class VersionAlreadyPublishedError(PublishError):
+    """The version's index is already in the source dir: it is published and immutable. A retry
+    of a publish whose index landed (a later step, such as pruning, failed) is told so, never
+    that the version "does not follow"."""
+
+    error_type = "version_already_published"
+
+    def __init__(self, version: int, source_dir: str, detail: str = ""):
+        self.version = version
+        self.source_dir = source_dir
+        super().__init__(
+            f"version {version} is already published in {source_dir}{detail}; versions are immutable, "
+            f"publish {version + 1} next (or remove the source dir for a new run)"
+        )
+
+
+class PendingVersionError(PublishError):
+    """This rank wrote a version whose index has not landed: it must be finished (with its
+    staged bytes) or discarded before anything else is published."""
+
+    error_type = "version_pending"
+
+    def __init__(self, pending_version: int, what: str):
+        self.pending_version = pending_version
+        super().__init__(
+            f"{what}. v{pending_version} is written on this rank but its index has not landed: finish it with "
+            f"its staged bytes (Publisher.finish_pending(), or prepare/write v{pending_version} again with the "
+            f"same bytes), call confirm({pending_version}) once rank 0's commit succeeded, or give it up with "
+            "Publisher.discard_pending() (the next version is then full)"
+        )
+
+
+class AnchorUnusableError(CorruptArtifactError):
+    """A side anchor failed its check (a file missing or cut short, a bad header, a tensor
+    that does not hash to the anchor's digest) and no other way to the target is published:
+    the chain below the anchor is pruned. The versions themselves are not blamed."""
+
+    error_type = "anchor_unusable"
+
+    def __init__(self, anchor_version: int, detail: str, target_version: int, needed_version: int | None):
+        self.anchor_version = anchor_version
+        self.detail = detail
+        self.target_version = target_version
+        self.needed_version = needed_version
+        missing = f"v{needed_version} is pruned" if needed_version is not None else "a version it needs is missing"
+        super().__init__(
+            f"the side anchor of v{anchor_version} failed its check ({detail}), and reaching v{target_version} "
+            f"without it needs the chain below it, where {missing}. Restore the anchor's files from "
+            "a backup, or have the trainer publish a full version and pull that one."
+        )

@@ -295,10 +295,63 @@ def test_route_refuses_a_target_version_that_is_not_a_json_integer(version):
 def test_route_refuses_a_body_that_is_not_json_or_too_large():
     tm = FakeTokenizerManager([])
     client = _client(tm)
-    assert client.post("/pull_weights", content=b"not json").status_code == 400
-    huge = client.post("/pull_weights", content=b" " * (2 << 20) + b"{}")
+    json_header = {"Content-Type": "application/json"}
+    assert client.post("/pull_weights", content=b"not json", headers=json_header).status_code == 400
+    huge = client.post("/pull_weights", content=b" " * (2 << 20) + b"{}", headers=json_header)
     assert huge.status_code == 400 and "bytes" in huge.json()["message"]
     assert not tm.sent
+
+
+def _both_routes_client(tm):
+    from sglang_patch.http_route import install_live_routes
+
+    client = _client(tm)
+    install_live_routes(client.app, lambda: tm)
+    return client
+
+
+LIVE_BODY = {"local_checkpoint_dir": "/l", "target_version": 2}
+BODIES = {"/pull_weights": BODY, "/update_weights_from_pulled": LIVE_BODY}
+
+
+@pytest.mark.parametrize("route", sorted(BODIES))
+@pytest.mark.parametrize("version", [2**64, 10**30, 2**63, -1])
+def test_both_routes_answer_a_target_version_beyond_int64_400_in_the_error_shape(route, version):
+    tm = FakeTokenizerManager([])
+    resp = _both_routes_client(tm).post(route, json={**BODIES[route], "target_version": version})
+    assert resp.status_code == 400, resp.text
+    body = resp.json()
+    assert body["success"] is False and body["error_type"] == "bad_request", body
+    assert "target_version" in body["message"] and "Expected" in body["message"]
+    assert not tm.sent
+
+
+@pytest.mark.parametrize("route", sorted(BODIES))
+@pytest.mark.parametrize("content_type", [
+    "text/plain", "text/plain;charset=UTF-8", "application/x-www-form-urlencoded", "multipart/form-data; boundary=x",
+    "application/jsonx", None,
+])
+def test_both_routes_refuse_a_body_not_sent_as_application_json_with_a_structured_415(route, content_type):
+    import json
+
+    tm = FakeTokenizerManager([])
+    headers = {"Content-Type": content_type} if content_type else {}
+    resp = _both_routes_client(tm).post(route, content=json.dumps(BODIES[route]).encode(), headers=headers)
+    assert resp.status_code == 415, resp.text
+    body = resp.json()
+    assert body["success"] is False and body["error_type"] == "unsupported_media_type", body
+    assert "application/json" in body["message"]
+    assert not tm.sent
+
+
+def test_a_json_body_with_a_charset_parameter_is_accepted():
+    import json
+
+    tm = FakeTokenizerManager([[_group_reply("dp0/tp0", 2), _group_reply("dp1/tp0", 2)]])
+    resp = _client(tm).post("/pull_weights", content=json.dumps(BODY).encode(),
+                            headers={"Content-Type": "Application/JSON; charset=utf-8"})
+    assert resp.status_code == 200, resp.text
+    assert len(tm.sent) == 1
 
 
 def test_a_plugin_part_that_failed_to_install_makes_the_route_answer_503_with_the_reason(monkeypatch):
