@@ -206,12 +206,27 @@ class HFWeightGatherer:
         return to_hf_names(ref.name, self.att, global_layer=ref.global_layer, global_expert=expert,
                            tied_embeddings=self.tied)
 
+    def _qkv_layout_problem(self, ref: ParamRef) -> str | None:
+        """Why ``linear_qkv``'s TP shards cannot hold the attention layout (checked once, at start-up)."""
+        if not ref.name.endswith(("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias")):
+            return None
+        att = self.att
+        split = bool(getattr(ref.param, "tensor_model_parallel", False)) and self.par.tp_size > 1
+        rows = ref.param.shape[0] * (self.par.tp_size if split else 1)
+        expected = att.num_query_groups * (att.q_per_group + 2) * att.head_dim
+        if att.num_attention_heads % att.num_query_groups == 0 and rows == expected:
+            return None
+        return (f"{ref.name}: {self.par.tp_size} tensor-parallel shard(s) of {ref.param.shape[0]} rows hold {rows} "
+                f"rows, but the layout ({att.describe()}) needs {expected}; the Megatron config does not match "
+                f"--hf-checkpoint {self.hf_checkpoint}")
+
     def _make_plan(self) -> GatherPlan:
         error = None
         emitted: list[str] = []
         try:
             for ref in self.params:
                 emitted += self._names_of(ref)
+                error = error or self._qkv_layout_problem(ref)
             if self.tied and "lm_head.weight" in self.specs and "model.embed_tokens.weight" in emitted:
                 emitted.append("lm_head.weight")  # a tied checkpoint that still stores lm_head
         except MappingError as e:

@@ -4,10 +4,13 @@ Role: pure tensor bookkeeping, no collectives. ``to_hf`` turns one Megatron para
 its list of tensor-parallel shards (rank order), into the HF tensors it stands for;
 ``from_hf`` is the inverse used to load ``--hf-checkpoint`` into a Megatron model.
 
-Layouts (why the split works per shard, not on the concatenation):
+Layouts (which split works per shard and which on the concatenation, and why):
 - ``linear_qkv`` holds, for each query group, its q heads then one k head then one v head
-  (``[g, q_per_group + 2, head_dim, hidden]``). Tensor parallelism splits whole groups, so each
-  shard splits the same way and the per-shard q/k/v pieces concatenate in rank order.
+  (``[g, q_per_group + 2, head_dim, hidden]``). Tensor parallelism cuts that tensor into TP equal
+  row blocks. With at least as many groups as TP ranks a block holds whole groups, but with fewer
+  (GQA/MQA: e.g. 1 KV head at TP=2) a group straddles ranks (Megatron all-gathers the activations
+  in its forward instead of replicating KV heads), so the shards are concatenated first and q/k/v
+  split from the whole tensor: one rule for both layouts.
 - ``linear_fc1`` of a gated MLP holds ``[gate; up]`` *within each shard*; the full tensor is
   ``[gate_0; up_0; gate_1; up_1; ...]``, so gate/up are split per shard before concatenating.
 - Row-parallel weights (``linear_proj``, ``linear_fc2``) concatenate along dim 1.
@@ -39,6 +42,10 @@ class AttentionLayout:
     @property
     def q_per_group(self) -> int:
         return self.num_attention_heads // self.num_query_groups
+
+    def describe(self) -> str:
+        return (f"{self.num_attention_heads} attention heads in {self.num_query_groups} KV group(s) "
+                f"of head_dim {self.head_dim}")
 
     @classmethod
     def from_megatron_config(cls, config) -> "AttentionLayout":
@@ -96,20 +103,20 @@ def _cat(shards: list[torch.Tensor], dim: int) -> torch.Tensor:
 
 
 def _split_qkv(shards: list[torch.Tensor], att: AttentionLayout) -> tuple[torch.Tensor, ...]:
-    qs, ks, vs = [], [], []
+    full = _cat(shards, 0)  # rank order gives the unsplit rows whether or not a group straddles ranks
+    tail = tuple(full.shape[1:])  # (hidden,) for a weight, () for a bias
     per = att.q_per_group + 2
-    for s in shards:
-        tail = tuple(s.shape[1:])  # (hidden,) for a weight, () for a bias
-        rows = s.shape[0]
-        if rows % (per * att.head_dim):
-            raise MappingError(
-                f"linear_qkv shard has {rows} rows, not a multiple of (q_per_group + 2) x head_dim "
-                f"= {per} x {att.head_dim}; the attention layout does not match the model")
-        g = s.reshape(rows // (per * att.head_dim), per, att.head_dim, *tail)
-        qs.append(g[:, : att.q_per_group].reshape(-1, *tail))
-        ks.append(g[:, att.q_per_group].reshape(-1, *tail))
-        vs.append(g[:, att.q_per_group + 1].reshape(-1, *tail))
-    return _cat(qs, 0), _cat(ks, 0), _cat(vs, 0)
+    rows, expected = full.shape[0], att.num_query_groups * per * att.head_dim
+    if rows != expected or att.num_attention_heads % att.num_query_groups:
+        raise MappingError(
+            f"linear_qkv gathered from {len(shards)} tensor-parallel shard(s) has {rows} rows, expected "
+            f"{att.num_query_groups} query group(s) x (q_per_group {att.q_per_group} + 2) x head_dim "
+            f"{att.head_dim} = {expected} (layout: {att.describe()}); the attention layout does not match the model")
+    g = full.reshape(att.num_query_groups, per, att.head_dim, *tail)
+    q = g[:, : att.q_per_group].reshape(-1, *tail)
+    k = g[:, att.q_per_group].reshape(-1, *tail)
+    v = g[:, att.q_per_group + 1].reshape(-1, *tail)
+    return q, k, v
 
 
 def _split_gate_up(shards: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -78,3 +78,28 @@ def test_unknown_parameter_is_refused_with_its_name():
         to_hf_names("decoder.layers.0.mystery.weight", ATT)
     with pytest.raises(MappingError, match="rows"):
         to_hf("decoder.layers.0.self_attention.linear_qkv.weight", [torch.zeros(30, 4)], 0, ATT)
+
+
+@pytest.mark.parametrize("groups,tp", [(1, 2), (1, 4), (2, 4)])
+@pytest.mark.parametrize("kind", ["weight", "bias"])
+def test_fewer_kv_groups_than_tp_ranks_gather_back_byte_exact(groups, tp, kind):
+    # Megatron cuts linear_qkv into TP equal row blocks even when a KV group straddles ranks.
+    att = AttentionLayout(num_attention_heads=8, num_query_groups=groups, head_dim=4)
+    name = f"decoder.layers.0.self_attention.linear_qkv.{kind}"
+    tail = (H,) if kind == "weight" else ()
+    g = torch.Generator().manual_seed(groups * 10 + tp)
+    hf = {f"model.layers.0.self_attn.{p}_proj.{kind}": torch.randn((rows, *tail), generator=g).to(torch.bfloat16)
+          for p, rows in (("q", 32), ("k", 4 * groups), ("v", 4 * groups))}
+    full = from_hf(name, hf, att)
+    shards = [shard_for_rank(name, full, 0, r, tp) for r in range(tp)]
+    assert shards[0].shape[0] < (att.q_per_group + 2) * att.head_dim  # a group really straddles ranks
+    back = dict(to_hf(name, shards, 0, att))
+    for n, t in hf.items():
+        assert torch.equal(back[n].view(torch.int16), t.view(torch.int16)), n
+
+
+def test_a_qkv_that_does_not_fit_the_layout_is_refused_naming_the_layout():
+    att = AttentionLayout(num_attention_heads=8, num_query_groups=1, head_dim=4)
+    with pytest.raises(MappingError, match=r"8 attention heads in 1 KV group\(s\) of head_dim 4") as e:
+        to_hf("decoder.layers.0.self_attention.linear_qkv.weight", [torch.zeros(18, 4), torch.zeros(18, 4)], 0, att)
+    assert "36 rows, expected" in str(e.value) and "= 40" in str(e.value)

@@ -188,6 +188,47 @@ def test_ep2_moe_experts_are_gathered_under_their_global_ids(moe_hf, tmp_path):
     _assert_bytes_equal(_gathered(tmp_path), reference)
 
 
+@pytest.fixture(scope="module")
+def mqa_hf(tmp_path_factory):
+    """The tiny Qwen3 with one KV head for its four query heads (fewer KV groups than TP=2 ranks)."""
+    from testbed.tiny_qwen3 import make_tiny_qwen3
+
+    return make_tiny_qwen3(tmp_path_factory.mktemp("hf_mqa") / "ckpt", seed=6, num_key_value_heads=1)
+
+
+def test_one_kv_head_at_tp2_publishes_the_trainers_weights(mqa_hf, tmp_path):
+    """A KV group straddling the TP ranks is published exactly: the version pulled from disk equals
+    the q/k/v cut by hand from the ranks' raw linear_qkv shards, and Megatron's logits equal
+    transformers' on the published bytes."""
+    import torch
+
+    from testbed.tiny_qwen3 import load_model, read_state_dict
+    from weightsync import pull
+
+    _run_ranks(2, 2, 1, mqa_hf, str(tmp_path), {"perturb": True, "publish": str(tmp_path / "shared")})
+    seen = json.loads((tmp_path / "rank0.json").read_text())
+    local = tmp_path / "engine" / "ckpt"
+    assert pull(str(local), mqa_hf, seen["source_dir"], seen["version"]).applied_version == seen["version"]
+    published = read_state_dict(local)
+    _assert_bytes_equal(published, _gathered(tmp_path))
+    # Independently of hf_mapping: Megatron cut [q0 q1 q2 q3 k v] (16 rows each) into two row blocks.
+    params = [torch.load(tmp_path / f"params-rank{r}.pt") for r in range(2)]
+    for layer in range(2):
+        qkv = torch.cat([p[f"decoder.layers.{layer}.self_attention.linear_qkv.weight"] for p in params]).bfloat16()
+        assert params[0][f"decoder.layers.{layer}.self_attention.linear_qkv.weight"].shape[0] == 48
+        for proj, rows in (("q", slice(0, 64)), ("k", slice(64, 80)), ("v", slice(80, 96))):
+            got = published[f"model.layers.{layer}.self_attn.{proj}_proj.weight"]
+            assert torch.equal(got.view(torch.int16), qkv[rows].contiguous().view(torch.int16)), (layer, proj)
+    model = load_model(mqa_hf).float()
+    model.load_state_dict({k: v.float() for k, v in published.items()}, strict=True)
+    ids = torch.tensor(json.loads((tmp_path / "ids.json").read_text()))
+    with torch.no_grad():
+        ref = model(ids).logits
+    torch.testing.assert_close(torch.load(tmp_path / "logits.pt"), ref, atol=2e-3, rtol=2e-3)
+    base = read_state_dict(mqa_hf)
+    assert not torch.equal(base["model.layers.0.self_attn.k_proj.weight"], published["model.layers.0.self_attn.k_proj.weight"])
+
+
 # --- the rank process ---------------------------------------------------------------------------
 
 
@@ -238,6 +279,17 @@ def _worker(rank: int, cfg: dict) -> None:
             seen["tied_drift_error"] = ""
         except GatherError as e:
             seen["tied_drift_error"] = str(e)
+    if cfg.get("publish"):
+        from miles_updater.args import DiskDeltaConfig
+        from miles_updater.updater import DiskDeltaWeightUpdater
+
+        config = DiskDeltaConfig(source_dir=cfg["publish"], local_checkpoint_dir=str(out / "unused"),
+                                 hf_checkpoint=cfg["hf_dir"])
+        updater = DiskDeltaWeightUpdater(config, [model])
+        updater.start()
+        seen.update(source_dir=updater.source_dir, version=updater.update_weights(update_engines=False).version)
+        updater.close()
+        torch.save({n: p.detach().clone() for n, p in model.named_parameters()}, out / f"params-rank{rank}.pt")
     if cfg["pp"] == 1 and not cfg.get("ep"):
         torch.manual_seed(0)
         ids = torch.randint(0, 1000, (1, 12))
