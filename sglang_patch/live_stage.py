@@ -401,7 +401,11 @@ class KeptMaps:
     Sound because the pull writes the local files in place (``weightsync.apply``: through maps of
     the same files), so a kept map sees exactly the bytes the pull verified; a file that is
     another file now (a new inode, or another size: a reseed, an operator's copy) is mapped
-    again. Resources: one map (and its descriptor) per weight file of the last dir staged from.
+    again. Resources: one map (and its descriptor) per weight file of the last dir staged from,
+    and none of a file that is gone: a reseed from a full version or an anchor replaces or deletes
+    the old layout's files, and a map would keep a deleted file's blocks allocated for the
+    helper's life (a full checkpoint of disk on a real model), so ``drop_stale`` runs at every
+    staging and after every pull.
     """
 
     def __init__(self) -> None:
@@ -413,7 +417,24 @@ class KeptMaps:
         if local_dir != self._dir:
             self.close()
             self._dir = local_dir
+        self.drop_stale()
         return self
+
+    def drop_stale(self) -> list[str]:
+        """Unmap each kept file that is no longer the file at its path (deleted, or another inode
+        or size there now); returns their paths."""
+        dropped = []
+        for path, (identity, mm) in list(self._maps.items()):
+            try:
+                st = os.stat(path)
+                current: Optional[tuple[int, int, int]] = (st.st_dev, st.st_ino, st.st_size)
+            except OSError:
+                current = None
+            if current != identity:
+                mm.close()
+                del self._maps[path]
+                dropped.append(path)
+        return dropped
 
     def map_of(self, path: str) -> mmap.mmap:
         st = os.stat(path)

@@ -498,6 +498,7 @@ def helper_main(fd: int) -> int:
         report = puller(job)
         if isinstance(job.local_checkpoint_dir, str):
             pulled.add(job.local_checkpoint_dir)
+        KEPT_MAPS.drop_stale()  # a reseed replaced or deleted files: their blocks go now, not at the next staging
         send_frame(sock, report)
     from weightsync.pull import wait_until_durable
 

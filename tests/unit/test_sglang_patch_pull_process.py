@@ -329,6 +329,65 @@ def test_a_kept_map_of_a_local_file_sees_it_rewritten_in_place_and_remaps_a_repl
     kept.close()
 
 
+def _deleted_files_mapped(pid: int, under: str) -> list[str]:
+    with open(f"/proc/{pid}/maps") as f:
+        return [line.split(None, 5)[5].strip() for line in f
+                if line.rstrip().endswith("(deleted)") and under in line]
+
+
+def test_kept_maps_of_deleted_or_replaced_files_are_dropped_at_the_next_staging(fast_tmp_path):
+    from sglang_patch.live_stage import KeptMaps
+
+    local = fast_tmp_path / "local"
+    local.mkdir()
+    paths = [str(local / f"model-0000{i}-of-00003.safetensors") for i in (1, 2, 3)]
+    for p in paths:
+        with open(p, "wb") as f:
+            f.write(b"a" * 8192)
+    kept = KeptMaps().begin(str(local))
+    maps = [kept.map_of(p) for p in paths]
+    # a reseed to another layout: one file deleted, one replaced by a new file, one kept as is
+    os.unlink(paths[0])
+    with open(paths[1] + ".new", "wb") as f:
+        f.write(b"b" * 8192)
+    os.replace(paths[1] + ".new", paths[1])
+    assert len(_deleted_files_mapped(os.getpid(), str(local))) == 2
+    kept.begin(str(local))  # the next staging from the same dir
+    assert maps[0].closed and maps[1].closed and not maps[2].closed
+    assert _deleted_files_mapped(os.getpid(), str(local)) == []
+    assert kept.map_of(paths[2]) is maps[2]
+    kept.close()
+
+
+def test_the_pull_helper_unmaps_a_replaced_local_file_after_the_next_pull(world):
+    """The helper keeps its maps between stagings; a file the local dir no longer holds (here
+    replaced by a copy, as a reseed does) must not stay mapped until the helper exits."""
+    staged: list = []
+
+    def on_verified(local, source, version, stager):
+        if version == 1:
+            staged.append(stager(_identity_job(world, 0, 1))[0])
+
+    puller = world.puller(on_verified=on_verified)
+    try:
+        assert puller(world.request(1)).success
+        assert staged and staged[0].error is None and staged[0].elements > 0, staged
+        pid = puller.helper_info().pid
+        from weightsync.manifest import checkpoint_weight_files
+
+        [name] = checkpoint_weight_files(world.local)
+        path = os.path.join(world.local, name)
+        with open(path, "rb") as src, open(path + ".copy", "wb") as dst:
+            dst.write(src.read())
+        os.replace(path + ".copy", path)
+        assert len(_deleted_files_mapped(pid, world.local)) == 1  # the helper still maps the old file
+        assert puller(world.request(2)).success  # no staging for v2: only the pull itself may drop it
+        assert _deleted_files_mapped(pid, world.local) == []
+        assert_local_holds(world, 2)
+    finally:
+        puller.close()
+
+
 def test_staging_refuses_a_change_past_the_threshold_and_one_to_a_reload_only_tensor(world):
     puller = world.puller(in_process=True)
     assert puller(world.request(1)).success
