@@ -36,7 +36,7 @@ from .checksum import DEFAULT_CHECKSUM, new_hasher, supported_checksums
 from .codecs import get_codec
 from .encode import PreparedTensor, PreparedVersion, Encoder
 from .codecs.encoding_choice import AUTO, Cost, EncodingChoice, EncodingChooser, EncodingSample, check_candidates, merge_samples
-from .errors import PublishError, UnsupportedFormatError
+from .errors import PendingVersionError, PublishError, UnsupportedFormatError, VersionAlreadyPublishedError
 from .fsio import fsync_dir, write_bytes, write_file
 from .hooks import load_callable
 from .layout import (
@@ -238,8 +238,14 @@ class Committer:
 class Publisher:
     """Publishes versions into ``source_dir`` from the tensors one rank owns.
 
-    One rank: ``publish(v, tensors)``; after any failure, call ``publish(v, tensors)`` again
-    with the same bytes.
+    One rank: ``publish(v, tensors)``. After a failure, one rule: the version is finished with
+    the bytes it was given, then newer weights follow as the next version. Call ``publish(v,
+    tensors)`` again with the same bytes, or ``finish_pending()`` (the bytes staged for v; no
+    tensors needed), then ``publish(v + 1, newer)``, a delta from v. A retry of a version whose
+    index already landed (only the post-write hook or pruning failed) is recognised as
+    published: it reruns those steps and returns the same result, never writes v again.
+    ``discard_pending()`` gives an unfinished v up instead (its files go; the next version,
+    numbered v again, is full). ``pending_version`` names the version written but not committed.
 
     Several ranks (each with its own Publisher, ``rank``/``world_size`` set), per version ``v``:
 
@@ -364,6 +370,8 @@ class Publisher:
         self._committed = 0  # the newest version this rank knows is committed
         self._staged: _Staged | None = None
         self._decisions: dict[int, _Decision] = {}
+        self._landed: PublishResult | None = None  # the last version publish() committed (what a retry returns)
+        self._full_reason: str | None = None  # set: the next version must be full (after discard_pending)
         self._scanned = False
         os.makedirs(source_dir, exist_ok=True)
         if rank == 0:
@@ -383,7 +391,7 @@ class Publisher:
     def seed_snapshot(self, tensors: Mapping[str, "RawTensor | np.ndarray"], version: int = 0) -> None:
         """Set the bytes the next delta diffs against (version 0: the engine's own model)."""
         self.snapshot.seed(tensors, version)
-        self._committed, self._staged = version, None
+        self._committed, self._staged, self._landed, self._full_reason = version, None, None, None
 
     def seed_snapshot_from_checkpoint(self, checkpoint_dir: str, names: "set[str] | None" = None, version: int = 0) -> None:
         """Seed from an HF checkpoint's safetensors files (optionally only ``names``)."""
@@ -407,6 +415,21 @@ class Publisher:
         """Publish one version from this (only) rank: prepare, choose, write, commit."""
         if self.world_size != 1:
             raise PublishError("publish() is for one rank; with several ranks use prepare/write/commit")
+        landed = self._landed
+        vdir = version_dir(self.source_dir, version)
+        if landed is not None and landed.version == version == self._committed and is_committed(vdir):
+            # The index landed and a later step (the hook, pruning) failed: the version is
+            # published; a retry with the same bytes only redoes what follows the commit.
+            differ = self.snapshot.differing_bytes([(j.name, j.new) for j in self.snapshot.jobs(tensors)])
+            if differ:
+                raise VersionAlreadyPublishedError(version, self.source_dir, f" with other bytes for tensors {differ[:5]}")
+            self._after_commit(vdir)
+            return landed
+        staged = self._staged
+        if staged is not None and staged.version == version and is_committed(vdir):
+            # Its index landed, but the write of it reported a failure: count it, never rewrite it.
+            self._check_same_bytes(staged, tensors)
+            return self._recognise_landed(staged)
         prepared = self.prepare(version, tensors, kind="full" if full else None)
         kind, reason = self.choose_kind(
             version, prepared.delta_nbytes, prepared.full_nbytes, prepared.changed_elements, prepared.total_elements,
@@ -414,12 +437,10 @@ class Publisher:
         )
         t0 = time.perf_counter()
         manifest = self.write(prepared, kind)
-        _, anchor_nbytes = self._commit(version, kind, [manifest])
-        result = PublishResult(
-            version, kind, reason, manifest.nbytes, prepared.full_nbytes, prepared.changed_bytes,
-            prepared.changed_elements, prepared.total_elements, prepared.encode_s, time.perf_counter() - t0,
-            anchor_nbytes, manifest.encoding, prepared.encoding_reason,
-        )
+        vdir, anchor_nbytes = self._commit_index(version, kind, [manifest])
+        result = self._result(prepared, kind, reason, manifest.nbytes, time.perf_counter() - t0, anchor_nbytes)
+        self._landed = result
+        self._after_commit(vdir)
         log.info(
             "published v%d as %s%s (%s): %d wire bytes of %d full, %.3f%% elements changed, encode %.3fs write %.3fs%s",
             version, kind, f" {result.encoding}" if result.encoding else "", reason, result.wire_nbytes,
@@ -427,6 +448,60 @@ class Publisher:
             f"; {result.encoding_reason}" if result.encoding_reason else "",
         )
         return result
+
+    @property
+    def pending_version(self) -> int | None:
+        """The version this rank wrote whose commit is not confirmed (None: nothing pending)."""
+        return self._staged.version if self._staged is not None else None
+
+    def finish_pending(self) -> PublishResult | None:
+        """One rank: publish the pending version with the bytes staged for it (None: none pending).
+
+        The rule after a failed publish of vN: finish vN with its staged bytes, then publish the
+        new weights as vN+1 (a delta from vN). When vN's index is already in the source dir
+        (only something after it failed), it is counted as published, not written again.
+        """
+        staged = self._staged
+        if staged is None:
+            return None
+        if is_committed(version_dir(self.source_dir, staged.version)):
+            return self._recognise_landed(staged)
+        result = self.publish(staged.version, {}, full=staged.kind == "full")
+        result.reason = f"finishing v{staged.version} with the bytes staged by a failed publish ({result.reason})"
+        return result
+
+    def discard_pending(self) -> int | None:
+        """Give up the pending version: remove its files and publish the next version as full.
+
+        Its index never landed, so no reader has used it, and the number is published afresh by
+        the next ``prepare``. The snapshot already holds the discarded bytes, not those of the
+        committed version a delta would be applied to, hence the full version. Returns the
+        discarded version (None: nothing pending). Raises ``VersionAlreadyPublishedError`` when
+        its index has landed meanwhile (it is published: it stays). Several ranks: every rank
+        discards, and none writes the version again before all have.
+        """
+        staged = self._staged
+        if staged is None:
+            return None
+        version = staged.version
+        vdir = version_dir(self.source_dir, version)
+        if is_committed(vdir):
+            raise VersionAlreadyPublishedError(version, self.source_dir, " (its index landed: it cannot be discarded)")
+        adir = anchor_dir(self.source_dir, version)
+        for index in (os.path.join(adir, INDEX_NAME), os.path.join(vdir, INDEX_NAME)):
+            if os.path.lexists(index):  # an anchor's index lands before the version's: it goes first
+                os.unlink(index)
+        shutil.rmtree(adir, ignore_errors=True)
+        shutil.rmtree(vdir, ignore_errors=True)
+        fsync_dir(self.source_dir)
+        self._staged = None
+        self._decisions.pop(version, None)
+        self._full_reason = (
+            f"full: v{version}'s staged bytes were discarded, and the snapshot no longer holds v{self._committed}'s"
+        )
+        log.warning("discarded v%d (written on rank %d, never committed); v%d will be full",
+                    version, self.rank, self._committed + 1)
+        return version
 
     # --- the multi-rank protocol -------------------------------------------------------------
 
@@ -447,18 +522,17 @@ class Publisher:
         if staged is not None and staged.version == version:
             self._check_same_bytes(staged, tensors)
             return staged.prepared
+        if version <= self._committed and is_committed(version_dir(self.source_dir, version)):
+            raise VersionAlreadyPublishedError(version, self.source_dir)
         if version != self._committed + 1:
             raise PublishError(
                 f"version {version} does not follow the snapshot's version {self._committed}; "
                 f"publish {self._committed + 1} next (deltas chain one version at a time)"
             )
         if is_committed(version_dir(self.source_dir, version)):
-            raise PublishError(
-                f"version {version} is already published in {self.source_dir}; versions are immutable, "
-                "publish the next one or remove the source dir for a new run"
-            )
+            raise VersionAlreadyPublishedError(version, self.source_dir)
         jobs = self.snapshot.jobs(tensors)
-        encode = kind != "full" and not self._full_by_schedule(version)
+        encode = kind != "full" and not self._full_by_schedule(version) and self._full_reason is None
         if not encode:
             return self.encoder.prepare(version, self.rank, jobs, encode=False)
         choice = self._encoding_for(version, jobs, encoding)
@@ -496,7 +570,9 @@ class Publisher:
         side anchor (see ``AnchorBudget``); the reason says so.
         """
         self._scan_once()
-        if requested is not None:
+        if self._full_reason is not None and requested != "full":
+            kind, reason = "full", self._full_reason
+        elif requested is not None:
             kind, reason = requested, "requested by the caller"
         else:
             kind, reason = self._kind_by_rule(version, delta_nbytes, full_nbytes, changed_elements, total_elements)
@@ -542,7 +618,8 @@ class Publisher:
 
     def commit(self, version: int, kind: Kind, manifests: list[ShardManifest]) -> str:
         """Write the index (last: the commit point), confirm, run the post-write hook, prune. One rank."""
-        vdir, _ = self._commit(version, kind, manifests)
+        vdir, _ = self._commit_index(version, kind, manifests)
+        self._after_commit(vdir)
         return vdir
 
     def confirm(self, version: int) -> None:
@@ -563,30 +640,61 @@ class Publisher:
         self._scan_once()
         self.budget.record(staged.kind, decision is not None and decision.anchor and staged.kind == "delta", delta_nbytes)
         self._committed, self._staged = version, None
+        if staged.kind == "full":
+            self._full_reason = None
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
 
     # --- helpers ---------------------------------------------------------------------------
 
-    def _commit(self, version: int, kind: Kind, manifests: list[ShardManifest]) -> tuple[str, int]:
+    def _commit_index(self, version: int, kind: Kind, manifests: list[ShardManifest]) -> tuple[str, int]:
+        """Write the version's index and count it committed; (version dir, anchor bytes)."""
         self._scan_once()
         staged = self._staged
         vdir = version_dir(self.source_dir, version)
-        if version == self._committed and (staged is None or staged.version != version) and is_committed(vdir):
-            # Committed already (a retry after the hook or a later step failed): never rewrite an
-            # index; run what follows the commit again.
-            anchor_nbytes = 0
-        else:
-            vdir, anchor_nbytes = self.committer.commit(version, kind, manifests)
+        if is_committed(vdir) and (
+            version == self._committed and (staged is None or staged.version != version)
+            or staged is not None and staged.version == version
+        ):
+            # Committed already (a retry after the hook or a later step failed, or an index
+            # write that reported a failure after it landed): never rewrite an index.
             if staged is not None and staged.version == version:
                 self.confirm(version)
-            self.retention.record(version, kind, anchor_nbytes > 0)
+                self.retention.record(version, staged.kind, is_committed(anchor_dir(self.source_dir, version)))
+            return vdir, 0
+        vdir, anchor_nbytes = self.committer.commit(version, kind, manifests)
+        if staged is not None and staged.version == version:
+            self.confirm(version)
+        self.retention.record(version, kind, anchor_nbytes > 0)
+        return vdir, anchor_nbytes
+
+    def _after_commit(self, vdir: str) -> None:
+        """What follows a commit (repeated by a retry once the index landed): the hook, pruning."""
         if self.post_write_hook is not None:
             self.post_write_hook(vdir)
         if self.prune:
             self.retention.prune()
-        return vdir, anchor_nbytes
+
+    def _recognise_landed(self, staged: _Staged) -> PublishResult:
+        """The staged version's index is in the source dir: count it published (one rank)."""
+        vdir = version_dir(self.source_dir, staged.version)
+        self._commit_index(staged.version, staged.kind, [])  # type: ignore[arg-type]
+        p = staged.prepared
+        result = self._result(p, staged.kind, "already committed on disk (its index landed before a later step failed)",
+                              0, 0.0, 0)
+        self._landed = result
+        self._after_commit(vdir)
+        return result
+
+    @staticmethod
+    def _result(prepared: PreparedVersion, kind: str, reason: str, wire_nbytes: int, write_s: float,
+                anchor_nbytes: int) -> PublishResult:
+        return PublishResult(
+            prepared.version, kind, reason, wire_nbytes, prepared.full_nbytes, prepared.changed_bytes,
+            prepared.changed_elements, prepared.total_elements, prepared.encode_s, write_s,
+            anchor_nbytes, prepared.encoding if kind == "delta" else "", prepared.encoding_reason,
+        )
 
     def _stage(self, prepared: PreparedVersion, kind: str) -> None:
         """Take the written bytes into the snapshot and keep what a retry reuses."""
@@ -608,10 +716,10 @@ class Publisher:
 
     @staticmethod
     def _other_bytes_error(version: int, differ: list[str]) -> PublishError:
-        return PublishError(
+        return PendingVersionError(version, (
             f"v{version} was already written by this rank with other bytes for tensors {differ[:5]}; "
             f"a retry of v{version} must pass the same bytes (its index has not landed, so nothing is lost)"
-        )
+        ))
 
     def _settle(self, version: int) -> None:
         """Before preparing ``version``: confirm a written predecessor whose index has landed."""
@@ -621,10 +729,7 @@ class Publisher:
         if is_committed(version_dir(self.source_dir, staged.version)):
             self.confirm(staged.version)
             return
-        raise PublishError(
-            f"v{staged.version} is written on this rank but its index has not landed: retry v{staged.version} "
-            f"(prepare/write it again with the same bytes), or call confirm({staged.version}) once rank 0's commit succeeded"
-        )
+        raise PendingVersionError(staged.version, f"cannot prepare v{version}")
 
     def _encoding_for(self, version: int, jobs, requested: str | None) -> EncodingChoice:
         if requested is not None and requested != AUTO:
