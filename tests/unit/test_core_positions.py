@@ -136,6 +136,22 @@ def test_held_version_reads_the_marker_then_a_live_verified_note(tmp_path):
     assert held_version(local) is None  # the pull that wrote it is gone: its pages may be torn
 
 
+def test_held_version_names_the_run_and_seed_the_marker_or_note_records(tmp_path):
+    from weightsync.identity import seed_fingerprint
+    from weightsync.manifest import read_run_id
+    from weightsync.layout import run_path
+
+    seed, source, local, _ = _chain(tmp_path, ["xor"])
+    held = held_version(local)
+    assert held.run == read_run_id(run_path(source)) and held.run is not None
+    assert held.seed == seed_fingerprint(seed)
+    os.unlink(os.path.join(local, ".weight_sync", "state.json"))
+    with open(os.path.join(local, ".weight_sync", "verified.json"), "w") as f:
+        json.dump({"version": format_version(1), "source_dir": source, "pid": os.getpid(), "run": "r9", "seed": "s9"}, f)
+    held = held_version(local)
+    assert (held.how, held.run, held.seed) == ("verified note", "r9", "s9")
+
+
 def test_sparse_v2_with_several_magnitude_classes_has_no_positions_without_the_old_bytes(tmp_path, monkeypatch):
     from weightsync import codecs
     from weightsync.codecs.sparse_v2 import Sparse2Codec

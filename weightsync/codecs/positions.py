@@ -54,11 +54,15 @@ class ChangeChain(msgspec.Struct, frozen=True):
 
 
 class HeldVersion(msgspec.Struct, frozen=True):
-    """The version a local checkpoint dir holds verified, and the source dir it came from."""
+    """The version a local checkpoint dir holds verified, and where it came from: the source dir,
+    the run that published its chain and the fingerprint of the seed it grew from (as the
+    marker or the note records them; None where they do not)."""
 
     version: int
     source_dir: str | None
     how: str  # "marker" or "verified note" (deferred durability: pages still being flushed)
+    run: str | None = None
+    seed: str | None = None
 
 
 def plan_change_chain(source_dir: str, from_version: int, to_version: int) -> tuple[ChangeChain, dict[int, VersionIndex]]:
@@ -312,7 +316,7 @@ def held_version(local_checkpoint_dir: str) -> HeldVersion | None:
             version = parse_version_number(state.version, "version", state_path(local_checkpoint_dir))
         except Exception:
             return None
-        return HeldVersion(version, state.source_dir, "marker")
+        return HeldVersion(version, state.source_dir, "marker", state.run, state.seed)
     try:
         with open(verified_path(local_checkpoint_dir), "rb") as f:
             note = json.loads(f.read(1 << 12))
@@ -320,7 +324,9 @@ def held_version(local_checkpoint_dir: str) -> HeldVersion | None:
         pid = note.get("pid")
         if not isinstance(pid, int) or not is_pid_alive(pid) or note["version"] != format_version(version):
             return None
-        return HeldVersion(version, note.get("source_dir"), "verified note")
+        run, seed = note.get("run"), note.get("seed")
+        return HeldVersion(version, note.get("source_dir"), "verified note",
+                           run if isinstance(run, str) else None, seed if isinstance(seed, str) else None)
     except (OSError, ValueError, KeyError, TypeError):
         return None
     except Exception:
