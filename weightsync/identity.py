@@ -6,13 +6,19 @@ from one run must not be extended with (or mistaken for) another run's versions 
 source dir path.
 
 - The *seed fingerprint* is an xxh3-128 digest over the seed dir's index bytes (or, without an
-  index, the names of its weight files) and, for each weight file the checkpoint names, its
-  name, size, mtime_ns and four sampled 4 KiB ranges (start, 1/3, 2/3, end). The start range
-  holds the safetensors header (every tensor's name, dtype, shape and offsets); the others
-  sample the data. Cost: one stat and four small reads per weight file, on every pull.
-  A model replaced in place changes its mtime, its sizes or its header; a copy that keeps
-  mtimes still differs in the header or the sampled bytes unless it is the same model. A
-  touched file only costs one needless reseed (the safe side).
+  index, the names of its weight files) and, for the index and each weight file the checkpoint
+  names: its name, size, mtime_ns, inode and ctime_ns; for a weight file also its whole
+  safetensors header and samples of every tensor (its first, middle and last
+  ``TENSOR_SAMPLE_NBYTES`` bytes), read in one pass in file order, nearby samples joined into one
+  read. Any write a user can make without root moves the ctime (``os.utime`` puts back the mtime,
+  never the ctime) and a copy or a rename-over gets a new inode, so an in-place edit anywhere
+  reseeds; the header and the per-tensor samples also catch a model replaced by a file system
+  that keeps both (a restored snapshot of another model). Cost: one stat and about
+  ``tensors x 3 x 64`` bytes read per weight file, about two reads a tensor once neighbours
+  are joined, on every pull: 30 shards of 1,000 tensors (150 GiB) take 60k preads, 0.5-0.7 s
+  from the page cache on the 2-core CI box (a cold network mount pays its latency per read).
+  A touched, chmod'ed or hard-linked file costs one needless reseed (the safe side), and so
+  does a seed dir re-extracted to new inodes.
 - The *run id* is a random id that our publisher writes once into a fresh source dir
   (``weightsync-run.json``). A source dir without it (an upstream writer's) is known by its
   real path alone.
@@ -21,14 +27,21 @@ source dir path.
 from __future__ import annotations
 
 import os
+import struct
 
 import msgspec
 
+from . import knobs
 from .checksum import new_hasher
+from .errors import MalformedHeaderError
 from .layout import INDEX_NAME, SINGLE_FILE_NAME, checked_join, index_path, run_path
 from .manifest import AppliedState, checkpoint_weight_files, read_run_id
+from .safetensors_io import parse_header
 
 SAMPLE_NBYTES = 4096
+TENSOR_SAMPLE_NBYTES = 64
+JOIN_GAP_NBYTES = 4096
+MAX_JOINED_NBYTES = 1 << 18
 NO_SEED = "none"  # the fingerprint of a seed dir that is not a readable checkpoint
 
 
@@ -41,13 +54,15 @@ class Origin(msgspec.Struct, frozen=True):
 
 
 def seed_fingerprint(seed_dir: str) -> str:
-    """A cheap digest that changes when the seed dir holds another model (see the module doc)."""
+    """A cheap digest that changes when the seed dir holds another model or a file of it was
+    written to (see the module doc)."""
     h = new_hasher("xxh3-128")
     try:
         files = checkpoint_weight_files(seed_dir)
         ipath = index_path(seed_dir)
         if os.path.exists(ipath):
             with open(ipath, "rb") as f:
+                h.update(_stat_line(INDEX_NAME, os.fstat(f.fileno())))
                 h.update(f.read())
         else:
             h.update(SINGLE_FILE_NAME.encode())
@@ -55,18 +70,64 @@ def seed_fingerprint(seed_dir: str) -> str:
             path = checked_join(seed_dir, name, f"{seed_dir}/{INDEX_NAME}")
             with open(path, "rb") as f:
                 st = os.fstat(f.fileno())
-                h.update(f"\0{name}\0{st.st_size}\0{st.st_mtime_ns}\0".encode())
-                for at in _sample_offsets(st.st_size):
-                    f.seek(at)
-                    h.update(f.read(SAMPLE_NBYTES))
+                h.update(_stat_line(name, st))
+                _hash_samples(h, f.fileno(), path, st.st_size)
     except (OSError, ValueError):
         return NO_SEED
     return h.hexdigest()
 
 
+def _stat_line(name: str, st: os.stat_result) -> bytes:
+    # No st_dev: a network mount's device number may change across remounts, and the path,
+    # inode and ctime already name the file.
+    return f"\0{name}\0{st.st_size}\0{st.st_mtime_ns}\0{st.st_ino}\0{st.st_ctime_ns}\0".encode()
+
+
+def _hash_samples(h, fd: int, path: str, size: int) -> None:
+    """The file's header and every tensor's first, middle and last bytes, plus four 4 KiB
+    ranges of the file (bytes outside every tensor, and files whose header does not parse)."""
+    head = os.pread(fd, 8, 0)
+    h.update(head)
+    ranges = [(at, SAMPLE_NBYTES) for at in _sample_offsets(size)]
+    if len(head) == 8:
+        (n,) = struct.unpack("<Q", head)
+        if n <= int(knobs.MAX_HEADER_NBYTES.get()) and 8 + n <= size:
+            raw = os.pread(fd, n, 8)
+            h.update(raw)
+            try:
+                tensors = list(parse_header(path, raw, size, check_dtype_sizes=False).tensors.values())
+            except MalformedHeaderError:
+                tensors = []  # its raw header is in the digest; the seed itself will fail typed
+            for e in tensors:
+                for at in _tensor_sample_offsets(e.offset, e.nbytes):
+                    ranges.append((at, min(TENSOR_SAMPLE_NBYTES, e.offset + e.nbytes - at)))
+    for at, nbytes in _joined(ranges):
+        h.update(os.pread(fd, nbytes, at))
+
+
 def _sample_offsets(size: int) -> list[int]:
     last = max(0, size - SAMPLE_NBYTES)
     return sorted({0, size // 3, 2 * size // 3, last})
+
+
+def _tensor_sample_offsets(offset: int, nbytes: int) -> set[int]:
+    if nbytes == 0:
+        return set()
+    last = offset + max(0, nbytes - TENSOR_SAMPLE_NBYTES)
+    return {offset, offset + max(0, nbytes // 2 - TENSOR_SAMPLE_NBYTES // 2), last}
+
+
+def _joined(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Ranges sorted, and those less than a page apart read as one (one syscall, one page), up
+    to ``MAX_JOINED_NBYTES`` a read (a file of many small tensors stays a few bounded reads)."""
+    out: list[tuple[int, int]] = []
+    for at, nbytes in sorted(ranges):
+        if out and at <= out[-1][0] + out[-1][1] + JOIN_GAP_NBYTES and at + nbytes - out[-1][0] <= MAX_JOINED_NBYTES:
+            start = out[-1][0]
+            out[-1] = (start, max(out[-1][1], at + nbytes - start))
+        else:
+            out.append((at, nbytes))
+    return out
 
 
 def source_origin(source_dir: str, seed_dir: str) -> Origin:

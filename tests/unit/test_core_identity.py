@@ -12,9 +12,11 @@ import shutil
 
 import pytest
 
-from weightsync import Publisher, errors, pull
+from weightsync import Publisher, errors, identity, pull
 
-from core_support import assert_checkpoint_is, marker_version, mutate, random_tensors, tensor_bytes, write_hf_checkpoint
+from core_support import (
+    assert_checkpoint_is, marker_version, mutate, random_tensors, tensor_bytes, tensor_location, write_hf_checkpoint,
+)
 
 SIZES = {"w1": ("float32", (32, 32)), "w2": ("float32", (32, 32)), "b": ("int16", (7,))}
 
@@ -100,6 +102,87 @@ def test_marker_without_a_seed_fingerprint_counts_as_no_local_state(dirs, rng):
         json.dump(marker, f)
     result = pull(dirs["local"], dirs["model_a"], dirs["src"], 2)
     assert result.action == "seed+chain" and "no seed fingerprint" in result.reason
+
+
+BIG = {"w1": ("float32", (256, 512)), "w2": ("float32", (256, 512)), "b": ("int16", (7,))}
+
+
+def edit_unsampled_bytes_in_place(model_dir: str, name: str) -> None:
+    """Rewrite 16 bytes of tensor ``name`` in place, size and mtime kept (``os.utime`` back, as
+    rsync -t would), at a quarter of the tensor: away from the four 4 KiB ranges the old
+    fingerprint sampled and from the tensor's own start, middle and end samples."""
+    path, off, nbytes = tensor_location(model_dir, name)
+    st = os.stat(path)
+    at = off + nbytes // 4
+    old_ranges = [(x, x + identity.SAMPLE_NBYTES) for x in identity._sample_offsets(st.st_size)]
+    new_ranges = [(x, x + identity.TENSOR_SAMPLE_NBYTES) for x in identity._tensor_sample_offsets(off, nbytes)]
+    assert all(at + 16 <= a or at >= b for a, b in old_ranges + new_ranges), "the edit must miss every sample"
+    with open(path, "r+b") as f:
+        f.seek(at)
+        before = f.read(16)
+        f.seek(at)
+        f.write(bytes(x ^ 0xA5 for x in before))
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    after = os.stat(path)
+    assert (after.st_size, after.st_mtime_ns, after.st_ino) == (st.st_size, st.st_mtime_ns, st.st_ino)
+
+
+def read_tensors(model_dir: str) -> dict[str, bytes]:
+    from safetensors.numpy import load_file
+
+    return tensor_bytes(load_file(os.path.join(model_dir, "model.safetensors")))
+
+
+def test_a_tensor_edited_in_place_with_size_and_mtime_kept_reseeds_at_v0(dirs, rng):
+    write_hf_checkpoint(dirs["model_a"], random_tensors(rng, BIG))
+    assert pull(dirs["local"], dirs["model_a"], dirs["src"], 0).action == "seed"
+    edit_unsampled_bytes_in_place(dirs["model_a"], "w2")
+    result = pull(dirs["local"], dirs["model_a"], dirs["src"], 0)
+    assert result.action == "seed" and "the seed dir changed" in result.reason
+    assert_checkpoint_is(dirs["local"], read_tensors(dirs["model_a"]))
+    assert pull(dirs["local"], dirs["model_a"], dirs["src"], 0).action == "noop"  # and it stays put
+
+
+def test_a_new_runs_v1_that_skips_an_edited_seed_tensor_does_not_chain_onto_the_old_bytes(dirs, rng):
+    """The host seeded the old model; the model dir is edited in place (w2); a new run built on
+    the edited model publishes v1 changing w1 only. The delta verifies only w1, so a host that
+    kept its old w2 would report v1 with bytes that were never published."""
+    write_hf_checkpoint(dirs["model_a"], random_tensors(rng, BIG))
+    pull(dirs["local"], dirs["model_a"], dirs["src"], 0)
+    edit_unsampled_bytes_in_place(dirs["model_a"], "w2")
+    from safetensors.numpy import load_file
+
+    t0 = load_file(os.path.join(dirs["model_a"], "model.safetensors"))
+    pub = Publisher(dirs["src"], encoding="xor", workers=1)
+    pub.seed_snapshot(t0)
+    t1 = mutate(t0, rng, 0.01, names=["w1"])
+    pub.publish(1, t1)
+    pub.close()
+    result = pull(dirs["local"], dirs["model_a"], dirs["src"], 1)
+    assert result.action.startswith("seed")
+    assert_checkpoint_is(dirs["local"], tensor_bytes(t1))
+
+
+def test_the_seed_fingerprint_samples_every_tensor_of_every_shard(fast_tmp_path, rng, monkeypatch):
+    """With the file's stat fields held equal (a file system that keeps them, or root), the
+    fingerprint still sees a change at the start, middle or end of any tensor, in any shard."""
+    model = str(fast_tmp_path / "m")
+    write_hf_checkpoint(model, random_tensors(rng, BIG), shards=2)
+    monkeypatch.setattr(identity, "_stat_line", lambda name, st: name.encode())
+    base = identity.seed_fingerprint(model)
+    for name in BIG:
+        path, off, nbytes = tensor_location(model, name)
+        for at in sorted(identity._tensor_sample_offsets(off, nbytes)):
+            with open(path, "r+b") as f:
+                f.seek(at)
+                b = f.read(1)
+                f.seek(at)
+                f.write(bytes([b[0] ^ 1]))
+            assert identity.seed_fingerprint(model) != base, (name, at)
+            with open(path, "r+b") as f:
+                f.seek(at)
+                f.write(b)
+            assert identity.seed_fingerprint(model) == base
 
 
 # --- the run -------------------------------------------------------------------------------------
