@@ -22,9 +22,11 @@ Staging (``StateDictStager``), checked and bounded:
   when the tensors are on CUDA);
 - CUDA tensors are compared on the device, bit for bit, with a device-resident snapshot of the
   last staged bytes; only the changed elements (positions and values) cross to the host, and
-  only tensors that changed since the last published version are handed to the core.
+  only tensors that changed since the last published version are handed to the core;
+- any strides a parameter can have (transposed, sliced) are staged: compared in row-major order.
 Invariant: the host buffers always equal the device snapshot; a tensor that changed after the
-last successful publish is handed to the core until a publish succeeds.
+last successful publish is handed to the core until a publish succeeds; the buffers of a stage
+that failed midway (``StagingError``) are never handed out: only a later complete stage's are.
 """
 
 from __future__ import annotations
@@ -62,6 +64,20 @@ class TorchPublishError(ValueError):
                          "carry the checkpoint's names, shapes and a castable dtype (gather sharded tensors first)")
 
 
+class StagingError(RuntimeError):
+    """Staging one tensor failed at run time (after every check passed): the cause, the tensor's
+    layout, and that nothing of this stage is handed out until a later ``stage`` succeeds."""
+
+    def __init__(self, name: str, tensor: torch.Tensor, cause: BaseException):
+        self.name, self.cause = name, cause
+        self.shape, self.stride = tuple(tensor.shape), tuple(tensor.stride())
+        self.dtype, self.device = str(tensor.dtype), str(tensor.device)
+        super().__init__(
+            f"staging {name} (shape {list(self.shape)}, strides {list(self.stride)}, {self.dtype} on {self.device}) "
+            f"failed: {type(cause).__name__}: {cause}. Nothing of this stage is handed to a publish; the next "
+            f"successful stage re-stages every tensor (stage again once the cause is fixed)")
+
+
 class StateDictStager:
     """HF-named tensors -> reusable host buffers in the checkpoint's dtypes (see the module doc)."""
 
@@ -75,23 +91,47 @@ class StateDictStager:
         self._device: dict[str, torch.Tensor] = {}  # CUDA: the last staged values, on the device
         self.dirty: set[str] = set(self.specs)  # changed since the last published version
         self.d2h_nbytes = 0  # bytes the last ``stage`` moved from the device to the host
+        self._torn: StagingError | None = None  # set: the last stage failed midway (buffers mix two steps)
 
     def stage(self, tensors: Mapping[str, torch.Tensor]) -> None:
-        """Cast and copy ``tensors`` into the host buffers (CUDA: only changed elements cross).
+        """Cast and copy ``tensors`` into the host buffers (device compare: only changed elements cross).
+
+        Every tensor of the checkpoint is staged each time, so a stage that succeeds leaves every
+        buffer at this step, whatever an earlier failed stage left behind.
 
         Raises:
-            TorchPublishError: a missing, unexpected or mis-shaped tensor, or an uncastable dtype;
-                nothing is staged then.
+            TorchPublishError: a missing, unexpected or mis-shaped tensor, an uncastable dtype, or a
+                layout that holds no plain values (sparse, meta); nothing is staged then.
+            StagingError: a copy or compare failed at run time (e.g. out of device memory); the
+                buffers are not handed out (``raw_tensors`` raises) until a later stage succeeds.
         """
         named = self._checked(tensors)
         self.d2h_nbytes = 0
         with torch.no_grad():
             for name, t in named.items():
-                if self._stage_one(name, t.detach()):
+                t = t.detach()
+                try:
+                    self._stage_one(name, t)
+                except Exception as e:  # noqa: BLE001 - typed below; the stager stays consistent
+                    # The tensor may be half-copied: forget its device snapshot (the next stage copies
+                    # it whole) and keep it dirty; the buffers now mix two steps, so none is handed out.
+                    self._device.pop(name, None)
                     self.dirty.add(name)
+                    self._torn = StagingError(name, t, e)
+                    raise self._torn from e
+        self._torn = None
+
+    def _refuse_if_torn(self) -> None:
+        if self._torn is not None:
+            raise self._torn
 
     def raw_tensors(self, names=None) -> dict[str, RawTensor]:
-        """The staged bytes as RawTensors (views of the host buffers), for ``names`` or all."""
+        """The staged bytes as RawTensors (views of the host buffers), for ``names`` or all.
+
+        Raises:
+            StagingError: the last stage failed midway (its error); stage again first.
+        """
+        self._refuse_if_torn()
         out = {}
         for name in (self.specs if names is None else names):
             spec, buf = self.specs[name], self._host[name]
@@ -100,7 +140,8 @@ class StateDictStager:
         return out
 
     def published_state_dict(self) -> dict[str, torch.Tensor]:
-        """The host buffers as tensors (checkpoint dtypes): the bytes staged last."""
+        """The host buffers as tensors (checkpoint dtypes): the bytes staged last (raises like ``raw_tensors``)."""
+        self._refuse_if_torn()
         return dict(self._host)
 
     def staging_nbytes(self) -> int:
@@ -115,11 +156,12 @@ class StateDictStager:
         for name, t in tensors.items():
             if name in self.specs:
                 named[name] = t
-                ptrs[(t.device, t.data_ptr())] = name
+                ptrs[_storage_key(t)] = name
+        ptrs.pop(None, None)
         for name, t in tensors.items():
             if name in self.specs:
                 continue
-            alias = ptrs.get((t.device, t.data_ptr()))
+            alias = ptrs.get(_storage_key(t))
             if alias is None:
                 problems.append(f"{name} is not in the checkpoint")
             # else: a tied alias (lm_head.weight sharing embed_tokens' storage) publishes as its twin
@@ -133,40 +175,56 @@ class StateDictStager:
                 problems.append(f"{name}: shape {list(t.shape)}, the checkpoint has {list(spec.shape)}")
             elif t.dtype.is_complex or (t.dtype.is_floating_point != dtype.is_floating_point):
                 problems.append(f"{name}: dtype {t.dtype} does not cast to the checkpoint's {spec.dtype}")
+            elif t.layout != torch.strided or t.is_meta:
+                problems.append(f"{name}: a {'meta' if t.is_meta else str(t.layout)} tensor holds no values to "
+                                f"publish (materialize it as a dense tensor first)")
         if problems:
             raise TorchPublishError(problems, self.hf_checkpoint)
         return named
 
-    def _stage_one(self, name: str, t: torch.Tensor) -> bool:
-        """Stage one tensor; whether its staged bytes changed (always True on the first stage)."""
+    def _stage_one(self, name: str, t: torch.Tensor) -> None:
+        """Stage one tensor, of any strides; marks it dirty when its staged bytes change.
+
+        Each step that can fail (casts, the compare, the transfers) runs before the host buffer and
+        the device snapshot are written, and the tensor is marked dirty before either is.
+        """
         spec = self.specs[name]
         dtype = ST_TO_TORCH[spec.dtype]
         host = self._host.get(name)
-        first = host is None
         if host is None:
             host = torch.empty(spec.shape, dtype=dtype, pin_memory=t.is_cuda and torch.cuda.is_available())
             self._host[name] = host
         if not (t.is_cuda if self.device_compare is None else self.device_compare):
-            host.copy_(t)  # the core's diff finds what changed
-            return True
-        cur = t.to(dtype)
+            self.dirty.add(name)  # the core's diff finds what changed
+            host.copy_(t)
+            return
+        # The snapshot and the flat views need row-major bytes; a transposed or sliced parameter
+        # (``.to`` and ``clone`` keep its strides) is made contiguous here, once per stage.
+        cur = t.to(dtype).contiguous()
         snap = self._device.get(name)
-        if first or snap is None:
-            host.copy_(cur)
-            self._device[name] = cur.clone()
+        if snap is None:  # first stage, or the last one failed on this tensor: copy it whole
+            fresh = cur.clone() if cur.data_ptr() == t.data_ptr() else cur  # never alias the parameter
+            self.dirty.add(name)
+            host.copy_(fresh)
+            self._device[name] = fresh
             self.d2h_nbytes += host.numel() * host.element_size()
-            return True
+            return
         bits = _BITS[cur.element_size()]
-        flat_cur, flat_snap = cur.reshape(-1), snap.view(-1)
+        flat_cur, flat_snap = cur.view(-1), snap.view(-1)
         changed = torch.nonzero(flat_cur.view(bits) != flat_snap.view(bits)).squeeze(1)
         if changed.numel() == 0:
-            return False
+            return
         values = flat_cur[changed]
-        flat_snap[changed] = values
         idx_host, values_host = changed.cpu(), values.cpu()
+        self.dirty.add(name)
+        flat_snap[changed] = values
         host.view(-1)[idx_host] = values_host
         self.d2h_nbytes += idx_host.numel() * idx_host.element_size() + values_host.numel() * values_host.element_size()
-        return True
+
+
+def _storage_key(t: torch.Tensor):
+    """Where a tensor's values live (None for a sparse or meta tensor: it has no data pointer)."""
+    return (t.device, t.data_ptr()) if t.layout == torch.strided and not t.is_meta else None
 
 
 class TorchWeightSync:
@@ -325,4 +383,4 @@ def _as_clients(engines: Any) -> Any:
     return engines
 
 
-__all__ = ["TorchWeightSync", "StateDictStager", "TorchPublishError"]
+__all__ = ["TorchWeightSync", "StateDictStager", "StagingError", "TorchPublishError"]

@@ -85,6 +85,9 @@ class UpdateWeightsFromPulledReqOutput(BaseReq, kw_only=True):
     pause_s: float = 0.0
     rolled_back: bool = False
     hosts: List[LiveHostResult] = msgspec.field(default_factory=list)
+    # what the mode was chosen by (live_results.choose_mode): the engine's estimated pause each way
+    live_estimate_s: Optional[float] = None
+    reload_estimate_s: Optional[float] = None
 
 
 class RankDigests(msgspec.Struct, kw_only=True):

@@ -10,6 +10,12 @@ Invariants:
   back exactly at the previous version after a failure on any of them.
 - ``reason`` is why the call reloaded (None for a live apply), prefixed with the rank that
   could not patch live.
+- The mode is chosen by measurement (``PauseCosts``, ``choose_mode``): each rank knows its last
+  reload's pause and its scatter cost per element, and votes both estimates for this update;
+  the engine goes live only where the live estimate (the slowest rank's) is below the reload
+  estimate. The changed-fraction threshold stays as the operator's cap (a staging above it is
+  refused on the rank). An estimate a rank has not measured yet (no reload, or no live apply
+  since start-up) is None, and then the cap alone decides; both estimates are in the reply.
 """
 
 from __future__ import annotations
@@ -31,6 +37,48 @@ class LiveDecision(msgspec.Struct, frozen=True):
     error_type: Optional[str] = None  # a refusal (bad request, forbidden): nobody does anything
     http_status: int = 200
     message: str = ""
+    elements: int = 0  # what a live apply would write on this rank
+    live_estimate_s: Optional[float] = None  # this rank's estimates for this update (PauseCosts)
+    reload_estimate_s: Optional[float] = None
+
+
+class PauseCosts:
+    """What one rank measured of its own pauses, for ``choose_mode``.
+
+    - the last reload's pause (sglang's ``update_weights_from_disk`` on this rank, from either
+      route: its cost does not depend on the version it loads);
+    - the scatter cost per element: total scatter seconds over total elements of the last
+      ``WINDOW`` live applies (weighted toward the large ones, which are the ones that decide;
+      a small one's fixed per-tensor cost makes it look slower per element, the safe side).
+
+    Both sides leave out what every mode pays (votes, gathers, the cache flush).
+    """
+
+    WINDOW = 8
+
+    def __init__(self) -> None:
+        self.reload_s: Optional[float] = None
+        self._scatters: list[tuple[int, float]] = []
+
+    def record_reload(self, seconds: float) -> None:
+        self.reload_s = float(seconds)
+
+    def record_scatter(self, elements: int, seconds: float) -> None:
+        if elements > 0:
+            self._scatters = (self._scatters + [(int(elements), float(seconds))])[-self.WINDOW:]
+
+    @property
+    def per_element_s(self) -> Optional[float]:
+        if not self._scatters:
+            return None
+        return sum(s for _, s in self._scatters) / sum(n for n, _ in self._scatters)
+
+    def live_estimate(self, elements: int) -> Optional[float]:
+        rate = self.per_element_s
+        return None if rate is None else elements * rate
+
+    def describe(self) -> dict:
+        return {"reload_s": self.reload_s, "scatter_s_per_element": self.per_element_s, "live_applies": len(self._scatters)}
 
 
 class _LiveOutcome(msgspec.Struct, kw_only=True):
@@ -58,11 +106,36 @@ class LiveHostResult(_LiveOutcome, kw_only=True):
     ranks: list[str]
 
 
+def engine_estimates(decisions: Sequence[LiveDecision]) -> tuple[Optional[float], Optional[float]]:
+    """``(live, reload)`` estimates of the engine's pause: the slowest rank's; None where some
+    rank has not measured it (or where no rank could go live: nothing to estimate)."""
+    def slowest(values: list) -> Optional[float]:
+        return None if not values or any(v is None for v in values) else max(values)
+
+    live = [d for d in decisions if d.live]
+    return (slowest([d.live_estimate_s for d in live]) if len(live) == len(decisions) else None,
+            slowest([d.reload_estimate_s for d in decisions]))
+
+
+def estimate_fields(decisions: Sequence[LiveDecision]) -> dict:
+    """The reply's ``live_estimate_s`` and ``reload_estimate_s`` for these votes."""
+    live, reload = engine_estimates(decisions)
+    return {"live_estimate_s": live, "reload_estimate_s": reload}
+
+
 def choose_mode(decisions: Sequence[LiveDecision]) -> tuple[str, Optional[str]]:
-    """``(mode, reason)`` all ranks follow: live only when every rank can."""
+    """``(mode, reason)`` all ranks follow: live only when every rank can, and (where both are
+    measured) when the live estimate is below the reload estimate."""
     for d in decisions:
         if not d.live:
             return RELOAD, f"{d.rank}: {d.reason}"
+    if not any(d.elements for d in decisions):
+        return LIVE, None  # nothing to write (already serving it)
+    live, reload = engine_estimates(decisions)
+    if live is not None and reload is not None and live >= reload:
+        elements = max(d.elements for d in decisions)
+        return RELOAD, (f"a reload is estimated faster: live {live:.4f}s ({elements} changed elements on the busiest "
+                        f"rank at the measured scatter rate) against {reload:.4f}s (the last reload's pause)")
     return LIVE, None
 
 
@@ -104,7 +177,8 @@ def merge_hosts(items: Sequence[LiveRankReport | LiveHostResult]) -> list[LiveHo
 
 
 def summarize(target_version: int, hosts: Sequence[LiveHostResult], *, error_type: Optional[str] = None,
-              http_status: int = 200, message: Optional[str] = None) -> dict:
+              http_status: int = 200, message: Optional[str] = None, live_estimate_s: Optional[float] = None,
+              reload_estimate_s: Optional[float] = None) -> dict:
     """The reply's fields (see ``UpdateWeightsFromPulledReqOutput``)."""
     hosts = list(hosts)
     ok = error_type is None and bool(hosts) and all(h.success and h.weight_version == target_version for h in hosts)
@@ -139,6 +213,8 @@ def summarize(target_version: int, hosts: Sequence[LiveHostResult], *, error_typ
         pause_s=max((h.pause_s for h in hosts), default=0.0),
         rolled_back=rolled_back,
         hosts=hosts,
+        live_estimate_s=live_estimate_s,
+        reload_estimate_s=reload_estimate_s,
     )
 
 

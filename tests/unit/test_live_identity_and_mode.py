@@ -1,0 +1,148 @@
+"""Live apply's decisions that need no engine: the live version's identity (which bytes the
+weights hold, issue 19 point 1), whether a reload names the version it loaded (point 2), and
+the mode chosen by measurement (point 13)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from sglang_patch import live_results as lr
+from sglang_patch.live_identity import (LiveVersion, ReloadWitness, from_held, is_serving, key_of_held,
+                                        reload_outcome, seed_version, why_not_base)
+
+SEED, OTHER_SEED = "f" * 32, "e" * 32
+SRC = "/src"
+
+
+def held(version, *, source=SRC, run="run-a", seed=SEED):
+    return SimpleNamespace(version=version, source_dir=source, run=run, seed=seed, how="marker")
+
+
+# --- identity ----------------------------------------------------------------------------------
+
+
+def test_a_chain_grown_from_a_replaced_seed_dir_is_never_patched_onto_the_start_up_weights():
+    live = seed_version(SEED)
+    assert why_not_base(live, held(2)) is None
+    why = why_not_base(live, held(2, seed=OTHER_SEED))
+    assert why is not None and "another seed" in why
+
+
+def test_a_new_run_under_the_same_source_path_is_never_patched_onto_the_old_runs_version():
+    live = from_held(held(2), "reload")
+    assert why_not_base(live, held(3)) is None
+    why = why_not_base(live, held(3, run="run-b"))
+    assert why is not None and "run run-a" in why and "run-b" in why
+    assert why_not_base(live, held(3, run=None)) is not None
+    assert "another source dir" in why_not_base(live, held(3, source="/other"))
+
+
+def test_a_new_run_whose_version_equals_the_live_one_is_not_already_served():
+    live = from_held(held(2), "reload")
+    assert is_serving(live, held(2))
+    assert not is_serving(live, held(2, run="run-b"))
+    assert not is_serving(live, held(2, seed=OTHER_SEED))
+    assert not is_serving(live, held(2, source="/other"))
+    assert not is_serving(None, held(2))
+
+
+def test_version_zero_is_the_seed_whatever_source_or_run_seeded_the_local_dir():
+    live = seed_version(SEED)
+    assert is_serving(live, held(0, run="any", source="/any"))
+    assert not is_serving(live, held(0, seed=OTHER_SEED))
+    assert from_held(held(0), "reload").key() == live.key()
+
+
+def test_a_live_version_without_a_seed_fingerprint_matches_nothing():
+    for live in (seed_version(None), seed_version("none"), LiveVersion(2, SRC, "how", "run-a", None)):
+        assert why_not_base(live, held(3)) is not None
+        assert not is_serving(live, held(live.version, seed=live.seed))
+
+
+# --- a reload names the version it loaded only when nothing moved --------------------------------
+
+
+def witness(h, *, path="/local", pull_running=False):
+    return ReloadWitness(path, key_of_held(h), pull_running)
+
+
+def test_a_reload_with_the_same_identity_before_and_after_and_no_pull_names_that_version():
+    assert reload_outcome(witness(held(3)), "/local", True, key_of_held(held(3)), False) is None
+
+
+def test_a_reload_overlapping_a_pull_leaves_the_live_version_unknown():
+    why = reload_outcome(witness(held(3), pull_running=True), "/local", True, key_of_held(held(3)), False)
+    assert why is not None and "/pull_weights was running" in why
+    why = reload_outcome(witness(held(3)), "/local", True, key_of_held(held(3)), True)
+    assert why is not None and "/pull_weights was running" in why
+
+
+def test_a_reload_whose_dir_changed_meanwhile_leaves_the_live_version_unknown():
+    for before, after in ((held(3), held(4)), (held(3), held(3, run="run-b")), (None, held(4)),
+                          (held(3), held(3, seed=OTHER_SEED))):
+        why = reload_outcome(witness(before), "/local", True, key_of_held(after), False)
+        assert why is not None and "changed during the reload" in why, (before, after)
+
+
+def test_a_failed_or_unwitnessed_reload_or_one_naming_nothing_leaves_it_unknown():
+    assert "failed" in reload_outcome(witness(held(3)), "/local", False, key_of_held(held(3)), False)
+    assert "names no verified version" in reload_outcome(witness(held(3)), "/local", True, None, False)
+    assert "not read before" in reload_outcome(None, "/local", True, key_of_held(held(3)), False)
+    assert "not read before" in reload_outcome(witness(held(3), path="/x"), "/local", True, key_of_held(held(3)), False)
+
+
+# --- the mode is chosen by measurement -----------------------------------------------------------
+
+
+def vote(rank, elements, live_s, reload_s, live=True):
+    return lr.LiveDecision(rank=rank, live=live, elements=elements, live_estimate_s=live_s, reload_estimate_s=reload_s,
+                           reason=None if live else "cannot")
+
+
+def test_live_is_chosen_only_where_its_estimate_is_below_the_reload_estimate():
+    assert lr.choose_mode([vote("tp0", 100, 0.01, 0.2), vote("tp1", 100, 0.02, 0.2)]) == (lr.LIVE, None)
+    mode, reason = lr.choose_mode([vote("tp0", 100, 0.01, 0.2), vote("tp1", 5000, 0.3, 0.2)])
+    assert mode == lr.RELOAD and "a reload is estimated faster" in reason and "0.3000s" in reason and "0.2000s" in reason
+    assert lr.estimate_fields([vote("tp0", 100, 0.01, 0.2), vote("tp1", 5000, 0.3, 0.25)]) == {
+        "live_estimate_s": 0.3, "reload_estimate_s": 0.25}
+
+
+def test_without_a_measurement_the_operators_cap_alone_decides_and_the_reply_says_none():
+    votes = [vote("tp0", 100, None, 0.2), vote("tp1", 100, 0.01, 0.2)]
+    assert lr.choose_mode(votes) == (lr.LIVE, None)
+    assert lr.estimate_fields(votes) == {"live_estimate_s": None, "reload_estimate_s": 0.2}
+    assert lr.choose_mode([vote("tp0", 100, 0.5, None)]) == (lr.LIVE, None)
+
+
+def test_a_rank_that_cannot_go_live_still_wins_over_the_estimates():
+    mode, reason = lr.choose_mode([vote("tp0", 100, 0.001, 10.0), vote("tp1", 0, None, 10.0, live=False)])
+    assert mode == lr.RELOAD and reason == "tp1: cannot"
+    assert lr.estimate_fields([vote("tp0", 100, 0.001, 10.0), vote("tp1", 0, None, 10.0, live=False)])["live_estimate_s"] is None
+
+
+def test_nothing_to_write_is_live_whatever_the_estimates():
+    assert lr.choose_mode([vote("tp0", 0, 0.5, 0.1)]) == (lr.LIVE, None)
+
+
+def test_pause_costs_estimate_from_the_last_reload_and_the_scatter_rate_of_recent_live_applies():
+    costs = lr.PauseCosts()
+    assert costs.live_estimate(1000) is None and costs.reload_s is None
+    costs.record_reload(0.3)
+    costs.record_reload(0.2)
+    assert costs.reload_s == 0.2
+    costs.record_scatter(1000, 0.001)
+    costs.record_scatter(3000, 0.005)
+    costs.record_scatter(0, 0.5)  # nothing written: no rate
+    assert costs.per_element_s == pytest.approx(0.006 / 4000)
+    assert costs.live_estimate(10_000) == pytest.approx(0.015)
+    for _ in range(lr.PauseCosts.WINDOW):
+        costs.record_scatter(1000, 0.01)
+    assert costs.per_element_s == pytest.approx(1e-5)  # only the last WINDOW count
+
+
+def test_the_reply_carries_both_estimates():
+    report = lr.LiveRankReport(host="h", rank="tp0", success=True, mode=lr.LIVE, weight_version=3)
+    fields = lr.summarize(3, lr.merge_hosts([report]), **lr.estimate_fields([vote("tp0", 10, 0.01, 0.2)]))
+    assert fields["success"] and fields["live_estimate_s"] == 0.01 and fields["reload_estimate_s"] == 0.2
