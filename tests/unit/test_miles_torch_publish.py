@@ -168,3 +168,202 @@ def test_a_restarted_trainer_continues_the_numbering_with_a_full_version(hf, mod
     assert (m.version, m.kind) == (4, "full") and "an earlier run" in m.reason
     expected = {n: t.detach().to(torch.bfloat16) for n, t in model.state_dict().items()}
     assert _assert_pulls_to(tmp_path / "local", hf, fresh.source_dir, 4, expected) == "seed"
+
+
+def _transposed(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The same values as ``t`` held with transposed strides (as a parameter tied to a .t() would be)."""
+    out = torch.empty(tuple(reversed(t.shape)), dtype=dtype).t()
+    out.copy_(t)
+    assert not out.is_contiguous()
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["cast", "checkpoint-dtype"])
+def test_a_transposed_parameter_is_staged_by_the_device_compare_like_any_other(hf, model, dtype):
+    on_device, plain = StateDictStager(hf, device_compare=True), StateDictStager(hf)
+    name = "model.layers.0.mlp.up_proj.weight"
+    weight = model.model.layers[0].mlp.up_proj.weight
+
+    def state():
+        return {**model.state_dict(), name: _transposed(weight.detach(), dtype)}
+
+    for k in range(3):  # the first stage copies whole; the later ones compare (where it used to raise)
+        with torch.no_grad():
+            weight[k, :3] += 1.0
+        on_device.dirty.clear()
+        for stager in (on_device, plain):
+            stager.stage(state())
+        assert on_device.dirty == ({name} if k else set(on_device.specs))
+        staged = on_device.published_state_dict()
+        for n, t in plain.published_state_dict().items():
+            assert torch.equal(staged[n].view(torch.uint8), t.view(torch.uint8)), (k, n)
+    assert on_device.d2h_nbytes <= 3 * (8 + 2)  # the compare moved only the three changed elements
+
+
+class _FailingCopy(torch.Tensor):
+    """A parameter whose copies fail while ``armed`` (a device error: no other way on the CPU)."""
+
+    armed = False
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if cls.armed and getattr(func, "__name__", "") in ("to", "copy_"):
+            raise RuntimeError("CUDA error: an illegal memory access was encountered (injected)")
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
+@pytest.mark.parametrize("device_compare", [True, None], ids=["device-compare", "plain"])
+def test_a_stage_failing_midway_is_typed_and_hands_out_nothing_until_a_stage_succeeds(hf, model, device_compare):
+    from miles_updater.torch_publish import StagingError
+
+    stager, reference = StateDictStager(hf, device_compare=device_compare), StateDictStager(hf)
+    early, failing = "model.embed_tokens.weight", "model.layers.1.mlp.down_proj.weight"
+    assert list(stager.specs).index(early) < list(stager.specs).index(failing) or early in model.state_dict()
+    stager.stage(model.state_dict())
+    stager.dirty.clear()  # v1 published
+    with torch.no_grad():
+        model.model.embed_tokens.weight[0, :4] += 1.0  # staged before the failing tensor
+        model.model.layers[1].mlp.down_proj.weight[0, :4] += 1.0
+    state = dict(model.state_dict())
+    state[failing] = state[failing].as_subclass(_FailingCopy)
+    _FailingCopy.armed = True
+    try:
+        with pytest.raises(StagingError) as e:
+            stager.stage(state)
+    finally:
+        _FailingCopy.armed = False
+    assert e.value.name == failing and "illegal memory access" in str(e.value)
+    assert "strides" in str(e.value) and "stage again" in str(e.value)
+    with pytest.raises(StagingError):  # the buffers mix two steps: none is handed to a publish
+        stager.raw_tensors()
+    with pytest.raises(StagingError):
+        stager.published_state_dict()
+    stager.stage(model.state_dict())  # the cause is gone: a complete stage
+    for s in (reference,):
+        s.stage(model.state_dict())
+    assert {early, failing} <= stager.dirty  # both reach the core, though `early` did not change again
+    staged = stager.raw_tensors()
+    for n, t in reference.raw_tensors().items():
+        assert bytes(staged[n].data) == bytes(t.data), n
+
+
+def test_a_meta_or_sparse_tensor_is_refused_before_anything_is_staged(hf, model):
+    stager = StateDictStager(hf, device_compare=True)
+    state = dict(model.state_dict())
+    state["model.norm.weight"] = torch.empty(state["model.norm.weight"].shape, device="meta")
+    state["model.layers.0.mlp.up_proj.weight"] = state["model.layers.0.mlp.up_proj.weight"].to_sparse()
+    with pytest.raises(TorchPublishError, match="model.norm.weight: a meta tensor") as e:
+        stager.stage(state)
+    assert "model.layers.0.mlp.up_proj.weight: a torch.sparse_coo tensor" in str(e.value)
+    assert stager.published_state_dict() == {}  # nothing was staged
+
+
+# --- one contract for a version whose publish failed (issue 21 point 1) ----------------------------
+
+
+def _bf16(model) -> dict:
+    return {n: t.detach().to(torch.bfloat16).clone() for n, t in model.state_dict().items()}
+
+
+def _fail_index_writes(monkeypatch, version: int) -> dict:
+    """ENOSPC on ``version``'s index write until ``state["on"]`` is cleared (the disk recovers)."""
+    import os
+
+    import weightsync.publish as publish_mod
+
+    real, state = publish_mod.write_bytes, {"on": True, "hits": 0}
+
+    def failing(path, data, **kw):
+        if state["on"] and path.endswith(os.path.join(f"weight_v{version:06d}", "model.safetensors.index.json")):
+            state["hits"] += 1
+            raise OSError(errno.ENOSPC, "No space left on device", path)
+        return real(path, data, **kw)
+
+    monkeypatch.setattr(publish_mod, "write_bytes", failing)
+    return state
+
+
+def test_after_every_index_write_of_a_version_failed_the_next_publish_finishes_it_then_publishes_a_delta(
+        hf, model, tmp_path, monkeypatch):
+    sync = TorchWeightSync(str(tmp_path / "shared"), hf, retry_backoff_s=0.0, publish_attempts=2)
+    _step(model, 1)
+    sync.publish(model)
+    at = {1: _bf16(model)}
+    _step(model, 2)
+    disk = _fail_index_writes(monkeypatch, 2)
+    with pytest.raises(OSError, match="No space left"):
+        sync.publish(model)
+    assert disk["hits"] == 2 and sync.version == 1 and sync.publisher.pending_version == 2
+    at[2] = _bf16(model)  # what v2 was staged with
+    _step(model, 3)
+    with pytest.raises(OSError):  # the disk has not recovered: still pending, still v2 next
+        sync.publish(model)
+    assert sync.publisher.pending_version == 2
+    disk["on"] = False  # recovered
+    _step(model, 4)
+    m = sync.publish(model)
+    at[3] = _bf16(model)
+    assert (m.version, m.kind) == (3, "delta")
+    finished = [h for h in sync.history if h.version == 2]
+    assert len(finished) == 1 and "finishing v2" in finished[0].reason
+    assert [h.version for h in sync.history] == [1, 2, 3]
+    local = tmp_path / "local"
+    assert _assert_pulls_to(local, hf, sync.source_dir, 1, at[1]) == "seed+chain"
+    assert _assert_pulls_to(local, hf, sync.source_dir, 2, at[2]) == "chain"  # the staged bytes, not step 3's or 4's
+    assert _assert_pulls_to(local, hf, sync.source_dir, 3, at[3]) == "chain"
+    sync.close()
+
+
+def test_a_prune_failing_after_the_index_landed_counts_the_version_as_published(hf, model, tmp_path):
+    sync = TorchWeightSync(str(tmp_path / "shared"), hf, retry_backoff_s=0.0, publish_attempts=2)
+    sync.start()
+    prune, failures = sync.publisher.retention.prune, {"left": 1}
+
+    def flaky_prune():
+        if failures["left"] > 0:
+            failures["left"] -= 1
+            raise OSError(errno.EIO, "Input/output error while pruning")
+        return prune()
+
+    sync.publisher.retention.prune = flaky_prune
+    _step(model, 1)
+    m = sync.publish(model)  # the retry within the call recognises v1 as published
+    assert (m.version, m.publish_attempts) == (1, 2)
+    at = {1: _bf16(model)}
+    failures["left"] = 2  # every attempt at v2 fails after its index landed
+    _step(model, 2)
+    with pytest.raises(OSError, match="while pruning"):
+        sync.publish(model)
+    at[2] = _bf16(model)
+    assert sync.version == 1 and sync.publisher.version == 2  # on disk, not yet counted by the trainer
+    _step(model, 3)
+    m = sync.publish(model)  # v2 is counted (pruning redone), then the new weights are v3
+    at[3] = _bf16(model)
+    assert (m.version, m.kind) == (3, "delta")
+    assert [h.version for h in sync.history] == [1, 2, 3]
+    local = tmp_path / "local"
+    for v in (1, 2, 3):
+        _assert_pulls_to(local, hf, sync.source_dir, v, at[v])
+    sync.close()
+
+
+def test_a_publish_failing_before_any_shard_was_written_publishes_that_number_with_the_next_weights(
+        hf, model, tmp_path):
+    sync = TorchWeightSync(str(tmp_path / "shared"), hf, retry_backoff_s=0.0, publish_attempts=2)
+    sync.start()
+    real = sync.publisher.encoder.prepare
+
+    def encoder_out_of_memory(*a, **kw):
+        raise MemoryError("encoder ran out of memory")
+
+    sync.publisher.encoder.prepare = encoder_out_of_memory
+    _step(model, 1)
+    with pytest.raises(MemoryError):
+        sync.publish(model)
+    assert sync.publisher.pending_version is None  # nothing was written: nothing to finish
+    sync.publisher.encoder.prepare = real
+    _step(model, 2)
+    m = sync.publish(model)
+    assert (m.version, m.kind) == (1, "delta")
+    _assert_pulls_to(tmp_path / "local", hf, sync.source_dir, 1, _bf16(model))
+    sync.close()
