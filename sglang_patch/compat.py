@@ -14,10 +14,13 @@ Differences found (each row is one function below):
 |------------------------------|-----------------------------------------------------|-------------------------------------|
 | answer a control request     | ``scheduler.ipc_channels.send_to_tokenizer.send_output`` | ``scheduler.send_control_output`` |
 | this scheduler's DP rank     | ``scheduler.ps.dp_rank`` (``ParallelContext`` has none) | ``get_parallel().dp_rank``       |
+| flush the cache after an update | ``flush_cache_after_weight_update(req)``: None, asserts | ``(req, success, message)`` -> ``(ok, message)`` |
+| record the weight version    | on the tokenizer only (no scheduler method)         | ``record_weight_version_after_update(v)`` |
 """
 
 from __future__ import annotations
 
+import inspect
 from typing import Any, Callable, Optional
 
 
@@ -41,3 +44,29 @@ def dp_rank_of(scheduler: Any, parallel: Any) -> Optional[int]:
     except Exception:  # 0.5.16: no such attribute; the scheduler keeps its own parallel state
         rank = getattr(getattr(scheduler, "ps", None), "dp_rank", None)
     return None if rank is None else int(rank)
+
+
+def flush_cache_after_weight_update(manager: Any, request: Any, message: str) -> tuple[bool, str]:
+    """Flush the cache the old weights produced, as sglang does after its own updates; never raises.
+
+    0.5.23: ``flush_cache_after_weight_update(recv_req, success, message) -> (ok, message)`` (a
+    flush refused because requests still run fails the call); 0.5.16:
+    ``flush_cache_after_weight_update(recv_req)`` returns None and asserts that the flush happened.
+    """
+    flush = manager.flush_cache_after_weight_update
+    try:
+        if len(inspect.signature(flush).parameters) >= 3:
+            ok, out = flush(request, True, message)
+            return bool(ok), str(out)
+        flush(request)
+        return True, message
+    except Exception as exc:  # 0.5.16's assertion, or anything the flush raised
+        return False, f"the cache could not be flushed after the update: {type(exc).__name__}: {exc}"
+
+
+def record_weight_version(manager: Any, version: int) -> None:
+    """Tell the scheduler the weight version it now serves (0.5.23; 0.5.16 keeps it on the tokenizer
+    only, where ``tokenizer_side`` sets it once the call succeeded)."""
+    record = getattr(manager, "record_weight_version_after_update", None)
+    if record is not None:
+        record(str(version))

@@ -60,7 +60,7 @@ def reply_fields(output: PullWeightsReqOutput) -> dict:
 
 from typing import Any, Dict  # noqa: E402
 
-from .live_results import LiveHostResult  # noqa: E402
+from .live_results import LiveDecision, LiveHostResult, LiveRankReport  # noqa: E402
 
 
 class UpdateWeightsFromPulledReqInput(BaseReq, kw_only=True):
@@ -70,6 +70,11 @@ class UpdateWeightsFromPulledReqInput(BaseReq, kw_only=True):
     target_version: int
     flush_cache: bool = True
     torch_empty_cache: bool = False  # read by sglang's own post-update flush
+    # the engine-wide transaction (``live_transaction``): which phase, of which transaction, and
+    # why (a reload's or a rollback's reason, decided on the tokenizer from every rank's items)
+    phase: str = "vote"
+    txn: str = ""
+    reason: Optional[str] = None
 
 
 class UpdateWeightsFromPulledReqOutput(BaseReq, kw_only=True):
@@ -88,6 +93,9 @@ class UpdateWeightsFromPulledReqOutput(BaseReq, kw_only=True):
     # what the mode was chosen by (live_results.choose_mode): the engine's estimated pause each way
     live_estimate_s: Optional[float] = None
     reload_estimate_s: Optional[float] = None
+    # one phase's items of every rank of the DP group (every stage), for the tokenizer's decision
+    votes: List[LiveDecision] = msgspec.field(default_factory=list)
+    reports: List[LiveRankReport] = msgspec.field(default_factory=list)
 
 
 class RankDigests(msgspec.Struct, kw_only=True):
@@ -120,7 +128,7 @@ def register_live_types(*_ignored) -> None:
 
 
 def live_reply_fields(output: UpdateWeightsFromPulledReqOutput) -> dict:
-    skip = ("rid", "http_worker_ipc")
+    skip = ("rid", "http_worker_ipc", "votes", "reports")
     return {f: getattr(output, f) for f in UpdateWeightsFromPulledReqOutput.__struct_fields__ if f not in skip}
 
 

@@ -38,6 +38,7 @@ import os
 import sys
 import threading
 import time
+from dataclasses import dataclass
 from typing import Any, Callable, Iterator, NamedTuple, Optional
 
 import weightsync.codecs.positions as positions
@@ -47,8 +48,9 @@ from weightsync.lock import shared_host_lock
 from . import compat
 from . import live_results as lr
 from .coordinate_map import CheckpointReader, CoordinateMap, build_coordinate_map, prove_map_steps
-from .live_patch import (StagedUpdate, StagingRefused, finish_staging_steps, one_intra_op_thread, reload_only_reasons,
-                         scatter_with_undo, undo_log_steps)
+from . import live_transaction as tx
+from .live_patch import (RestoreFailed, StagedUpdate, StagingRefused, UndoLog, finish_staging_steps, one_intra_op_thread,
+                         reload_only_reasons, scatter_with_undo, undo_log_steps)
 from .live_stage import Patch, StageJob, StageReply
 from .loop_slices import LoopSlices, LoopWorkTimeout, drain
 from .paths import ALLOWED_ROOTS_FLAG
@@ -72,9 +74,23 @@ class InjectedFault(RuntimeError):
     """The test-only fault of ``WEIGHTSYNC_TEST_FAULT_DIR``."""
 
 
-def fault_file(rank: str) -> Optional[str]:
+def fault_file(rank: str, prefix: str = "live-apply-fault-") -> Optional[str]:
     directory = os.environ.get(FAULT_DIR_ENV)
-    return os.path.join(directory, "live-apply-fault-" + rank.replace("/", "_")) if directory else None
+    return os.path.join(directory, prefix + rank.replace("/", "_")) if directory else None
+
+
+@dataclass
+class _Txn:
+    """This rank's part of one engine-wide transaction, from its vote to its commit or rollback."""
+
+    id: str
+    start: float  # when this rank saw the vote (the pause, as this rank sees it)
+    staged: Optional[StagedUpdate] = None
+    undo: Optional[UndoLog] = None
+    written: int = 0
+    scatter_s: float = 0.0
+    restore_failure: Optional[str] = None  # why this rank is not restored (it must reload)
+    before_restore: Optional[Callable[[int, str], None]] = None
 
 
 def digest_params(model: Any, names: Optional[list] = None) -> dict[str, str]:
@@ -94,7 +110,7 @@ class LiveApplyState:
     """One scheduler rank's live-apply state (see the module docstring)."""
 
     def __init__(self, *, scheduler: Any, group: Any, host: str, rank: str, seed_dir: Optional[str],
-                 allowed_roots: tuple, max_changed_fraction: float) -> None:
+                 allowed_roots: tuple, max_changed_fraction: float, gather: Optional[tx.StageGather] = None) -> None:
         self.scheduler = scheduler
         self.group = group
         self.host = host
@@ -113,6 +129,9 @@ class LiveApplyState:
         self._map_thread: Optional[threading.Thread] = None
         self.staged: Optional[StagedUpdate] = None
         self._voted: Optional[StagedUpdate] = None
+        self._txn: Optional[_Txn] = None
+        # one phase's items of every pipeline stage, to stage 0's entry rank (live_transaction)
+        self.gather = gather or tx.StageGather(pp_rank=0, pp_size=1, leader=True, channel=None, send=lambda o, r: None)
         self.stage_reason: Optional[str] = "nothing staged yet (pull the target version first)"
         self._phase: dict[str, float] = {}  # seconds into the last update call, per step (logged)
         # staging's engine half and the proof (see loop_slices)
@@ -399,90 +418,152 @@ class LiveApplyState:
         return bool(coordinator is not None and coordinator.is_pending)
 
     def handle_update(self, request: Any) -> Any:
-        """``UpdateWeightsFromPulledReqInput`` -> the DP group's reply (every rank; entry rank sends)."""
-        start = time.perf_counter()
-        target = getattr(request, "target_version", -1)
-        with _no_gc_pause(), _short_gil_switches():
-            return self._handle_update(request, start, target)
-
-    def _handle_update(self, request: Any, start: float, target: int) -> Any:
+        """One phase of the engine-wide transaction (``live_transaction``) on this rank: every TP
+        rank of the stage runs it at the same loop iteration (sglang broadcasts the request); the
+        stage's items go to stage 0's entry rank, which replies for the DP group."""
         from .io_types import UpdateWeightsFromPulledReqOutput
 
-        try:
-            vote = self._vote(request)
-            self._phase = {"vote": time.perf_counter() - start}
-            votes = self._all_gather(vote)
-            self._phase["votes_gathered"] = time.perf_counter() - start
-            refusal = lr.first_refusal(votes)
-            if refusal is not None:
-                fields = lr.summarize(target, [], error_type=refusal.error_type, http_status=refusal.http_status,
-                                      message=refusal.message)
-                return UpdateWeightsFromPulledReqOutput(**fields)
-            mode, reason = lr.choose_mode(votes)
-            if mode == lr.LIVE:
-                report = self._apply_live(request, start)
-            else:
-                report = self._reload(request, reason, start)
-            self._phase["applied"] = time.perf_counter() - start
-            reports = self._all_gather(report)
-            self._phase["reports_gathered"] = time.perf_counter() - start
-            log.info("live apply %s: v%s %s in %.3fs: %s", self.rank, target, report.mode, self._phase["reports_gathered"],
-                     ", ".join(f"{k} {v:.4f}" for k, v in self._phase.items()))
-            fields = lr.summarize(target, lr.merge_hosts(reports))
-        except Exception as exc:  # never into the scheduler
-            log.exception("live apply %s: the update failed", self.rank)
-            fields = lr.summarize(target, [], message=f"update_weights_from_pulled failed inside the scheduler: "
-                                                      f"{type(exc).__name__}: {exc}")
-        return UpdateWeightsFromPulledReqOutput(**fields)
+        start = time.perf_counter()
+        phase = getattr(request, "phase", tx.VOTE)
+        with _no_gc_pause(), _short_gil_switches():
+            try:
+                item = self._run_phase(request, phase, start)
+            except Exception as exc:  # never into the scheduler; the rank still joins the gather
+                log.exception("live apply %s: phase %s failed", self.rank, phase)
+                item = self._phase_failure(phase, f"update_weights_from_pulled failed inside the scheduler: "
+                                                  f"{type(exc).__name__}: {exc}", start)
+            items = self._all_gather(item)
+        timeout_s = self.gather.timeout_s
 
-    def _apply_live(self, request: Any, start: float) -> lr.LiveRankReport:
+        def make_output(all_items: list, missing: list) -> Any:
+            if phase == tx.VOTE:
+                votes = all_items + [tx.missing_stage_vote(k, timeout_s) for k in missing]
+                return UpdateWeightsFromPulledReqOutput(success=True, message="", votes=votes)
+            reports = all_items + [tx.missing_stage_report(k, phase, timeout_s) for k in missing]
+            return UpdateWeightsFromPulledReqOutput(success=all(r.success for r in reports), message="", reports=reports)
+
+        return self.gather.finish(request, f"{getattr(request, 'txn', '')}/{phase}", items, make_output)
+
+    def _run_phase(self, request: Any, phase: str, start: float) -> Any:
+        if phase == tx.VOTE:
+            self._txn = _Txn(getattr(request, "txn", ""), start)
+            return self._vote(request)
+        txn = self._txn
+        if txn is None or txn.id != getattr(request, "txn", ""):
+            return self._phase_failure(phase, f"phase {phase} of a transaction this rank did not vote in", start)
+        if phase == tx.APPLY:
+            return self._apply_live(request, txn)
+        if phase == tx.COMMIT:
+            return self._commit(txn)
+        if phase == tx.ROLLBACK:
+            return self._rollback(txn, request.reason or "another rank failed")
+        if phase == tx.RELOAD:
+            self._txn = None
+            return self._reload(request, request.reason, txn.start)
+        return self._phase_failure(phase, f"unknown phase {phase!r}", start)
+
+    def _phase_failure(self, phase: str, message: str, start: float) -> Any:
+        if phase == tx.VOTE:
+            return lr.LiveDecision(rank=self.rank, live=False, error_type="internal_error", http_status=500, message=message)
+        return lr.LiveRankReport(host=self.host, rank=self.rank, success=False, mode=lr.LIVE, message=message,
+                                 pause_s=time.perf_counter() - start)
+
+    def _apply_live(self, request: Any, txn: "_Txn") -> lr.LiveRankReport:
+        """Write what this rank voted on, keep the undo log, flush the cache; commit nothing yet."""
         staged = self._voted  # what this rank voted on, even if a pull thread replaced it since
-        assert staged is not None
+        if staged is None:
+            return self._phase_failure(tx.APPLY, "this rank voted for no live update", txn.start)
+        txn.staged = staged
         fault = fault_file(self.rank)
+        restore_fault = fault_file(self.rank, "live-restore-fault-")
 
         def before_write(k: int, param: str) -> None:
             if fault and k == len(staged.patches) // 2 and os.path.exists(fault):
                 os.unlink(fault)
                 raise InjectedFault(f"injected fault on {self.rank} while writing {param} (patch {k} of {len(staged.patches)})")
 
-        undo, error, written = None, None, 0
+        def before_restore(k: int, param: str) -> None:
+            if restore_fault and k == len(staged.patches) // 2 and os.path.exists(restore_fault):
+                os.unlink(restore_fault)
+                raise InjectedFault(f"injected fault on {self.rank} while restoring {param}")
+
+        txn.before_restore = before_restore
         t0 = time.perf_counter()
         try:
-            undo, written = scatter_with_undo(staged, before_write=before_write)
+            txn.undo, txn.written = scatter_with_undo(staged, before_write=before_write, before_restore=before_restore)
+        except RestoreFailed as exc:
+            txn.restore_failure = exc.result.describe()
+            log.error("live apply %s: scatter failed and this rank was not restored: %s", self.rank, exc)
+            return self._phase_failure(tx.APPLY, f"{exc}", txn.start)
         except Exception as exc:
             log.warning("live apply %s: scatter failed, this rank restored: %s", self.rank, exc)
-            error = f"{type(exc).__name__}: {exc}"
-        scatter_s = time.perf_counter() - t0
-        self._phase["scattered"] = time.perf_counter() - start
-        outcomes = self._all_gather(error)
-        self._phase["outcomes_gathered"] = time.perf_counter() - start
-        failed = [(i, e) for i, e in enumerate(outcomes) if e is not None]
-        if failed:
-            if undo is not None:
-                undo.restore()
-            message = "; ".join(f"rank {i}: {e}" for i, e in failed)
-            log.warning("live apply %s: rolled back v%d -> v%d: %s", self.rank, staged.to_version, staged.from_version, message)
-            return lr.LiveRankReport(
-                host=self.host, rank=self.rank, success=False, mode=lr.LIVE, message=f"live apply failed, rolled back: {message}",
-                weight_version=self.live.version if self.live else None, pause_s=time.perf_counter() - start,
-                rolled_back=True, stage_s=staged.stage_s, staged_nbytes=staged.nbytes,
-            )
-        manager = self.scheduler.weight_updater
-        ok, message = manager.flush_cache_after_weight_update(request, True, f"patched {written} elements live")
-        manager.record_weight_version_after_update(str(staged.to_version))
-        self._phase["flushed"] = time.perf_counter() - start
+            return self._phase_failure(tx.APPLY, f"{type(exc).__name__}: {exc}", txn.start)
+        txn.scatter_s = time.perf_counter() - t0
+        ok, message = compat.flush_cache_after_weight_update(self.scheduler.weight_updater, request,
+                                                             f"patched {txn.written} elements live")
+        self._phase["scattered"] = time.perf_counter() - txn.start
+        return lr.LiveRankReport(
+            host=self.host, rank=self.rank, success=ok, mode=lr.LIVE, message=message,
+            weight_version=staged.to_version, elements_scattered=txn.written, pause_s=time.perf_counter() - txn.start,
+            scatter_s=txn.scatter_s, stage_s=staged.stage_s, staged_nbytes=staged.nbytes,
+        )
+
+    def _commit(self, txn: "_Txn") -> lr.LiveRankReport:
+        """Every rank applied: this rank takes the new version."""
+        staged = txn.staged
+        if staged is None or txn.undo is None:
+            return self._phase_failure(tx.COMMIT, "this rank applied nothing to commit", txn.start)
+        compat.record_weight_version(self.scheduler.weight_updater, staged.to_version)
+        self._take_applied_version(staged)
+        _release_later(self._voted)
+        self._voted, self._txn = None, None
+        pause_s = time.perf_counter() - txn.start
+        log.info("live apply %s: v%d committed, %d elements, pause %.4fs (scatter %.4fs)", self.rank, staged.to_version,
+                 txn.written, pause_s, txn.scatter_s)
+        return lr.LiveRankReport(
+            host=self.host, rank=self.rank, success=True, mode=lr.LIVE, message=f"patched {txn.written} elements live",
+            weight_version=staged.to_version, elements_scattered=txn.written, pause_s=pause_s,
+            scatter_s=txn.scatter_s, stage_s=staged.stage_s, staged_nbytes=staged.nbytes,
+        )
+
+    def _take_applied_version(self, staged: StagedUpdate) -> None:
         with self._lock:
             self.generation += 1
             self.live = LiveVersion(staged.to_version, staged.source_dir, f"live apply from {staged.local_checkpoint_dir}")
             self.live_reason = ""
             self.staged = None
             self.stage_reason = f"v{staged.to_version} was applied; nothing staged since"
-        _release_later(self._voted)
-        self._voted = None
+
+    def _rollback(self, txn: "_Txn", reason: str) -> lr.LiveRankReport:
+        """Some rank failed: write this rank's undo log back and check it. The staged update is
+        kept, so a retry can succeed; a rank that is not restored holds an unknown version."""
+        staged = txn.staged
+        if txn.undo is not None:
+            result = txn.undo.restore(before_write=txn.before_restore)
+            txn.undo = None
+            if not result.restored:
+                txn.restore_failure = result.describe()
+        self._txn = None
+        if txn.restore_failure is not None:
+            with self._lock:
+                self.generation += 1
+                self.staged, self.live, self.live_dir = None, None, None
+                self.live_reason = f"a live apply's restore failed on this rank ({txn.restore_failure})"
+                self.stage_reason = self.live_reason
+            log.error("live apply %s: NOT restored: %s", self.rank, txn.restore_failure)
+            return lr.LiveRankReport(
+                host=self.host, rank=self.rank, success=False, mode=lr.LIVE, rolled_back=False,
+                message=f"live apply failed ({reason}) and this rank was {txn.restore_failure}",
+                pause_s=time.perf_counter() - txn.start,
+            )
+        live = self.live
+        log.warning("live apply %s: rolled back%s: %s", self.rank,
+                    f" v{staged.to_version} -> v{staged.from_version}" if staged else "", reason)
         return lr.LiveRankReport(
-            host=self.host, rank=self.rank, success=ok, mode=lr.LIVE, message=message,
-            weight_version=staged.to_version, elements_scattered=written, pause_s=time.perf_counter() - start,
-            scatter_s=scatter_s, stage_s=staged.stage_s, staged_nbytes=staged.nbytes,
+            host=self.host, rank=self.rank, success=False, mode=lr.LIVE, rolled_back=True,
+            message=f"live apply failed, rolled back: {reason}", weight_version=live.version if live else None,
+            pause_s=time.perf_counter() - txn.start, stage_s=staged.stage_s if staged else 0.0,
+            staged_nbytes=staged.nbytes if staged else 0,
         )
 
     def _reload(self, request: Any, reason: Optional[str], start: float) -> lr.LiveRankReport:
@@ -604,20 +685,25 @@ def make_state(scheduler: Any) -> LiveApplyState:
 
     from . import results
     from .coordinator import SingleRankGroup
-    from .scheduler_side import TorchCpuGroup, resolve_seed_dir
+    from .scheduler_side import TorchCpuGroup, rank_label, resolve_seed_dir, stage_channel
     from .server_flags import options_of
 
     server_args = scheduler.server_args
     parallel = get_parallel()
-    tp_size = int(parallel.tp_size)
+    tp_size, tp_rank = int(parallel.tp_size), int(parallel.tp_rank)
+    pp_size, pp_rank = int(getattr(parallel, "pp_size", 1) or 1), int(getattr(parallel, "pp_rank", 0) or 0)
     group = TorchCpuGroup(parallel.tp_group.cpu_group, tp_size) if tp_size > 1 else SingleRankGroup()
     dp_rank = compat.dp_rank_of(scheduler, parallel)
     options = options_of(server_args)
+    gather = tx.StageGather(pp_rank=pp_rank, pp_size=pp_size, leader=tp_rank == 0,
+                            channel=stage_channel() if pp_size > 1 else None,
+                            send=compat.control_output_sender(scheduler))
     return LiveApplyState(
         scheduler=scheduler,
         group=group,
+        gather=gather,
         host=results.host_label(int(getattr(server_args, "node_rank", 0) or 0)),
-        rank=f"dp{dp_rank if dp_rank is not None else 0}/tp{int(parallel.tp_rank)}",
+        rank=rank_label(dp_rank or 0, pp_rank, pp_size, tp_rank),
         seed_dir=resolve_seed_dir(server_args.model_path, getattr(server_args, "download_dir", None)),
         allowed_roots=options.allowed_roots,
         max_changed_fraction=options.live_max_changed_fraction,
@@ -661,6 +747,7 @@ def _after_process_input_requests(result, scheduler, *args, **kwargs):
     if state is not None:
         if state._map_thread is None:
             state.ensure_map_started()
+        state.gather.poll()
         state.loop.run_slice()
 
 

@@ -113,7 +113,7 @@ def make_coordinator(scheduler: Any) -> PullCoordinator:
     dp_rank = compat.dp_rank_of(scheduler, parallel)
     host = results.host_label(int(getattr(server_args, "node_rank", 0) or 0))
     rank = rank_label(dp_rank or 0, pp_rank, pp_size, tp_rank)
-    stage = Stage(pp_rank=pp_rank, pp_size=pp_size, leader=tp_rank == 0, channel=_stage_channel() if pp_size > 1 else None)
+    stage = Stage(pp_rank=pp_rank, pp_size=pp_size, leader=tp_rank == 0, channel=stage_channel() if pp_size > 1 else None)
     seed_dir = resolve_seed_dir(server_args.model_path, getattr(server_args, "download_dir", None))
     options = options_of(server_args)
     log.info(
@@ -145,7 +145,7 @@ def rank_label(dp_rank: int, pp_rank: int, pp_size: int, tp_rank: int) -> str:
     return f"dp{dp_rank}/pp{pp_rank}/tp{tp_rank}" if pp_size > 1 else f"dp{dp_rank}/tp{tp_rank}"
 
 
-def _stage_channel() -> StoreStageChannel:
+def stage_channel() -> StoreStageChannel:
     import torch.distributed as dist
 
     return StoreStageChannel(dist.distributed_c10d._get_default_store())

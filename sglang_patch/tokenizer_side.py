@@ -127,22 +127,31 @@ DIGEST_COMMUNICATOR_NAME = "weights_digest"
 
 
 async def update_weights_from_pulled(tokenizer_manager: Any, request):
-    """Fan the update out to every DP group while generation is held off, like sglang's
-    ``update_weights_from_disk`` (the model-update writer lock, unless the engine is paused)."""
+    """Run the update as one transaction over every DP group (``live_transaction``) while
+    generation is held off, like sglang's ``update_weights_from_disk`` (the model-update writer
+    lock, unless the engine is paused): the lock is held from the vote to the commit or rollback."""
     from contextlib import nullcontext
 
+    import msgspec
+
     from . import live_results
-    from .io_types import UpdateWeightsFromPulledReqOutput, live_reply_fields
+    from . import live_transaction as tx
+    from .io_types import UpdateWeightsFromPulledReqOutput
 
     tokenizer_manager.auto_create_handle_loop()
     async with tokenizer_manager.is_pause_cond:
         paused = tokenizer_manager.is_pause
     lock = tokenizer_manager.model_update_lock.writer_lock if not paused else nullcontext()
     start = time.monotonic()
+    txn = tx.new_transaction_id()
+    communicator = getattr(tokenizer_manager, f"{LIVE_COMMUNICATOR_NAME}_communicator")
+
+    async def send(phase: str, reason):
+        replies = await communicator(msgspec.structs.replace(request, phase=phase, txn=txn, reason=reason))
+        return tx.PhaseReplies(votes=[v for r in replies for v in r.votes], reports=[x for r in replies for x in r.reports])
+
     async with lock:
-        communicator = getattr(tokenizer_manager, f"{LIVE_COMMUNICATOR_NAME}_communicator")
-        replies = await communicator(request)
-    merged = live_results.merge_replies(request.target_version, [live_reply_fields(r) for r in replies])
+        merged = await tx.run_transaction(send, request.target_version)
     output = UpdateWeightsFromPulledReqOutput(**merged)
     if output.success:
         if output.mode == live_results.RELOAD:
