@@ -291,15 +291,23 @@ class TorchWeightSync:
                 update_engines: bool = True) -> SyncMetrics:
         """Publish the model's current weights as the next version, then bring the engines to it.
 
+        After a failed publish of vN, this call first finishes vN with the bytes staged for it
+        (or counts vN as published when its index had landed and only a later step, such as
+        pruning, failed), then publishes the weights it is given as vN+1, a delta from vN; the
+        engines are driven to vN+1 (their pull chains through vN). A publish that failed before
+        any shard was written left nothing behind: that number is published with these weights.
+
         Raises:
             TorchPublishError: the tensors do not match the checkpoint (nothing published).
-            WeightSyncError, OSError: every publish attempt failed; the next call publishes the
-                same version number (with the weights it is given then).
+            WeightSyncError, OSError: every publish attempt failed; the version stays pending and
+                the next call finishes it first, as above.
             EngineSyncError: an engine could not pull or apply the version (it is published;
-                ``update_engines_to`` retries).
+                the error's ``served`` says which version each engine serves now; the next sync,
+                or ``update_engines_to``, brings the laggards up first).
         """
         if not self._started:
             self.start()
+        self._finish_failed_publish()
         version = self.version + 1
         m = SyncMetrics(version=version)
         t_start = time.perf_counter()
@@ -307,21 +315,12 @@ class TorchWeightSync:
         self.stager.stage(model.state_dict() if isinstance(model, torch.nn.Module) else model)
         m.gather_s = time.perf_counter() - t
         m.staging_nbytes = self.stager.staging_nbytes()
-        t = time.perf_counter()
-        result = self._publish_with_retries(version, m)
-        m.publish_s = time.perf_counter() - t
-        m.kind, m.reason, m.encode_s = result.kind, result.reason, result.encode_s
-        m.wire_nbytes, m.full_nbytes = result.wire_nbytes, result.full_nbytes
-        m.changed_bytes, m.changed_elements, m.total_elements = (
-            result.changed_bytes, result.changed_elements, result.total_elements)
-        m.snapshot_nbytes = self.publisher.snapshot_nbytes()
-        self.version = version
-        self.stager.dirty.clear()
-        self._full_reason = None
-        if not self._published_in_run:
-            self._published_in_run = True
-            self._prune_old_runs()
-        self.history.append(m)
+        # Tensors not handed over are carried by the core from its snapshot: only those that
+        # changed since the last published version need to be (all of them on the CPU).
+        tensors = self.stager.raw_tensors(sorted(self.stager.dirty))
+        full = True if self._full_reason is not None else None
+        self._publish_with_retries(version, m, lambda: self.publisher.publish(version, tensors, full=full))
+        m.d2h_nbytes = self.stager.d2h_nbytes
         if update_engines and self.engine_sync is not None:
             self.update_engines_to(version, m)
         m.total_s = time.perf_counter() - t_start
@@ -347,20 +346,32 @@ class TorchWeightSync:
 
     # --- helpers ---------------------------------------------------------------------------
 
-    def _publish_with_retries(self, version: int, m: SyncMetrics):
-        # Tensors not handed over are carried by the core from its snapshot: only those that
-        # changed since the last published version need to be (all of them on the CPU).
-        tensors = self.stager.raw_tensors(sorted(self.stager.dirty))
-        full = True if self._full_reason is not None else None
+    def _finish_failed_publish(self) -> None:
+        """The rule after a failed publish of vN: vN is finished with its staged bytes (the core
+        holds them), or counted when its index had landed, before newer weights are published."""
+        pub = self.publisher
+        if pub.pending_version is not None:
+            version, call = pub.pending_version, pub.finish_pending
+        elif pub.version > self.version:  # the index landed, a later step (pruning) failed
+            version = pub.version
+            call = lambda: pub.publish(version, {})  # noqa: E731 - already published: reruns what followed the commit
+        else:
+            return
+        log.info("finishing v%d, left pending by a failed publish, before publishing newer weights", version)
+        m = SyncMetrics(version=version)
+        self._publish_with_retries(version, m, call)
+        # The stager's buffers hold what was staged for that version: nothing is dirty any more.
+        self.stager.dirty.clear()
+
+    def _publish_with_retries(self, version: int, m: SyncMetrics, call) -> None:
+        """Run ``call`` (one publish of ``version``) until it succeeds, then count the version published."""
         delay = self.retry_backoff_s
+        t = time.perf_counter()
         for attempt in range(1, self.publish_attempts + 1):
             m.publish_attempts = attempt
             try:
-                result = self.publisher.publish(version, tensors, full=full)
-                if full:
-                    result.reason = self._full_reason or result.reason
-                m.d2h_nbytes = self.stager.d2h_nbytes
-                return result
+                result = call()
+                break
             except (WeightSyncError, OSError) as e:
                 if attempt == self.publish_attempts:
                     raise
@@ -368,7 +379,21 @@ class TorchWeightSync:
                             version, attempt, self.publish_attempts, delay, e)
                 time.sleep(delay)
                 delay = min(2 * delay, 30.0)
-        raise AssertionError("unreachable")
+        m.publish_s = time.perf_counter() - t
+        if result.kind == "full" and self._full_reason is not None and "requested" in result.reason:
+            result.reason = self._full_reason
+        m.kind, m.reason, m.encode_s, m.encoding = result.kind, result.reason, result.encode_s, result.encoding
+        m.wire_nbytes, m.full_nbytes = result.wire_nbytes, result.full_nbytes
+        m.changed_bytes, m.changed_elements, m.total_elements = (
+            result.changed_bytes, result.changed_elements, result.total_elements)
+        m.snapshot_nbytes = self.publisher.snapshot_nbytes()
+        self.version = version
+        self.stager.dirty.clear()
+        self._full_reason = None
+        if not self._published_in_run:
+            self._published_in_run = True
+            self._prune_old_runs()
+        self.history.append(m)
 
     def _prune_old_runs(self) -> None:
         try:

@@ -256,3 +256,114 @@ def test_a_meta_or_sparse_tensor_is_refused_before_anything_is_staged(hf, model)
         stager.stage(state)
     assert "model.layers.0.mlp.up_proj.weight: a torch.sparse_coo tensor" in str(e.value)
     assert stager.published_state_dict() == {}  # nothing was staged
+
+
+# --- one contract for a version whose publish failed (issue 21 point 1) ----------------------------
+
+
+def _bf16(model) -> dict:
+    return {n: t.detach().to(torch.bfloat16).clone() for n, t in model.state_dict().items()}
+
+
+def _fail_index_writes(monkeypatch, version: int) -> dict:
+    """ENOSPC on ``version``'s index write until ``state["on"]`` is cleared (the disk recovers)."""
+    import os
+
+    import weightsync.publish as publish_mod
+
+    real, state = publish_mod.write_bytes, {"on": True, "hits": 0}
+
+    def failing(path, data, **kw):
+        if state["on"] and path.endswith(os.path.join(f"weight_v{version:06d}", "model.safetensors.index.json")):
+            state["hits"] += 1
+            raise OSError(errno.ENOSPC, "No space left on device", path)
+        return real(path, data, **kw)
+
+    monkeypatch.setattr(publish_mod, "write_bytes", failing)
+    return state
+
+
+def test_after_every_index_write_of_a_version_failed_the_next_publish_finishes_it_then_publishes_a_delta(
+        hf, model, tmp_path, monkeypatch):
+    sync = TorchWeightSync(str(tmp_path / "shared"), hf, retry_backoff_s=0.0, publish_attempts=2)
+    _step(model, 1)
+    sync.publish(model)
+    at = {1: _bf16(model)}
+    _step(model, 2)
+    disk = _fail_index_writes(monkeypatch, 2)
+    with pytest.raises(OSError, match="No space left"):
+        sync.publish(model)
+    assert disk["hits"] == 2 and sync.version == 1 and sync.publisher.pending_version == 2
+    at[2] = _bf16(model)  # what v2 was staged with
+    _step(model, 3)
+    with pytest.raises(OSError):  # the disk has not recovered: still pending, still v2 next
+        sync.publish(model)
+    assert sync.publisher.pending_version == 2
+    disk["on"] = False  # recovered
+    _step(model, 4)
+    m = sync.publish(model)
+    at[3] = _bf16(model)
+    assert (m.version, m.kind) == (3, "delta")
+    finished = [h for h in sync.history if h.version == 2]
+    assert len(finished) == 1 and "finishing v2" in finished[0].reason
+    assert [h.version for h in sync.history] == [1, 2, 3]
+    local = tmp_path / "local"
+    assert _assert_pulls_to(local, hf, sync.source_dir, 1, at[1]) == "seed+chain"
+    assert _assert_pulls_to(local, hf, sync.source_dir, 2, at[2]) == "chain"  # the staged bytes, not step 3's or 4's
+    assert _assert_pulls_to(local, hf, sync.source_dir, 3, at[3]) == "chain"
+    sync.close()
+
+
+def test_a_prune_failing_after_the_index_landed_counts_the_version_as_published(hf, model, tmp_path):
+    sync = TorchWeightSync(str(tmp_path / "shared"), hf, retry_backoff_s=0.0, publish_attempts=2)
+    sync.start()
+    prune, failures = sync.publisher.retention.prune, {"left": 1}
+
+    def flaky_prune():
+        if failures["left"] > 0:
+            failures["left"] -= 1
+            raise OSError(errno.EIO, "Input/output error while pruning")
+        return prune()
+
+    sync.publisher.retention.prune = flaky_prune
+    _step(model, 1)
+    m = sync.publish(model)  # the retry within the call recognises v1 as published
+    assert (m.version, m.publish_attempts) == (1, 2)
+    at = {1: _bf16(model)}
+    failures["left"] = 2  # every attempt at v2 fails after its index landed
+    _step(model, 2)
+    with pytest.raises(OSError, match="while pruning"):
+        sync.publish(model)
+    at[2] = _bf16(model)
+    assert sync.version == 1 and sync.publisher.version == 2  # on disk, not yet counted by the trainer
+    _step(model, 3)
+    m = sync.publish(model)  # v2 is counted (pruning redone), then the new weights are v3
+    at[3] = _bf16(model)
+    assert (m.version, m.kind) == (3, "delta")
+    assert [h.version for h in sync.history] == [1, 2, 3]
+    local = tmp_path / "local"
+    for v in (1, 2, 3):
+        _assert_pulls_to(local, hf, sync.source_dir, v, at[v])
+    sync.close()
+
+
+def test_a_publish_failing_before_any_shard_was_written_publishes_that_number_with_the_next_weights(
+        hf, model, tmp_path):
+    sync = TorchWeightSync(str(tmp_path / "shared"), hf, retry_backoff_s=0.0, publish_attempts=2)
+    sync.start()
+    real = sync.publisher.encoder.prepare
+
+    def encoder_out_of_memory(*a, **kw):
+        raise MemoryError("encoder ran out of memory")
+
+    sync.publisher.encoder.prepare = encoder_out_of_memory
+    _step(model, 1)
+    with pytest.raises(MemoryError):
+        sync.publish(model)
+    assert sync.publisher.pending_version is None  # nothing was written: nothing to finish
+    sync.publisher.encoder.prepare = real
+    _step(model, 2)
+    m = sync.publish(model)
+    assert (m.version, m.kind) == (1, "delta")
+    _assert_pulls_to(tmp_path / "local", hf, sync.source_dir, 1, _bf16(model))
+    sync.close()
