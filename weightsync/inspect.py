@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import mmap
 import os
 from typing import Callable, cast
 
@@ -11,10 +10,10 @@ import numpy as np
 
 from .checksum import digest
 from .codecs import DensityCodec, get_codec
-from .errors import WeightSyncError
-from .layout import list_versions
-from .manifest import VersionIndex, checkpoint_weight_files, read_version_index
-from .safetensors_io import DTYPE_NBYTES, TensorEntry, local_tensor_table, read_header
+from .errors import ChainBrokenError, VersionMissingError, WeightSyncError
+from .layout import list_anchors, list_versions
+from .manifest import VersionIndex, check_anchor, checkpoint_weight_files, read_version_index
+from .safetensors_io import DTYPE_NBYTES, TensorEntry, local_tensor_table, read_header, read_range
 
 
 class TensorSummary(msgspec.Struct):
@@ -106,16 +105,13 @@ def describe_version(
     for fname in sorted(set(index.weight_map.values())):
         path = os.path.join(index.path, fname)
         hdr = read_header(path)
-        with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+        with open(path, "rb") as f:  # read with pread, not mapped: a shard cut short is a typed error
             for name, entry in sorted(hdr.tensors.items()):
                 t = TensorSummary(name, fname, entry.nbytes)
                 if density:
                     ref = reference.get(name)
-                    payload = memoryview(mm)[entry.offset : entry.offset + entry.nbytes]
-                    try:
-                        d = codec.density(payload, ref.nbytes if ref else None, DTYPE_NBYTES[ref.dtype] if ref else None, name)
-                    finally:
-                        payload.release()
+                    payload = read_range(f.fileno(), entry.offset, entry.nbytes, path)
+                    d = codec.density(payload, ref.nbytes if ref else None, DTYPE_NBYTES[ref.dtype] if ref else None, name)
                     t.tensor_nbytes, t.tensor_elements, t.changed_elements, t.changed_bytes = d
                 s.tensor_details.append(t)
     if density:
@@ -150,13 +146,21 @@ class VerifyReport(msgspec.Struct):
 
 
 def expected_digests(source_dir: str, version: int, seed_dir: str | None, checksum_format: str = "xxh3-128") -> tuple[dict[str, tuple[str, str]], str | None]:
-    """name -> (checksum format, digest) of every tensor at ``version``, walking down the chain
-    to the newest full version (whose bytes are hashed) or to the seed dir (version 0)."""
+    """(name -> (checksum format, digest), base dir): what each tensor at ``version`` must hash
+    to, walking down the chain (newest digest first) to the newest side anchor bound to its
+    version (its index holds every tensor's digest: no base dir), else to the newest full
+    version (whose bytes are hashed) or the seed dir (version 0). Pruning keeps exactly that
+    walk: nothing below the newest anchor point a pull needs is deleted, so ``verify`` works
+    on a pruned source dir. A version missing above any such start: ``ChainBrokenError``."""
     out: dict[str, tuple[str, str]] = {}
+    anchors = set(list_anchors(source_dir))
     v = version
     base_dir = seed_dir
     while v > 0:
-        idx = read_version_index(source_dir, v)
+        try:
+            idx = read_version_index(source_dir, v)
+        except VersionMissingError as e:
+            raise ChainBrokenError(v, version, e.path) from None
         if idx.kind == "full":
             base_dir = idx.path
             break
@@ -164,6 +168,13 @@ def expected_digests(source_dir: str, version: int, seed_dir: str | None, checks
             hdr = read_header(os.path.join(idx.path, fname))
             for n in names:
                 out.setdefault(n, (idx.checksum_format or checksum_format, hdr.metadata.get(n, "")))
+        if v in anchors:
+            check = check_anchor(source_dir, v, idx)
+            if check.state == "bound" and check.index is not None and check.index.digests is not None:
+                fmt = check.index.checksum_format or checksum_format
+                for n, d in check.index.digests.items():
+                    out.setdefault(n, (fmt, d))
+                return out, None
         v -= 1
     return out, base_dir
 

@@ -48,6 +48,11 @@ class VersionIndex(msgspec.Struct, frozen=True):
     compression_format: str | None = None
     checksum_format: str | None = None
     metadata: dict[str, str] = {}
+    # The side-anchor binding (FORMAT.md "Side anchors"): the commit id both indexes carry, and
+    # in an anchor's index the digest of each tensor's bytes. None: an index without them (an
+    # older publisher's, or a version that has no anchor), which binds no anchor.
+    anchor_commit: str | None = None
+    digests: dict[str, str] | None = None
 
     def shards(self) -> dict[str, set[str]]:
         """shard file -> tensor names, as the index maps them."""
@@ -164,7 +169,7 @@ def read_version_index(source_dir: str, version: int) -> VersionIndex:
             declared = parse_version_number(meta["version"], "version", ipath)
             if declared != version:
                 raise CorruptArtifactError(f"{ipath} declares version {declared} but lives in the dir of version {version}")
-        return VersionIndex(version, "full", vdir, dict(wmap), metadata=str_meta)
+        return VersionIndex(version, "full", vdir, dict(wmap), metadata=str_meta, anchor_commit=_anchor_commit(meta, ipath))
     declared = parse_version_number(meta.get("version"), "version", ipath)
     base = parse_version_number(meta.get("base_version"), "base_version", ipath)
     if declared != version:
@@ -194,7 +199,39 @@ def read_version_index(source_dir: str, version: int) -> VersionIndex:
         compression_format=compression,
         checksum_format=checksum,
         metadata=str_meta,
+        anchor_commit=_anchor_commit(meta, ipath),
     )
+
+
+ANCHOR_COMMIT_KEY = "anchor_commit"
+ANCHOR_DIGESTS_KEY = "digests"
+_COMMIT_ID = re.compile(r"[0-9a-f]{32}")
+
+
+def _anchor_commit(meta: dict, ipath: str) -> str | None:
+    """The commit id that binds a side anchor to this index, or None when it names none.
+
+    A malformed value binds nothing rather than failing the version: the version's own bytes
+    are verified by the chain, and only the anchor needs the binding.
+    """
+    value = meta.get(ANCHOR_COMMIT_KEY)
+    return value if isinstance(value, str) and _COMMIT_ID.fullmatch(value) else None
+
+
+def anchor_commit_of(version: int, checksum_format: str, digests: dict[str, str]) -> str:
+    """The commit id binding a side anchor to its version: the xxh3-128 of the version number,
+    the checksum format and every tensor's digest of the version's bytes (sorted by name).
+
+    Derived from the bytes, not drawn at random: an earlier attempt's anchor matches a version
+    republished with other bytes (or without an anchor) never, and one with the same bytes
+    only when it holds exactly those bytes (its seed is checked against the digests); a retried
+    commit writes byte-identical indexes. A reader recomputes it from the anchor's digests, so
+    damage to those digests shows at plan time.
+    """
+    import xxhash
+
+    text = json.dumps([format_version(version), checksum_format, sorted(digests.items())], separators=(",", ":"))
+    return xxhash.xxh3_128_hexdigest(text.encode())
 
 
 def read_anchor_index(source_dir: str, version: int) -> VersionIndex:
@@ -218,7 +255,86 @@ def read_anchor_index(source_dir: str, version: int) -> VersionIndex:
     declared = parse_version_number(meta.get("version"), "version", ipath)
     if declared != version:
         raise CorruptArtifactError(f"{ipath} declares version {declared} but lives in the dir of anchor {version}")
-    return VersionIndex(version, "full", adir, dict(wmap), metadata={str(k): str(v) for k, v in meta.items()})
+    commit, digests, checksum = _anchor_binding(obj, meta, wmap, ipath)
+    return VersionIndex(
+        version, "full", adir, dict(wmap), checksum_format=checksum,
+        metadata={str(k): str(v) for k, v in meta.items() if k != ANCHOR_DIGESTS_KEY},
+        anchor_commit=commit, digests=digests,
+    )
+
+
+def _anchor_binding(obj: dict, meta: dict, wmap: dict, ipath: str) -> tuple[str | None, dict[str, str] | None, str | None]:
+    """(commit id, digests, checksum format) of an anchor index; (None, None, None) for an
+    index without a binding (an older publisher's). A binding that is there but wrong (digests
+    that do not cover exactly the weight map, a malformed digest) is a damaged anchor."""
+    from .checksum import is_well_formed_digest
+
+    commit = _anchor_commit(meta, ipath)
+    raw = obj.get(ANCHOR_DIGESTS_KEY)
+    if commit is None and raw is None:
+        return None, None, None
+    checksum = meta.get("checksum_format", "xxh3-128")
+    if commit is None or not isinstance(raw, dict):
+        raise MalformedHeaderError(ipath, f"an anchor index names both {ANCHOR_COMMIT_KEY} (32 hex digits) and {ANCHOR_DIGESTS_KEY}, or neither")
+    if checksum not in supported_checksums():
+        raise UnsupportedFormatError("checksum_format", checksum, supported_checksums())
+    if set(raw) != set(wmap):
+        raise MalformedHeaderError(ipath, f"{ANCHOR_DIGESTS_KEY} must name exactly the tensors of weight_map "
+                                          f"(missing {sorted(set(wmap) - set(raw))[:5]}, extra {sorted(set(raw) - set(wmap))[:5]})")
+    bad = [n for n, d in raw.items() if not is_well_formed_digest(checksum, d)]
+    if bad:
+        raise MalformedHeaderError(ipath, f"{ANCHOR_DIGESTS_KEY} of {bad[:5]} are not well-formed {checksum} digests")
+    version = parse_version_number(meta.get("version"), "version", ipath)
+    if anchor_commit_of(version, checksum, raw) != commit:
+        raise MalformedHeaderError(ipath, f"{ANCHOR_COMMIT_KEY} is not the one its {ANCHOR_DIGESTS_KEY} give: the index is damaged")
+    return commit, dict(raw), checksum
+
+
+AnchorState = Literal["bound", "legacy", "orphan", "pending", "damaged"]
+
+
+class AnchorCheck(msgspec.Struct, frozen=True):
+    """What a side anchor is worth: ``bound`` (usable), or why not, with its index if read.
+
+    - ``bound``: its index and its version's committed index name the same commit id, and its
+      index holds a digest for every tensor;
+    - ``legacy``: its index has no binding (an older publisher's). Never used: nothing proves
+      its bytes are the published version's;
+    - ``orphan``: its version is committed with another commit id, or none: an earlier
+      attempt's anchor, dead for good (prune deletes it);
+    - ``pending``: its own index, or its version's, is not complete: maybe a publish in flight;
+    - ``damaged``: its index is complete but unreadable.
+    """
+
+    state: AnchorState
+    why: str
+    index: VersionIndex | None = None
+
+
+def check_anchor(source_dir: str, version: int, version_index: VersionIndex | None = None) -> AnchorCheck:
+    """Judge the side anchor of ``version`` against its version's index (read unless given)."""
+    try:
+        idx = read_anchor_index(source_dir, version)
+    except IndexMissingError as e:
+        return AnchorCheck("pending", str(e))
+    except CorruptArtifactError as e:
+        return AnchorCheck("damaged", str(e))
+    if idx.anchor_commit is None:
+        return AnchorCheck("legacy", "its index has no commit id and no digests (an older publisher's)", idx)
+    if version_index is None:
+        try:
+            version_index = read_version_index(source_dir, version)
+        except IndexMissingError as e:  # includes a version dir still being written
+            return AnchorCheck("pending", f"its version is not committed: {e}", idx)
+        except VersionMissingError:
+            return AnchorCheck("pending", f"version {version} is not published", idx)
+        except CorruptArtifactError as e:
+            return AnchorCheck("damaged", f"its version's index is unreadable: {e}", idx)
+    if version_index.anchor_commit != idx.anchor_commit:
+        return AnchorCheck(
+            "orphan", f"commit id {idx.anchor_commit} is not the committed version's ({version_index.anchor_commit})", idx
+        )
+    return AnchorCheck("bound", "", idx)
 
 
 def _read_indexless_full(vdir: str, version: int) -> VersionIndex:
@@ -239,6 +355,20 @@ def _read_indexless_full(vdir: str, version: int) -> VersionIndex:
     if end != hdr.file_nbytes:
         raise IndexMissingError(version, vdir, f"{SINGLE_FILE_NAME} has {hdr.file_nbytes - end} bytes past its last tensor")
     return VersionIndex(version, "full", vdir, {n: SINGLE_FILE_NAME for n in hdr.tensors})
+
+
+def build_anchor_index(
+    version: int, weight_map: dict[str, str], total_size: int, commit: str, checksum_format: str, digests: dict[str, str]
+) -> bytes:
+    """A side anchor's index: an HF index plus its binding (the commit id its version's index
+    names too, and the digest of every tensor's bytes)."""
+    meta: dict[str, object] = {
+        "version": format_version(version), "total_size": int(total_size), ANCHOR_COMMIT_KEY: commit,
+        "checksum_format": checksum_format,
+    }
+    return json.dumps({
+        "metadata": meta, "weight_map": dict(sorted(weight_map.items())), ANCHOR_DIGESTS_KEY: dict(sorted(digests.items())),
+    }, indent=1).encode()
 
 
 def build_delta_index(
@@ -354,11 +484,15 @@ __all__ = [
     "AppliedState",
     "read_version_index",
     "read_anchor_index",
+    "check_anchor",
+    "AnchorCheck",
     "is_committed",
     "read_run_id",
     "read_applied_state",
     "encode_applied_state",
     "build_delta_index",
     "build_full_index",
+    "build_anchor_index",
+    "anchor_commit_of",
     "INDEX_NAME",
 ]

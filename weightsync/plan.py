@@ -6,7 +6,10 @@ Candidates, priced by the bytes they read:
 
 - chain the deltas after the applied version (the local state);
 - seed from a full version in the chain (a chain cannot cross one) and chain the tail;
-- seed from the newest side anchor (``anchor_vNNNNNN/``) at or below the target and chain the tail;
+- seed from the newest side anchor (``anchor_vNNNNNN/``) at or below the target and chain the tail,
+  only an anchor bound to its version (``manifest.check_anchor``: both indexes name one commit
+  id); the seed then checks every tensor against the anchor's digests, and a pull whose anchor
+  fails plans again with ``use_anchors=False``;
 - seed from the seed dir (version 0) and chain every delta, when nothing else is there.
 
 The walk goes down from the target, reading one index per version, and stops as soon as the
@@ -34,9 +37,9 @@ from .identity import Origin, mismatch, source_origin
 from .layout import anchor_dir_name, checked_join, list_anchors, state_path, version_dir_name
 from .manifest import (
     VersionIndex,
+    check_anchor,
     checkpoint_weight_files,
     parse_version_number,
-    read_anchor_index,
     read_applied_state,
     read_version_index,
 )
@@ -49,6 +52,9 @@ class SeedSource(msgspec.Struct, frozen=True):
     version: int
     path: str
     shard_files: tuple[str, ...] = ()  # the weight files its index names (full versions, anchors)
+    # An anchor's binding: what every seeded tensor must hash to (checked before the marker).
+    digests: dict[str, str] | None = None
+    checksum_format: str | None = None
 
 
 class PullPlan(msgspec.Struct, frozen=True):
@@ -113,22 +119,32 @@ def _seed_dir_nbytes(seed_dir: str) -> int:
         return 0
 
 
-def newest_anchor(source_dir: str, target: int, above: int | None) -> tuple[VersionIndex, int] | None:
-    """(index, bytes) of the newest complete side anchor in (above, target], or None.
+def newest_anchor(
+    source_dir: str, target: int, above: int | None, indexes: "dict[int, VersionIndex] | None" = None
+) -> tuple[VersionIndex, int] | None:
+    """(index, bytes) of the newest complete side anchor in (above, target] that is bound to
+    its version, or None.
 
-    An anchor is an optimisation beside the chain, so one that is incomplete or unreadable is
-    skipped (with a log line) in favour of the chain, which is verified on its own.
+    An anchor is an optimisation beside the chain, so one that is incomplete, unreadable or
+    not bound (an earlier attempt's, or an older publisher's without a commit id) is skipped
+    (with a log line) in favour of the chain, which is verified on its own. ``indexes``: the
+    version indexes read so far (reused, and the ones read here added).
     """
+    indexes = {} if indexes is None else indexes
     for a in reversed(list_anchors(source_dir)):
         if a > target or (above is not None and a <= above):
             continue
-        try:
-            idx = read_anchor_index(source_dir, a)
-        except SourceNotReadyError:
+        if a not in indexes:
+            try:
+                indexes[a] = read_version_index(source_dir, a)
+            except (SourceNotReadyError, CorruptArtifactError):
+                continue  # the chain walk meets that version, and reports it, if it needs it
+        check = check_anchor(source_dir, a, indexes[a])
+        if check.state != "bound" or check.index is None:
+            if check.state != "pending":
+                log.warning("ignoring side anchor %s (%s): %s", anchor_dir_name(a), check.state, check.why)
             continue
-        except CorruptArtifactError as e:
-            log.warning("ignoring side anchor %s: %s", anchor_dir_name(a), e)
-            continue
+        idx = check.index
         files = sorted(set(idx.weight_map.values()))
         if not all(os.path.exists(os.path.join(idx.path, f)) for f in files):
             continue
@@ -138,9 +154,10 @@ def newest_anchor(source_dir: str, target: int, above: int | None) -> tuple[Vers
 
 def plan_pull(
     local_checkpoint_dir: str, seed_dir: str, source_dir: str, target_version: int, *, force_reseed: bool = False,
-    origin: Origin | None = None,
+    origin: Origin | None = None, use_anchors: bool = True,
 ) -> tuple[PullPlan, dict[int, VersionIndex]]:
-    """The plan and the delta indexes it read (the executor reuses them)."""
+    """The plan and the delta indexes it read (the executor reuses them). ``use_anchors=False``:
+    plan as if there were no side anchors (after one failed its check)."""
     check_target_version(target_version)
     origin = origin or source_origin(source_dir, seed_dir)
     applied, why = read_applied_version(local_checkpoint_dir, origin)
@@ -156,7 +173,7 @@ def plan_pull(
     if applied is not None and target_version < applied:
         raise BackwardPullError(target_version, applied)
     indexes: dict[int, VersionIndex] = {target_version: read_version_index(source_dir, target_version)}
-    best = _cheapest_plan(source_dir, seed_dir, target_version, applied, why, indexes, seed0)
+    best = _cheapest_plan(source_dir, seed_dir, target_version, applied, why, indexes, seed0, use_anchors)
     deltas = list(range(best.start + 1, target_version + 1))
     reason = best.why
     if deltas:
@@ -168,9 +185,9 @@ def plan_pull(
 
 def _cheapest_plan(
     source_dir: str, seed_dir: str, target: int, applied: int | None, why: str, indexes: dict[int, VersionIndex],
-    seed0: SeedSource,
+    seed0: SeedSource, use_anchors: bool,
 ) -> _Candidate:
-    anchor = newest_anchor(source_dir, target, applied)
+    anchor = newest_anchor(source_dir, target, applied, indexes) if use_anchors else None
     best: _Candidate | None = None
 
     def consider(c: _Candidate) -> None:
@@ -184,7 +201,8 @@ def _cheapest_plan(
         if anchor is not None and v == anchor[0].version:
             idx, nbytes = anchor
             files = tuple(sorted(set(idx.weight_map.values())))
-            consider(_Candidate(nbytes + tail, v, SeedSource("anchor", v, idx.path, files),
+            source = SeedSource("anchor", v, idx.path, files, idx.digests, idx.checksum_format)
+            consider(_Candidate(nbytes + tail, v, source,
                                 f"seed from side anchor {anchor_dir_name(v)} (cheaper than the chain; {why})"))
         if v == applied:
             consider(_Candidate(tail, v, None, why))

@@ -9,6 +9,12 @@ the newer of the newest full version F and the second-newest anchor point A2:
   weigh about one full size (the anchor budget): seeding from the newest anchor costs no
   more, so the planner takes that, and nothing below A2 is needed either.
 
+Only an anchor bound to its version (``manifest.check_anchor``: both indexes name one commit
+id) is an anchor point: a pull may seed only from such an anchor, so only it makes the chain
+below it prunable. An anchor of an earlier attempt at a version now committed without it, or
+with another commit id (an orphan), is deleted; one without a commit id (an older publisher's)
+is never an anchor point and goes once it falls below P.
+
 Versions below P go, except the newest ``keep``; side anchors below P go. Each is deleted once,
 index first, so a reader never sees a half-deleted version as published. The publisher keeps
 this record itself (a restarted one scans the source dir once), so a commit reads no index.
@@ -24,7 +30,7 @@ from collections import deque
 from .errors import WeightSyncError
 from .fsio import fsync_dir
 from .layout import anchor_dir, index_path, list_anchors, list_versions, version_dir
-from .manifest import is_committed, read_version_index
+from .manifest import check_anchor, read_version_index
 
 log = logging.getLogger(__name__)
 
@@ -38,25 +44,40 @@ class Retention:
         self.versions: deque[int] = deque()  # on disk, ascending
         self.fulls: deque[int] = deque()  # full versions still on disk, ascending
         self.anchors: deque[int] = deque()  # side anchors still on disk, ascending
-        self.points: deque[int] = deque()  # anchor points (fulls and side anchors), ascending
+        self.points: deque[int] = deque()  # anchor points (fulls and bound side anchors), ascending
+        self.orphans: list[int] = []  # side anchors of an earlier attempt at a committed version
 
     def load(self, upto: int | None = None) -> None:
         """Scan the source dir once (a restarted publisher, or the command line)."""
+        indexes = {}
         for v in list_versions(self.source_dir):
             if upto is not None and v > upto:
                 continue
             try:
-                kind = read_version_index(self.source_dir, v).kind
+                indexes[v] = read_version_index(self.source_dir, v)
+                kind = indexes[v].kind
             except WeightSyncError:
                 kind = None  # unpublished or broken: still a version dir to prune in turn
             self.versions.append(v)
             if kind == "full":
                 self.fulls.append(v)
                 self.points.append(v)
+        newest = max(indexes, default=None)
+        bound = []
         for a in list_anchors(self.source_dir):
-            if (upto is None or a <= upto) and is_committed(anchor_dir(self.source_dir, a)):
-                self.anchors.append(a)
-        self.points = deque(sorted(set(self.points) | set(self.anchors)))
+            if upto is not None and a > upto:
+                continue
+            check = check_anchor(self.source_dir, a, indexes.get(a))
+            if check.state == "bound":
+                bound.append(a)
+            elif check.state == "orphan" or (a not in indexes and newest is not None and a < newest):
+                # Its version is committed without it, or not there below a committed version
+                # (removed after a failed attempt): no pull can ever use it.
+                self.orphans.append(a)
+                continue
+            if check.state != "pending" or a <= (newest or 0):
+                self.anchors.append(a)  # on disk: deleted once below the prune point
+        self.points = deque(sorted(set(self.points) | set(bound)))
 
     def since_anchor(self, upto: int) -> tuple[int, int]:
         """(bytes, count) of the delta versions after the newest anchor point at or below ``upto``."""
@@ -83,7 +104,7 @@ class Retention:
             self.fulls.append(version)
         if anchor:
             self.anchors.append(version)
-        if kind == "full" or anchor:
+        if kind == "full" or anchor:  # an anchor this publisher wrote is bound: it wrote both indexes
             self.points.append(version)
 
     def prune_point(self) -> int | None:
@@ -95,17 +116,21 @@ class Retention:
         return max(candidates) if candidates else None
 
     def doomed(self) -> tuple[list[int], list[int]]:
-        """(versions, side anchors) that pruning would delete now."""
+        """(versions, side anchors) that pruning would delete now (orphaned anchors included)."""
         p = self.prune_point()
         if p is None:
-            return [], []
+            return [], sorted(self.orphans)
         n_old = max(0, len(self.versions) - self.keep)
         versions = [v for i, v in enumerate(self.versions) if i < n_old and v < p]
-        return versions, [a for a in self.anchors if a < p]
+        return versions, sorted(set(self.orphans) | {a for a in self.anchors if a < p})
 
     def prune(self) -> list[int]:
         """Delete what ``doomed`` names; returns the versions deleted. Amortized O(1) per commit:
         only the front of each queue is looked at, and each item leaves once."""
+        while self.orphans:
+            a = self.orphans.pop()
+            _delete(anchor_dir(self.source_dir, a))
+            log.info("pruned side anchor of v%d: an earlier attempt's, not bound to the committed v%d", a, a)
         p = self.prune_point()
         if p is None:
             return []

@@ -48,7 +48,16 @@ from .layout import (
     run_path,
     version_dir,
 )
-from .manifest import build_delta_index, build_full_index, encode_run_identity, is_committed, read_run_id
+from .manifest import (
+    ANCHOR_COMMIT_KEY,
+    build_anchor_index,
+    build_delta_index,
+    build_full_index,
+    encode_run_identity,
+    is_committed,
+    anchor_commit_of,
+    read_run_id,
+)
 from .prune import Retention
 from .safetensors_io import iter_file_chunks
 from .snapshot import RawTensor, Snapshot, as_raw, read_checkpoint_tensors
@@ -71,6 +80,7 @@ class ShardManifest(msgspec.Struct, frozen=True):
     anchor_weight_map: dict[str, str] | None = None  # this rank's shards of the side anchor, if one is due
     anchor_nbytes: int = 0
     encoding: str = ""  # the delta encoding of this rank's payloads ("" for a full version)
+    anchor_digests: dict[str, str] | None = None  # this rank's anchor tensors -> digest (the anchor's binding)
 
 
 class PublishResult(msgspec.Struct):
@@ -188,22 +198,40 @@ class Committer:
     def commit(self, version: int, kind: Kind, manifests: list[ShardManifest]) -> tuple[str, int]:
         """Write the anchor's index (when every rank wrote its part), then the version's. Returns
         (version dir, anchor bytes). The version's index is last: once it exists the version is
-        published, and its anchor, if any, is complete."""
+        published, and its anchor, if any, is complete and bound to it: both indexes name one
+        commit id, derived from the version's digests, so an anchor left by an earlier attempt
+        with other bytes never matches. Without an anchor, such a leftover is deleted first."""
         weight_map = _merged(manifests, version, kind, lambda m: m.weight_map)
         anchor_nbytes = 0
+        adir = anchor_dir(self.source_dir, version)
+        commit_id: str | None = None
+        anchor_map: dict[str, str] | None = None
+        digests: dict[str, str] = {}
         if kind == "delta" and manifests and all(m.anchor_weight_map is not None for m in manifests):
-            adir = anchor_dir(self.source_dir, version)
-            index = build_full_index(version, _merged(manifests, version, kind, lambda m: m.anchor_weight_map or {}),
-                                     sum(m.tensor_nbytes for m in manifests))
+            anchor_map = _merged(manifests, version, kind, lambda m: m.anchor_weight_map or {})
+            for m in manifests:
+                digests.update(m.anchor_digests or {})
+            if set(digests) != set(anchor_map):
+                # Manifests from elsewhere than write(): an anchor that cannot be bound is not written.
+                log.warning("v%d: no side anchor: the ranks' anchor digests name %d tensors, their shards %d",
+                            version, len(digests), len(anchor_map))
+                anchor_map = None
+        if anchor_map is not None:
+            commit_id = anchor_commit_of(version, self.checksum, digests)
+            index = build_anchor_index(version, anchor_map, sum(m.tensor_nbytes for m in manifests), commit_id,
+                                       self.checksum, digests)
             self._write_index(adir, index)
             anchor_nbytes = sum(m.anchor_nbytes for m in manifests)
+        elif os.path.lexists(adir):
+            _remove_orphan_anchor(adir, version)
         vdir = version_dir(self.source_dir, version)
         os.makedirs(vdir, exist_ok=True)
         if kind == "full":
             self._copy_template_files(vdir)
             index = build_full_index(version, weight_map, sum(m.tensor_nbytes for m in manifests))
         else:
-            index = build_delta_index(version, self._delta_encoding(version, manifests), self.checksum, weight_map)
+            extra = {ANCHOR_COMMIT_KEY: commit_id} if commit_id is not None else None
+            index = build_delta_index(version, self._delta_encoding(version, manifests), self.checksum, weight_map, extra)
         self._write_index(vdir, index)
         return vdir, anchor_nbytes
 
@@ -604,16 +632,17 @@ class Publisher:
             weight_map, nbytes = self.writer.write_delta(vdir, prepared.tensors)
         else:
             weight_map, nbytes = self.writer.write_full(vdir, prepared.tensors)
-        anchor_map, anchor_nbytes = None, 0
+        anchor_map, anchor_nbytes, anchor_digests = None, 0, None
         if anchor:
             anchor_map, anchor_nbytes = self.writer.write_full(anchor_dir(self.source_dir, prepared.version), prepared.tensors)
+            anchor_digests = self._anchor_digests(prepared.tensors)
         if staged is not None and retry:
             staged.kind = kind
         else:
             self._stage(prepared, kind)
         return ShardManifest(
             prepared.version, self.rank, kind, weight_map, nbytes, prepared.full_nbytes, anchor_map, anchor_nbytes,
-            prepared.encoding if kind == "delta" else "",
+            prepared.encoding if kind == "delta" else "", anchor_digests,
         )
 
     def commit(self, version: int, kind: Kind, manifests: list[ShardManifest]) -> str:
@@ -695,6 +724,19 @@ class Publisher:
             prepared.changed_elements, prepared.total_elements, prepared.encode_s, write_s,
             anchor_nbytes, prepared.encoding if kind == "delta" else "", prepared.encoding_reason,
         )
+
+    def _anchor_digests(self, tensors: list[PreparedTensor]) -> dict[str, str]:
+        """The digest of every tensor's bytes (the side anchor's binding): a changed tensor's was
+        computed by the encode, the snapshot may know an unchanged one's; the rest are hashed."""
+
+        def digest_of(t: PreparedTensor) -> tuple[str, str]:
+            if t.digest:
+                return t.name, t.digest
+            h = new_hasher(self.checksum)
+            h.update(t.new)
+            return t.name, h.hexdigest()
+
+        return dict(self._pool.map(digest_of, sorted(tensors, key=lambda t: -t.nbytes)))
 
     def _stage(self, prepared: PreparedVersion, kind: str) -> None:
         """Take the written bytes into the snapshot and keep what a retry reuses."""
@@ -788,6 +830,18 @@ class Publisher:
             return
         write_bytes(path, encode_run_identity(uuid.uuid4().hex, time.time()), atomic=self.atomic_rename)
         fsync_dir(self.source_dir)
+
+
+def _remove_orphan_anchor(adir: str, version: int) -> None:
+    """An anchor dir beside a version committed without one: an earlier attempt's, never bound
+    to what is committed now. Its index goes first, so no reader sees half of it."""
+    log.warning("removing %s: left by an earlier attempt at v%d, which is now committed without an anchor", adir, version)
+    try:
+        os.unlink(os.path.join(adir, INDEX_NAME))
+    except FileNotFoundError:
+        pass
+    shutil.rmtree(adir, ignore_errors=True)
+    fsync_dir(os.path.dirname(adir) or ".")
 
 
 def _payload_len(t: PreparedTensor) -> int:

@@ -15,9 +15,11 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import mmap
 import os
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Literal
 
 import msgspec
@@ -31,20 +33,26 @@ from .apply import (
     load_delta,
     local_table,
 )
+from .checksum import tensor_hasher
 from .errors import (
+    AnchorUnusableError,
+    ChainBrokenError,
     CorruptArtifactError,
     InvalidRequestError,
     LocalStateError,
     LocalTensorMismatchError,
+    SourceNotReadyError,
+    WeightSyncError,
     host_resource_error,
 )
 from .fsio import is_pid_alive, write_bytes
 from .hooks import load_callable
 from .identity import Origin, source_origin
-from .layout import format_version, verified_path
+from .layout import anchor_dir_name, format_version, index_path, verified_path
 from .lock import HeldLock, acquire_host_lock
-from .manifest import read_version_index
-from .plan import PullPlan, check_target_version, files_nbytes, plan_pull, read_applied_version
+from .manifest import check_anchor, read_version_index
+from .plan import PullPlan, SeedSource, check_target_version, files_nbytes, plan_pull, read_applied_version
+from .safetensors_io import local_tensor_table
 from .seed import invalidate_marker, seed_local_checkpoint, write_marker
 
 log = logging.getLogger(__name__)
@@ -276,10 +284,16 @@ def pull(
             hook(source_dir, target_version)
             hook_ran = True
             origin = source_origin(source_dir, seed_dir)  # the refresh may have shown the run file
-        result, pending = _pull_locked(
-            local_checkpoint_dir, seed_dir, source_dir, target_version, n_workers, chunk, durability == "deferred",
-            progress, origin,
-        )
+        try:
+            result, pending = _pull_locked(
+                local_checkpoint_dir, seed_dir, source_dir, target_version, n_workers, chunk, durability == "deferred",
+                progress, origin,
+            )
+        except FileNotFoundError as e:
+            vanished = _vanished_from_source(e, source_dir)
+            if vanished is None:
+                raise
+            raise vanished from e
         result.hook_ran = hook_ran
         result.lock_wait_s = held.waited_s
         if pending is not None:
@@ -298,14 +312,49 @@ def pull(
     return result
 
 
+def _vanished_from_source(e: FileNotFoundError, source_dir: str) -> SourceNotReadyError | None:
+    """A file of the source dir that vanished mid-pull (pruned between plan and read): "not
+    ready, retry", since the retry plans from what is published then. None for anything else
+    (a typed error already, or a path outside the source dir)."""
+    if isinstance(e, WeightSyncError) or not e.filename:
+        return None
+    path = os.path.abspath(os.fsdecode(e.filename))
+    roots = {os.path.abspath(source_dir), os.path.realpath(source_dir)}
+    if not any(path == r or path.startswith(r + os.sep) for r in roots):
+        return None
+    return SourceNotReadyError(
+        f"{path} vanished from the source dir while the pull was reading it (pruned meanwhile?); "
+        "the local marker names verified bytes or nothing. Retry the pull: it plans from what is published now."
+    )
+
+
+class _AnchorFailed(Exception):
+    """A side anchor's seed failed its check: plan again without anchors (never a pull's failure)."""
+
+    def __init__(self, version: int, detail: str):
+        super().__init__(detail)
+        self.version = version
+        self.detail = detail
+
+
+class _Tries(msgspec.Struct):
+    """What one pull learnt across its attempts: a side anchor that failed is not planned again."""
+
+    use_anchors: bool = True
+    anchor_note: str = ""  # added to the reason once an anchor was dropped
+    last_seed: str = ""
+
+
 def _pull_locked(
     local: str, seed_dir: str, source_dir: str, target: int, workers: int, chunk: int, deferred: bool, progress,
     origin: Origin,
 ) -> tuple[PullResult, _PendingFlush | None]:
-    plan, indexes = plan_pull(local, seed_dir, source_dir, target, origin=origin)
-    log.info("pull plan for v%d: %s", target, plan.reason)
+    tries = _Tries()
     try:
-        return _execute(plan, indexes, local, seed_dir, origin, workers, chunk, each_version=False, deferred=deferred, progress=progress)
+        return _plan_and_execute(
+            local, seed_dir, source_dir, target, workers, chunk, deferred, progress, origin, tries,
+            force_reseed=False, each_version=False,
+        )
     except (LocalStateError, VerifyFailed) as first:
         detail = (
             f"{len(first.mismatches)} tensor(s) failed verification" if isinstance(first, VerifyFailed) else str(first)
@@ -315,34 +364,124 @@ def _pull_locked(
     # final bytes, which is all a success promises (FORMAT.md, Notes). Only when it still fails
     # does a second replay verify version by version, to name the version that is bad.
     try:
-        result, pending = _replay(local, seed_dir, source_dir, target, workers, chunk, deferred, progress, origin, each_version=False)
+        result, pending = _replay(local, seed_dir, source_dir, target, workers, chunk, deferred, progress, origin, tries, each_version=False)
     except VerifyFailed as second:
         log.warning(
             "pull v%d: %d tensor(s) still fail after a fresh seed; replaying once more, verifying every version, "
             "to name the bad one", target, len(second.mismatches),
         )
-        result, pending = _replay(local, seed_dir, source_dir, target, workers, chunk, deferred, progress, origin, each_version=True)
+        result, pending = _replay(local, seed_dir, source_dir, target, workers, chunk, deferred, progress, origin, tries, each_version=True)
     result.reseeded = True
     return result, pending
 
 
 def _replay(
     local: str, seed_dir: str, source_dir: str, target: int, workers: int, chunk: int, deferred: bool, progress,
-    origin: Origin, *, each_version: bool,
+    origin: Origin, tries: _Tries, *, each_version: bool,
 ) -> tuple[PullResult, _PendingFlush | None]:
-    plan, indexes = plan_pull(local, seed_dir, source_dir, target, force_reseed=True, origin=origin)
-    log.info("pull plan for v%d (replay%s): %s", target, ", verifying every version" if each_version else "", plan.reason)
     try:
-        return _execute(
-            plan, indexes, local, seed_dir, origin, workers, chunk, each_version=each_version, deferred=deferred,
-            progress=progress,
+        return _plan_and_execute(
+            local, seed_dir, source_dir, target, workers, chunk, deferred, progress, origin, tries,
+            force_reseed=True, each_version=each_version,
         )
     except LocalTensorMismatchError as e:
-        seed = plan.seed.path if plan.seed else seed_dir
+        seed = tries.last_seed or seed_dir
         raise CorruptArtifactError(
             f"after a fresh seed from {seed}, the deltas up to v{target} still do not fit the checkpoint: {e}. "
             "The published chain does not belong to this model; republish from a full version."
         ) from e
+
+
+def _plan_and_execute(
+    local: str, seed_dir: str, source_dir: str, target: int, workers: int, chunk: int, deferred: bool, progress,
+    origin: Origin, tries: _Tries, *, force_reseed: bool, each_version: bool,
+) -> tuple[PullResult, _PendingFlush | None]:
+    """Plan and execute; a side anchor that fails its check is dropped and the pull planned
+    again without anchors (the chain from a full version or the seed dir), so an anchor's
+    damage never fails a pull, nor blames a version, while another way is published."""
+    what = "" if not force_reseed else (" (replay, verifying every version)" if each_version else " (replay)")
+    plan, indexes = plan_pull(local, seed_dir, source_dir, target, force_reseed=force_reseed, origin=origin,
+                              use_anchors=tries.use_anchors)
+    log.info("pull plan for v%d%s: %s", target, what, plan.reason)
+    tries.last_seed = plan.seed.path if plan.seed else ""
+    try:
+        result, pending = _execute(plan, indexes, local, seed_dir, origin, workers, chunk, each_version=each_version,
+                                   deferred=deferred, progress=progress)
+    except _AnchorFailed as bad:
+        tries.use_anchors = False
+        tries.anchor_note = f"side anchor {anchor_dir_name(bad.version)} failed its check ({bad.detail}): planned without side anchors"
+        log.warning("pull v%d: %s", target, tries.anchor_note)
+        try:
+            plan, indexes = plan_pull(local, seed_dir, source_dir, target, force_reseed=True, origin=origin, use_anchors=False)
+        except ChainBrokenError as e:
+            raise AnchorUnusableError(bad.version, bad.detail, target, e.needed_version) from None
+        log.info("pull plan for v%d%s, without side anchors: %s", target, what, plan.reason)
+        tries.last_seed = plan.seed.path if plan.seed else ""
+        result, pending = _execute(plan, indexes, local, seed_dir, origin, workers, chunk, each_version=each_version,
+                                   deferred=deferred, progress=progress)
+    if tries.anchor_note:
+        result.reason = f"{result.reason}; {tries.anchor_note}"
+    return result, pending
+
+
+def _seed(plan: PullPlan, local: str, seed_dir: str, origin: Origin, workers: int, chunk: int) -> tuple[int, int]:
+    """Seed as planned; a side anchor's copy is checked against the anchor's digests before
+    its marker, and any failure of it raises ``_AnchorFailed`` (or "not ready" when the anchor
+    was pruned meanwhile)."""
+    seed = plan.seed
+    assert seed is not None
+    if seed.kind != "anchor":
+        return seed_local_checkpoint(local, seed, seed_dir, origin)
+    source_dir = os.path.dirname(seed.path.rstrip(os.sep))
+    try:
+        return seed_local_checkpoint(local, seed, seed_dir, origin, verify=lambda d: _check_anchor_copy(d, seed, workers, chunk))
+    except FileNotFoundError as e:  # SourceNotReadyError included: a shard not there
+        check = check_anchor(source_dir, seed.version)
+        if check.state != "bound":
+            raise SourceNotReadyError(
+                f"side anchor {anchor_dir_name(seed.version)} was removed while the pull was seeding from it ({e}); "
+                "the local marker is cleared. Retry the pull: it plans from what is published now."
+            ) from None
+        raise _AnchorFailed(seed.version, f"a file is missing: {e}") from None
+    except (CorruptArtifactError, LocalStateError) as e:
+        raise _AnchorFailed(seed.version, str(e)) from None
+
+
+def _check_anchor_copy(local: str, seed: SeedSource, workers: int, chunk: int) -> None:
+    """Every tensor the anchor's copy holds hashes to the anchor's digest, each in the file its
+    index names, and no tensor is missing or extra. Reads the local copy (page cache)."""
+    digests, fmt = seed.digests or {}, seed.checksum_format or ""
+    table = local_tensor_table(local, list(seed.shard_files))
+    if set(table) != set(digests):
+        missing, extra = sorted(set(digests) - set(table)), sorted(set(table) - set(digests))
+        raise CorruptArtifactError(f"its shards lack tensors {missing[:5]} or hold others {extra[:5]}")
+    with open(index_path(local), "rb") as f:
+        wmap = json.loads(f.read()).get("weight_map") or {}
+    placed = [n for n, (path, _) in table.items() if wmap.get(n) != os.path.basename(path)]
+    if placed:
+        raise CorruptArtifactError(f"tensors {sorted(placed)[:5]} are not in the shard its index names")
+
+    def mismatch(name: str) -> tuple[str, str, str] | None:
+        path, entry = table[name]
+        hasher = tensor_hasher(fmt)
+        if entry.nbytes:
+            with open(path, "rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+                view = memoryview(mm)
+                try:
+                    end = entry.offset + entry.nbytes
+                    for pos in range(entry.offset, end, chunk):
+                        with view[pos : min(pos + chunk, end)] as part:
+                            hasher.update(part)
+                finally:
+                    view.release()
+        actual = hasher.hexdigest()
+        return None if actual == digests[name] else (name, digests[name], actual)
+
+    with ThreadPoolExecutor(max(1, workers), thread_name_prefix="weightsync-anchor-check") as pool:
+        bad = [r for r in pool.map(mismatch, sorted(table, key=lambda n: -table[n][1].nbytes)) if r is not None]
+    if bad:
+        shown = "; ".join(f"{n}: expected {e}, got {a}" for n, e, a in bad[:3])
+        raise CorruptArtifactError(f"{len(bad)} tensor(s) do not hash to its {fmt} digests: {shown}")
 
 
 def _execute(
@@ -359,7 +498,7 @@ def _execute(
     seed_nbytes, seed_s = 0, 0.0
     if plan.seed is not None:
         t = time.perf_counter()
-        seed_nbytes, seed_from_source = seed_local_checkpoint(local, plan.seed, seed_dir, origin)
+        seed_nbytes, seed_from_source = _seed(plan, local, seed_dir, origin, workers, chunk)
         source_nbytes += seed_from_source
         seed_s = time.perf_counter() - t
     apply_s, flush_s, pending = 0.0, 0.0, None

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+from typing import Callable
 
 from .errors import InvalidRequestError, LocalStateError, SourceNotReadyError
 from .fsio import copy_file, drop_page_cache, fsync_dir, write_bytes
@@ -84,8 +85,13 @@ def files_to_seed(source: SeedSource, seed_dir: str, weight_map_files: "list[str
     return files
 
 
-def seed_local_checkpoint(local_checkpoint_dir: str, source: SeedSource, seed_dir: str, origin: Origin) -> tuple[int, int]:
-    """Copy the seed into the local dir; returns (bytes copied, of which from the source dir)."""
+def seed_local_checkpoint(
+    local_checkpoint_dir: str, source: SeedSource, seed_dir: str, origin: Origin,
+    verify: "Callable[[str], None] | None" = None,
+) -> tuple[int, int]:
+    """Copy the seed into the local dir; returns (bytes copied, of which from the source dir).
+    ``verify(local_checkpoint_dir)`` runs on the copy before the marker is written (a side
+    anchor's digests): whatever it raises leaves no marker."""
     files = files_to_seed(source, seed_dir, source.shard_files)
     log.info("seeding %s from %s (v%d, %d files)", local_checkpoint_dir, source.path, source.version, len(files))
     os.makedirs(local_checkpoint_dir, exist_ok=True)
@@ -107,6 +113,8 @@ def seed_local_checkpoint(local_checkpoint_dir: str, source: SeedSource, seed_di
     # A truncated copy (a mount that shows metadata before bytes) must fail here, not serve.
     for fname in checkpoint_weight_files(local_checkpoint_dir):
         read_header(os.path.join(local_checkpoint_dir, fname))
+    if verify is not None:
+        verify(local_checkpoint_dir)
     fsync_dir(local_checkpoint_dir)
     write_marker(local_checkpoint_dir, source.version, origin)
     return copied, from_source

@@ -112,7 +112,9 @@ def test_chunked_digest_equals_one_shot():
 
 def _publish_golden(tmp_path, encoding: str, checksum: str = "xxh3-128") -> str:
     source = str(tmp_path / f"src-{encoding}-{checksum}")
-    pub = Publisher(source, encoding=encoding, checksum=checksum, workers=1)
+    # The upstream spelling of a plain delta: no side anchor (a version that has one also names
+    # its anchor's commit id in its metadata; test_core_anchor_binding pins that).
+    pub = Publisher(source, encoding=encoding, checksum=checksum, workers=1, anchor_fraction=0, anchor_max_deltas=0)
     pub.seed_snapshot({"w": u8(OLD), "still": np.zeros(3, np.float32)})
     pub.publish(1, {"w": u8(NEW)}, full=False)
     pub.close()
