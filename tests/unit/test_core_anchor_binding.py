@@ -379,3 +379,33 @@ def test_a_seeded_copy_reads_back_as_the_published_version_through_safetensors(w
     assert result.action == "seed" and "anchor_v000003" in result.reason
     assert read_checkpoint_bytes(local) == tensor_bytes(world.t[3])
     assert tensor_location(local, "w1")[2] == world.t[3]["w1"].nbytes
+
+
+def test_two_ranks_write_one_bound_anchor_whose_digests_are_the_union(world):
+    import pickle
+
+    owners = {n: i % 2 for i, n in enumerate(sorted(SIZES))}
+
+    def part(tensors, r):
+        return {n: t for n, t in tensors.items() if owners[n] == r}
+
+    pubs = [Publisher(world.source, rank=r, world_size=2, workers=1, anchor_fraction=0, anchor_max_deltas=1)
+            for r in (0, 1)]
+    for r, pub in enumerate(pubs):
+        pub.seed_snapshot(part(world.t[0], r))
+    world.t.append(mutate(world.t[0], world.rng, 0.05, names=["w1"]))  # rank 1's tensors stay the same
+    prepared = [pub.prepare(1, part(world.t[1], r)) for r, pub in enumerate(pubs)]
+    totals = sum(p.delta_nbytes for p in prepared), sum(p.full_nbytes for p in prepared)
+    kinds = {pub.choose_kind(1, *totals) for pub in pubs}
+    assert len(kinds) == 1 and next(iter(kinds))[0] == "delta"  # every rank decides the anchor alike
+    manifests = [pickle.loads(pickle.dumps(pub.write(p, "delta"))) for pub, p in zip(pubs, prepared)]
+    assert all(m.anchor_digests for m in manifests)
+    pubs[0].commit(1, "delta", manifests)
+    pubs[1].confirm(1)
+    for pub in pubs:
+        pub.close()
+    anchor = read_json(os.path.join(adir(world.source, 1), INDEX))
+    assert anchor["digests"] == {n: xxhash.xxh3_128_hexdigest(b) for n, b in tensor_bytes(world.t[1]).items()}
+    local = world.local()
+    result = world.pulls_exactly(local, 1)
+    assert result.action == "seed" and "anchor_v000001" in result.reason, result.reason
