@@ -504,9 +504,8 @@ class PendingVersionError(PublishError):
 class AnchorUnusableError(CorruptArtifactError):
     """A side anchor failed its check (a file missing or cut short, a bad header, a tensor
     that does not hash to the anchor's digest) and no other way to the target is published:
-    the chain below the anchor is pruned. The versions themselves are not blamed."""
-
-    error_type = "anchor_unusable"
+    the chain below the anchor is pruned. The versions themselves are not blamed. Its
+    ``error_type`` stays ``corrupt_artifact``: clients already know not to retry that."""
 
     def __init__(self, anchor_version: int, detail: str, target_version: int, needed_version: int | None):
         self.anchor_version = anchor_version

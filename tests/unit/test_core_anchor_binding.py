@@ -244,7 +244,7 @@ def test_a_damaged_anchor_with_the_chain_below_it_pruned_is_a_typed_error_that_b
         pull(local, world.seed, world.source, 4)
     e = ei.value
     assert e.anchor_version == 3 and e.needed_version == 1 and e.target_version == 4
-    assert "w2" in e.detail and e.http_status == 422 and e.error_type == "anchor_unusable"
+    assert "w2" in e.detail and e.http_status == 422 and e.error_type == "corrupt_artifact"
     assert marker_version(local) is None  # never a marker over the unverified copy
 
 
