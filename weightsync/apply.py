@@ -14,8 +14,9 @@ so the failure names its version.
 Bounded resources: a loaded chain holds no open file. Each payload is proven at load, its
 structure kept (``Codec.check_structure``) and its shard closed; while applying, a worker applies
 a tensor's chain ``PAYLOADS_PER_PASS`` payloads per pass (one zstd decompressor each), and the
-workers share at most workers x that many shard maps (one descriptor each, the least recently
-used closed first), so descriptors and decompressors do not grow with the chain.
+workers share at most workers x that many shard descriptors (the least recently used closed
+first), so descriptors and decompressors do not grow with the chain. Shards are read with
+pread, never mapped (``_open_shard``): one cut short under the pull is a typed error.
 """
 
 from __future__ import annotations
@@ -42,11 +43,12 @@ from .errors import (
     MalformedHeaderError,
     PayloadBoundError,
     ShardMismatchError,
+    ShardShrunkError,
     SourceNotReadyError,
 )
 from .layout import checked_inside, checked_join
 from .manifest import VersionIndex, checkpoint_weight_files
-from .safetensors_io import DTYPE_NBYTES, TensorEntry, local_tensor_table, read_header
+from .safetensors_io import DTYPE_NBYTES, RangeStream, TensorEntry, local_tensor_table, read_header, read_range
 
 log = logging.getLogger(__name__)
 
@@ -134,30 +136,43 @@ def _descriptor_limit() -> int:
     return soft if soft > 0 else 1 << 20  # RLIM_INFINITY is -1
 
 
-def _map_shard(path: str, file_id: tuple[int, int, int] | None = None) -> mmap.mmap:
-    """A read-only map of a shard (one descriptor). With ``file_id``, the file must still be
-    the one checked at load (published versions are immutable; a pruned or replaced shard is
-    'not ready', and the next pull reseeds)."""
+def _open_shard(path: str, file_id: tuple[int, int, int] | None = None) -> int:
+    """A read-only descriptor of a shard. With ``file_id``, the file must still be the one
+    checked at load (published versions are immutable; a pruned or replaced shard is 'not
+    ready', and the next pull reseeds).
+
+    Shards of the source dir are read with pread (``safetensors_io.read_range``), never mapped:
+    a shard truncated under a map kills the process with SIGBUS (no Python handler can resume
+    the faulting load), a short pread is a typed ``ShardShrunkError``. Only the local
+    checkpoint, a host-local file this process owns, is mapped."""
     try:
-        fh = open(path, "rb")
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
     except FileNotFoundError:
         raise SourceNotReadyError(
             f"shard {path} disappeared while the pull was applying it (pruned meanwhile?); retry the pull"
         ) from None
-    with fh:
-        st = os.fstat(fh.fileno())
-        if file_id is not None and (st.st_dev, st.st_ino, st.st_size) != file_id:
-            raise SourceNotReadyError(f"shard {path} changed since the pull checked it; retry the pull")
-        return mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
+    st = os.fstat(fd)
+    if file_id is not None and (st.st_dev, st.st_ino, st.st_size) != file_id:
+        os.close(fd)
+        raise SourceNotReadyError(f"shard {path} changed since the pull checked it; retry the pull")
+    return fd
+
+
+def read_payload(fd: int, ref: "PayloadRef") -> memoryview:
+    """One payload's bytes, copied from its shard (see ``_open_shard``)."""
+    return memoryview(read_range(fd, ref.offset, ref.nbytes, ref.path))
 
 
 class _ShardMaps:
-    """Read-only maps of delta shards, shared by the workers, so every tensor of a chain reuses
-    each version's map. At most ``capacity`` stay open: 2 x workers x ``per_pass``, and never
-    more than a quarter of the process's descriptor limit; only maps in use (a worker holds at
-    most ``per_pass``) may exceed it. When full, the most recently used idle map is closed:
-    tensors walk the chain in the same order, and for such a cyclic walk longer than the cache
-    that keeps most of it resident, where closing the least recently used would miss always."""
+    """Read-only descriptors of delta shards, shared by the workers, so every tensor of a chain
+    reuses each version's descriptor. At most ``capacity`` stay open: 2 x workers x
+    ``per_pass``, and never more than a quarter of the process's descriptor limit; only those in
+    use (a worker holds at most ``per_pass``) may exceed it. When full, the most recently used
+    idle one is closed: tensors walk the chain in the same order, and for such a cyclic walk
+    longer than the cache that keeps most of it open, where closing the least recently used
+    would miss always. Payloads are copied out with pread (``payloads``): an xor pass streams
+    them (``RangeStream``, bounded memory), other codecs hold at most ``per_pass`` payloads per
+    worker."""
 
     def __init__(self, per_pass: int, workers: int) -> None:
         self.per_pass = per_pass
@@ -165,14 +180,14 @@ class _ShardMaps:
         self._maps: OrderedDict[str, list] = OrderedDict()  # path -> [map, users], oldest use first
         self._lock = threading.Lock()
 
-    def _acquire(self, ref: PayloadRef) -> mmap.mmap:
+    def _acquire(self, ref: PayloadRef) -> int:
         with self._lock:
             entry = self._maps.get(ref.path)
             if entry is None:
                 idle = [p for p, (_, users) in reversed(self._maps.items()) if users == 0]
                 for path in idle[: max(0, len(self._maps) + 1 - self.capacity)]:
-                    _close_map(self._maps.pop(path)[0])
-                entry = self._maps[ref.path] = [_map_shard(ref.path, ref.file_id), 0]
+                    os.close(self._maps.pop(path)[0])
+                entry = self._maps[ref.path] = [_open_shard(ref.path, ref.file_id), 0]
             entry[1] += 1
             self._maps.move_to_end(ref.path)
             return entry[0]
@@ -182,30 +197,27 @@ class _ShardMaps:
             self._maps[path][1] -= 1
 
     @contextlib.contextmanager
-    def payloads(self, refs: list[PayloadRef]) -> Iterator[list[memoryview]]:
-        """Views of up to ``per_pass`` payloads, released on exit (their maps stay cached)."""
+    def payloads(self, refs: list[PayloadRef], stream: bool = False) -> Iterator[list]:
+        """Up to ``per_pass`` payloads, copied into memory, or with ``stream`` as ``RangeStream``
+        readers (what ``ExactReader`` takes: xor never holds a payload whole); their
+        descriptors stay cached."""
         assert len(refs) <= self.per_pass
-        views: list[memoryview] = []
+        out: list = []
         held: list[str] = []
         try:
             for ref in refs:
-                mm = self._acquire(ref)
+                fd = self._acquire(ref)
                 held.append(ref.path)
-                views.append(memoryview(mm)[ref.offset : ref.offset + ref.nbytes])
-            yield views
+                out.append(RangeStream(fd, ref.offset, ref.nbytes, ref.path) if stream else read_payload(fd, ref))
+            yield out
         finally:
-            for v in views:
-                try:
-                    v.release()
-                except BufferError:
-                    pass
             for path in held:
                 self._release(path)
 
     def close(self) -> None:
         with self._lock:
-            for mm, _ in self._maps.values():
-                _close_map(mm)
+            for fd, _ in self._maps.values():
+                os.close(fd)
             self._maps.clear()
 
 
@@ -231,9 +243,13 @@ def load_delta(index: VersionIndex) -> LoadedDelta:
         actual = set(hdr.tensors)
         if actual != expected:
             raise ShardMismatchError(path, expected - actual, actual - expected)
-        mm = _map_shard(path)
+        fd = _open_shard(path)
         try:
-            st = os.stat(path)
+            st = os.fstat(fd)
+            if st.st_size < hdr.file_nbytes:
+                raise ShardShrunkError(path, hdr.file_nbytes, st.st_size)
+            if st.st_size != hdr.file_nbytes:
+                raise SourceNotReadyError(f"shard {path} changed since its header was read; retry the pull")
             file_id = (st.st_dev, st.st_ino, st.st_size)
             for name, entry in hdr.tensors.items():
                 if entry.dtype != "U8" or len(entry.shape) != 1:
@@ -243,7 +259,7 @@ def load_delta(index: VersionIndex) -> LoadedDelta:
                     raise MalformedHeaderError(
                         path, f"__metadata__ has no well-formed {index.checksum_format} digest for {name!r} (got {want!r})"
                     )
-                payload = memoryview(mm)[entry.offset : entry.offset + entry.nbytes]
+                payload = memoryview(read_range(fd, entry.offset, entry.nbytes, path))
                 try:
                     structure = codec.check_structure(payload, name)
                 except PayloadBoundError as e:
@@ -258,7 +274,7 @@ def load_delta(index: VersionIndex) -> LoadedDelta:
                 tensors[name] = DeltaTensor(name, ref, cast(str, want), structure)  # well-formed: a str
                 nbytes += entry.nbytes
         finally:
-            _close_map(mm)
+            os.close(fd)
     return LoadedDelta(index, tensors, nbytes)
 
 
@@ -350,7 +366,8 @@ def _apply_steps(
         h = hasher if k == len(passes) - 1 else None
         encodings = {enc for enc, _ in group}
         chain = _chain_codec(encodings)
-        with shards.payloads([t.ref for _, t in group]) as payloads:
+        stream = encodings == {"xor"} and seg_range is None
+        with shards.payloads([t.ref for _, t in group], stream=stream) as payloads:
             if chain is not None:
                 # segment-major: every payload's changes to a segment, then hash it while cached
                 structures = [t.structure for _, t in group]

@@ -30,6 +30,7 @@ __all__ = [
     "VersionMissingError",
     "IndexMissingError",
     "ChainBrokenError",
+    "ShardShrunkError",
     "CorruptArtifactError",
     "ChecksumMismatchError",
     "ShardMismatchError",
@@ -169,6 +170,22 @@ class ChainBrokenError(SourceNotReadyError):
             f"reaching version {target_version} needs version {needed_version}, which is not "
             f"at {path} (pruned, or not visible yet). Publish a full version at or below "
             f"{target_version}, or keep more versions when pruning."
+        )
+
+
+class ShardShrunkError(SourceNotReadyError):
+    """A shard became shorter than the bytes the pull checked, while it was being read (read
+    with pread, never through a map, so this is an error and not a SIGBUS). The local
+    checkpoint's marker was not moved: retry the pull; if the shard stays short, the version
+    is damaged and the next pull fails at its header check (republish it)."""
+
+    def __init__(self, path: str, needed_nbytes: int, file_nbytes: int):
+        self.path = path
+        self.needed_nbytes = needed_nbytes
+        self.file_nbytes = file_nbytes
+        super().__init__(
+            f"shard {path} is now {file_nbytes} bytes, shorter than the {needed_nbytes} the pull checked "
+            "(truncated while being read); retry the pull, and republish the version if it stays short"
         )
 
 

@@ -18,7 +18,7 @@ from typing import Iterable, Iterator, Mapping, Sequence
 import msgspec
 
 from . import knobs
-from .errors import MalformedHeaderError
+from .errors import MalformedHeaderError, ShardShrunkError
 
 DTYPE_NBYTES = {
     "BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1, "F8_E4M3": 1, "F8_E8M0": 1,
@@ -176,3 +176,42 @@ def local_tensor_table(checkpoint_dir: str, weight_files: Iterable[str]) -> dict
                 raise MalformedHeaderError(path, f"tensor {name!r} also appears in {table[name][0]}")
             table[name] = (path, entry)
     return table
+
+
+def read_range(fd: int, offset: int, nbytes: int, path: str) -> bytearray:
+    """Exactly ``nbytes`` at ``offset`` of an open file, copied into memory. Shards of the
+    source dir are read this way, never through a map: a file cut short while mapped kills the
+    process with SIGBUS, a short pread is a ``ShardShrunkError``."""
+    buf = bytearray(nbytes)
+    view = memoryview(buf)
+    got = 0
+    try:
+        while got < nbytes:
+            k = os.preadv(fd, [view[got:]], offset + got)
+            if k == 0:
+                raise ShardShrunkError(path, offset + nbytes, os.fstat(fd).st_size)
+            got += k
+    finally:
+        view.release()
+    return buf
+
+
+class RangeStream:
+    """A file-like reader of ``[offset, offset + nbytes)`` of an open file, by pread: what a
+    streaming decoder takes for a payload too large to copy whole (bounded memory), with the
+    same typed error as ``read_range`` when the file shrinks under it."""
+
+    def __init__(self, fd: int, offset: int, nbytes: int, path: str):
+        self.fd, self.offset, self.nbytes, self.path = fd, offset, nbytes, path
+        self.pos = 0
+
+    def read(self, size: int = -1) -> bytes:
+        left = self.nbytes - self.pos
+        k = left if size is None or size < 0 else min(size, left)
+        if k <= 0:
+            return b""
+        data = os.pread(self.fd, k, self.offset + self.pos)
+        if not data:
+            raise ShardShrunkError(self.path, self.offset + self.nbytes, os.fstat(self.fd).st_size)
+        self.pos += len(data)
+        return data

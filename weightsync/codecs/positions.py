@@ -28,7 +28,7 @@ from typing import Iterator, Mapping
 import msgspec
 import numpy as np
 
-from ..apply import _close_map, _map_shard, load_delta
+from ..apply import _open_shard, load_delta, read_payload
 from ..errors import InvalidRequestError, LocalTensorMismatchError, PayloadBoundError, PositionsUnavailableError
 from ..fsio import is_pid_alive
 from ..layout import format_version, state_path, verified_path
@@ -110,13 +110,13 @@ def iter_changed_elements(
         raise PositionsUnavailableError(f"v{chain.full_version} is a full version: the chain has no element positions")
     table = local_tensor_table(local_checkpoint_dir, checkpoint_weight_files(local_checkpoint_dir))
     loaded = [load_delta(indexes[v] if indexes and v in indexes else read_version_index(source_dir, v)) for v in chain.deltas]
-    maps: dict[str, object] = {}  # shard path -> its read-only map (re-checked to be the loaded file)
+    fds: dict[str, int] = {}  # shard path -> its descriptor (re-checked to be the loaded file)
 
     def payload_of(ref):
-        mm = maps.get(ref.path)
-        if mm is None:
-            mm = maps[ref.path] = _map_shard(ref.path, ref.file_id)
-        return memoryview(mm)[ref.offset : ref.offset + ref.nbytes]  # type: ignore[arg-type]
+        fd = fds.get(ref.path)
+        if fd is None:
+            fd = fds[ref.path] = _open_shard(ref.path, ref.file_id)
+        return read_payload(fd, ref)  # copied with pread: a shard cut short is a typed error, not SIGBUS
 
     try:
         names = sorted({name for d in loaded for name in d.tensors})
@@ -139,8 +139,8 @@ def iter_changed_elements(
                     view.release()
             yield name, entry, parts[0] if len(parts) == 1 else np.unique(np.concatenate(parts))
     finally:
-        for mm in maps.values():
-            _close_map(mm)  # type: ignore[arg-type]
+        for fd in fds.values():
+            os.close(fd)
 
 
 def changed_elements(
