@@ -230,11 +230,21 @@ static inline uint64_t dec_magnitude(Dec *d, Model *m, unsigned key, int bits) {
     static inline unsigned key_##B(T x) {                                                        \
         return (unsigned)((x & (T)~((T)1 << (B - 1))) >> KEY_SHIFT);                            \
     }                                                                                            \
-    static void encode_##B(Enc *e, Model *m, const T *old, const T *new_, size_t n, size_t *k,   \
-                           size_t *changed_bytes) {                                              \
+    /* Element i of a tensor's bytes: our writer packs tensors back to back, so an element may  \
+     * sit at any byte offset; memcpy is the defined unaligned access (one load at -O2). */    \
+    static inline T load_##B(const uint8_t *base, size_t i) {                                    \
+        T x;                                                                                     \
+        memcpy(&x, base + i * sizeof(T), sizeof(T));                                             \
+        return x;                                                                                \
+    }                                                                                            \
+    static inline void store_##B(uint8_t *base, size_t i, T x) {                                 \
+        memcpy(base + i * sizeof(T), &x, sizeof(T));                                             \
+    }                                                                                            \
+    static void encode_##B(Enc *e, Model *m, const uint8_t *old, const uint8_t *new_, size_t n,  \
+                           size_t *k, size_t *changed_bytes) {                                   \
         Neighbours nb = {0, 0};                                                                  \
         for (size_t i = 0; i < n; i++) {                                                         \
-            T o = old[i], w = new_[i];                                                           \
+            T o = load_##B(old, i), w = load_##B(new_, i);                                       \
             unsigned key = key_##B(o);                                                           \
             int changed = o != w;                                                                \
             enc_bit(e, mask_prob(m, key, &nb), changed);                                         \
@@ -252,11 +262,11 @@ static inline uint64_t dec_magnitude(Dec *d, Model *m, unsigned key, int bits) {
         }                                                                                        \
     }                                                                                            \
     /* NULL on success, else the reason; pos/val receive at most cap changes. */              \
-    static const char *decode_##B(Dec *dc, Model *m, const T *old, size_t n, size_t cap,         \
+    static const char *decode_##B(Dec *dc, Model *m, const uint8_t *old, size_t n, size_t cap,   \
                                   uint32_t *pos, T *val, size_t *k) {                           \
         Neighbours nb = {0, 0};                                                                  \
         for (size_t i = 0; i < n; i++) {                                                         \
-            T o = old[i];                                                                        \
+            T o = load_##B(old, i);                                                              \
             unsigned key = key_##B(o);                                                           \
             int changed = dec_bit(dc, mask_prob(m, key, &nb));                                   \
             neighbours_push(&nb, changed);                                                       \
@@ -272,8 +282,8 @@ static inline uint64_t dec_magnitude(Dec *d, Model *m, unsigned key, int bits) {
         }                                                                                        \
         return NULL;                                                                             \
     }                                                                                            \
-    static void scatter_##B(T *seg, const uint32_t *pos, const T *val, size_t k) {               \
-        for (size_t j = 0; j < k; j++) seg[pos[j]] = val[j];                                     \
+    static void scatter_##B(uint8_t *seg, const uint32_t *pos, const T *val, size_t k) {         \
+        for (size_t j = 0; j < k; j++) store_##B(seg, pos[j], val[j]);                           \
     }
 
 DEFINE_WIDTH(uint8_t, 8, 0)
