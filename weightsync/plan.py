@@ -9,7 +9,7 @@ Candidates, priced by the bytes they read:
 - seed from the newest side anchor (``anchor_vNNNNNN/``) at or below the target and chain the tail,
   only an anchor bound to its version (``manifest.check_anchor``: both indexes name one commit
   id); the seed then checks every tensor against the anchor's digests, and a pull whose anchor
-  fails plans again with ``use_anchors=False``;
+  fails plans again with that anchor in ``skip_anchors`` (an older anchor, or the chain);
 - seed from the seed dir (version 0) and chain every delta, when nothing else is there.
 
 The walk goes down from the target, reading one index per version, and stops as soon as the
@@ -120,7 +120,8 @@ def _seed_dir_nbytes(seed_dir: str) -> int:
 
 
 def newest_anchor(
-    source_dir: str, target: int, above: int | None, indexes: "dict[int, VersionIndex] | None" = None
+    source_dir: str, target: int, above: int | None, indexes: "dict[int, VersionIndex] | None" = None,
+    skip: "frozenset[int] | set[int]" = frozenset(),
 ) -> tuple[VersionIndex, int] | None:
     """(index, bytes) of the newest complete side anchor in (above, target] that is bound to
     its version, or None.
@@ -128,11 +129,12 @@ def newest_anchor(
     An anchor is an optimisation beside the chain, so one that is incomplete, unreadable or
     not bound (an earlier attempt's, or an older publisher's without a commit id) is skipped
     (with a log line) in favour of the chain, which is verified on its own. ``indexes``: the
-    version indexes read so far (reused, and the ones read here added).
+    version indexes read so far (reused, and the ones read here added). ``skip``: anchors that
+    failed their check in this pull.
     """
     indexes = {} if indexes is None else indexes
     for a in reversed(list_anchors(source_dir)):
-        if a > target or (above is not None and a <= above):
+        if a > target or (above is not None and a <= above) or a in skip:
             continue
         if a not in indexes:
             try:
@@ -154,10 +156,11 @@ def newest_anchor(
 
 def plan_pull(
     local_checkpoint_dir: str, seed_dir: str, source_dir: str, target_version: int, *, force_reseed: bool = False,
-    origin: Origin | None = None, use_anchors: bool = True,
+    origin: Origin | None = None, use_anchors: bool = True, skip_anchors: "frozenset[int] | set[int]" = frozenset(),
 ) -> tuple[PullPlan, dict[int, VersionIndex]]:
-    """The plan and the delta indexes it read (the executor reuses them). ``use_anchors=False``:
-    plan as if there were no side anchors (after one failed its check)."""
+    """The plan and the delta indexes it read (the executor reuses them). ``skip_anchors``: plan
+    as if those side anchors were not there (they failed their check); ``use_anchors=False``: as
+    if there were none."""
     check_target_version(target_version)
     origin = origin or source_origin(source_dir, seed_dir)
     applied, why = read_applied_version(local_checkpoint_dir, origin)
@@ -173,7 +176,8 @@ def plan_pull(
     if applied is not None and target_version < applied:
         raise BackwardPullError(target_version, applied)
     indexes: dict[int, VersionIndex] = {target_version: read_version_index(source_dir, target_version)}
-    best = _cheapest_plan(source_dir, seed_dir, target_version, applied, why, indexes, seed0, use_anchors)
+    skip = skip_anchors if use_anchors else None
+    best = _cheapest_plan(source_dir, seed_dir, target_version, applied, why, indexes, seed0, skip)
     deltas = list(range(best.start + 1, target_version + 1))
     reason = best.why
     if deltas:
@@ -185,9 +189,9 @@ def plan_pull(
 
 def _cheapest_plan(
     source_dir: str, seed_dir: str, target: int, applied: int | None, why: str, indexes: dict[int, VersionIndex],
-    seed0: SeedSource, use_anchors: bool,
+    seed0: SeedSource, skip: "frozenset[int] | set[int] | None",
 ) -> _Candidate:
-    anchor = newest_anchor(source_dir, target, applied, indexes) if use_anchors else None
+    anchor = newest_anchor(source_dir, target, applied, indexes, skip) if skip is not None else None
     best: _Candidate | None = None
 
     def consider(c: _Candidate) -> None:

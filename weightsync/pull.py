@@ -340,7 +340,7 @@ class _AnchorFailed(Exception):
 class _Tries(msgspec.Struct):
     """What one pull learnt across its attempts: a side anchor that failed is not planned again."""
 
-    use_anchors: bool = True
+    failed_anchors: set[int] = set()
     anchor_note: str = ""  # added to the reason once an anchor was dropped
     last_seed: str = ""
 
@@ -397,28 +397,31 @@ def _plan_and_execute(
     origin: Origin, tries: _Tries, *, force_reseed: bool, each_version: bool,
 ) -> tuple[PullResult, _PendingFlush | None]:
     """Plan and execute; a side anchor that fails its check is dropped and the pull planned
-    again without anchors (the chain from a full version or the seed dir), so an anchor's
-    damage never fails a pull, nor blames a version, while another way is published."""
+    again without it (an older anchor, a full version or the seed dir, and the chain), so an
+    anchor's damage never fails a pull, nor blames a version, while another way is published.
+    Each failure drops one more anchor, so this ends."""
     what = "" if not force_reseed else (" (replay, verifying every version)" if each_version else " (replay)")
-    plan, indexes = plan_pull(local, seed_dir, source_dir, target, force_reseed=force_reseed, origin=origin,
-                              use_anchors=tries.use_anchors)
-    log.info("pull plan for v%d%s: %s", target, what, plan.reason)
-    tries.last_seed = plan.seed.path if plan.seed else ""
-    try:
-        result, pending = _execute(plan, indexes, local, seed_dir, origin, workers, chunk, each_version=each_version,
-                                   deferred=deferred, progress=progress)
-    except _AnchorFailed as bad:
-        tries.use_anchors = False
-        tries.anchor_note = f"side anchor {anchor_dir_name(bad.version)} failed its check ({bad.detail}): planned without side anchors"
-        log.warning("pull v%d: %s", target, tries.anchor_note)
+    last: _AnchorFailed | None = None
+    while True:
         try:
-            plan, indexes = plan_pull(local, seed_dir, source_dir, target, force_reseed=True, origin=origin, use_anchors=False)
+            plan, indexes = plan_pull(local, seed_dir, source_dir, target, force_reseed=force_reseed, origin=origin,
+                                      skip_anchors=tries.failed_anchors)
         except ChainBrokenError as e:
-            raise AnchorUnusableError(bad.version, bad.detail, target, e.needed_version) from None
-        log.info("pull plan for v%d%s, without side anchors: %s", target, what, plan.reason)
+            if last is None:
+                raise
+            raise AnchorUnusableError(last.version, last.detail, target, e.needed_version) from None
+        log.info("pull plan for v%d%s: %s", target, what, plan.reason)
         tries.last_seed = plan.seed.path if plan.seed else ""
-        result, pending = _execute(plan, indexes, local, seed_dir, origin, workers, chunk, each_version=each_version,
-                                   deferred=deferred, progress=progress)
+        try:
+            result, pending = _execute(plan, indexes, local, seed_dir, origin, workers, chunk,
+                                       each_version=each_version, deferred=deferred, progress=progress)
+            break
+        except _AnchorFailed as bad:
+            last, force_reseed = bad, True  # the seed cleared the marker: nothing local counts now
+            tries.failed_anchors.add(bad.version)
+            failed = ", ".join(anchor_dir_name(a) for a in sorted(tries.failed_anchors))
+            tries.anchor_note = f"side anchor {failed} failed its check ({bad.detail}): planned again without it"
+            log.warning("pull v%d: %s", target, tries.anchor_note)
     if tries.anchor_note:
         result.reason = f"{result.reason}; {tries.anchor_note}"
     return result, pending
@@ -456,8 +459,13 @@ def _check_anchor_copy(local: str, seed: SeedSource, workers: int, chunk: int) -
         missing, extra = sorted(set(digests) - set(table)), sorted(set(table) - set(digests))
         raise CorruptArtifactError(f"its shards lack tensors {missing[:5]} or hold others {extra[:5]}")
     with open(index_path(local), "rb") as f:
-        wmap = json.loads(f.read()).get("weight_map") or {}
-    placed = [n for n, (path, _) in table.items() if wmap.get(n) != os.path.basename(path)]
+        raw = f.read()
+    try:
+        wmap = json.loads(raw)["weight_map"]
+        placed_in = {n: wmap.get(n) for n in table}
+    except (ValueError, KeyError, TypeError, AttributeError):
+        raise CorruptArtifactError("its copied index is not the one planned from (no weight_map object)") from None
+    placed = [n for n, (path, _) in table.items() if placed_in[n] != os.path.basename(path)]
     if placed:
         raise CorruptArtifactError(f"tensors {sorted(placed)[:5]} are not in the shard its index names")
 

@@ -248,6 +248,25 @@ def test_a_damaged_anchor_with_the_chain_below_it_pruned_is_a_typed_error_that_b
     assert marker_version(local) is None  # never a marker over the unverified copy
 
 
+def test_a_damaged_newest_anchor_falls_back_to_the_older_anchor_pruning_kept(world):
+    pub = world.publisher()
+    for v in range(1, 8):
+        world.t.append(mutate(world.t[-1], world.rng, 0.05))
+        pub.publish(v, world.t[v])
+    pub.close()
+    assert list_anchors(world.source) == [3, 6]
+    assert prune_versions(world.source, keep=0) == [1, 2]  # the second-newest anchor point is v3
+    flip_local_byte(adir(world.source, 6), "embed", 7)
+    local = world.local()
+    result = world.pulls_exactly(local, 7)
+    assert "seed from side anchor anchor_v000003" in result.reason and result.deltas_applied == 4, result.reason
+    assert "anchor_v000006 failed its check" in result.reason
+    flip_local_byte(adir(world.source, 3), "embed", 7)  # now no way is left
+    with pytest.raises(AnchorUnusableError) as ei:
+        pull(world.local(), world.seed, world.source, 7)
+    assert ei.value.anchor_version == 3 and ei.value.needed_version == 2
+
+
 def test_an_anchor_of_an_older_publisher_without_a_commit_id_is_not_used_and_the_chain_serves(world):
     world.publish_chain()
     for path, drop in ((os.path.join(adir(world.source, 3), INDEX), ("anchor_commit", "checksum_format")),
@@ -409,3 +428,42 @@ def test_two_ranks_write_one_bound_anchor_whose_digests_are_the_union(world):
     local = world.local()
     result = world.pulls_exactly(local, 1)
     assert result.action == "seed" and "anchor_v000001" in result.reason, result.reason
+
+
+# --- any one byte of an anchor ------------------------------------------------------------------
+
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+
+@settings(suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(
+    data=st.data(),
+    in_index=st.booleans(),
+    mask=st.integers(1, 255),
+    target=st.sampled_from([3, 4]),
+    start=st.sampled_from([None, 1, 2]),
+)
+def test_any_one_byte_of_an_anchor_damaged_still_pulls_exactly_the_published_bytes(
+    fast_tmp_path, data, in_index, mask, target, start
+):
+    import tempfile
+
+    import numpy as np
+
+    root = tempfile.mkdtemp(dir=str(fast_tmp_path))
+    world = World(root, np.random.default_rng(len(os.listdir(str(fast_tmp_path)))))
+    world.publish_chain()
+    name = INDEX if in_index else "model-r00000-00001.safetensors"
+    path = os.path.join(adir(world.source, 3), name)
+    pos = data.draw(st.integers(0, os.path.getsize(path) - 1), label="offset")
+    local = world.local()
+    if start is not None:
+        world.pulls_exactly(local, start)
+    with open(path, "r+b") as f:
+        f.seek(pos)
+        b = f.read(1)[0]
+        f.seek(pos)
+        f.write(bytes([b ^ mask]))
+    world.pulls_exactly(local, target)  # a success holds exactly v{target}'s bytes
+    shutil.rmtree(root)
