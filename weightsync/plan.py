@@ -26,6 +26,7 @@ from typing import Literal
 import msgspec
 
 from .errors import (
+    AnchorUnusableError,
     BackwardPullError,
     ChainBrokenError,
     CorruptArtifactError,
@@ -121,7 +122,7 @@ def _seed_dir_nbytes(seed_dir: str) -> int:
 
 def newest_anchor(
     source_dir: str, target: int, above: int | None, indexes: "dict[int, VersionIndex] | None" = None,
-    skip: "frozenset[int] | set[int]" = frozenset(),
+    skip: "frozenset[int] | set[int]" = frozenset(), passed_over: "list[tuple[int, str]] | None" = None,
 ) -> tuple[VersionIndex, int] | None:
     """(index, bytes) of the newest complete side anchor in (above, target] that is bound to
     its version, or None.
@@ -130,7 +131,8 @@ def newest_anchor(
     not bound (an earlier attempt's, or an older publisher's without a commit id) is skipped
     (with a log line) in favour of the chain, which is verified on its own. ``indexes``: the
     version indexes read so far (reused, and the ones read here added). ``skip``: anchors that
-    failed their check in this pull.
+    failed their check in this pull. ``passed_over`` gets (version, why) of each complete anchor
+    passed over (damaged, unbound), newest first, for the error when nothing else serves.
     """
     indexes = {} if indexes is None else indexes
     for a in reversed(list_anchors(source_dir)):
@@ -145,10 +147,16 @@ def newest_anchor(
         if check.state != "bound" or check.index is None:
             if check.state != "pending":
                 log.warning("ignoring side anchor %s (%s): %s", anchor_dir_name(a), check.state, check.why)
+                if passed_over is not None:
+                    passed_over.append((a, f"{check.state}: {check.why}"))
             continue
         idx = check.index
         files = sorted(set(idx.weight_map.values()))
-        if not all(os.path.exists(os.path.join(idx.path, f)) for f in files):
+        absent = [f for f in files if not os.path.exists(os.path.join(idx.path, f))]
+        if absent:
+            log.warning("ignoring side anchor %s: its index names %s, not there", anchor_dir_name(a), absent[:3])
+            if passed_over is not None:
+                passed_over.append((a, f"its index names {absent[:3]}, which are not there"))
             continue
         return idx, files_nbytes(idx.path, files)
     return None
@@ -191,7 +199,8 @@ def _cheapest_plan(
     source_dir: str, seed_dir: str, target: int, applied: int | None, why: str, indexes: dict[int, VersionIndex],
     seed0: SeedSource, skip: "frozenset[int] | set[int] | None",
 ) -> _Candidate:
-    anchor = newest_anchor(source_dir, target, applied, indexes, skip) if skip is not None else None
+    passed_over: list[tuple[int, str]] = []
+    anchor = newest_anchor(source_dir, target, applied, indexes, skip, passed_over) if skip is not None else None
     best: _Candidate | None = None
 
     def consider(c: _Candidate) -> None:
@@ -223,6 +232,8 @@ def _cheapest_plan(
             except VersionMissingError as e:
                 if best is not None:
                     break  # pruned below a cheaper start: nobody needs it
+                if passed_over:  # a retry cannot help: say which anchor would have served
+                    raise AnchorUnusableError(passed_over[0][0], passed_over[0][1], target, v) from None
                 raise ChainBrokenError(v, target, e.path) from None
         idx = indexes[v]
         if idx.kind == "full":

@@ -279,6 +279,11 @@ def test_an_anchor_of_an_older_publisher_without_a_commit_id_is_not_used_and_the
     local = world.local()
     result = world.pulls_exactly(local, 4)
     assert "anchor" not in result.reason and result.deltas_applied == 4, result.reason
+    # Pruned below it (by an older release's pruning): the error names the unbound anchor.
+    _remove_like_prune(vdir(world.source, 1))
+    with pytest.raises(AnchorUnusableError) as ei:
+        pull(world.local(), world.seed, world.source, 4)
+    assert ei.value.anchor_version == 3 and "legacy" in ei.value.detail and ei.value.needed_version == 1
 
 
 # --- point 5: a file pruned under a running pull ------------------------------------------------
@@ -443,10 +448,14 @@ from hypothesis import strategies as st  # noqa: E402
     mask=st.integers(1, 255),
     target=st.sampled_from([3, 4]),
     start=st.sampled_from([None, 1, 2]),
+    pruned=st.booleans(),
 )
 def test_any_one_byte_of_an_anchor_damaged_still_pulls_exactly_the_published_bytes(
-    fast_tmp_path, data, in_index, mask, target, start
+    fast_tmp_path, data, in_index, mask, target, start, pruned
 ):
+    """Whatever byte of the anchor changes, a pull either holds exactly the target's bytes or,
+    only when the chain below the anchor is gone, fails with AnchorUnusableError, leaves no
+    marker, and a republished full version then pulls."""
     import tempfile
 
     import numpy as np
@@ -460,10 +469,25 @@ def test_any_one_byte_of_an_anchor_damaged_still_pulls_exactly_the_published_byt
     local = world.local()
     if start is not None:
         world.pulls_exactly(local, start)
+    if pruned:
+        for v in (1, 2):
+            _remove_like_prune(vdir(world.source, v))
     with open(path, "r+b") as f:
         f.seek(pos)
         b = f.read(1)[0]
         f.seek(pos)
         f.write(bytes([b ^ mask]))
-    world.pulls_exactly(local, target)  # a success holds exactly v{target}'s bytes
+    try:
+        world.pulls_exactly(local, target)  # a success holds exactly v{target}'s bytes
+    except AnchorUnusableError as e:
+        assert pruned and e.anchor_version == 3, e
+        held = marker_version(local)  # none, or an honest one (a plan that failed changes nothing)
+        if held is not None:
+            assert held == start
+            assert_checkpoint_is(local, tensor_bytes(world.t[held]))
+        pub = world.publisher(4)
+        world.t.append(mutate(world.t[4], world.rng, 0.05))
+        pub.publish(5, world.t[5], full=True)
+        pub.close()
+        world.pulls_exactly(local, 5)
     shutil.rmtree(root)
