@@ -149,7 +149,7 @@ def expected_digests(source_dir: str, version: int, seed_dir: str | None, checks
     """(name -> (checksum format, digest), base dir): what each tensor at ``version`` must hash
     to, walking down the chain (newest digest first) to the newest side anchor bound to its
     version (its index holds every tensor's digest: no base dir), else to the newest full
-    version (whose bytes are hashed) or the seed dir (version 0). Pruning keeps exactly that
+    version (its digests when ours wrote it, else its bytes, hashed) or the seed dir (version 0). Pruning keeps exactly that
     walk: nothing below the newest anchor point a pull needs is deleted, so ``verify`` works
     on a pruned source dir. A version missing above any such start: ``ChainBrokenError``."""
     out: dict[str, tuple[str, str]] = {}
@@ -162,7 +162,11 @@ def expected_digests(source_dir: str, version: int, seed_dir: str | None, checks
         except VersionMissingError as e:
             raise ChainBrokenError(v, version, e.path) from None
         if idx.kind == "full":
-            base_dir = idx.path
+            if idx.digests is not None:  # ours: the digests of its published bytes
+                for n, d in idx.digests.items():
+                    out.setdefault(n, (idx.checksum_format or checksum_format, d))
+                return out, None
+            base_dir = idx.path  # an upstream full version: its bytes are the reference
             break
         for fname, names in idx.shards().items():
             hdr = read_header(os.path.join(idx.path, fname))

@@ -169,7 +169,9 @@ def read_version_index(source_dir: str, version: int) -> VersionIndex:
             declared = parse_version_number(meta["version"], "version", ipath)
             if declared != version:
                 raise CorruptArtifactError(f"{ipath} declares version {declared} but lives in the dir of version {version}")
-        return VersionIndex(version, "full", vdir, dict(wmap), metadata=str_meta, anchor_commit=_anchor_commit(meta, ipath))
+        digests, checksum = _full_digests(obj, meta, wmap, ipath)
+        return VersionIndex(version, "full", vdir, dict(wmap), checksum_format=checksum, metadata=str_meta,
+                            anchor_commit=_anchor_commit(meta, ipath), digests=digests)
     declared = parse_version_number(meta.get("version"), "version", ipath)
     base = parse_version_number(meta.get("base_version"), "base_version", ipath)
     if declared != version:
@@ -263,12 +265,37 @@ def read_anchor_index(source_dir: str, version: int) -> VersionIndex:
     )
 
 
+def _checked_digests(raw: object, checksum: object, wmap: dict, ipath: str) -> dict[str, str]:
+    """``digests`` of an index: a well-formed digest for exactly the tensors of its weight map."""
+    from .checksum import is_well_formed_digest
+
+    if not isinstance(raw, dict):
+        raise MalformedHeaderError(ipath, f"{ANCHOR_DIGESTS_KEY} must be an object of tensor name -> digest")
+    if checksum not in supported_checksums():
+        raise UnsupportedFormatError("checksum_format", checksum, supported_checksums())
+    if set(raw) != set(wmap):
+        raise MalformedHeaderError(ipath, f"{ANCHOR_DIGESTS_KEY} must name exactly the tensors of weight_map "
+                                          f"(missing {sorted(set(wmap) - set(raw))[:5]}, extra {sorted(set(raw) - set(wmap))[:5]})")
+    bad = [n for n, d in raw.items() if not is_well_formed_digest(str(checksum), d)]
+    if bad:
+        raise MalformedHeaderError(ipath, f"{ANCHOR_DIGESTS_KEY} of {bad[:5]} are not well-formed {checksum} digests")
+    return dict(raw)
+
+
+def _full_digests(obj: dict, meta: dict, wmap: dict, ipath: str) -> tuple[dict[str, str] | None, str | None]:
+    """(digests, checksum format) of a full version's index: ours names each tensor's digest,
+    an upstream writer's none (then nothing checks a seed from it beyond its headers)."""
+    raw = obj.get(ANCHOR_DIGESTS_KEY)
+    if raw is None:
+        return None, None
+    checksum = meta.get("checksum_format", "xxh3-128")
+    return _checked_digests(raw, checksum, wmap, ipath), str(checksum)
+
+
 def _anchor_binding(obj: dict, meta: dict, wmap: dict, ipath: str) -> tuple[str | None, dict[str, str] | None, str | None]:
     """(commit id, digests, checksum format) of an anchor index; (None, None, None) for an
     index without a binding (an older publisher's). A binding that is there but wrong (digests
     that do not cover exactly the weight map, a malformed digest) is a damaged anchor."""
-    from .checksum import is_well_formed_digest
-
     commit = _anchor_commit(meta, ipath)
     raw = obj.get(ANCHOR_DIGESTS_KEY)
     if commit is None and raw is None:
@@ -276,14 +303,7 @@ def _anchor_binding(obj: dict, meta: dict, wmap: dict, ipath: str) -> tuple[str 
     checksum = meta.get("checksum_format", "xxh3-128")
     if commit is None or not isinstance(raw, dict):
         raise MalformedHeaderError(ipath, f"an anchor index names both {ANCHOR_COMMIT_KEY} (32 hex digits) and {ANCHOR_DIGESTS_KEY}, or neither")
-    if checksum not in supported_checksums():
-        raise UnsupportedFormatError("checksum_format", checksum, supported_checksums())
-    if set(raw) != set(wmap):
-        raise MalformedHeaderError(ipath, f"{ANCHOR_DIGESTS_KEY} must name exactly the tensors of weight_map "
-                                          f"(missing {sorted(set(wmap) - set(raw))[:5]}, extra {sorted(set(raw) - set(wmap))[:5]})")
-    bad = [n for n, d in raw.items() if not is_well_formed_digest(checksum, d)]
-    if bad:
-        raise MalformedHeaderError(ipath, f"{ANCHOR_DIGESTS_KEY} of {bad[:5]} are not well-formed {checksum} digests")
+    raw = _checked_digests(raw, checksum, wmap, ipath)
     version = parse_version_number(meta.get("version"), "version", ipath)
     if anchor_commit_of(version, checksum, raw) != commit:
         raise MalformedHeaderError(ipath, f"{ANCHOR_COMMIT_KEY} is not the one its {ANCHOR_DIGESTS_KEY} give: the index is damaged")
@@ -385,10 +405,18 @@ def build_delta_index(
     return json.dumps({"metadata": meta, "weight_map": dict(sorted(weight_map.items()))}, indent=1).encode()
 
 
-def build_full_index(version: int, weight_map: dict[str, str], total_size: int) -> bytes:
-    """An HF index; ``total_size`` is the tensor bytes, an integer (the HF convention)."""
+def build_full_index(
+    version: int, weight_map: dict[str, str], total_size: int, checksum_format: str | None = None,
+    digests: dict[str, str] | None = None,
+) -> bytes:
+    """An HF index; ``total_size`` is the tensor bytes, an integer (the HF convention). With
+    ``digests`` (ours), each tensor's digest, so a seed from this version checks its copy."""
     meta: dict[str, object] = {"version": format_version(version), "total_size": int(total_size)}
-    return json.dumps({"metadata": meta, "weight_map": dict(sorted(weight_map.items()))}, indent=1).encode()
+    obj: dict[str, object] = {"metadata": meta, "weight_map": dict(sorted(weight_map.items()))}
+    if digests is not None and checksum_format is not None:
+        meta["checksum_format"] = checksum_format
+        obj[ANCHOR_DIGESTS_KEY] = dict(sorted(digests.items()))
+    return json.dumps(obj, indent=1).encode()
 
 
 def checkpoint_weight_files(checkpoint_dir: str) -> list[str]:

@@ -53,7 +53,8 @@ class SeedSource(msgspec.Struct, frozen=True):
     version: int
     path: str
     shard_files: tuple[str, ...] = ()  # the weight files its index names (full versions, anchors)
-    # An anchor's binding: what every seeded tensor must hash to (checked before the marker).
+    # What every seeded tensor must hash to (an anchor's binding, or our full version's index):
+    # checked before the marker. None: an upstream full version (headers checked only).
     digests: dict[str, str] | None = None
     checksum_format: str | None = None
 
@@ -238,7 +239,8 @@ def _cheapest_plan(
         idx = indexes[v]
         if idx.kind == "full":
             files = tuple(sorted(set(idx.weight_map.values())))
-            consider(_Candidate(files_nbytes(idx.path, files) + tail, v, SeedSource("full", v, idx.path, files),
+            full = SeedSource("full", v, idx.path, files, idx.digests, idx.checksum_format)
+            consider(_Candidate(files_nbytes(idx.path, files) + tail, v, full,
                                 f"seed from {version_dir_name(v)} (newest full version <= v{target}; {why})"))
             break
         tail += files_nbytes(idx.path, set(idx.weight_map.values()))

@@ -81,6 +81,7 @@ class ShardManifest(msgspec.Struct, frozen=True):
     anchor_nbytes: int = 0
     encoding: str = ""  # the delta encoding of this rank's payloads ("" for a full version)
     anchor_digests: dict[str, str] | None = None  # this rank's anchor tensors -> digest (the anchor's binding)
+    digests: dict[str, str] | None = None  # a full version: this rank's tensors -> digest (checked by a seed)
 
 
 class PublishResult(msgspec.Struct):
@@ -228,7 +229,12 @@ class Committer:
         os.makedirs(vdir, exist_ok=True)
         if kind == "full":
             self._copy_template_files(vdir)
-            index = build_full_index(version, weight_map, sum(m.tensor_nbytes for m in manifests))
+            full_digests: dict[str, str] = {}
+            for m in manifests:
+                full_digests.update(m.digests or {})
+            complete = set(full_digests) == set(weight_map)  # manifests not from write() may lack them
+            index = build_full_index(version, weight_map, sum(m.tensor_nbytes for m in manifests),
+                                     self.checksum if complete else None, full_digests if complete else None)
         else:
             extra = {ANCHOR_COMMIT_KEY: commit_id} if commit_id is not None else None
             index = build_delta_index(version, self._delta_encoding(version, manifests), self.checksum, weight_map, extra)
@@ -632,17 +638,18 @@ class Publisher:
             weight_map, nbytes = self.writer.write_delta(vdir, prepared.tensors)
         else:
             weight_map, nbytes = self.writer.write_full(vdir, prepared.tensors)
+        full_digests = self._tensor_digests(prepared) if kind == "full" else None
         anchor_map, anchor_nbytes, anchor_digests = None, 0, None
         if anchor:
             anchor_map, anchor_nbytes = self.writer.write_full(anchor_dir(self.source_dir, prepared.version), prepared.tensors)
-            anchor_digests = self._anchor_digests(prepared.tensors)
+            anchor_digests = self._tensor_digests(prepared)
         if staged is not None and retry:
             staged.kind = kind
         else:
             self._stage(prepared, kind)
         return ShardManifest(
             prepared.version, self.rank, kind, weight_map, nbytes, prepared.full_nbytes, anchor_map, anchor_nbytes,
-            prepared.encoding if kind == "delta" else "", anchor_digests,
+            prepared.encoding if kind == "delta" else "", anchor_digests, full_digests,
         )
 
     def commit(self, version: int, kind: Kind, manifests: list[ShardManifest]) -> str:
@@ -725,18 +732,19 @@ class Publisher:
             anchor_nbytes, prepared.encoding if kind == "delta" else "", prepared.encoding_reason,
         )
 
-    def _anchor_digests(self, tensors: list[PreparedTensor]) -> dict[str, str]:
-        """The digest of every tensor's bytes (the side anchor's binding): a changed tensor's was
-        computed by the encode, the snapshot may know an unchanged one's; the rest are hashed."""
+    def _tensor_digests(self, prepared: PreparedVersion) -> dict[str, str]:
+        """The digest of every tensor's bytes (a side anchor's binding, a full version's check).
+        Encoded, a changed tensor's was computed by the encode and an unchanged one's is the
+        snapshot's; not encoded, a tensor's digest is the snapshot's old one, so all are hashed."""
 
         def digest_of(t: PreparedTensor) -> tuple[str, str]:
-            if t.digest:
+            if t.digest and prepared.encoded:
                 return t.name, t.digest
             h = new_hasher(self.checksum)
             h.update(t.new)
             return t.name, h.hexdigest()
 
-        return dict(self._pool.map(digest_of, sorted(tensors, key=lambda t: -t.nbytes)))
+        return dict(self._pool.map(digest_of, sorted(prepared.tensors, key=lambda t: -t.nbytes)))
 
     def _stage(self, prepared: PreparedVersion, kind: str) -> None:
         """Take the written bytes into the snapshot and keep what a retry reuses."""

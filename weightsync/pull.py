@@ -37,6 +37,7 @@ from .checksum import tensor_hasher
 from .errors import (
     AnchorUnusableError,
     ChainBrokenError,
+    ChecksumMismatchError,
     CorruptArtifactError,
     InvalidRequestError,
     LocalStateError,
@@ -433,6 +434,8 @@ def _seed(plan: PullPlan, local: str, seed_dir: str, origin: Origin, workers: in
     was pruned meanwhile)."""
     seed = plan.seed
     assert seed is not None
+    if seed.kind == "full" and seed.digests is not None:
+        return seed_local_checkpoint(local, seed, seed_dir, origin, verify=lambda d: _check_full_copy(d, seed, workers, chunk))
     if seed.kind != "anchor":
         return seed_local_checkpoint(local, seed, seed_dir, origin)
     source_dir = os.path.dirname(seed.path.rstrip(os.sep))
@@ -450,9 +453,25 @@ def _seed(plan: PullPlan, local: str, seed_dir: str, origin: Origin, workers: in
         raise _AnchorFailed(seed.version, str(e)) from None
 
 
+def _check_full_copy(local: str, seed: SeedSource, workers: int, chunk: int) -> None:
+    """A full version's copy against its index's digests: a mismatch is the version's damage
+    (no chain crosses a full version, so nothing else could serve it)."""
+    bad = _seed_mismatches(local, seed, workers, chunk)
+    if bad:
+        raise ChecksumMismatchError(seed.version, bad, seed.checksum_format or "")
+
+
 def _check_anchor_copy(local: str, seed: SeedSource, workers: int, chunk: int) -> None:
-    """Every tensor the anchor's copy holds hashes to the anchor's digest, each in the file its
-    index names, and no tensor is missing or extra. Reads the local copy (page cache)."""
+    bad = _seed_mismatches(local, seed, workers, chunk)
+    if bad:
+        shown = "; ".join(f"{n}: expected {e}, got {a}" for n, e, a in bad[:3])
+        raise CorruptArtifactError(f"{len(bad)} tensor(s) do not hash to its {seed.checksum_format} digests: {shown}")
+
+
+def _seed_mismatches(local: str, seed: SeedSource, workers: int, chunk: int) -> list[tuple[str, str, str]]:
+    """(name, expected, actual) of each tensor of the seeded copy that does not hash to the
+    seed's digest. The copy must hold exactly the digests' tensors, each in the file its index
+    names (else CorruptArtifactError). Reads the local copy (page cache)."""
     digests, fmt = seed.digests or {}, seed.checksum_format or ""
     table = local_tensor_table(local, list(seed.shard_files))
     if set(table) != set(digests):
@@ -485,11 +504,8 @@ def _check_anchor_copy(local: str, seed: SeedSource, workers: int, chunk: int) -
         actual = hasher.hexdigest()
         return None if actual == digests[name] else (name, digests[name], actual)
 
-    with ThreadPoolExecutor(max(1, workers), thread_name_prefix="weightsync-anchor-check") as pool:
-        bad = [r for r in pool.map(mismatch, sorted(table, key=lambda n: -table[n][1].nbytes)) if r is not None]
-    if bad:
-        shown = "; ".join(f"{n}: expected {e}, got {a}" for n, e, a in bad[:3])
-        raise CorruptArtifactError(f"{len(bad)} tensor(s) do not hash to its {fmt} digests: {shown}")
+    with ThreadPoolExecutor(max(1, workers), thread_name_prefix="weightsync-seed-check") as pool:
+        return [r for r in pool.map(mismatch, sorted(table, key=lambda n: -table[n][1].nbytes)) if r is not None]
 
 
 def _execute(

@@ -21,7 +21,7 @@ import xxhash
 
 from weightsync import Publisher, plan_pull, pull
 from weightsync.cli import main
-from weightsync.errors import AnchorUnusableError, SourceNotReadyError
+from weightsync.errors import AnchorUnusableError, ChecksumMismatchError, SourceNotReadyError
 from weightsync.layout import list_anchors, list_versions
 from weightsync.prune import prune_versions
 
@@ -491,3 +491,52 @@ def test_any_one_byte_of_an_anchor_damaged_still_pulls_exactly_the_published_byt
         pub.close()
         world.pulls_exactly(local, 5)
     shutil.rmtree(root)
+
+
+# --- a full version of ours carries its digests too ---------------------------------------------
+
+
+def test_a_flipped_byte_in_a_full_version_fails_the_seed_naming_it_and_never_serves(world):
+    pub = world.publisher()
+    world.t.append(mutate(world.t[0], world.rng, 0.05))
+    pub.publish(1, world.t[1], full=True)
+    world.t.append(mutate(world.t[1], world.rng, 0.05))
+    pub.publish(2, world.t[2])
+    pub.close()
+    index = read_json(os.path.join(vdir(world.source, 1), INDEX))
+    assert index["digests"] == {n: xxhash.xxh3_128_hexdigest(b) for n, b in tensor_bytes(world.t[1]).items()}
+    assert index["metadata"]["checksum_format"] == "xxh3-128"
+    path, off, _ = tensor_location(vdir(world.source, 1), "w2")
+    with open(path, "r+b") as f:
+        f.seek(off + 11)
+        b = f.read(1)[0]
+        f.seek(off + 11)
+        f.write(bytes([b ^ 0x10]))
+    for target in (1, 2):
+        local = world.local()
+        with pytest.raises(ChecksumMismatchError) as ei:
+            pull(local, world.seed, world.source, target)
+        assert ei.value.version == 1 and [m[0] for m in ei.value.mismatches] == ["w2"]
+        assert marker_version(local) is None
+    with open(path, "r+b") as f:  # repaired: the same pull succeeds
+        f.seek(off + 11)
+        f.write(bytes([b]))
+    world.pulls_exactly(world.local(), 2)
+
+
+def test_verify_checks_against_a_full_versions_digests_without_reading_its_bytes(world, capsys):
+    pub = world.publisher()
+    world.t.append(mutate(world.t[0], world.rng, 0.05))
+    pub.publish(1, world.t[1], full=True)
+    world.t.append(mutate(world.t[1], world.rng, 0.05, names=["w1"]))
+    pub.publish(2, world.t[2])
+    pub.close()
+    local = world.local()
+    world.pulls_exactly(local, 2)
+    for name in os.listdir(vdir(world.source, 1)):  # its bytes gone: only its index is read
+        if name != INDEX:
+            os.unlink(os.path.join(vdir(world.source, 1), name))
+    argv = ["--json", "verify", local, "--source-dir", world.source, "--version", "2"]
+    assert main(argv) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["checked"] == len(SIZES) and report["unchecked"] == []
