@@ -10,7 +10,7 @@ import numpy as np
 
 from .checksum import digest
 from .codecs import DensityCodec, get_codec
-from .errors import ChainBrokenError, VersionMissingError, WeightSyncError
+from .errors import ChainBrokenError, SourceNotReadyError, VersionMissingError, WeightSyncError
 from .layout import list_anchors, list_versions
 from .manifest import VersionIndex, check_anchor, checkpoint_weight_files, read_version_index
 from .safetensors_io import DTYPE_NBYTES, TensorEntry, local_tensor_table, read_header, read_range
@@ -169,7 +169,10 @@ def expected_digests(source_dir: str, version: int, seed_dir: str | None, checks
             base_dir = idx.path  # an upstream full version: its bytes are the reference
             break
         for fname, names in idx.shards().items():
-            hdr = read_header(os.path.join(idx.path, fname))
+            try:
+                hdr = read_header(os.path.join(idx.path, fname))
+            except FileNotFoundError:
+                raise SourceNotReadyError(f"v{v}'s shard {fname} vanished while verify read it (pruned meanwhile?); run verify again") from None
             for n in names:
                 out.setdefault(n, (idx.checksum_format or checksum_format, hdr.metadata.get(n, "")))
         if v in anchors:
