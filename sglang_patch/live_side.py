@@ -43,6 +43,7 @@ from typing import Any, Callable, Iterator, NamedTuple, Optional
 
 import weightsync.codecs.positions as positions
 from weightsync.errors import InvalidRequestError, PathNotAllowedError
+from weightsync.identity import seed_fingerprint as fingerprint_seed
 from weightsync.lock import shared_host_lock
 
 from . import compat
@@ -51,6 +52,8 @@ from .coordinate_map import CheckpointReader, CoordinateMap, build_coordinate_ma
 from . import live_transaction as tx
 from .live_patch import (RestoreFailed, StagedUpdate, StagingRefused, UndoLog, finish_staging_steps, one_intra_op_thread,
                          reload_only_reasons, scatter_with_undo, undo_log_steps)
+from .live_identity import (LiveVersion, ReloadWitness, from_held, is_serving, key_of_held, reload_outcome, seed_version,
+                            why_not_base)
 from .live_stage import Patch, StageJob, StageReply
 from .loop_slices import LoopSlices, LoopWorkTimeout, drain
 from .paths import ALLOWED_ROOTS_FLAG
@@ -60,14 +63,9 @@ log = logging.getLogger(__name__)
 LIVE_STATE_ATTR = "_weightsync_live"
 FAULT_DIR_ENV = "WEIGHTSYNC_TEST_FAULT_DIR"
 TRANSFORM_ENV = "WEIGHTSYNC_TEST_POST_LOAD_TRANSFORM"
+RELOAD_GATE_ENV = "WEIGHTSYNC_TEST_RELOAD_GATE"
 LOOP_STAGING_TIMEOUT_S = 120.0  # the loop runs a slice every iteration; only a stalled loop takes this long
 LOOP_PROOF_TIMEOUT_S = 1800.0  # O(model): a few seconds for 1.3 GB here, minutes for the largest
-
-
-class LiveVersion(NamedTuple):
-    version: int
-    source_dir: Optional[str]  # None: version 0, the seed dir (any source's chain starts there)
-    how: str
 
 
 class InjectedFault(RuntimeError):
@@ -120,7 +118,8 @@ class LiveApplyState:
         self.max_changed_fraction = max_changed_fraction
         self._lock = threading.Lock()
         self.generation = 0
-        self.live: Optional[LiveVersion] = LiveVersion(0, None, "start-up from the seed dir") if seed_dir else None
+        # v0's identity is the seed's fingerprint, taken now (right after sglang loaded it)
+        self.live: Optional[LiveVersion] = seed_version(fingerprint_seed(seed_dir)) if seed_dir else None
         self.live_reason = "" if seed_dir else "the engine's model path is not a local dir"
         # the dir of the last load that named a verified version (a map built later is proven against it)
         self.live_dir: Optional[str] = seed_dir
@@ -134,6 +133,9 @@ class LiveApplyState:
         self.gather = gather or tx.StageGather(pp_rank=0, pp_size=1, leader=True, channel=None, send=lambda o, r: None)
         self.stage_reason: Optional[str] = "nothing staged yet (pull the target version first)"
         self._phase: dict[str, float] = {}  # seconds into the last update call, per step (logged)
+        self.pause_costs = lr.PauseCosts()  # what the mode is chosen by
+        self._reload_witness: Optional[ReloadWitness] = None
+        self._reload_started: Optional[float] = None
         # staging's engine half and the proof (see loop_slices)
         self.loop = LoopSlices(around_slice=one_intra_op_thread, is_idle=lambda: _engine_is_idle(scheduler))
 
@@ -148,28 +150,49 @@ class LiveApplyState:
 
     # --- the live version --------------------------------------------------------------------
 
-    def begin_weight_change(self) -> None:
+    def _is_seed_dir(self, path: Optional[str]) -> bool:
+        return bool(path and self.seed_dir and os.path.realpath(path) == os.path.realpath(self.seed_dir))
+
+    def _identity_of_dir(self, path: Optional[str]) -> Optional[LiveVersion]:
+        """What a load of ``path`` now would give: its marker's (or verified note's) version and
+        origin; the seed dir is v0 with its fingerprint now; None: no verified version."""
+        if not path or not os.path.isdir(path):
+            return None
+        held = positions.held_version(path)
+        if held is not None:
+            return from_held(held, f"reload from {path} ({held.how})")
+        return seed_version(fingerprint_seed(path), f"reload from the seed dir {path}") if self._is_seed_dir(path) else None
+
+    def begin_reload(self, model_path: Optional[str]) -> None:
+        """Before sglang's update_weights_from_disk (ours or anyone's): what the dir names now."""
+        before = self._identity_of_dir(model_path)
+        witness = ReloadWitness(model_path, before.key() if before else None, self._pull_is_running())
         with self._lock:
             self.generation += 1
             self.staged = None
+            self._reload_witness = witness
+        self._reload_started = time.perf_counter()
 
     def after_reload(self, model_path: Optional[str], success: bool) -> None:
-        """After sglang's update_weights_from_disk (ours or anyone's)."""
+        """After sglang's update_weights_from_disk (ours or anyone's): the live version is what
+        the dir named before the reload, if it names the same now and no pull ran meanwhile."""
+        if success and self._reload_started is not None:
+            self.pause_costs.record_reload(time.perf_counter() - self._reload_started)
+        self._reload_started = None
+        _wait_at_reload_gate(self.rank)
+        after = self._identity_of_dir(model_path) if success else None
+        with self._lock:
+            witness, self._reload_witness = self._reload_witness, None
+        why = reload_outcome(witness, model_path, success, after.key() if after else None, self._pull_is_running())
         with self._lock:
             self.generation += 1
             self.staged = None
             self.stage_reason = "the weights were reloaded after the last staging"
-            held = positions.held_version(model_path) if success and model_path and os.path.isdir(model_path) else None
-            if held is not None:
-                self.live = LiveVersion(held.version, held.source_dir if held.version > 0 else None, f"reload from {model_path} ({held.how})")
-                self.live_reason = ""
-                self.live_dir = model_path
+            if why is None and after is not None:
+                self.live, self.live_reason, self.live_dir = after, "", model_path
             else:
                 self.live, self.live_dir = None, None
-                self.live_reason = (
-                    f"the weights were reloaded from {model_path}, which names no verified version"
-                    if success else f"a reload from {model_path} failed"
-                )
+                self.live_reason = why or f"a reload from {model_path} named no version"
         log.info("live apply %s: live version now %s", self.rank, self.describe_live())
         if self.live is not None and self.cmap is not None and not self.cmap.proven and model_path:
             # the start-up proof was voided by a weight change: prove against this dir instead
@@ -180,7 +203,9 @@ class LiveApplyState:
 
     def _prove_quietly(self, checkpoint_dir: str, expected: LiveVersion) -> None:
         try:
-            self.prove(CheckpointReader(checkpoint_dir), expected, checkpoint_dir=checkpoint_dir)
+            # the seed dir has no marker and no pull writes there
+            self.prove(CheckpointReader(checkpoint_dir), expected,
+                       checkpoint_dir=None if self._is_seed_dir(checkpoint_dir) else checkpoint_dir)
         except Exception:
             log.exception("live apply %s: the proof against %s failed", self.rank, checkpoint_dir)
 
@@ -193,7 +218,7 @@ class LiveApplyState:
             self.stage_reason = self.live_reason
 
     def describe_live(self) -> str:
-        return f"v{self.live.version} ({self.live.how})" if self.live else f"unknown ({self.live_reason})"
+        return self.live.describe() if self.live else f"unknown ({self.live_reason})"
 
     # --- the map -----------------------------------------------------------------------------
 
@@ -244,7 +269,9 @@ class LiveApplyState:
             if checkpoint_dir is None:  # the seed dir: no pull writes there
                 return True
             held = positions.held_version(checkpoint_dir)
-            return held is not None and held.version == expected.version
+            if held is None or held.version != expected.version:
+                return False
+            return expected.seed is None or key_of_held(held) == expected.key()
 
         # A shared hold of the host's pull lock: a pull (exclusive) from any co-located rank
         # waits until every rank's proof has read the dir. Without it a trainer that pulls
@@ -310,8 +337,13 @@ class LiveApplyState:
         if status is not None:
             raise StagingRefused(status)
         source_real = os.path.realpath(source_dir)
-        if live.source_dir is not None and live.source_dir != source_real:
-            raise StagingRefused(f"the live version v{live.version} came from another source dir ({live.source_dir})")
+        held = positions.held_version(local_dir)  # the pull that verified it holds the host lock
+        if held is None or held.version != target:
+            raise StagingRefused(f"the local checkpoint holds {('v%d' % held.version) if held else 'no verified version'}, "
+                                 f"not the pulled v{target}")
+        why = why_not_base(live, held)  # the chain must extend exactly the bytes the weights hold
+        if why is not None:
+            raise StagingRefused(why)
         if target <= live.version:
             raise StagingRefused(f"the live version v{live.version} is not below the target v{target}")
         assert self.cmap is not None
@@ -321,7 +353,8 @@ class LiveApplyState:
             placements=self.cmap.placements, unused=sorted(self.cmap.unused_tensors),
             reload_only=reload_only_reasons(self.cmap),
         )
-        staged = StagedUpdate(live.version, target, source_real, os.path.realpath(local_dir), generation)
+        staged = StagedUpdate(live.version, target, source_real, os.path.realpath(local_dir), generation,
+                              from_key=live.key(), target=from_held(held, f"live apply from {local_dir}"))
         early: list = []  # the undo log's loop job, started as soon as the positions are readable
 
         def positions_ready(patches: list[Patch]) -> None:
@@ -390,25 +423,31 @@ class LiveApplyState:
                 message="a /pull_weights is still running on this engine and may be rewriting the local checkpoint; "
                 "wait for its reply, then retry",
             )
+        reload_s = self.pause_costs.reload_s
+
+        def reload_because(reason: str) -> lr.LiveDecision:
+            return lr.LiveDecision(rank=self.rank, live=False, reason=reason, reload_estimate_s=reload_s)
+
         with self._lock:
             staged, live = self.staged, self.live
             if live is None:
-                return lr.LiveDecision(rank=self.rank, live=False, reason=f"the live version is unknown: {self.live_reason}")
-            if live.version == target and (live.source_dir is None or live.source_dir == held.source_dir):
-                # already serving it: nothing to scatter (the cache is still flushed if asked)
-                self._voted = StagedUpdate(target, target, held.source_dir, local, self.generation)
-                return lr.LiveDecision(rank=self.rank, live=True)
+                return reload_because(f"the live version is unknown: {self.live_reason}")
+            if is_serving(live, held):
+                # already serving exactly these bytes: nothing to scatter (the cache is still flushed if asked)
+                self._voted = StagedUpdate(target, target, held.source_dir, local, self.generation,
+                                           from_key=live.key(), target=live)
+                return lr.LiveDecision(rank=self.rank, live=True, live_estimate_s=0.0, reload_estimate_s=reload_s)
             if staged is None:
-                return lr.LiveDecision(rank=self.rank, live=False, reason=self.stage_reason or "nothing staged")
+                return reload_because(self.stage_reason or "nothing staged")
             if staged.to_version != target or staged.local_checkpoint_dir != local:
-                return lr.LiveDecision(rank=self.rank, live=False,
-                                       reason=f"the staged update is for v{staged.to_version} in {staged.local_checkpoint_dir}")
-            if staged.generation != self.generation or staged.from_version != live.version:
-                return lr.LiveDecision(rank=self.rank, live=False, reason="the weights changed after staging")
-            if held.source_dir != staged.source_dir:
-                return lr.LiveDecision(rank=self.rank, live=False, reason="the local checkpoint came from another source dir")
+                return reload_because(f"the staged update is for v{staged.to_version} in {staged.local_checkpoint_dir}")
+            if staged.generation != self.generation or staged.from_key != live.key():
+                return reload_because("the weights changed after staging")
+            if staged.target is None or staged.target.key() != key_of_held(held):
+                return reload_because("the local checkpoint holds another run's or seed's version than the one staged")
         self._voted = staged
-        return lr.LiveDecision(rank=self.rank, live=True)
+        return lr.LiveDecision(rank=self.rank, live=True, elements=staged.elements,
+                               live_estimate_s=self.pause_costs.live_estimate(staged.elements), reload_estimate_s=reload_s)
 
     def _pull_is_running(self) -> bool:
         from .scheduler_side import STATE_ATTR
@@ -454,7 +493,7 @@ class LiveApplyState:
         if phase == tx.APPLY:
             return self._apply_live(request, txn)
         if phase == tx.COMMIT:
-            return self._commit(txn)
+            return self._commit(request, txn)
         if phase == tx.ROLLBACK:
             return self._rollback(txn, request.reason or "another rank failed")
         if phase == tx.RELOAD:
@@ -469,7 +508,7 @@ class LiveApplyState:
                                  pause_s=time.perf_counter() - start)
 
     def _apply_live(self, request: Any, txn: "_Txn") -> lr.LiveRankReport:
-        """Write what this rank voted on, keep the undo log, flush the cache; commit nothing yet."""
+        """Write what this rank voted on and keep the undo log; commit nothing yet."""
         staged = self._voted  # what this rank voted on, even if a pull thread replaced it since
         if staged is None:
             return self._phase_failure(tx.APPLY, "this rank voted for no live update", txn.start)
@@ -499,29 +538,34 @@ class LiveApplyState:
             log.warning("live apply %s: scatter failed, this rank restored: %s", self.rank, exc)
             return self._phase_failure(tx.APPLY, f"{type(exc).__name__}: {exc}", txn.start)
         txn.scatter_s = time.perf_counter() - t0
-        ok, message = compat.flush_cache_after_weight_update(self.scheduler.weight_updater, request,
-                                                             f"patched {txn.written} elements live")
         self._phase["scattered"] = time.perf_counter() - txn.start
         return lr.LiveRankReport(
-            host=self.host, rank=self.rank, success=ok, mode=lr.LIVE, message=message,
+            host=self.host, rank=self.rank, success=True, mode=lr.LIVE, message=f"patched {txn.written} elements live",
             weight_version=staged.to_version, elements_scattered=txn.written, pause_s=time.perf_counter() - txn.start,
             scatter_s=txn.scatter_s, stage_s=staged.stage_s, staged_nbytes=staged.nbytes,
         )
 
-    def _commit(self, txn: "_Txn") -> lr.LiveRankReport:
-        """Every rank applied: this rank takes the new version."""
+    def _commit(self, request: Any, txn: "_Txn") -> lr.LiveRankReport:
+        """Every rank applied: this rank takes the new version and flushes its cache.
+
+        The flush is here, on every rank at once, not in ``apply``: the TP ranks' schedulers must
+        keep identical caches (one rank flushed and another not diverged their batches and took
+        the server down after a rollback)."""
         staged = txn.staged
         if staged is None or txn.undo is None:
             return self._phase_failure(tx.COMMIT, "this rank applied nothing to commit", txn.start)
+        ok, message = compat.flush_cache_after_weight_update(self.scheduler.weight_updater, request,
+                                                             f"patched {txn.written} elements live")
         compat.record_weight_version(self.scheduler.weight_updater, staged.to_version)
         self._take_applied_version(staged)
+        self.pause_costs.record_scatter(txn.written, txn.scatter_s)
         _release_later(self._voted)
         self._voted, self._txn = None, None
         pause_s = time.perf_counter() - txn.start
         log.info("live apply %s: v%d committed, %d elements, pause %.4fs (scatter %.4fs)", self.rank, staged.to_version,
                  txn.written, pause_s, txn.scatter_s)
         return lr.LiveRankReport(
-            host=self.host, rank=self.rank, success=True, mode=lr.LIVE, message=f"patched {txn.written} elements live",
+            host=self.host, rank=self.rank, success=ok, mode=lr.LIVE, message=message,
             weight_version=staged.to_version, elements_scattered=txn.written, pause_s=pause_s,
             scatter_s=txn.scatter_s, stage_s=staged.stage_s, staged_nbytes=staged.nbytes,
         )
@@ -529,8 +573,8 @@ class LiveApplyState:
     def _take_applied_version(self, staged: StagedUpdate) -> None:
         with self._lock:
             self.generation += 1
-            self.live = LiveVersion(staged.to_version, staged.source_dir, f"live apply from {staged.local_checkpoint_dir}")
-            self.live_reason = ""
+            self.live = staged.target  # the identity the local checkpoint named when staged
+            self.live_reason = "" if staged.target is not None else "a live apply of an update staged without an identity"
             self.staged = None
             self.stage_reason = f"v{staged.to_version} was applied; nothing staged since"
 
@@ -752,10 +796,23 @@ def _after_process_input_requests(result, scheduler, *args, **kwargs):
 
 
 @_safely
-def _before_reload(manager, *args, **kwargs):
+def _before_reload(manager, recv_req=None, *args, **kwargs):
     state = state_of(getattr(manager, "scheduler", None))
     if state is not None:
-        state.begin_weight_change()
+        state.begin_reload(getattr(recv_req, "model_path", None))
+
+
+def _wait_at_reload_gate(rank: str, timeout_s: float = 120.0) -> None:
+    """Test-only (``WEIGHTSYNC_TEST_RELOAD_GATE``, a dir holding a file ``hold``): between a
+    reload's load and its reading of the dir's identity, create ``reloaded-<rank>`` there and
+    wait until ``hold`` is gone, so a test can make a pull rewrite the dir in that window."""
+    directory = os.environ.get(RELOAD_GATE_ENV)
+    if not directory or not os.path.exists(os.path.join(directory, "hold")):
+        return
+    open(os.path.join(directory, "reloaded-" + rank.replace("/", "_")), "w").close()
+    deadline = time.monotonic() + timeout_s
+    while os.path.exists(os.path.join(directory, "hold")) and time.monotonic() < deadline:
+        time.sleep(0.02)
 
 
 @_safely

@@ -12,9 +12,10 @@ The protocol (``run_transaction``, on the tokenizer, which holds sglang's model-
 lock throughout, so no generation runs between the phases):
 
 1. ``vote``: every rank says whether it can patch live (or refuses the request).
-2. all live: ``apply``: every rank writes its staged patches, keeps its undo log, flushes its
-   cache and reports. Any other vote: ``reload`` on every rank (sglang's own loader).
-3. every rank applied: ``commit`` (each rank takes the new version). Otherwise ``rollback``:
+2. all live: ``apply``: every rank writes its staged patches, keeps its undo log and reports.
+   Any other vote: ``reload`` on every rank (sglang's own loader).
+3. every rank applied: ``commit`` (each rank takes the new version and flushes its cache: all
+   ranks or none, their schedulers must stay in step). Otherwise ``rollback``:
    every rank writes its undo log back and checks it; a rank that reports "not restored" makes
    every rank ``reload`` the target from the local checkpoint (which holds it verified), so the
    engine never serves a mix.
@@ -159,22 +160,23 @@ async def run_transaction(send: Callable[[str, Optional[str]], Awaitable[PhaseRe
     if not votes:
         return lr.summarize(target_version, [])
     mode, reason = lr.choose_mode(votes)
+    estimates = lr.estimate_fields(votes)  # what the mode was chosen by, in the reply
     if mode == lr.RELOAD:
-        return lr.summarize(target_version, lr.merge_hosts((await send(RELOAD, reason)).reports))
+        return lr.summarize(target_version, **estimates, hosts=lr.merge_hosts((await send(RELOAD, reason)).reports))
     applied = (await send(APPLY, None)).reports
     if applied and all(r.success for r in applied):
         committed = (await send(COMMIT, None)).reports
-        return lr.summarize(target_version, lr.merge_hosts(committed))
+        return lr.summarize(target_version, **estimates, hosts=lr.merge_hosts(committed))
     failure = rank_failures(applied) or "no rank reported its writes"
     log.warning("live apply v%d failed on some rank: %s; every rank rolls back", target_version, failure)
     rolled = (await send(ROLLBACK, failure)).reports
     not_restored = [r for r in rolled if not r.rolled_back]
     if not not_restored:
-        return lr.summarize(target_version, lr.merge_hosts(rolled))
+        return lr.summarize(target_version, **estimates, hosts=lr.merge_hosts(rolled))
     why = (f"live apply failed ({failure}) and {len(not_restored)} rank(s) could not be restored "
            f"({rank_failures(not_restored)}): every rank reloads the local checkpoint")
     log.error("live apply v%d: %s", target_version, why)
-    return lr.summarize(target_version, lr.merge_hosts((await send(RELOAD, why)).reports))
+    return lr.summarize(target_version, **estimates, hosts=lr.merge_hosts((await send(RELOAD, why)).reports))
 
 
 def new_transaction_id() -> str:
