@@ -604,6 +604,7 @@ class Publisher:
         side anchor (see ``AnchorBudget``); the reason says so.
         """
         self._scan_once()
+        kind: Kind
         if self._full_reason is not None and requested != "full":
             kind, reason = "full", self._full_reason
         elif requested is not None:
