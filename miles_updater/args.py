@@ -52,6 +52,44 @@ class DiskDeltaConfig:
     engine_timeout_s: float = 120.0
     pull_timeout_s: float = 1800.0
     not_ready_retry_s: float = 60.0
+    engine_wait_timeout_s: float | None = None  # None: engine_phase_bound_s + ENGINE_WAIT_MARGIN_S
+
+    @property
+    def wait_timeout_s(self) -> float:
+        """How long the ranks other than rank 0 wait for its engine phase (see ``engine_phase_bound_s``)."""
+        if self.engine_wait_timeout_s is not None:
+            return self.engine_wait_timeout_s
+        return engine_phase_bound_s(self) + ENGINE_WAIT_MARGIN_S
+
+
+# Room for the post-write hook and scheduling on top of the timeouts the engine phase is made of.
+ENGINE_WAIT_MARGIN_S = 120.0
+
+
+def engine_phase_bound_s(config: "DiskDeltaConfig") -> float:
+    """The longest rank 0's engine phase can last under the configured timeouts (the hook aside).
+
+    Only rank 0 drives the engines; every other rank waits for it in a collective, so that wait
+    must outlive: the baseline ``pull_weights(0)`` (the first sync waits for it) and the pull of
+    the version (each up to ``pull_timeout_s``), "source not ready" retries (``not_ready_retry_s``),
+    then pause, live apply, a reload after a failed live apply, and continue (each up to
+    ``engine_timeout_s``).
+    """
+    return 2 * config.pull_timeout_s + config.not_ready_retry_s + 4 * config.engine_timeout_s
+
+
+def check_engine_wait(config: "DiskDeltaConfig") -> None:
+    """Refuse a wait for rank 0's engine phase that the phase can outlast (at start-up)."""
+    wait = config.engine_wait_timeout_s
+    bound = engine_phase_bound_s(config)
+    if wait is not None and not wait >= bound:
+        raise UpdateWeightArgsError(
+            f"--update-weight-engine-wait-timeout-s {wait:g} is shorter than rank 0's engine phase can last: "
+            f"2 x --update-weight-pull-timeout-s {config.pull_timeout_s:g} (the baseline and the pull) + "
+            f"--update-weight-not-ready-retry-s {config.not_ready_retry_s:g} + 4 x --update-weight-engine-timeout-s "
+            f"{config.engine_timeout_s:g} = {bound:g} s; the other ranks would give up on a sync the engines "
+            f"complete. Raise --update-weight-engine-wait-timeout-s to at least {bound:g} (or drop it: the "
+            f"default is that plus {ENGINE_WAIT_MARGIN_S:g} s), or lower the timeouts.")
 
 
 def _add(group, parser: argparse.ArgumentParser, flag: str, **kwargs) -> None:
@@ -118,6 +156,10 @@ def add_update_weight_arguments(parser: argparse.ArgumentParser) -> argparse.Arg
          help="HTTP timeout of one /pull_weights call.")
     _add(g, parser, "--update-weight-not-ready-retry-s", type=float, default=60.0,
          help="How long to retry an engine answering 'source not ready' (HTTP 404) with backoff.")
+    _add(g, parser, "--update-weight-engine-wait-timeout-s", type=float, default=None,
+         help="How long the trainer ranks other than rank 0 wait while rank 0 drives the engines (on a gloo "
+              "group of their own, so the training group's collective timeout does not apply). Default: "
+              "2 x pull timeout + not-ready retry + 4 x engine timeout + 120 s; a smaller value is refused.")
     _add(g, parser, "--custom-update-weight-post-write-path", type=str, default=None,
          help="Import path 'pkg.mod.fn' called as fn(args, version_dir, rollout_engines) after a "
               "version is published and before engines pull it (e.g. to flush a cache tier).")
@@ -223,12 +265,22 @@ def validate_update_weight_args(args: argparse.Namespace) -> DiskDeltaConfig | N
         raise UpdateWeightArgsError(
             f"--update-weight-delta-encoding auto needs --update-weight-link-bytes-per-s > 0 (the bytes per second "
             f"one engine host gets from the shared dir; it trades wire time against apply time), got {link!r}.")
+    timeouts = {}
+    for flag, name, default in (("--update-weight-engine-timeout-s", "update_weight_engine_timeout_s", 120.0),
+                                ("--update-weight-pull-timeout-s", "update_weight_pull_timeout_s", 1800.0),
+                                ("--update-weight-not-ready-retry-s", "update_weight_not_ready_retry_s", 60.0)):
+        value, zero_ok = float(g(name, default)), name == "update_weight_not_ready_retry_s"
+        if not (0 <= value < float("inf")) or (value == 0 and not zero_ok):
+            raise UpdateWeightArgsError(
+                f"{flag} must be a finite number of seconds {'>=' if zero_ok else '>'} 0, got {value:g}.")
+        timeouts[name] = value
+    wait = g("update_weight_engine_wait_timeout_s")
     post = g("custom_update_weight_post_write_path")
     if post is not None and "." not in post:
         raise UpdateWeightArgsError(
             f"--custom-update-weight-post-write-path {post!r} is not an import path; expected "
             f"'package.module.function'.")
-    return DiskDeltaConfig(
+    config = DiskDeltaConfig(
         source_dir=source_dir,
         local_checkpoint_dir=local_dir,
         hf_checkpoint=hf,
@@ -245,10 +297,13 @@ def validate_update_weight_args(args: argparse.Namespace) -> DiskDeltaConfig | N
         post_write_path=post,
         pause_mode=g("update_weight_pause_mode", "retract"),
         apply_mode=g("update_weight_apply", "auto"),
-        engine_timeout_s=float(g("update_weight_engine_timeout_s", 120.0)),
-        pull_timeout_s=float(g("update_weight_pull_timeout_s", 1800.0)),
-        not_ready_retry_s=float(g("update_weight_not_ready_retry_s", 60.0)),
+        engine_timeout_s=timeouts["update_weight_engine_timeout_s"],
+        pull_timeout_s=timeouts["update_weight_pull_timeout_s"],
+        not_ready_retry_s=timeouts["update_weight_not_ready_retry_s"],
+        engine_wait_timeout_s=None if wait is None else float(wait),
     )
+    check_engine_wait(config)
+    return config
 
 
 def _same_path(a: str, b: str) -> bool:

@@ -49,11 +49,13 @@ def causal_attention_mask(seq_len: int) -> torch.Tensor:
 
 def init_distributed_cpu(
     rank: int, world_size: int, master_port: int, *, tp: int = 1, pp: int = 1, ep: int = 1, seed: int = 1234,
-    backend: str = "gloo",
+    backend: str = "gloo", timeout_s: float | None = None,
 ) -> None:
     """Process group on 127.0.0.1 + Megatron model-parallel groups (CPU shims applied for gloo).
 
     ``backend="nccl"`` is for the GPU test (one GPU per rank, already selected); no shims then.
+    ``timeout_s``: the collective timeout of the world and of Megatron's groups (default: 10 minutes
+    for the world, Megatron's own default for its groups); whole minutes for Megatron's groups.
     """
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
@@ -63,10 +65,11 @@ def init_distributed_cpu(
     if not dist.is_initialized():
         dist.init_process_group(
             backend, init_method=f"tcp://127.0.0.1:{master_port}", rank=rank, world_size=world_size,
-            timeout=datetime.timedelta(minutes=10),
+            timeout=datetime.timedelta(seconds=600 if timeout_s is None else timeout_s),
         )
     ps.initialize_model_parallel(
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, expert_model_parallel_size=ep,
+        **({} if timeout_s is None else {"distributed_timeout_minutes": max(1, round(timeout_s / 60))}),
     )
     torch.manual_seed(seed)
 

@@ -11,7 +11,10 @@ Role: runs in every trainer rank (a miles/slime Megatron actor). Each sync:
    encodes a sample of its tensors both ways, and the all-gather of the samples gives every
    source rank the same sum, hence the same encoding (``weightsync.codecs.encoding_choice``);
 3. on rank 0 only, the engines (``engine_sync.EngineSync``): post-write hook -> ``pull_weights(v)``
-   everywhere while they generate -> pause -> live apply or reload -> continue.
+   everywhere while they generate -> pause -> live apply or reload -> continue. The other ranks
+   wait for it on a gloo group of their own whose timeout outlives the engine phase
+   (``--update-weight-engine-wait-timeout-s``), not on the training group, whose collective
+   timeout (or NCCL watchdog) a long pull would outlast.
 
 A failed publish step is retried, from that step, with the same bytes, up to
 ``--update-weight-publish-attempts`` times: a source rank that wrote keeps its manifest, one that
@@ -29,6 +32,7 @@ Invariant: a failure on any rank is raised on every rank (no rank is left in a c
 
 from __future__ import annotations
 
+import datetime
 import logging
 import time
 import uuid
@@ -41,12 +45,25 @@ from weightsync import Publisher
 from weightsync.codecs.encoding_choice import AUTO, merge_samples
 from weightsync.layout import version_dir
 
-from .args import DiskDeltaConfig
+from .args import DiskDeltaConfig, check_engine_wait
 from .engine_sync import EngineSync, SyncMetrics, as_engine_group
 from .gather import HFWeightGatherer
 from .runs import RunStart, plan_run_start, prune_runs, run_dir
 
 log = logging.getLogger(__name__)
+
+
+# The all-gather after rank 0's engine phase: the other ranks wait there for as long as the engines
+# may take (a pull can take many minutes), on a gloo group whose timeout is --update-weight-engine-
+# wait-timeout-s, never the training group's (its collective timeout, or NCCL's watchdog, is shorter).
+ENGINE_WAIT_STEP = "engines"
+
+
+def _engine_wait_group(group, timeout_s: float):
+    """A gloo group over ``group``'s ranks with a timeout that outlives the engine phase (collective)."""
+    ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
+    return dist.new_group(ranks=ranks, backend="gloo", timeout=datetime.timedelta(seconds=timeout_s),
+                          use_local_synchronization=True)
 
 
 class WeightSyncFailed(RuntimeError):
@@ -84,7 +101,9 @@ class DiskDeltaWeightUpdater:
         self.config = config
         self.args = args
         self.group = group
+        check_engine_wait(config)  # a config built without validate_update_weight_args is checked here too
         self.rank = dist.get_rank(group)
+        self._wait_group = _engine_wait_group(group, config.wait_timeout_s)
         self.gatherer = HFWeightGatherer(model_chunks, config.hf_checkpoint, group=group)
         self.plan = self.gatherer.plan
         box = [run_id or f"{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:8]}"]
@@ -360,7 +379,7 @@ class DiskDeltaWeightUpdater:
     def _share(self, m: SyncMetrics, error: str | None, t_start: float) -> SyncMetrics:
         """Rank 0's metrics on every rank (and any rank's error raised on all)."""
         m.total_s = time.perf_counter() - t_start
-        results = self._all_gather(m if self.rank == 0 else None, error)
+        results = self._all_gather(m if self.rank == 0 else None, error, step=ENGINE_WAIT_STEP)
         return results[0] if results[0] is not None else m
 
     # --- collectives with error propagation ---------------------------------------------------
@@ -384,7 +403,7 @@ class DiskDeltaWeightUpdater:
 
     def _gather_objects(self, out: list, obj: Any, step: str) -> None:
         """The one collective of ``_all_gather`` (a seam for fault injection in tests)."""
-        dist.all_gather_object(out, obj, group=self.group)
+        dist.all_gather_object(out, obj, group=self._wait_group if step == ENGINE_WAIT_STEP else self.group)
 
     def _raise_if_any(self, error: str | None, what: str) -> None:
         self._all_gather(None, None if error is None else f"{what}: {error}")

@@ -147,3 +147,33 @@ def test_encoding_auto_without_a_positive_link_is_refused(hf_dir, tmp_path, link
                   *good(hf_dir, tmp_path)])
     with pytest.raises(UpdateWeightArgsError, match="--update-weight-link-bytes-per-s > 0"):
         validate_update_weight_args(args)
+
+
+def test_the_engine_wait_outlives_the_engine_phase_by_default(hf_dir, tmp_path):
+    from miles_updater.args import engine_phase_bound_s
+
+    cfg = validate_update_weight_args(parse(["--update-weight-transfer-mode", "disk-delta", *good(hf_dir, tmp_path),
+                                             "--update-weight-pull-timeout-s", "3000"]))
+    assert engine_phase_bound_s(cfg) == 2 * 3000 + 60 + 4 * 120
+    assert cfg.wait_timeout_s > engine_phase_bound_s(cfg)
+
+
+def test_an_engine_wait_shorter_than_the_engine_phase_is_refused_naming_both(hf_dir, tmp_path):
+    argv = ["--update-weight-transfer-mode", "disk-delta", *good(hf_dir, tmp_path),
+            "--update-weight-pull-timeout-s", "3600", "--update-weight-engine-wait-timeout-s", "1800"]
+    with pytest.raises(UpdateWeightArgsError) as e:
+        validate_update_weight_args(parse(argv))
+    msg = str(e.value)
+    assert "--update-weight-engine-wait-timeout-s 1800" in msg and "--update-weight-pull-timeout-s 3600" in msg
+    assert "at least 7740" in msg  # 2 x 3600 + 60 + 4 x 120
+    ok = validate_update_weight_args(parse(argv[:-1] + ["7740"]))
+    assert ok.wait_timeout_s == 7740
+
+
+@pytest.mark.parametrize("flag,value", [("--update-weight-pull-timeout-s", "0"),
+                                        ("--update-weight-engine-timeout-s", "inf"),
+                                        ("--update-weight-not-ready-retry-s", "-1")])
+def test_a_timeout_that_bounds_nothing_is_refused(hf_dir, tmp_path, flag, value):
+    with pytest.raises(UpdateWeightArgsError, match=flag):
+        validate_update_weight_args(parse(["--update-weight-transfer-mode", "disk-delta", *good(hf_dir, tmp_path),
+                                           flag, value]))
