@@ -27,7 +27,7 @@ from __future__ import annotations
 import contextlib
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Generator, Iterable, Iterator, Mapping, NamedTuple, Optional
+from typing import Any, Callable, Generator, Iterable, Iterator, Mapping, NamedTuple, Optional
 
 import numpy as np
 import torch
@@ -84,6 +84,8 @@ class StagedUpdate:
     engine_s: float = 0.0  # the engine's half: the time inside finish_staging's steps
     engine_where: str = "in this thread"  # which thread ran them (logged)
     keepalive: object = None  # what the patches' memory belongs to (the helper's shared file)
+    from_key: Optional[tuple] = None  # the identity of the live version it was staged from (live_identity)
+    target: Any = None  # the live version it makes (a live_identity.LiveVersion)
 
     @property
     def nbytes(self) -> int:

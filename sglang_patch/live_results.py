@@ -20,6 +20,7 @@ Invariants:
 
 from __future__ import annotations
 
+import statistics
 from typing import Optional, Sequence
 
 import msgspec
@@ -47,9 +48,9 @@ class PauseCosts:
 
     - the last reload's pause (sglang's ``update_weights_from_disk`` on this rank, from either
       route: its cost does not depend on the version it loads);
-    - the scatter cost per element: total scatter seconds over total elements of the last
-      ``WINDOW`` live applies (weighted toward the large ones, which are the ones that decide;
-      a small one's fixed per-tensor cost makes it look slower per element, the safe side).
+    - the scatter cost per element: the median over the last ``WINDOW`` live applies of each
+      one's scatter seconds per element written (one apply that the OS preempted does not
+      swing the choice; a small one's fixed per-tensor cost makes it look slower per element).
 
     Both sides leave out what every mode pays (votes, gathers, the cache flush).
     """
@@ -71,7 +72,7 @@ class PauseCosts:
     def per_element_s(self) -> Optional[float]:
         if not self._scatters:
             return None
-        return sum(s for _, s in self._scatters) / sum(n for n, _ in self._scatters)
+        return statistics.median(s / n for n, s in self._scatters)
 
     def live_estimate(self, elements: int) -> Optional[float]:
         rate = self.per_element_s

@@ -39,7 +39,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, NamedTuple, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import weightsync.codecs.positions as positions
 from weightsync.errors import InvalidRequestError, PathNotAllowedError

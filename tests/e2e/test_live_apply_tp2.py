@@ -40,6 +40,10 @@ def env(tmp_path_factory, server_factory):
     (allowed / "shared").mkdir(parents=True)
     faults = root / "faults"
     faults.mkdir()
+    gate, reload_gate = root / "gate", root / "reload_gate"
+    gate.mkdir()
+    reload_gate.mkdir()
+    (gate / "release").touch()  # the pre-read hook passes through unless a test removes this
     server = server_factory(
         model,
         tp=2,
@@ -48,15 +52,18 @@ def env(tmp_path_factory, server_factory):
             *SERVER_COMPUTE_ARGS,
             "--pull-weights-allowed-roots", str(allowed),
             "--update-weights-live-max-changed-fraction", str(THRESHOLD),
+            "--custom-pull-weights-pre-read-hook", "testbed.hooks.record_pre_read",
         ],
-        env={"WEIGHTSYNC_TEST_FAULT_DIR": str(faults), "WEIGHTSYNC_TEST_POST_LOAD_TRANSFORM": TRANSFORMED},
+        env={"WEIGHTSYNC_TEST_FAULT_DIR": str(faults), "WEIGHTSYNC_TEST_POST_LOAD_TRANSFORM": TRANSFORMED,
+             "TESTBED_PRE_READ_HOOK_GATE": str(gate), "WEIGHTSYNC_TEST_RELOAD_GATE": str(reload_gate)},
     )  # fmt: skip
 
     class Env:
         pass
 
     e = Env()
-    e.server, e.model, e.faults = server, model, faults
+    e.server, e.model, e.faults, e.root, e.gate, e.reload_gate = server, model, faults, root, gate, reload_gate
+    e.allowed = allowed
     e.local = str(allowed / "local")
     e.feed = VersionFeed(model, allowed / "shared")
     e.others = sorted(n for n in e.feed.expected[0] if n != TRANSFORMED)
@@ -69,10 +76,10 @@ def digests(env) -> dict:
     return weights_digest(env.server)
 
 
-def pull(env, version):
+def pull(env, version, source=None):
     resp = env.server.post(
         "/pull_weights",
-        {"local_checkpoint_dir": env.local, "source_dir": env.feed.source_dir, "target_version": version},
+        {"local_checkpoint_dir": env.local, "source_dir": source or env.feed.source_dir, "target_version": version},
     )
     assert resp.status_code == 200, resp.text
 
@@ -181,7 +188,11 @@ def test_a_change_to_a_reload_only_parameter_reloads_and_names_it(env):
 
 
 def test_after_a_reload_from_another_path_the_live_version_is_unknown_and_the_next_update_reloads(env):
-    resp = env.server.post("/update_weights_from_disk", {"model_path": env.model})
+    import shutil
+
+    other = env.root / "copy_of_the_model"  # not the seed dir (a reload of that is v0 again)
+    shutil.copytree(env.model, other)
+    resp = env.server.post("/update_weights_from_disk", {"model_path": str(other)})
     assert resp.status_code == 200, resp.text
     ranks = digests(env)
     assert {r["live_version"] for r in ranks.values()} == {None}
@@ -227,3 +238,148 @@ def test_a_request_for_a_version_the_local_checkpoint_does_not_hold_is_refused(e
         "/update_weights_from_pulled", {"local_checkpoint_dir": env.local, "target_version": 10}, api_key=""
     )
     assert resp.status_code == 401  # the admin level of /update_weights_from_disk
+
+
+# --- the live version's identity (issue 19 point 1): every scenario reloads, never a live "success"
+
+
+def new_run(env, seed: int):
+    """A fresh run under the same source dir path (a new run id), fed from the seed dir as it is now."""
+    import shutil
+
+    from testbed.feed import VersionFeed
+
+    source = env.allowed / "shared2"
+    shutil.rmtree(source, ignore_errors=True)
+    return VersionFeed(env.model, source, seed=seed)
+
+
+def assert_reloaded_exactly(env, body, version, words):
+    assert body["success"] and body["mode"] == "reload" and body["weight_version"] == version, body
+    assert words in body["reason"], body["reason"]
+    served = digests(env)
+    assert {r["live_version"] for r in served.values()} == {version}
+    assert_same_weights(served, reload_digests(env))
+
+
+def test_a_seed_dir_replaced_in_place_is_never_patched_onto_the_start_up_weights(env):
+    import shutil
+
+    from testbed.tiny_qwen3 import make_tiny_qwen3
+
+    resp = env.server.post("/update_weights_from_disk", {"model_path": env.model})  # the seed dir again: v0
+    assert resp.status_code == 200, resp.text
+    assert {r["live_version"] for r in digests(env).values()} == {0}
+    other = make_tiny_qwen3(env.root / "another_model", seed=1, **TIED_PADDED_VOCAB)
+    for name in os.listdir(other):  # replaced in place: same names, new files
+        if os.path.isfile(os.path.join(other, name)):
+            shutil.copy2(os.path.join(other, name), os.path.join(env.model, name + ".tmp"))
+            os.replace(os.path.join(env.model, name + ".tmp"), os.path.join(env.model, name))
+    feed = new_run(env, seed=5)
+    feed.publish(1, encoding="xor", names=env.others)
+    feed.publish(2, encoding="xor", names=env.others)
+    pull(env, 2, feed.source_dir)  # the core reseeds the local dir from the new seed
+    assert_reloaded_exactly(env, update(env, 2), 2, "another seed")
+
+
+def test_a_new_run_whose_target_equals_the_live_version_reloads_instead_of_a_no_op(env):
+    feed = new_run(env, seed=6)  # the live weights are run 1's v2
+    feed.publish(1, encoding="xor", names=env.others)
+    feed.publish(2, encoding="xor", names=env.others)
+    pull(env, 2, feed.source_dir)
+    body = update(env, 2)
+    assert body["elements_scattered"] == 0
+    assert_reloaded_exactly(env, body, 2, "a new run under the same source dir")
+
+
+def test_a_new_run_above_the_live_version_reloads(env):
+    feed = new_run(env, seed=7)
+    for v in (1, 2, 3):
+        feed.publish(v, encoding="xor", names=env.others)
+    pull(env, 3, feed.source_dir)
+    assert_reloaded_exactly(env, update(env, 3), 3, "a new run under the same source dir")
+    env.run_feed = feed
+
+
+# --- a reload that a pull overlaps (point 2) --------------------------------------------------
+
+
+def test_a_reload_that_a_pull_overlaps_leaves_the_live_version_unknown_and_the_next_update_reloads(env):
+    """The pull is held before its writes; the reload of v3 loads, then (held after its load) the
+    pull writes v4; the reload must not take v4 for what it loaded."""
+    import threading
+
+    from weightsync.codecs.positions import held_version
+
+    feed = env.run_feed
+    feed.publish(4, encoding="xor", names=env.others)
+    replies: dict = {}
+    (env.gate / "release").unlink()
+    (env.reload_gate / "hold").touch()
+    try:
+        puller = threading.Thread(target=lambda: replies.setdefault("pull", env.server.post(
+            "/pull_weights", {"local_checkpoint_dir": env.local, "source_dir": feed.source_dir, "target_version": 4})))
+        puller.start()
+        wait_for(lambda: (env.gate / "started-4").exists(), "the pull never reached its pre-read hook")
+        reloader = threading.Thread(target=lambda: replies.setdefault("reload", env.server.post(
+            "/update_weights_from_disk", {"model_path": env.local})))
+        reloader.start()
+        wait_for(lambda: len(list(env.reload_gate.glob("reloaded-*"))) == 2, "the reload never finished its load")
+        (env.gate / "release").touch()  # now the pull writes v4 while the reload still has to name its version
+        wait_for(lambda: getattr(held_version(env.local), "version", None) == 4, "the pull never wrote v4")
+    finally:
+        (env.gate / "release").touch()
+        (env.reload_gate / "hold").unlink(missing_ok=True)
+    reloader.join(120)
+    puller.join(120)
+    assert replies["reload"].status_code == 200, replies["reload"].text
+    assert replies["pull"].status_code == 200, replies["pull"].text
+    ranks = digests(env)
+    assert {r["live_version"] for r in ranks.values()} == {None}, ranks
+    assert all("/pull_weights was running" in r["live_reason"] for r in ranks.values())
+    assert_reloaded_exactly(env, update(env, 4), 4, "the live version is unknown")
+
+
+def wait_for(predicate, what: str, timeout_s: float = 120.0) -> None:
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.05)
+
+
+# --- the mode is chosen by measurement (point 13) -----------------------------------------------
+
+
+def test_the_reply_carries_both_measured_estimates_and_follows_them(env):
+    env.run_feed.publish(5, encoding="xor", names=env.others)
+    pull(env, 5, env.run_feed.source_dir)
+    body = update(env, 5)
+    live_s, reload_s = body["live_estimate_s"], body["reload_estimate_s"]
+    print(f"\n[measured] v5: live estimate {live_s}s, reload estimate {reload_s}s, mode {body['mode']}, "
+          f"pause {body['pause_s']:.4f}s")
+    assert live_s is not None and reload_s is not None and live_s > 0 and reload_s > 0, body
+    assert body["success"] and body["mode"] == ("live" if live_s < reload_s else "reload"), body
+    assert_same_weights(digests(env), reload_digests(env))
+
+
+# --- endpoint input (both routes) ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("route", ["/pull_weights", "/update_weights_from_pulled"])
+def test_a_huge_target_version_is_a_400_and_a_non_json_content_type_a_415_with_the_error_shape(env, route):
+    import json
+
+    import requests
+
+    body = {"local_checkpoint_dir": env.local, "source_dir": env.feed.source_dir}
+    for version in (2**64, 10**30):
+        resp = env.server.post(route, {**body, "target_version": version})
+        assert resp.status_code == 400, (version, resp.text)
+        assert resp.json()["error_type"] == "bad_request" and "target_version" in resp.json()["message"]
+    headers = {"Authorization": f"Bearer {ADMIN_KEY}", "Content-Type": "text/plain"}
+    resp = requests.post(env.server.base_url + route, data=json.dumps({**body, "target_version": 1}), headers=headers,
+                         timeout=60)
+    assert resp.status_code == 415, resp.text
+    assert resp.json()["success"] is False and resp.json()["error_type"] == "unsupported_media_type"

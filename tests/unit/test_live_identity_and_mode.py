@@ -133,10 +133,12 @@ def test_pause_costs_estimate_from_the_last_reload_and_the_scatter_rate_of_recen
     costs.record_reload(0.2)
     assert costs.reload_s == 0.2
     costs.record_scatter(1000, 0.001)
-    costs.record_scatter(3000, 0.005)
+    costs.record_scatter(3000, 0.006)
     costs.record_scatter(0, 0.5)  # nothing written: no rate
-    assert costs.per_element_s == pytest.approx(0.006 / 4000)
+    assert costs.per_element_s == pytest.approx(1.5e-6)  # the median of 1e-6 and 2e-6
     assert costs.live_estimate(10_000) == pytest.approx(0.015)
+    costs.record_scatter(1000, 0.5)  # one preempted apply does not swing it
+    assert costs.per_element_s == pytest.approx(2e-6)
     for _ in range(lr.PauseCosts.WINDOW):
         costs.record_scatter(1000, 0.01)
     assert costs.per_element_s == pytest.approx(1e-5)  # only the last WINDOW count
@@ -146,3 +148,36 @@ def test_the_reply_carries_both_estimates():
     report = lr.LiveRankReport(host="h", rank="tp0", success=True, mode=lr.LIVE, weight_version=3)
     fields = lr.summarize(3, lr.merge_hosts([report]), **lr.estimate_fields([vote("tp0", 10, 0.01, 0.2)]))
     assert fields["success"] and fields["live_estimate_s"] == 0.01 and fields["reload_estimate_s"] == 0.2
+
+
+def test_the_engine_reloads_when_one_ranks_measured_live_estimate_exceeds_the_reload_and_the_reply_says_both():
+    """Across DP groups and stages: the slowest rank's live estimate against the reload estimate."""
+    import asyncio
+
+    from sglang_patch import live_transaction as tx
+
+    sent = []
+
+    def engine(votes):
+        async def send(phase, reason):
+            sent.append((phase, reason))
+            out = tx.PhaseReplies()
+            if phase == tx.VOTE:
+                out.votes.extend(votes)
+            else:
+                mode = lr.RELOAD if phase == tx.RELOAD else lr.LIVE
+                out.reports.extend(lr.LiveRankReport(host="h", rank=v.rank, success=True, mode=mode, weight_version=4)
+                                   for v in votes)
+            return out
+        return send
+
+    slow = [vote("dp0/tp0", 100, 0.01, 0.2), vote("dp1/tp0", 90_000, 0.45, 0.25)]
+    fields = asyncio.run(tx.run_transaction(engine(slow), 4))
+    assert [p for p, _ in sent] == [tx.VOTE, tx.RELOAD] and "a reload is estimated faster" in sent[1][1]
+    assert fields["success"] and fields["mode"] == lr.RELOAD
+    assert (fields["live_estimate_s"], fields["reload_estimate_s"]) == (0.45, 0.25)
+    sent.clear()
+    fast = [vote("dp0/tp0", 100, 0.01, 0.2), vote("dp1/tp0", 100, 0.02, 0.25)]
+    fields = asyncio.run(tx.run_transaction(engine(fast), 4))
+    assert [p for p, _ in sent] == [tx.VOTE, tx.APPLY, tx.COMMIT] and fields["mode"] == lr.LIVE
+    assert (fields["live_estimate_s"], fields["reload_estimate_s"]) == (0.02, 0.25)

@@ -37,7 +37,8 @@ def served(tmp_path_factory):
     """``state()``: the engine reloaded from ``local`` (at the version it holds then), its map built, not proven."""
     from sglang_patch.coordinate_map import CheckpointReader, build_coordinate_map
     from sglang_patch.coordinator import SingleRankGroup
-    from sglang_patch.live_side import LiveApplyState, LiveVersion
+    from sglang_patch.live_identity import from_held
+    from sglang_patch.live_side import LiveApplyState
     from testbed.feed import VersionFeed
     from testbed.tiny_qwen3 import make_tiny_qwen3, read_state_dict
     from weightsync import pull
@@ -58,7 +59,7 @@ def served(tmp_path_factory):
         s = LiveApplyState(scheduler=scheduler, group=SingleRankGroup(), host="host/node0", rank="dp0/tp0",
                            seed_dir=model_dir, allowed_roots=(), max_changed_fraction=0.1)
         s.cmap = build_coordinate_map(model, CheckpointReader(local).specs())
-        s.live = LiveVersion(held_version(local).version, feed.source_dir, f"reload from {local} (marker)")
+        s.live = from_held(held_version(local), f"reload from {local} (marker)")
         s.live_dir = local
         return s
 
@@ -147,12 +148,14 @@ def _staging_state(served):
     """A proven rank whose live weights are taken to be v1 while the local dir holds v2."""
     from sglang_patch.coordinate_map import CheckpointReader
     from sglang_patch.live_side import LiveVersion
+    from weightsync.codecs.positions import held_version
 
     served.pull(served.local, served.model_dir, served.feed.source_dir, 2)
     state = served.state()
     state.prove(CheckpointReader(served.local), state.live, checkpoint_dir=served.local)
     assert state.cmap.proven
-    state.live = LiveVersion(1, os.path.realpath(served.feed.source_dir), "test: serving v1")
+    held = held_version(served.local)  # v2 of the same run and seed: the weights are taken to be its v1
+    state.live = LiveVersion(1, os.path.realpath(served.feed.source_dir), "test: serving v1", held.run, held.seed)
     return state
 
 
@@ -243,3 +246,16 @@ def test_staging_on_a_scheduler_loop_that_stopped_running_slices_is_refused_with
     state.stage_after_pull(served.local, served.feed.source_dir, 2, stage_job)
     assert state.staged is None
     assert "staging did not finish" in state.stage_reason and "scheduler loop" in state.stage_reason
+
+
+@pytest.mark.parametrize("change,words", [
+    (dict(seed="0" * 32), "another seed"),
+    (dict(run="another-run"), "a new run under the same source dir"),
+])
+def test_staging_refuses_a_chain_of_another_seed_or_run_than_the_live_weights(served, change, words):
+    from sglang_patch.live_stage import stage_job
+
+    state = _staging_state(served)
+    state.live = state.live._replace(**change)
+    _stage_with_a_scheduler_loop(state, served, stage_job)
+    assert state.staged is None and words in state.stage_reason, state.stage_reason
