@@ -2,34 +2,46 @@
 own ``load_weights`` and then proven against the live weights.
 
 Build (``build_coordinate_map``, once per engine lifetime, on a thread off the scheduler loop):
-``model.load_weights`` is driven with *probe* tensors (uninitialised ``torch.empty`` of each
-checkpoint tensor's shape and dtype) under a ``TorchDispatchMode`` that is active on the
+the loader runs on a *storage-free copy* of the module tree (``storage_free_copy``: every
+parameter, buffer and tensor attribute a meta tensor of the same shape), never on the serving
+model, so whatever a loader does besides copying (post-load compute, ``param.data`` swaps,
+attributes it sets) happens on the copy. It is driven with meta *probe* tensors of each
+checkpoint tensor's shape and dtype (no memory) under a ``TorchDispatchMode`` active on the
 building thread only. Every ``copy_`` from a view of a probe (or of a plain copy of one) into a
 view of a parameter is recorded as one ``Placement``: an affine box (sizes, offset, strides) in
 the checkpoint tensor's element space and the same box in the parameter's. Writes into
-parameters are never executed (the live weights are untouched); constant fills (the padded
-vocab rows) are dropped. The map is O(copy operations), not O(elements): TP narrowing, fused
-qkv / gate_up, padded vocab, tied embeddings and per-expert MoE copies are all just boxes.
+parameters are never executed; constant fills (the padded vocab rows) are dropped. The map is
+O(copy operations), not O(elements): TP narrowing, fused qkv / gate_up, padded vocab, tied
+embeddings and per-expert MoE copies are all just boxes.
 
-Anything the recorder cannot follow makes the map refuse rather than guess:
-- a parameter written by anything but a probe copy or a constant fill -> reload-only param;
-- a probe read by an op that is neither a view nor a plain copy -> reload-only checkpoint tensor.
+The map covers exactly what it can follow; everything else is reload-only, with its reason:
+- a parameter written by anything but a probe copy or a constant fill;
+- a checkpoint tensor read by an op that is neither a view nor a plain copy, read as a number
+  (``.item()``: sglang's ``default_weight_loader`` fills one-element parameters that way), loaded
+  into a buffer, kept as a module attribute, or read without reaching any parameter;
+- a parameter whose value the loader reads (a parameter copied from it, a tensor derived after
+  the copies such as DeepSeek's MLA ``w_kc``/``w_vc``).
+A checkpoint tensor the loader never looks at is "unused": a reload ignores it too.
 
 Proof (``prove_map``, or ``prove_map_steps`` in steps of ``PROOF_STEP_ELEMENTS`` for the
-scheduler thread; O(model) once, while serving): every mapped parameter is rebuilt from a
-checkpoint that holds the version the live weights hold (the seed dir at start-up) and compared
-bit for bit with the live parameter on every mapped element. A parameter the engine transformed
-after loading (CPU AMX packing, an MoE weight shuffle, a quantized re-layout, a derived cache),
-one that two checkpoint elements land on, or one that is not contiguous fails and becomes
-reload-only, with its reason. Only proven parameters are ever patched live.
+scheduler thread; O(model) time, O(step) host memory): every mapped element of every parameter
+is compared bit for bit with the checkpoint that holds the version the live weights hold (the
+seed dir at start-up), one block at a time. A parameter the engine transformed after loading
+(CPU AMX packing, an MoE weight shuffle, a quantized re-layout, a derived cache), one that two
+checkpoint elements land on, or one that is not contiguous fails and becomes reload-only, with
+its reason. Only proven parameters are ever patched live. ``ProofAttempts`` bounds how often
+the proof repeats after reloads (one at a time, one per checkpoint identity).
 """
 
 from __future__ import annotations
 
+import copy
 import logging
 import math
 import sys
+import threading
 import time
+import types
 from dataclasses import dataclass, field
 from typing import Any, Callable, Generator, Iterable, Iterator, Mapping, NamedTuple, Optional
 
@@ -69,6 +81,7 @@ class CoordinateMap:
     reload_only_params: dict[str, str] = field(default_factory=dict)
     unused_tensors: set[str] = field(default_factory=set)  # the loader ignores them on this rank
     proven_params: set[str] = field(default_factory=set)
+    live_writes: set[str] = field(default_factory=set)  # serving parameters the loader tried to write (never executed)
     proven: bool = False
     proof_reason: str = "not proven yet"
     build_s: float = 0.0
@@ -110,6 +123,8 @@ class CoordinateMap:
             "reload_only_tensors": dict(self.reload_only_tensors),
             "reload_only_params": dict(self.reload_only_params),
             "proven_params": len(self.proven_params),
+            "unused_tensors": len(self.unused_tensors),
+            "learnt_on": "a storage-free copy of the module tree (meta tensors)",
             "proven": self.proven,
             "proof_reason": self.proof_reason,
             "mapped_elements": self.mapped_elements,
@@ -198,53 +213,66 @@ def _squeeze(sizes: tuple[int, ...], *stride_lists: tuple[int, ...]) -> tuple:
     return (tuple(sizes[d] for d in keep),) + tuple(tuple(s[d] for d in keep) for s in stride_lists)
 
 
-class _ParamSlot(NamedTuple):
+def _sid(t: torch.Tensor) -> int:
+    """Which storage ``t`` views: the storage object's address, which meta tensors (all at data
+    pointer 0) have too, and which every view of one storage shares."""
+    return t.untyped_storage()._cdata
+
+
+class _Slot(NamedTuple):
     name: str
     offset: int
     numel: int
+    kind: str  # "param": a parameter of the copy; "buffer": other state of the copy; "live": the serving model's
 
 
 _CONSTANT_FILLS = {aten.fill_.Scalar, aten.fill_.Tensor, aten.zero_.default}
 _PLAIN_COPIES = {aten.clone.default, aten._to_copy.default, aten.contiguous.default}
+# reads that turn tensor data into a Python value (.item(), bool(t), torch.equal): a meta tensor
+# has no data, and a value read this way is never a copy the map can follow
+_DATA_READS = {aten._local_scalar_dense.default, aten.is_nonzero.default, aten.equal.default}
 
 
 class _Recorder(TorchDispatchMode):
-    """Records probe -> parameter copies; never lets a write reach a parameter."""
+    """Records probe -> parameter copies on the storage-free copy; never lets a write reach a
+    parameter, and refuses every other way a checkpoint tensor or a parameter's value is used."""
 
-    def __init__(self, params: Mapping[str, torch.Tensor], result: CoordinateMap) -> None:
+    def __init__(self, params: Mapping[str, torch.Tensor], result: CoordinateMap, *,
+                 buffers: Optional[Mapping[str, torch.Tensor]] = None,
+                 live: Optional[Mapping[str, torch.Tensor]] = None) -> None:
         super().__init__()
         self.result = result
         self.origins: dict[int, _Origin] = {}
-        self.slots: dict[int, list[_ParamSlot]] = {}
-        for name, p in params.items():
-            ptr = p.untyped_storage().data_ptr()
-            self.slots.setdefault(ptr, []).append(_ParamSlot(name, p.storage_offset(), p.numel()))
+        self.slots: dict[int, list[_Slot]] = {}
+        for kind, tensors in (("param", params), ("buffer", buffers or {}), ("live", live or {})):
+            for name, p in tensors.items():
+                if p.numel():
+                    self.slots.setdefault(_sid(p), []).append(_Slot(name, p.storage_offset(), p.numel(), kind))
         self.touched_params: set[str] = set()
+        self.read_tensors: set[str] = set()  # checkpoint tensors any op looked at
 
     def track_probe(self, spec: TensorSpec, probe: torch.Tensor) -> None:
         shape = tuple(probe.shape)
         strides = _contiguous_strides(shape)
         if probe.numel():
-            self.origins[probe.untyped_storage().data_ptr()] = _Origin(
-                spec.name, probe.element_size(), shape, strides, 0, 0, strides
-            )
+            self.origins[_sid(probe)] = _Origin(spec.name, probe.element_size(), shape, strides, 0, 0, strides)
 
-    def _param_of(self, t: torch.Tensor) -> Optional[str]:
-        if not isinstance(t, torch.Tensor) or t.numel() == 0 or t.device.type == "meta":
+    def _slot_of(self, t: Any) -> Optional[_Slot]:
+        if not isinstance(t, torch.Tensor) or t.numel() == 0:
             return None
-        slots = self.slots.get(t.untyped_storage().data_ptr())
+        slots = self.slots.get(_sid(t))
         if not slots:
             return None
         off = t.storage_offset()
         for s in slots:
             if s.offset <= off < s.offset + s.numel:
-                return s.name
+                return s
         return None
 
     def _origin_of(self, t: Any) -> Optional[_Origin]:
-        if not isinstance(t, torch.Tensor) or t.numel() == 0 or t.device.type == "meta":
+        if not isinstance(t, torch.Tensor) or t.numel() == 0:
             return None
-        return self.origins.get(t.untyped_storage().data_ptr())
+        return self.origins.get(_sid(t))
 
     def _record_copy(self, dst: torch.Tensor, src: Any, param: str) -> None:
         origin = self._origin_of(src)
@@ -262,7 +290,7 @@ class _Recorder(TorchDispatchMode):
             self._refuse_param(param, f"copy_ broadcasts {origin.tensor} {tuple(src.shape)} into {tuple(dst.shape)}")
             self._refuse_tensor(origin.tensor, f"broadcast into {param}")
             return
-        slot_offset = next(s.offset for s in self.slots[dst.untyped_storage().data_ptr()] if s.name == param)
+        slot_offset = next(s.offset for s in self.slots[_sid(dst)] if s.name == param)
         self.result.placements.setdefault(origin.tensor, []).append(
             Placement(origin.tensor, param, dst_sizes, box[0], src_strides, dst.storage_offset() - slot_offset, dst_strides)
         )
@@ -274,45 +302,97 @@ class _Recorder(TorchDispatchMode):
     def _refuse_tensor(self, tensor: str, reason: str) -> None:
         self.result.reload_only_tensors.setdefault(tensor, reason)
 
+    def _write_into(self, slot: _Slot, func: Any, sources: list[_Origin]) -> None:
+        """A write by ``func`` into a parameter or buffer (never executed). ``sources``: the
+        checkpoint tensors among its inputs."""
+        if slot.kind == "live":
+            self.result.live_writes.add(slot.name)
+            self._refuse_param(slot.name, f"the loader wrote the serving model's parameter ({func}) while the map was learnt")
+        elif slot.kind == "buffer":
+            for o in sources:
+                self._refuse_tensor(o.tensor, f"loaded into {slot.name}, state that is not a parameter (live apply patches parameters only)")
+        elif sources:  # a fill from a checkpoint value: one element read as a number, not a copy
+            self._refuse_param(slot.name, f"written by {func} from checkpoint tensor {sources[0].tensor}")
+            for o in sources:
+                self._refuse_tensor(o.tensor, f"written into {slot.name} by {func}, not a copy")
+        elif func not in _CONSTANT_FILLS:
+            self._refuse_param(slot.name, f"written by {func} while loading")
+
+    def _refuse_reads_of_params(self, func: Any, args, kwargs, written: list) -> None:
+        """A parameter whose value an op reads while loading (not a view, not the op's own
+        output) feeds state a live patch would leave stale: another parameter copied from it,
+        or a tensor derived after the copies (DeepSeek's MLA ``w_kc``/``w_vc`` from ``kv_b_proj``)."""
+        written_ids = {id(t) for t in written}
+        for t in _tensors_in(args, kwargs):
+            if id(t) in written_ids:
+                continue
+            slot = self._slot_of(t)
+            if slot is not None and slot.kind == "param":
+                self._refuse_param(slot.name, f"its value is read by {func} while loading: state derived from it "
+                                              "(a copy into another parameter, a post-load cache) would go stale")
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        inputs = [a for a in _tensors_in(args, kwargs) if a.numel()]
+        tracked = [o for o in (self._origin_of(a) for a in inputs) if o is not None]
+        self.read_tensors.update(o.tensor for o in tracked)
         if func is aten.copy_.default:
             dst, src = args[0], args[1]
-            param = self._param_of(dst)
-            if param is not None:
-                self._record_copy(dst, src, param)
-                return dst  # never write the live weights
+            self._refuse_reads_of_params(func, (src,), {}, [])
+            slot = self._slot_of(dst)
+            if slot is not None:
+                if slot.kind == "param":
+                    self._record_copy(dst, src, slot.name)
+                else:
+                    self._write_into(slot, func, [o for o in (self._origin_of(src),) if o is not None])
+                return dst  # never write a parameter
             out = func(*args, **kwargs)
             origin = self._origin_of(src)
             if origin is None:
-                if dst.numel() and dst.device.type != "meta":
-                    self.origins.pop(dst.untyped_storage().data_ptr(), None)
+                if dst.numel():
+                    self.origins.pop(_sid(dst), None)
             elif self._origin_of(dst) is None and dst.numel() == src.numel():
                 self._track_copy_of(origin, src, dst)
             return out
         written = self._written_args(func, args, kwargs)
+        if not getattr(func, "is_view", False):  # a view of a parameter reads nothing yet
+            self._refuse_reads_of_params(func, args, kwargs, written)
         for t in written:
-            param = self._param_of(t)
-            if param is not None:
-                if func not in _CONSTANT_FILLS:
-                    self._refuse_param(param, f"written by {func} while loading")
-                return t  # never write the live weights
-        inputs = [a for a in _tensors_in(args, kwargs) if a.numel() and a.device.type != "meta"]
-        tracked = [o for o in (self._origin_of(a) for a in inputs) if o is not None]
+            slot = self._slot_of(t)
+            if slot is not None:
+                self._write_into(slot, func, [o for o in tracked if o is not self._origin_of(t)])
+                return t  # never write a parameter
+        if func in _DATA_READS and any(a.device.type == "meta" for a in inputs):
+            if any(a.device.type == "meta" and self._origin_of(a) is None for a in inputs):
+                # the branch the loader takes may depend on a value that a storage-free copy lacks
+                raise MapNotLearnable(f"the loader reads the value of a parameter or other state ({func}) while "
+                                      "loading; the map cannot be learnt without the serving model's data")
+            for o in tracked:
+                self._refuse_tensor(o.tensor, f"read as a value by {func} (e.g. .item() of a one-element tensor "
+                                              "filled into a parameter): no copy to map")
+            return _placeholder(func, inputs)
         out = func(*args, **kwargs)
-        in_ptrs = {a.untyped_storage().data_ptr() for a in inputs}
-        fresh = [t for t in _tensors_in((out,), {}) if t.numel() and t.device.type != "meta"
-                 and t.untyped_storage().data_ptr() not in in_ptrs]
+        if func in _DATA_READS:
+            for o in tracked:
+                self._refuse_tensor(o.tensor, f"read as a value by {func}: no copy to map")
+            return out
+        in_sids = {_sid(a) for a in inputs}
+        outs = [t for t in _tensors_in((out,), {}) if t.numel()]
+        fresh = [t for t in outs if _sid(t) not in in_sids]
         for t in fresh:  # new storage: whatever was tracked at that address before is gone
-            self.origins.pop(t.untyped_storage().data_ptr(), None)
-        for t in written:  # an untracked write into a tracked scratch: it no longer mirrors a checkpoint tensor
-            if not tracked and t.numel() and t.device.type != "meta":
-                self.origins.pop(t.untyped_storage().data_ptr(), None)
-        if not tracked or not fresh:
-            return out  # views keep their storage's origin
+            self.origins.pop(_sid(t), None)
+        for t in written:
+            o = self._origin_of(t)
+            if o is not None:  # computed in place: it no longer mirrors its checkpoint tensor
+                self._refuse_tensor(o.tensor, f"changed in place by {func} while loading")
+                self.origins.pop(_sid(t), None)
+        if not tracked:
+            return out
         if func in _PLAIN_COPIES and len(tracked) == 1 and len(fresh) == 1 and isinstance(args[0], torch.Tensor):
             self._track_copy_of(tracked[0], args[0], fresh[0])
             return out
+        if not written and outs and not fresh:
+            return out  # views (and other aliases) keep their storage's origin
         for o in tracked:
             self._refuse_tensor(o.tensor, f"read by {func} while loading (not a view or a plain copy)")
         return out
@@ -320,8 +400,9 @@ class _Recorder(TorchDispatchMode):
     def _track_copy_of(self, origin: _Origin, src: torch.Tensor, dst: torch.Tensor) -> None:
         box = _hf_box(origin, src)
         if box is None or tuple(src.shape) != tuple(dst.shape):
+            self._refuse_tensor(origin.tensor, "copied through a layout the map cannot follow")
             return
-        self.origins[dst.untyped_storage().data_ptr()] = _Origin(
+        self.origins[_sid(dst)] = _Origin(
             origin.tensor, dst.element_size(), tuple(dst.shape), tuple(dst.stride()), dst.storage_offset(), box[0], box[1]
         )
 
@@ -341,6 +422,14 @@ class _Recorder(TorchDispatchMode):
         return out
 
 
+def _placeholder(func: Any, inputs: list) -> Any:
+    """What a data read of a meta tensor returns while learning (its tensors are refused)."""
+    if func is aten._local_scalar_dense.default:
+        dtype = inputs[0].dtype if inputs else torch.float32
+        return False if dtype == torch.bool else (0.0 if dtype.is_floating_point else 0)
+    return func is aten.equal.default  # equal: "the same"; is_nonzero: False
+
+
 def _tensors_in(args, kwargs) -> Iterator[torch.Tensor]:
     stack = list(args) + list(kwargs.values())
     while stack:
@@ -351,21 +440,108 @@ def _tensors_in(args, kwargs) -> Iterator[torch.Tensor]:
             stack.extend(x)
 
 
-def build_coordinate_map(
-    model: torch.nn.Module,
-    specs: Iterable[TensorSpec],
-    *,
-    load_weights: Optional[Callable[[Iterable[tuple[str, torch.Tensor]]], Any]] = None,
-) -> CoordinateMap:
-    """Learn this rank's placements by driving ``model.load_weights`` with probe tensors.
+# --- the storage-free copy ----------------------------------------------------------------------
 
-    Runs on the calling thread only (dispatch modes are thread-local): generation on the
-    scheduler thread is unaffected, and no parameter is written.
+
+class MapNotLearnable(RuntimeError):
+    """The map cannot be learnt without touching the serving model (live apply reloads, saying this)."""
+
+
+class StorageFreeCopyError(MapNotLearnable):
+    """The module tree could not be copied without storage."""
+
+
+def _meta_like(t: torch.Tensor) -> torch.Tensor:
+    return torch.empty_strided(tuple(t.shape), tuple(t.stride()), dtype=t.dtype, device="meta")
+
+
+def storage_free_copy(model: torch.nn.Module) -> torch.nn.Module:
+    """A copy of ``model``'s module tree whose parameters, buffers and tensor attributes are meta
+    tensors of the same shapes, strides and dtypes (no memory), sharing everything else.
+
+    A loader run on it (``load_weights``, its weight loaders, a ``post_load_weights``) sees the
+    same structure and attributes, and anything it computes, swaps (``param.data = ...``) or
+    stores lands on the copy, never on the serving model. Bound methods kept on modules or
+    parameters (sglang's ``param.weight_loader``) are re-bound to the copy of their module.
+    """
+    memo: dict[int, Any] = {}
+
+    def param(p: torch.nn.Parameter) -> torch.nn.Parameter:
+        if id(p) not in memo:
+            new = torch.nn.Parameter(_meta_like(p), requires_grad=False)
+            if type(p) is not torch.nn.Parameter:
+                try:
+                    new.__class__ = type(p)
+                except TypeError as exc:
+                    raise StorageFreeCopyError(f"parameter type {type(p).__name__} cannot be copied: {exc}") from exc
+            new.__dict__.update(p.__dict__)
+            memo[id(p)] = new
+        return memo[id(p)]
+
+    def tensor(t: torch.Tensor) -> torch.Tensor:
+        if isinstance(t, torch.nn.Parameter):
+            return param(t)
+        if id(t) not in memo:
+            memo[id(t)] = _meta_like(t)
+        return memo[id(t)]
+
+    def module(m: torch.nn.Module) -> torch.nn.Module:
+        if id(m) in memo:
+            return memo[id(m)]
+        new = copy.copy(m)
+        memo[id(m)] = new
+        new.__dict__["_parameters"] = {k: (param(v) if v is not None else None) for k, v in m._parameters.items()}
+        new.__dict__["_buffers"] = {k: (tensor(v) if v is not None else None) for k, v in m._buffers.items()}
+        new.__dict__["_modules"] = {k: (module(v) if v is not None else None) for k, v in m._modules.items()}
+        return new
+
+    def rebind(value: Any) -> Any:
+        if isinstance(value, torch.nn.Module):
+            return module(value)
+        if isinstance(value, torch.Tensor):
+            return tensor(value)
+        if isinstance(value, types.MethodType) and isinstance(value.__self__, torch.nn.Module):
+            return types.MethodType(value.__func__, module(value.__self__))
+        if type(value) in (list, tuple) and any(isinstance(v, (torch.nn.Module, torch.Tensor, types.MethodType)) for v in value):
+            return type(value)(rebind(v) for v in value)
+        return value
+
+    try:
+        root = module(model)
+        for new in list(root.modules()):
+            for k, v in list(new.__dict__.items()):
+                if k not in ("_parameters", "_buffers", "_modules"):
+                    new.__dict__[k] = rebind(v)
+        for p in [memo[id(p)] for p in model.parameters() if id(p) in memo]:
+            for k, v in list(p.__dict__.items()):
+                p.__dict__[k] = rebind(v)
+    except StorageFreeCopyError:
+        raise
+    except Exception as exc:
+        raise StorageFreeCopyError(f"{type(exc).__name__}: {exc}") from exc
+    return root
+
+
+def build_coordinate_map(model: torch.nn.Module, specs: Iterable[TensorSpec]) -> CoordinateMap:
+    """Learn this rank's placements by driving ``load_weights`` of a storage-free copy of
+    ``model`` (``storage_free_copy``) with storage-free probe tensors.
+
+    Nothing runs on the serving model: its parameters are never written (a write that reaches
+    one anyway is not executed and makes that parameter reload-only), and whatever the loader
+    computes or swaps afterwards lands on the copy. Runs on the calling thread only (dispatch
+    modes are thread-local), so generation on the scheduler thread is unaffected.
+
+    Raises:
+        MapNotLearnable: the module tree cannot be copied without storage, or the loader needs the
+            data of something that has none there (no map: every update reloads, saying why).
     """
     start = time.perf_counter()
     result = CoordinateMap()
-    params = {name: p.data for name, p in model.named_parameters()}
-    recorder = _Recorder(params, result)
+    shadow = storage_free_copy(model)
+    params = {name: p for name, p in shadow.named_parameters()}
+    buffers = {f"buffer {name}": b for name, b in shadow.named_buffers()}
+    live = {name: p.data for name, p in model.named_parameters()}
+    recorder = _Recorder(params, result, buffers=buffers, live=live)
     specs = list(specs)
 
     def probes() -> Iterator[tuple[str, torch.Tensor]]:
@@ -374,20 +550,34 @@ def build_coordinate_map(
             if dtype is None:
                 result.reload_only_tensors[spec.name] = f"dtype {spec.dtype} has no torch equivalent here"
                 continue
-            probe = torch.empty(spec.shape, dtype=dtype)
+            probe = torch.empty(spec.shape, dtype=dtype, device="meta")
             recorder.track_probe(spec, probe)
             yield spec.name, probe
 
     with torch.no_grad(), recorder:
-        (load_weights or model.load_weights)(probes())
+        shadow.load_weights(probes())
+    _refuse_kept_probes(shadow, recorder)
     for name, p in params.items():
         if name in recorder.touched_params and not p.is_contiguous():
             result.reload_only_params.setdefault(name, "not contiguous in memory")
+    for name in recorder.read_tensors - set(result.placements) - set(result.reload_only_tensors):
+        result.reload_only_tensors[name] = "read by the loader but copied into no parameter (state live apply cannot patch)"
     placed = set(result.placements) | set(result.reload_only_tensors)
-    result.unused_tensors = {s.name for s in specs} - placed
+    result.unused_tensors = {s.name for s in specs} - placed  # never looked at: a reload ignores them too
     result.mapped_elements = sum(int(np.prod(p.sizes, dtype=np.int64)) for ps in result.placements.values() for p in ps)
     result.build_s = time.perf_counter() - start
     return result
+
+
+def _refuse_kept_probes(shadow: torch.nn.Module, recorder: _Recorder) -> None:
+    """A checkpoint tensor (or a copy of one) that the loader kept as a module attribute is
+    state no parameter patch reaches: reload-only."""
+    for mod_name, m in shadow.named_modules():
+        for k, v in m.__dict__.items():
+            for t in _tensors_in((v,), {}) if isinstance(v, (torch.Tensor, list, tuple)) else ():
+                origin = recorder._origin_of(t)
+                if origin is not None:
+                    recorder._refuse_tensor(origin.tensor, f"kept by the loader as {mod_name or 'model'}.{k}")
 
 
 # --- proof ----------------------------------------------------------------------------------
@@ -401,6 +591,9 @@ def as_int_bits(t: torch.Tensor) -> torch.Tensor:
 
 
 PROOF_STEP_ELEMENTS = 1 << 18  # elements per step of prove_map_steps: about a millisecond
+# placements of one parameter that interleave in memory (rare: none in the allow-listed models)
+# are checked for overlaps with a one-byte counter over their span, at most this many elements
+OVERLAP_SPAN_LIMIT = 1 << 24
 
 
 def prove_map(
@@ -432,7 +625,12 @@ def prove_map_steps(
     still_valid: Callable[[], bool] = lambda: True,
 ) -> Generator[None, None, bool]:
     """``prove_map`` in steps of at most ``PROOF_STEP_ELEMENTS`` elements (its return value is
-    the generator's), so the scheduler thread can run it between loop iterations."""
+    the generator's), so the scheduler thread can run it between loop iterations.
+
+    Host memory is bounded by the step, not by the model: each step compares one block of one
+    placement (the checkpoint's values cast to the parameter's dtype, and the live block, brought
+    to the host when the parameter lives on a device); nothing the size of a parameter is held.
+    """
     start = time.perf_counter()
     by_param: dict[str, list[Placement]] = {}
     for ps in cmap.placements.values():
@@ -440,13 +638,10 @@ def prove_map_steps(
             by_param.setdefault(p.param, []).append(p)
     proven: set[str] = set()
     failed: dict[str, str] = {}
-    cache: dict[str, torch.Tensor] = {}
     for name, placements in by_param.items():
         if name in cmap.reload_only_params:
             continue
-        live = live_params[name]
-        reason = yield from _prove_param(live, placements, lambda t: cache.setdefault(t, read_tensor(t)))
-        cache.clear()
+        reason = yield from _prove_param(live_params[name], placements, read_tensor)
         if reason is None:
             proven.add(name)
         else:
@@ -462,54 +657,133 @@ def prove_map_steps(
     return True
 
 
+def _span(p: Placement) -> tuple[int, int]:
+    """The first and last parameter element a placement's box touches."""
+    lo = p.dst_offset + sum(min(0, (n - 1) * s) for n, s in zip(p.sizes, p.dst_strides))
+    hi = p.dst_offset + sum(max(0, (n - 1) * s) for n, s in zip(p.sizes, p.dst_strides))
+    return lo, hi
+
+
+def _is_injective(p: Placement) -> bool:
+    """A sufficient test that no two elements of the box land on one parameter element: each
+    stride (smallest first) steps past everything the smaller ones reach."""
+    reach = 0
+    for n, s in sorted(((n, abs(s)) for n, s in zip(p.sizes, p.dst_strides) if n > 1), key=lambda x: x[1]):
+        if s <= reach:
+            return False
+        reach += (n - 1) * s
+    return True
+
+
+def _overlap_steps(placements: list[Placement]) -> Generator[None, None, Optional[str]]:
+    """Why two checkpoint elements may land on one parameter element, or None when none can."""
+    for p in placements:
+        if not _is_injective(p):
+            return f"the box of {p.tensor} folds onto itself (strides {p.dst_strides})"
+    spans = sorted((_span(p), i) for i, p in enumerate(placements))
+    groups: list[list[int]] = []
+    reach = -1
+    for (lo, hi), i in spans:
+        if lo > reach:
+            groups.append([])
+        groups[-1].append(i)
+        reach = max(reach, hi)
+    for group in groups:
+        if len(group) < 2:
+            continue  # disjoint spans: nothing to count
+        lo = min(_span(placements[i])[0] for i in group)
+        hi = max(_span(placements[i])[1] for i in group)
+        if hi - lo + 1 > OVERLAP_SPAN_LIMIT:
+            return (f"{len(group)} placements interleave over {hi - lo + 1} elements, more than the overlap "
+                    f"check's bound of {OVERLAP_SPAN_LIMIT}")
+        hits = torch.zeros(hi - lo + 1, dtype=torch.int8)
+        for i in group:
+            p = placements[i]
+            counted = hits.as_strided(p.sizes, p.dst_strides, p.dst_offset - lo)
+            for (piece,) in _pieces((counted,), PROOF_STEP_ELEMENTS):
+                piece.add_(1)
+                yield
+        overlaps = int(torch.count_nonzero(hits > 1))
+        if overlaps:
+            return f"{overlaps} element(s) are written by more than one checkpoint element"
+    return None
+
+
+def _pieces(views: tuple, limit: int) -> Iterator[tuple]:
+    """Equal-shaped views cut, together, into blocks of at most ``limit`` elements."""
+    first = views[0]
+    if first.dim() == 0 or first.numel() <= limit:
+        yield views
+        return
+    inner = math.prod(first.shape[1:])
+    if inner <= limit:
+        rows = max(1, limit // max(1, inner))
+        for a in range(0, first.shape[0], rows):
+            yield tuple(v[a : a + rows] for v in views)
+        return
+    for a in range(first.shape[0]):
+        yield from _pieces(tuple(v[a] for v in views), limit)
+
+
 def _prove_param(
     live: torch.Tensor, placements: list[Placement], tensor: Callable[[str], torch.Tensor]
 ) -> Generator[None, None, Optional[str]]:
     if not live.is_contiguous():
         return "not contiguous in memory"
+    reason = yield from _overlap_steps(placements)
+    if reason is not None:
+        return reason
     flat = live.detach().reshape(-1)
-    if flat.device.type == "cpu":
-        live_cpu = flat
-    else:  # a device parameter comes to host memory a step at a time, not in one long copy
-        live_cpu = torch.empty(flat.numel(), dtype=flat.dtype)
-        for a in range(0, flat.numel(), PROOF_STEP_ELEMENTS):
-            live_cpu[a : a + PROOF_STEP_ELEMENTS].copy_(flat[a : a + PROOF_STEP_ELEMENTS])
-            yield
-    expected = torch.empty_like(live_cpu)
-    hits = torch.zeros(live_cpu.numel(), dtype=torch.int8)
+    differ = mapped = 0
     for p in placements:
         src = tensor(p.tensor).reshape(-1)
         box = src.as_strided(p.sizes, p.src_strides, src.storage_offset() + p.src_offset)
-        into = expected.as_strided(p.sizes, p.dst_strides, p.dst_offset)
-        counted = hits.as_strided(p.sizes, p.dst_strides, p.dst_offset)
-        if not p.sizes:  # a scalar box
-            into.copy_(box)
-            counted.add_(1)
-            continue
-        rows = max(1, PROOF_STEP_ELEMENTS // max(1, math.prod(p.sizes[1:])))
-        for a in range(0, p.sizes[0], rows):
-            into[a : a + rows].copy_(box[a : a + rows])
-            counted[a : a + rows].add_(1)
+        dst = flat.as_strided(p.sizes, p.dst_strides, flat.storage_offset() + p.dst_offset)
+        for want, got in _pieces((box, dst), PROOF_STEP_ELEMENTS):
+            expected = torch.empty(tuple(want.shape), dtype=flat.dtype)
+            expected.copy_(want)  # the cast a load does
+            if got.device.type != "cpu":
+                got = got.to("cpu")
+            mapped += expected.numel()
+            differ += int(torch.count_nonzero(as_int_bits(expected) != as_int_bits(got)))
             yield
-    overlaps = differ = mapped = 0
-    expected_bits, live_bits = as_int_bits(expected), as_int_bits(live_cpu)
-    for a in range(0, live_cpu.numel(), PROOF_STEP_ELEMENTS):
-        b = a + PROOF_STEP_ELEMENTS
-        h = hits[a:b]
-        mask = h > 0
-        if int(h.max()) > 1:
-            overlaps += int(torch.count_nonzero(h > 1))
-        mapped += int(torch.count_nonzero(mask))
-        differ += int(torch.count_nonzero((expected_bits[a:b] != live_bits[a:b]) & mask))
-        yield
-    if overlaps:
-        return f"{overlaps} element(s) are written by more than one checkpoint element"
     if differ:
         return (
             f"live values differ from the checkpoint on {differ} of {mapped} mapped element(s): "
             "transformed after loading (e.g. repacked, shuffled, quantized or derived)"
         )
     return None
+
+
+class ProofAttempts:
+    """When the map is proven again after a reload: one proof at a time, and at most one per
+    distinct local checkpoint identity (a version voided by a weight change is not proven again
+    when it is reloaded; a new version is). Bounds the proof's cost when updates keep reloading.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._tried: set = set()
+        self._running = False
+
+    def begin(self, identity: Any) -> Optional[str]:
+        """None: start the proof (call ``end`` when it is over); else why not."""
+        with self._lock:
+            if self._running:
+                return "a proof is already running"
+            if identity in self._tried:
+                return "a proof was already tried against this checkpoint identity"
+            self._tried.add(identity)
+            self._running = True
+            return None
+
+    def end(self) -> None:
+        with self._lock:
+            self._running = False
+
+    @property
+    def tried(self) -> int:
+        return len(self._tried)
 
 
 # --- reading checkpoint tensors ---------------------------------------------------------------
