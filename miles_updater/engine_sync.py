@@ -17,6 +17,13 @@ Applying v (``--update-weight-apply``, one registry ``APPLY_MODES``):
 Either call flushes the cache itself (once per sync), except with pause mode ``in_place``, which
 keeps the KV cache on purpose.
 
+Where the fleet stands: ``EngineSync.served`` maps every engine to the version it serves (set
+when it applied one; asked with ``GET /model_info`` after a failure; None while unknown). When
+one engine's apply fails and the others succeed, the others serve vN and it serves vN-1, all of
+them generate again, and the ``EngineSyncError`` (and ``SyncMetrics.served``) says so. The next
+sync first brings the lagging engines up to vN (only they pause), then every engine to the new
+version: the fleet never stays split for more than one sync.
+
 The baseline: at start ``pull_weights(0)`` goes to every engine without waiting, so the local
 copy of the seed overlaps the first rollout. It is only a head start: a failed baseline is
 logged and the sync goes on (the first pull seeds by itself).
@@ -31,7 +38,7 @@ from typing import Any, Callable, Sequence
 
 from weightsync.hooks import load_callable
 
-from .engines import EngineCallError, EngineGroup, RayEngineGroup, ThreadEngineGroup
+from .engines import EngineCallError, EngineGroup, EngineSyncError, RayEngineGroup, ThreadEngineGroup
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +77,8 @@ class SyncMetrics:
     d2h_nbytes: int = 0  # device -> host bytes of the staging (CUDA: changed elements only)
     pulls: list = field(default_factory=list)
     applies: list = field(default_factory=list)  # per engine: mode, call, reason, elements, engine pause
+    served: dict = field(default_factory=dict)  # engine -> the version it serves after this sync (None: unknown)
+    caught_up: dict = field(default_factory=dict)  # lagging engine -> the version it was first brought up to
     baseline_errors: dict = field(default_factory=dict)  # engine -> why its pull_weights(0) failed
 
     @property
@@ -132,6 +141,8 @@ class EngineSync:
         self.baseline_results: list | None = None
         self.baseline_errors: dict[str, str] = {}
         self._no_live_route: dict[str, str] = {}  # engine -> why it is reloaded directly (auto)
+        self.served: dict[str, int | None] = {name: None for name in engines.names}
+        self.newest: int | None = None  # the newest version some engine was brought to
 
     # --- the baseline ---------------------------------------------------------------------
 
@@ -157,7 +168,12 @@ class EngineSync:
     # --- a sync ---------------------------------------------------------------------------
 
     def update(self, version: int, version_dir: str, metrics: SyncMetrics) -> SyncMetrics:
-        """Hook -> pull everywhere -> pause -> apply -> continue, timing each part."""
+        """Hook -> (lagging engines up first) -> pull everywhere -> pause -> apply -> continue.
+
+        Raises:
+            EngineSyncError: some engine failed a call; its ``served`` says which version every
+                engine serves now, ``metrics`` is this sync's.
+        """
         t0 = time.perf_counter()
         self.finish_baseline()
         metrics.baseline_wait_s = time.perf_counter() - t0
@@ -166,48 +182,97 @@ class EngineSync:
             t = time.perf_counter()
             self.hook(self.hook_args, version_dir, self.rollout_engines)
             metrics.hook_s = time.perf_counter() - t
+        self._catch_up(version, metrics)
+        try:
+            self._drive(list(range(len(self.engines.names))), version, metrics)
+        except EngineSyncError as e:
+            e.served, e.version, e.metrics = dict(self.served), version, metrics
+            raise
+        finally:
+            metrics.served = dict(self.served)
+        return metrics
+
+    def lagging(self) -> list[str]:
+        """Engines known to serve an older version than the newest one some engine serves, or
+        whose version is unknown since a sync failed on them."""
+        if self.newest is None:
+            return []
+        return [name for name, v in self.served.items() if v is None or v < self.newest]
+
+    def _catch_up(self, version: int, metrics: SyncMetrics) -> None:
+        """Bring the engines a failed sync left behind to the newest version the others serve,
+        before the whole fleet moves on (only they pause). A failure here is logged: the sync
+        that follows includes them anyway."""
+        newest = self.newest
+        if newest is None or newest >= version:
+            return
+        names = self.lagging()
+        if not names:
+            return
+        log.warning("engines %s lag behind v%d (serving %s): bringing them up first", names, newest,
+                    {n: self.served[n] for n in names})
+        indices = [self.engines.names.index(n) for n in names]
+        try:
+            self._drive(indices, newest, SyncMetrics(version=newest, reason="lagging engines brought up"))
+            metrics.caught_up = {n: newest for n in names}
+        except EngineSyncError as e:
+            log.warning("bringing %s up to v%d failed; the sync to v%d includes them: %s", names, newest, version, e)
+
+    def _drive(self, indices: list[int], version: int, metrics: SyncMetrics) -> None:
+        """Pull -> pause -> apply -> continue on the engines at ``indices``, timing each part."""
         t = time.perf_counter()
-        pulls = self.engines.wait(self.engines.submit(
-            "pull_weights", self.local_checkpoint_dir, self.source_dir, version))
+        names = [self.engines.names[i] for i in indices]
+        try:
+            pulls = self.engines.wait(self.engines.submit_to(
+                indices, "pull_weights", self.local_checkpoint_dir, self.source_dir, version))
+        except EngineSyncError:
+            self._ask_served(indices)  # nothing was applied: each serves what it did
+            raise
         metrics.pull_s = time.perf_counter() - t
-        metrics.pulls = [_pull_summary(name, r) for name, r in zip(self.engines.names, pulls)]
+        metrics.pulls = [_pull_summary(name, r) for name, r in zip(names, pulls)]
         t_pause = time.perf_counter()
         failure: BaseException | None = None
         try:
-            self.engines.wait(self.engines.submit("pause_generation", self.pause_mode))
+            self.engines.wait(self.engines.submit_to(indices, "pause_generation", self.pause_mode))
             t = time.perf_counter()
-            metrics.applies = self.apply(version)
+            metrics.applies = self.apply(version, indices)
             metrics.apply_s = time.perf_counter() - t
         except BaseException as e:  # noqa: BLE001 - re-raised below, after resuming
             failure = e
         # Resume every engine even after a failed pause or reload: some may have paused, sglang
         # restores the old weights when a reload fails, and a paused engine stalls the rollout.
         try:
-            self.engines.wait(self.engines.submit("continue_generation"))
+            self.engines.wait(self.engines.submit_to(indices, "continue_generation"))
         except BaseException:
             if failure is None:
                 raise
             log.exception("continue_generation also failed after: %s", failure)
         metrics.pause_s = time.perf_counter() - t_pause
         if failure is not None:
+            if isinstance(failure, EngineSyncError) and failure.call != RELOAD_CALL:
+                self._ask_served([i for i in indices if self.served[self.engines.names[i]] != version])
             raise failure
         modes = {a["mode"] for a in metrics.applies}
         metrics.apply_mode = modes.pop() if len(modes) == 1 else "mixed"
         metrics.elements_scattered = sum(a["elements_scattered"] for a in metrics.applies)
         return metrics
 
-    def apply(self, version: int) -> list[dict]:
-        """Apply ``version`` (already pulled) on every paused engine; one outcome per engine.
+    def apply(self, version: int, indices: list[int] | None = None) -> list[dict]:
+        """Apply ``version`` (already pulled) on every paused engine (or those at ``indices``);
+        one outcome per engine. Each engine that applied it serves it from then on.
 
         Raises:
-            EngineSyncError: some engine could apply it neither live nor by a reload.
+            EngineSyncError: some engine could apply it neither live nor by a reload (the
+                others did; ``served`` has every engine's version).
         """
         names = self.engines.names
+        indices = list(range(len(names))) if indices is None else list(indices)
         flush = self.pause_mode != "in_place"
         outcomes: dict[int, dict] = {}
         reload_why: dict[int, str] = {}
         live: list[int] = []
-        for i, name in enumerate(names):
+        for i in indices:
+            name = names[i]
             if self.apply_mode == APPLY_RELOAD:
                 reload_why[i] = "--update-weight-apply reload"
             elif name in self._no_live_route:
@@ -221,6 +286,7 @@ class EngineSync:
                 problem = _live_reply_problem(reply, version) if err is None else str(err)
                 if problem is None:
                     outcomes[i] = _live_outcome(names[i], reply)
+                    self._record_served(names[i], version)
                     continue
                 if _is_missing_route(err) and self.apply_mode == APPLY_AUTO:
                     self._no_live_route[names[i]] = f"engine has no /{LIVE_CALL} (an older engine): reloading"
@@ -231,19 +297,47 @@ class EngineSync:
                                 names[i], version, problem)
                 reload_why[i] = f"live apply failed, reloaded instead: {problem}"
         if reload_why:
-            indices = sorted(reload_why)
+            reloading = sorted(reload_why)
             t = time.perf_counter()
-            self.engines.wait(self.engines.submit_to(
-                indices, RELOAD_CALL, self.local_checkpoint_dir, str(version), flush))
+            replies = self.engines.settle(self.engines.submit_to(
+                reloading, RELOAD_CALL, self.local_checkpoint_dir, str(version), flush))
             seconds = time.perf_counter() - t
-            for i in indices:
+            errors: dict[str, BaseException] = {}
+            for i, (_, err) in zip(reloading, replies):
+                if err is not None:
+                    errors[names[i]] = err
+                    continue
                 outcomes[i] = dict(engine=names[i], mode="reload", call=RELOAD_CALL, reason=reload_why[i],
                                    elements_scattered=0, engine_pause_s=None, call_s=seconds)
-        return [outcomes[i] for i in range(len(names))]
+                self._record_served(names[i], version)
+            if errors:
+                # sglang keeps the old weights when a reload fails; the engine says which.
+                self._ask_served([names.index(n) for n in errors])
+                raise EngineSyncError(RELOAD_CALL, errors, served=self.served, version=version)
+        return [outcomes[i] for i in indices]
+
+    def _record_served(self, name: str, version: int) -> None:
+        self.served[name] = version
+        self.newest = version if self.newest is None else max(self.newest, version)
+
+    def _ask_served(self, indices: list[int]) -> None:
+        """After a failure: each engine's own word on the version it serves (None if it cannot say)."""
+        if not indices:
+            return
+        for i, (reply, err) in zip(indices, self.engines.settle(self.engines.submit_to(indices, "weight_version"))):
+            self.served[self.engines.names[i]] = _as_version(reply) if err is None else None
 
     def close(self) -> None:
         if self.owns_engines:
             self.engines.close()
+
+
+def _as_version(reply: Any) -> int | None:
+    """An engine's ``weight_version`` as a version number (None: not one, e.g. "default")."""
+    try:
+        return int(str(reply))
+    except (TypeError, ValueError):
+        return None
 
 
 def _is_missing_route(err: BaseException | None) -> bool:

@@ -241,13 +241,37 @@ class EngineGroup(Protocol):
 
 
 class EngineSyncError(RuntimeError):
-    """One or more engines failed a call; ``errors`` maps engine name -> exception."""
+    """One or more engines failed a call; ``errors`` maps engine name -> exception.
 
-    def __init__(self, call: str, errors: dict[str, BaseException]):
+    Raised by a sync (``EngineSync.update``), it also says where the fleet stands: ``served``
+    maps every engine to the version it serves now (None: it could not say), ``version`` is the
+    version the sync was bringing them to, and ``metrics`` the sync's ``SyncMetrics``.
+    """
+
+    def __init__(self, call: str, errors: dict[str, BaseException], *, served: dict | None = None,
+                 version: int | None = None):
         self.call = call
         self.errors = errors
-        detail = "; ".join(str(e) for e in errors.values())
-        super().__init__(f"{call} failed on {len(errors)} engine(s): {detail}")
+        self.served = dict(served) if served is not None else None
+        self.version = version
+        self.metrics = None
+        super().__init__(call, errors)
+
+    def __str__(self) -> str:
+        detail = "; ".join(str(e) for e in self.errors.values())
+        text = f"{self.call} failed on {len(self.errors)} engine(s): {detail}"
+        if self.served is not None:
+            where = ", ".join(f"{name} v{v}" if v is not None else f"{name} unknown" for name, v in self.served.items())
+            target = f" (the sync was bringing them to v{self.version})" if self.version is not None else ""
+            text += f". Engines now serve: {where}{target}; the next sync brings the lagging ones up first"
+        return text
+
+    def __reduce__(self):  # the attributes survive pickling (a Ray actor raising it)
+        return (_rebuild_sync_error, (self.call, self.errors, self.served, self.version))
+
+
+def _rebuild_sync_error(call, errors, served, version):
+    return EngineSyncError(call, errors, served=served, version=version)
 
 
 class _GroupBase:

@@ -20,8 +20,12 @@ A failed publish step is retried, from that step, with the same bytes, up to
 ``--update-weight-publish-attempts`` times: a source rank that wrote keeps its manifest, one that
 failed writes again, rank 0 commits again. Every step ends in an all-gather that raises the same
 error on every rank, so the ranks always agree on where the version stands. When every attempt
-fails, ``update_weights`` raises ``WeightSyncFailed`` on every rank, and the next call publishes
-that same version first (its staged bytes are intact until the next gather), then the new one.
+fails, ``update_weights`` raises ``WeightSyncFailed`` on every rank, and the next call finishes
+that version first, with the bytes staged for it (intact until the next gather), then publishes
+the new weights as the next version, a delta. A version whose index had landed (only pruning or
+the hook failed) is counted as published, never written again; one that no rank got past
+encoding for left nothing behind, and its number is published with the new weights. The same
+rule as ``TorchWeightSync`` and the core's ``Publisher.finish_pending``.
 
 Runs and restarts (``runs``): each run publishes under ``run-<id>/``; version numbers continue
 after the newest version of any run in the disk dir, a stable ``run_id`` reopens its dir, the
@@ -62,8 +66,11 @@ ENGINE_WAIT_STEP = "engines"
 def _engine_wait_group(group, timeout_s: float):
     """A gloo group over ``group``'s ranks with a timeout that outlives the engine phase (collective)."""
     ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
+    # Over the whole world every rank calls this, so the group is agreed globally: a locally
+    # synchronised group over ranks Megatron already grouped (PP=2 on two ranks) hangs in gloo's
+    # rendezvous (its name, hashed from the ranks, meets the earlier group's store keys).
     return dist.new_group(ranks=ranks, backend="gloo", timeout=datetime.timedelta(seconds=timeout_s),
-                          use_local_synchronization=True)
+                          use_local_synchronization=group is not None)
 
 
 class WeightSyncFailed(RuntimeError):

@@ -370,3 +370,70 @@ def test_closing_a_thread_group_ends_its_threads(doubles):
         assert started
         sync.close()
         assert not any(t.is_alive() for t in started)
+
+
+# --- a failed sync tells the truth about the fleet (issue 21 point 5) ------------------------------
+
+
+def _calls_since(mark: int, engine: str) -> list:
+    return [(p, (b or {}).get("target_version")) for e, p, b, _ in CALLS[mark:] if e == engine]
+
+
+def test_a_failed_apply_on_one_engine_says_which_version_each_serves_and_the_next_sync_brings_it_up_first(doubles):
+    sync = make_sync(doubles)
+    m1 = sync.update(1, "/v1", SyncMetrics(version=1))
+    assert m1.served == {"e0": 1, "e1": 1}
+    # v2: e1 can apply it neither live nor by a reload; e0 applies it.
+    doubles[1].script["/update_weights_from_pulled"] = [(500, {"success": False, "message": "boom"})]
+    doubles[1].script["/update_weights_from_disk"] = [(400, {"success": False, "message": "shape mismatch"})]
+    with pytest.raises(EngineSyncError) as info:
+        sync.update(2, "/v2", SyncMetrics(version=2))
+    err = info.value
+    assert list(err.errors) == ["e1"] and err.version == 2
+    assert err.served == {"e0": 2, "e1": 1}  # e1 said so itself (GET /model_info)
+    assert err.metrics.served == err.served and [a["engine"] for a in err.metrics.applies] == []
+    assert "Engines now serve: e0 v2, e1 v1 (the sync was bringing them to v2)" in str(err)
+    assert sync.lagging() == ["e1"]
+    for d in doubles:  # both generate again
+        assert paths_of(d.name)[-1] == "/continue_generation"
+    # The next sync brings e1 to v2 first (only it pauses for that), then both to v3.
+    mark = len(CALLS)
+    m3 = sync.update(3, "/v3", SyncMetrics(version=3))
+    assert _calls_since(mark, "e1") == [
+        ("/pull_weights", 2), ("/pause_generation", None), ("/update_weights_from_pulled", 2), ("/continue_generation", None),
+        ("/pull_weights", 3), ("/pause_generation", None), ("/update_weights_from_pulled", 3), ("/continue_generation", None)]
+    assert _calls_since(mark, "e0") == [
+        ("/pull_weights", 3), ("/pause_generation", None), ("/update_weights_from_pulled", 3), ("/continue_generation", None)]
+    assert m3.caught_up == {"e1": 2} and m3.served == {"e0": 3, "e1": 3} and sync.lagging() == []
+
+
+def test_a_failed_pull_leaves_every_engine_serving_what_it_did_and_says_so(doubles):
+    sync = make_sync(doubles)
+    sync.update(1, "/v1", SyncMetrics(version=1))
+    doubles[0].script["/pull_weights"] = [
+        (422, {"success": False, "error_type": "corrupt_artifact", "message": "digest mismatch"})]
+    with pytest.raises(EngineSyncError) as info:
+        sync.update(2, "/v2", SyncMetrics(version=2))
+    assert info.value.served == {"e0": 1, "e1": 1} and info.value.version == 2
+    assert all("/pause_generation" not in [p for p, _ in _calls_since(0, d.name)][2:] for d in doubles)
+
+
+def test_an_engine_that_cannot_say_its_version_after_a_failure_is_unknown_and_caught_up(doubles):
+    sync = make_sync(doubles, apply_mode="reload")
+    sync.update(1, "/v1", SyncMetrics(version=1))
+    doubles[1].script["/update_weights_from_disk"] = [(500, {"success": False, "message": "oom while loading"})]
+    doubles[1].weight_version = "default"  # the engine no longer names a version
+    with pytest.raises(EngineSyncError) as info:
+        sync.update(2, "/v2", SyncMetrics(version=2))
+    assert info.value.served == {"e0": 2, "e1": None}
+    assert "e1 unknown" in str(info.value)
+    m = sync.update(3, "/v3", SyncMetrics(version=3))
+    assert m.caught_up == {"e1": 2} and m.served == {"e0": 3, "e1": 3}
+
+
+def test_the_sync_error_keeps_what_it_carries_through_pickling():
+    import pickle
+
+    err = EngineSyncError("update_weights_from_disk", {"e1": RuntimeError("x")}, served={"e0": 2, "e1": 1}, version=2)
+    again = pickle.loads(pickle.dumps(err))
+    assert (again.served, again.version, str(again)) == (err.served, err.version, str(err))
