@@ -672,6 +672,11 @@ def cmd_merge(args) -> int:
 def verdicts(parts: dict, device: str) -> dict:
     """What each check says, in the issue's words: PASS / FAIL / met / missed / not run."""
     out: dict[str, Any] = {}
+    wh = parts.get("wheels")
+    if wh is not None:
+        out["carried_wheels"] = ("PASS" if not wh.get("problems") and "wheels_mib" in wh else "FAIL") + (
+            f": {wh.get('wheels')} wheels, {wh.get('wheels_mib')} MiB; with the working tree {wh.get('travel_mib')} "
+            f"of {wh.get('limit_mib')} MiB" + (f"; {wh['problems']}" if wh.get("problems") else ""))
     eng = parts.get("engine", {})
     rows = eng.get("versions", [])
     if not rows:

@@ -81,8 +81,11 @@ run() {
     # the carried wheels, into a temporary site dir (the device README's line); where this Python
     # cannot install one (a cp312 wheel on a cp311 rehearsal), its same-version twin installed
     # here stays visible through the mirror instead
-    "$PY" benchmarks/gpu_check.py wheels --wheel-dir "$WHEELS" --json "$work/wheels.json" --installable "$work/installable" ||
-        echo "gpu_check: the carried wheel set has problems (above); going on with what there is"
+    local merged=()
+    "$PY" benchmarks/gpu_check.py wheels --wheel-dir "$WHEELS" --json "$work/wheels.json" --installable "$work/installable"
+    local wrc=$?
+    merged+=("wheels:$work/wheels.json:$wrc:0:0")
+    [ $wrc = 0 ] || echo "gpu_check: the carried wheel set has problems (above); going on with what there is"
     local site=$work/site
     if [ -s "$work/installable" ]; then
         # shellcheck disable=SC2046
@@ -104,7 +107,6 @@ run() {
     timeout 60 "$PY" setup.py --quiet build_ext --inplace >"$work/build.log" 2>&1 ||
         echo "gpu_check: the range coder did not build (sparse-v2 falls back to bitstream 2): $(tail -2 "$work/build.log")"
 
-    local merged=()
     left() { echo $((budget - (SECONDS - start))); }
     part() {  # part NAME LIMIT CMD...: run CMD under min(LIMIT, what is left less a reserve)
         local name=$1 limit=$2

@@ -94,3 +94,16 @@ build_coder() {
 build_main_venv
 build_coder
 if [ "${SKIP_SGLANG0516:-0}" != 1 ]; then build_sglang0516_venv; fi
+
+# The GPU kit's carried wheels (benchmarks/gpu_wheels.txt, ~52 MiB, cp312 manylinux): the
+# rehearsal test (tests/e2e/test_gpu_kit_rehearsal.py) checks the set and its size, and takes
+# the pure-Python ones from here. Stamped with the list's hash: a changed list fetches again.
+fetch_gpu_wheels() {
+  local stamp
+  stamp=".whl/.fetched-$(sha256sum benchmarks/gpu_wheels.txt | cut -c1-16)"
+  if [ -f "$stamp" ]; then return 0; fi
+  echo "[setup] the GPU kit's carried wheels (benchmarks/gpu_wheels.txt) into .whl/"
+  PY="$VENV/bin/python" bash benchmarks/gpu_check.sh fetch
+  touch "$stamp"
+}
+if [ "${SKIP_GPU_WHEELS:-0}" != 1 ]; then fetch_gpu_wheels; fi
