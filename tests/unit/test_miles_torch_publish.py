@@ -201,37 +201,48 @@ def test_a_transposed_parameter_is_staged_by_the_device_compare_like_any_other(h
 
 
 class _FailingCopy(torch.Tensor):
-    """A parameter whose copies fail while ``armed`` (a device error: no other way on the CPU)."""
+    """A parameter whose ``fail_at``-th ``fail_op`` call fails (a device error: no other way on the CPU).
 
-    armed = False
+    Results of ops on it are of this class too, so a failure can be placed on any write of the staging.
+    """
+
+    fail_op, fail_at, calls = "", 0, 0
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
-        if cls.armed and getattr(func, "__name__", "") in ("to", "copy_"):
-            raise RuntimeError("CUDA error: an illegal memory access was encountered (injected)")
+        if cls.fail_op and getattr(func, "__name__", "") == cls.fail_op:
+            cls.calls += 1
+            if cls.calls == cls.fail_at:
+                raise RuntimeError("CUDA error: an illegal memory access was encountered (injected)")
         return super().__torch_function__(func, types, args, kwargs or {})
 
 
-@pytest.mark.parametrize("device_compare", [True, None], ids=["device-compare", "plain"])
-def test_a_stage_failing_midway_is_typed_and_hands_out_nothing_until_a_stage_succeeds(hf, model, device_compare):
+@pytest.mark.parametrize("device_compare,fail_op,fail_at", [
+    (True, "to", 1),  # the cast, before anything is written
+    (True, "__setitem__", 2),  # the host write, after the device snapshot took the new values
+    (None, "copy_", 1),  # the plain path's copy into the host buffer
+], ids=["compare-cast", "compare-host-write", "plain-copy"])
+def test_a_stage_failing_midway_is_typed_and_hands_out_nothing_until_a_stage_succeeds(
+        hf, model, device_compare, fail_op, fail_at):
     from miles_updater.torch_publish import StagingError
 
     stager, reference = StateDictStager(hf, device_compare=device_compare), StateDictStager(hf)
     early, failing = "model.embed_tokens.weight", "model.layers.1.mlp.down_proj.weight"
-    assert list(stager.specs).index(early) < list(stager.specs).index(failing) or early in model.state_dict()
+    order = list(model.state_dict())
+    assert order.index(early) < order.index(failing)  # `early` is staged before the failure
     stager.stage(model.state_dict())
     stager.dirty.clear()  # v1 published
     with torch.no_grad():
-        model.model.embed_tokens.weight[0, :4] += 1.0  # staged before the failing tensor
+        model.model.embed_tokens.weight[0, :4] += 1.0
         model.model.layers[1].mlp.down_proj.weight[0, :4] += 1.0
     state = dict(model.state_dict())
     state[failing] = state[failing].as_subclass(_FailingCopy)
-    _FailingCopy.armed = True
+    _FailingCopy.fail_op, _FailingCopy.fail_at, _FailingCopy.calls = fail_op, fail_at, 0
     try:
         with pytest.raises(StagingError) as e:
             stager.stage(state)
     finally:
-        _FailingCopy.armed = False
+        _FailingCopy.fail_op = ""
     assert e.value.name == failing and "illegal memory access" in str(e.value)
     assert "strides" in str(e.value) and "stage again" in str(e.value)
     with pytest.raises(StagingError):  # the buffers mix two steps: none is handed to a publish
@@ -239,9 +250,8 @@ def test_a_stage_failing_midway_is_typed_and_hands_out_nothing_until_a_stage_suc
     with pytest.raises(StagingError):
         stager.published_state_dict()
     stager.stage(model.state_dict())  # the cause is gone: a complete stage
-    for s in (reference,):
-        s.stage(model.state_dict())
-    assert {early, failing} <= stager.dirty  # both reach the core, though `early` did not change again
+    reference.stage(model.state_dict())
+    assert {early, failing} <= stager.dirty  # both reach the core, though neither changed again
     staged = stager.raw_tensors()
     for n, t in reference.raw_tensors().items():
         assert bytes(staged[n].data) == bytes(t.data), n
