@@ -11,7 +11,9 @@
 #   bash benchmarks/bigbox.sh --no-append    # extra args go to bench_sync.py and bench_engine.py
 #
 # Needs numpy, zstandard, xxhash, msgspec and torch importable by $PY (the box has no network:
-# carry a prepared environment). Files go to /dev/shm when it has room (about 45 GB), else to
+# carry a prepared environment). On the lent H200 box (no sglang server possible, minutes per
+# call) run benchmarks/gpu_check.sh instead: it carries its wheels, proves live apply in
+# process and runs bench_sync.py at 4B within its budget (benchmarks/README.md, "The GPU kit"). Files go to /dev/shm when it has room (about 45 GB), else to
 # $WORKDIR or /tmp; results are appended to benchmarks/RESULTS.md and printed.
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -131,7 +131,7 @@ run() {
     mkdir -p "$data"
     case ",$parts," in *,engine,*)
         # sglang's CPU import path with the kernel package stubbed (as the CPU tests do)
-        part engine $((big ? 170 : 150)) env SGLANG_USE_CPU_ENGINE=1 PYTHONPATH="$REPO/tests/cpu_scaffolding:$PYTHONPATH" \
+        part engine $((big ? 200 : 150)) env SGLANG_USE_CPU_ENGINE=1 PYTHONPATH="$REPO/tests/cpu_scaffolding:$PYTHONPATH" \
             "$PY" benchmarks/gpu_check.py engine --device "$device" --preset "$preset" --json "$work/engine.json" \
             --keep-data --keep-model-dir "$work/model_dir"
         ;;
@@ -139,7 +139,7 @@ run() {
     case ",$parts," in *,trainer,*)
         local model_dir=""
         [ -s "$work/model_dir" ] && model_dir=$(cat "$work/model_dir")
-        part trainer $((big ? 60 : 120)) "$PY" benchmarks/gpu_check.py trainer --device "$device" --preset "$preset" \
+        part trainer $((big ? 55 : 120)) "$PY" benchmarks/gpu_check.py trainer --device "$device" --preset "$preset" \
             --json "$work/trainer.json" ${model_dir:+--model-dir "$model_dir"} --pytest-timeout $((big ? 40 : 100))
         cp "$work/trainer.json.junit.xml" "$out/trainer_junit.xml" 2>/dev/null || true
         ;;
