@@ -177,3 +177,14 @@ def test_a_timeout_that_bounds_nothing_is_refused(hf_dir, tmp_path, flag, value)
     with pytest.raises(UpdateWeightArgsError, match=flag):
         validate_update_weight_args(parse(["--update-weight-transfer-mode", "disk-delta", *good(hf_dir, tmp_path),
                                            flag, value]))
+
+
+def test_an_updater_built_from_a_config_with_a_short_engine_wait_is_refused_before_any_collective(hf_dir, tmp_path):
+    from miles_updater.args import DiskDeltaConfig
+    from miles_updater.updater import DiskDeltaWeightUpdater
+
+    config = DiskDeltaConfig(source_dir=str(tmp_path / "shared"), local_checkpoint_dir=str(tmp_path / "local"),
+                             hf_checkpoint=hf_dir, pull_timeout_s=600.0, engine_wait_timeout_s=300.0)
+    with pytest.raises(UpdateWeightArgsError, match="--update-weight-engine-wait-timeout-s 300 .*"
+                                                    "--update-weight-pull-timeout-s 600"):
+        DiskDeltaWeightUpdater(config, [])  # no process group exists: the check comes first
