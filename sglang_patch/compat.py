@@ -16,6 +16,8 @@ Differences found (each row is one function below):
 | this scheduler's DP rank     | ``scheduler.ps.dp_rank`` (``ParallelContext`` has none) | ``get_parallel().dp_rank``       |
 | flush the cache after an update | ``flush_cache_after_weight_update(req)``: None, asserts | ``(req, success, message)`` -> ``(ok, message)`` |
 | record the weight version    | on the tokenizer only (no scheduler method)         | ``record_weight_version_after_update(v)`` |
+| sglang's refusal of online updates | none                                        | ``_unsupported_derived_weight_cache_error(model)`` |
+| calls that move the weights  | ``release/resume_memory_occupation``                | also ``begin/end_weight_update``    |
 """
 
 from __future__ import annotations
@@ -70,3 +72,32 @@ def record_weight_version(manager: Any, version: int) -> None:
     record = getattr(manager, "record_weight_version_after_update", None)
     if record is not None:
         record(str(version))
+
+
+def derived_weight_cache_error(model: Any) -> Optional[str]:
+    """sglang's own reason to refuse an online weight update of ``model``, or None.
+
+    0.5.23: ``weight_updater._unsupported_derived_weight_cache_error(model)`` (caches derived
+    from the weights that in-place writes do not refresh: the Hopper FP8 BF16 cache, the DSA
+    indexer, megakernels, packed FP8, compensated mHC splits, ``_derived_weight_cache_error``
+    on any module). 0.5.16 has no such check: its loaders keep none of those caches.
+    """
+    try:
+        from sglang.srt.model_executor.model_runner_components import weight_updater
+    except ImportError:
+        return None
+    check = getattr(weight_updater, "_unsupported_derived_weight_cache_error", None)
+    if check is None:  # 0.5.16
+        return None
+    return check(model)
+
+
+# The scheduler weight-updater manager's calls that move or replace weights behind live apply's
+# back (after each, the live version is unknown). 0.5.16 has the memory-occupation pair only;
+# 0.5.23 adds the begin/end_weight_update session.
+WEIGHT_MOVING_CALLS = ("release_memory_occupation", "resume_memory_occupation", "begin_weight_update", "end_weight_update")
+
+
+def weight_moving_calls(manager_cls: Any) -> list[str]:
+    """The ``WEIGHT_MOVING_CALLS`` this release's manager class has (a hook on a missing one fails)."""
+    return [name for name in WEIGHT_MOVING_CALLS if callable(getattr(manager_cls, name, None))]

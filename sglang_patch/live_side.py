@@ -48,7 +48,8 @@ from weightsync.lock import shared_host_lock
 
 from . import compat
 from . import live_results as lr
-from .coordinate_map import CheckpointReader, CoordinateMap, build_coordinate_map, prove_map_steps
+from .coordinate_map import CheckpointReader, CoordinateMap, MapNotLearnable, ProofAttempts, build_coordinate_map, prove_map_steps
+from . import live_scope
 from . import live_transaction as tx
 from .live_patch import (RestoreFailed, StagedUpdate, StagingRefused, UndoLog, finish_staging_steps, one_intra_op_thread,
                          reload_only_reasons, scatter_with_undo, undo_log_steps)
@@ -108,7 +109,8 @@ class LiveApplyState:
     """One scheduler rank's live-apply state (see the module docstring)."""
 
     def __init__(self, *, scheduler: Any, group: Any, host: str, rank: str, seed_dir: Optional[str],
-                 allowed_roots: tuple, max_changed_fraction: float, gather: Optional[tx.StageGather] = None) -> None:
+                 allowed_roots: tuple, max_changed_fraction: float, gather: Optional[tx.StageGather] = None,
+                 scope: Optional[live_scope.EngineScope] = None) -> None:
         self.scheduler = scheduler
         self.group = group
         self.host = host
@@ -125,6 +127,9 @@ class LiveApplyState:
         self.live_dir: Optional[str] = seed_dir
         self.cmap: Optional[CoordinateMap] = None
         self.map_error: Optional[str] = None
+        self.scope = scope  # the allow-list and engine-wide reasons to reload (None: a bare model in a test)
+        self.scope_reason: Optional[str] = None  # why this engine reloads on every update (live_scope)
+        self.proof_attempts = ProofAttempts()  # proofs after reloads: one at a time, one per identity
         self._map_thread: Optional[threading.Thread] = None
         self.staged: Optional[StagedUpdate] = None
         self._voted: Optional[StagedUpdate] = None
@@ -195,13 +200,24 @@ class LiveApplyState:
                 self.live_reason = why or f"a reload from {model_path} named no version"
         log.info("live apply %s: live version now %s", self.rank, self.describe_live())
         if self.live is not None and self.cmap is not None and not self.cmap.proven and model_path:
-            # the start-up proof was voided by a weight change: prove against this dir instead
+            # the start-up proof was voided by a weight change: prove against this dir instead,
+            # once per identity (O(model) work must not repeat after every unproven reload)
             expected, path = self.live, model_path
+            why_not = self.proof_attempts.begin((os.path.realpath(path), expected.key()))
+            if why_not is not None:
+                log.info("live apply %s: no proof after this reload: %s", self.rank, why_not)
+                return
             threading.Thread(
                 target=lambda: self._prove_quietly(path, expected), name="weightsync-proof", daemon=True
             ).start()
 
     def _prove_quietly(self, checkpoint_dir: str, expected: LiveVersion) -> None:
+        try:
+            self._prove_in_dir(checkpoint_dir, expected)
+        finally:
+            self.proof_attempts.end()
+
+    def _prove_in_dir(self, checkpoint_dir: str, expected: LiveVersion) -> None:
         try:
             # the seed dir has no marker and no pull writes there
             self.prove(CheckpointReader(checkpoint_dir), expected,
@@ -231,8 +247,16 @@ class LiveApplyState:
         try:
             if self.seed_dir is None:
                 raise RuntimeError("the engine's model path is not a local dir: no checkpoint to map")
+            scope = self.scope.why_reload_only(self.model) if self.scope is not None else None
+            if scope is not None:
+                self.scope_reason = scope
+                log.warning("live apply %s: off for this engine, every update reloads: %s", self.rank, scope)
+                return
             reader = CheckpointReader(self.seed_dir)
-            cmap = build_coordinate_map(self.model, reader.specs())
+            try:
+                cmap = build_coordinate_map(self.model, reader.specs())
+            except MapNotLearnable as exc:
+                raise MapNotLearnable(f"it could not be learnt on a storage-free copy of the model: {exc}") from exc
             log.info(
                 "live apply %s: coordinate map built in %.3fs: %d placements for %d tensors, %d B; reload-only: %s",
                 self.rank, cmap.build_s, cmap.placement_count(), len(cmap.placements), cmap.nbytes(),
@@ -291,6 +315,8 @@ class LiveApplyState:
 
     def map_status(self) -> Optional[str]:
         """None when the map is ready to use, else why not."""
+        if self.scope_reason:
+            return f"live apply is off for this engine: {self.scope_reason}"
         if self.map_error:
             return f"the coordinate map failed: {self.map_error}"
         if self.cmap is None:
@@ -333,7 +359,7 @@ class LiveApplyState:
         start = time.perf_counter()
         if live is None:
             raise StagingRefused(f"the live version is unknown: {self.live_reason}")
-        status = self.map_status()
+        status = self.map_status() or (self.scope.why_refused_now(self.model) if self.scope is not None else None)
         if status is not None:
             raise StagingRefused(status)
         source_real = os.path.realpath(source_dir)
@@ -636,7 +662,7 @@ class LiveApplyState:
                 host=self.host, rank=self.rank, digests=digest_params(self.model, request.names),
                 data_ptrs={n: int(p.data.data_ptr()) for n, p in self.model.named_parameters()},
                 live_version=self.live.version if self.live else None, live_reason=self.describe_live(),
-                coordinate_map=self.cmap.summary() if self.cmap is not None else {"error": self.map_error or "building"},
+                coordinate_map=self.cmap.summary() if self.cmap is not None else {"error": self.map_status()},
             )
         except Exception as exc:
             log.exception("weights_digest failed")
@@ -751,6 +777,7 @@ def make_state(scheduler: Any) -> LiveApplyState:
         seed_dir=resolve_seed_dir(server_args.model_path, getattr(server_args, "download_dir", None)),
         allowed_roots=options.allowed_roots,
         max_changed_fraction=options.live_max_changed_fraction,
+        scope=live_scope.EngineScope(server_args, scheduler),
     )
 
 
@@ -871,7 +898,10 @@ def register_hooks(*_ignored) -> None:
     HookRegistry.register(f"{sched}.process_input_requests", _after_process_input_requests, HookType.AFTER, source=source)
     HookRegistry.register(f"{manager}.update_weights_from_disk", _before_reload, HookType.BEFORE, source=source)
     HookRegistry.register(f"{manager}.update_weights_from_disk", _after_reload, HookType.AFTER, source=source)
-    for method in ("update_weights_from_tensor", "update_weights_from_distributed", "update_weights_from_ipc"):
+    from sglang.srt.managers.scheduler_components.weight_updater import SchedulerWeightUpdaterManager
+
+    moving = compat.weight_moving_calls(SchedulerWeightUpdaterManager)
+    for method in ("update_weights_from_tensor", "update_weights_from_distributed", "update_weights_from_ipc", *moving):
         HookRegistry.register(f"{manager}.{method}", _other_update(method), HookType.BEFORE, source=source)
         HookRegistry.register(f"{manager}.{method}", _other_update(method), HookType.AFTER, source=source)
     if os.environ.get(TRANSFORM_ENV):
