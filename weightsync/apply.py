@@ -259,17 +259,21 @@ def load_delta(index: VersionIndex) -> LoadedDelta:
                     raise MalformedHeaderError(
                         path, f"__metadata__ has no well-formed {index.checksum_format} digest for {name!r} (got {want!r})"
                     )
-                payload = memoryview(read_range(fd, entry.offset, entry.nbytes, path))
+                # A frame-only check (xor, overwrite) walks the file range: no copy of a payload
+                # that may be as large as its tensor; other codecs parse a copy.
+                payload = (RangeStream(fd, entry.offset, entry.nbytes, path) if getattr(codec, "structure_from_frame", False)
+                           else memoryview(read_range(fd, entry.offset, entry.nbytes, path)))
                 try:
                     structure = codec.check_structure(payload, name)
                 except PayloadBoundError as e:
                     e.args = (f"v{index.version}: {e.args[0]}",)
                     raise
                 finally:
-                    try:
-                        payload.release()
-                    except BufferError:
-                        pass
+                    if isinstance(payload, memoryview):
+                        try:
+                            payload.release()
+                        except BufferError:
+                            pass
                 ref = PayloadRef(path, entry.offset, entry.nbytes, file_id)
                 tensors[name] = DeltaTensor(name, ref, cast(str, want), structure)  # well-formed: a str
                 nbytes += entry.nbytes

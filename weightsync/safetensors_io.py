@@ -215,3 +215,11 @@ class RangeStream:
             raise ShardShrunkError(self.path, self.offset + self.nbytes, os.fstat(self.fd).st_size)
         self.pos += len(data)
         return data
+
+    def pread(self, at: int, size: int) -> bytes:
+        """Up to ``size`` bytes at ``at`` of the range (fewer only at its end)."""
+        k = max(0, min(size, self.nbytes - at))
+        data = os.pread(self.fd, k, self.offset + at) if k else b""
+        if len(data) < k:
+            raise ShardShrunkError(self.path, self.offset + self.nbytes, os.fstat(self.fd).st_size)
+        return data

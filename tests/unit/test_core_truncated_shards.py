@@ -98,3 +98,18 @@ def test_a_shard_truncated_while_its_positions_are_read_is_a_typed_error(world):
     out = run_child("positions", seed, source, local, 2)
     assert_typed_not_a_signal(out, 3)
     assert out.stdout.startswith(("typed ShardShrunkError", "typed SourceNotReadyError")), out.stdout
+
+
+@pytest.mark.parametrize("world", ["xor", "overwrite"], indirect=True)
+def test_loading_a_frame_only_delta_reads_its_frames_without_copying_a_payload(world, monkeypatch):
+    """xor and overwrite payloads can be as large as their tensors: the load walks each frame
+    with small preads (3 bytes a block) instead of copying the payload into memory."""
+    import weightsync.apply as apply_mod
+    from weightsync.manifest import read_version_index
+
+    _, source, _, _, _ = world
+    copies: list[int] = []
+    real = apply_mod.read_range
+    monkeypatch.setattr(apply_mod, "read_range", lambda fd, at, n, path: copies.append(n) or real(fd, at, n, path))
+    loaded = apply_mod.load_delta(read_version_index(source, 1))
+    assert loaded.tensors and copies == []

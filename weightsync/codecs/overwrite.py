@@ -11,6 +11,7 @@ from .zstd_frames import ExactReader, check_frame, compress, decompress_exact, f
 
 class OverwriteCodec:
     name = "overwrite"
+    structure_from_frame = True  # as xor's: check_structure walks the frame only
     # Payloads up to this size are decompressed in one piece; larger ones are streamed
     # through two readers (positions, then values) so memory stays bounded.
     one_shot_nbytes = 8 << 20  # x workers stays well inside the puller's memory budget

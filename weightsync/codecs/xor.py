@@ -11,6 +11,8 @@ from .zstd_frames import ExactReader, check_frame, compress
 
 class XorCodec:
     name = "xor"
+    # check_structure walks the frame only: a load may pass a file range, not the payload's bytes
+    structure_from_frame = True
 
     def encode(self, old, new, itemsize, level, tensor):
         x = SCRATCH.get("xor", new.nbytes)

@@ -18,14 +18,26 @@ _MAGIC = b"\x28\xb5\x2f\xfd"
 
 
 def frame_nbytes(payload, tensor: str) -> tuple[int, int]:
-    """(compressed size of the single frame, declared content size), or PayloadBoundError."""
-    mv = memoryview(payload).cast("B")
-    n = mv.nbytes
-    if n < 6 or bytes(mv[:4]) != _MAGIC:
+    """(compressed size of the single frame, declared content size), or PayloadBoundError.
+
+    ``payload`` is a buffer, or a reader of a file range with ``nbytes`` and ``pread(at,
+    size)`` (``safetensors_io.RangeStream``): the walk then reads 3 bytes a block, never the
+    whole payload."""
+    if hasattr(payload, "pread"):
+        n, read_at = payload.nbytes, payload.pread
+    else:
+        mv = memoryview(payload).cast("B")
+        n = mv.nbytes
+
+        def read_at(at: int, size: int) -> bytes:
+            return bytes(mv[at : at + size])
+
+    head = read_at(0, 18)
+    if n < 6 or head[:4] != _MAGIC:
         raise PayloadBoundError(tensor, "payload is not a zstd frame")
     try:
-        params = zstandard.get_frame_parameters(mv[:18])
-        pos = zstandard.frame_header_size(mv[:18])
+        params = zstandard.get_frame_parameters(head)
+        pos = zstandard.frame_header_size(head)
     except zstandard.ZstdError as e:
         raise PayloadBoundError(tensor, f"bad zstd frame header ({e})") from None
     if params.content_size == zstandard.CONTENTSIZE_UNKNOWN or params.content_size < 0:
@@ -33,7 +45,8 @@ def frame_nbytes(payload, tensor: str) -> tuple[int, int]:
     while True:
         if pos + 3 > n:
             raise PayloadBoundError(tensor, f"zstd frame truncated at byte {pos} of {n}")
-        b = mv[pos] | (mv[pos + 1] << 8) | (mv[pos + 2] << 16)
+        h = read_at(pos, 3)
+        b = h[0] | (h[1] << 8) | (h[2] << 16)
         last, btype, bsize = b & 1, (b >> 1) & 3, b >> 3
         pos += 3
         if btype == 3:
