@@ -2,10 +2,13 @@
 
 Per scheduler rank, one ``LiveApplyState`` (on ``scheduler._weightsync_live``):
 
-- **The live version** (``LiveVersion``): at start-up version 0 (the seed dir the engine loaded).
-  After a reload from a local checkpoint dir (``/update_weights_from_disk`` or our reload
-  route) it is what that dir's marker or verified note names; after any other weight update
-  (another path, tensors, distributed, IPC) it is unknown until the next reload from a dir.
+- **The live version** (``live_identity.LiveVersion``): version, source dir, run and seed
+  fingerprint, as the core's marker records them; at start-up version 0 (the seed dir the
+  engine loaded, fingerprinted then). After a reload from a local checkpoint dir
+  (``/update_weights_from_disk`` or our reload route) it is what that dir named before the
+  reload if it names the same after it and no pull ran meanwhile (``live_identity.
+  reload_outcome``); after any other weight update (another path, tensors, distributed, IPC) it
+  is unknown until the next reload from a dir.
   Every weight update also bumps ``generation``, which voids a proof or a staging in flight.
 - **The map**: built once per engine lifetime on a thread started at the first loop
   iteration, then proven against the seed dir while the live weights still hold version 0.
