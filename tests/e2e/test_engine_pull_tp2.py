@@ -42,6 +42,8 @@ def env(tmp_path_factory, tiny_model_dir, server_factory):
     gate.mkdir()
     (gate / "release").touch()  # the hook passes through unless a test removes this
     hook_log = root / "hook_calls.log"
+    faults = root / "faults"  # live apply's one-shot fault files (WEIGHTSYNC_TEST_FAULT_DIR)
+    faults.mkdir()
     server = server_factory(
         tiny_model_dir,
         tp=2,
@@ -52,7 +54,8 @@ def env(tmp_path_factory, tiny_model_dir, server_factory):
             "--custom-pull-weights-pre-read-hook", "testbed.hooks.record_pre_read",
             "--enable-metrics",
         ],
-        env={"TESTBED_PRE_READ_HOOK_LOG": str(hook_log), "TESTBED_PRE_READ_HOOK_GATE": str(gate)},
+        env={"TESTBED_PRE_READ_HOOK_LOG": str(hook_log), "TESTBED_PRE_READ_HOOK_GATE": str(gate),
+             "WEIGHTSYNC_TEST_FAULT_DIR": str(faults)},
     )  # fmt: skip
 
     class Env:
@@ -67,6 +70,7 @@ def env(tmp_path_factory, tiny_model_dir, server_factory):
     e.feed = VersionFeed(tiny_model_dir, allowed / "shared")
     e.gate = gate
     e.hook_log = str(hook_log)
+    e.faults = faults
     e.v0_ids = server.generate_ids(PROMPT, NEW_TOKENS)
     return e
 
@@ -411,3 +415,45 @@ def test_a_routine_not_published_404_writes_no_traceback_to_the_log(env):
     log_text = env.server.log_text()  # both ranks logged before they reported
     assert log_text.count("Traceback") == before
     assert "dp0/tp1: v99:" in log_text
+
+
+# --- live apply on this server's sglang (the 0.5.16 matrix runs this module too) ------------------
+
+
+def update_from_pulled(env, version, *, status=200):
+    resp = env.server.post("/update_weights_from_pulled", {"local_checkpoint_dir": env.local, "target_version": version})
+    assert resp.status_code == status, resp.text
+    return resp.json()
+
+
+def test_a_live_apply_equals_a_reload_and_a_fault_after_the_first_write_rolls_every_rank_back(env):
+    """On 0.5.16 every live apply used to fail after its writes (its cache flush takes other
+    arguments) and left the new values in place under the old version."""
+    from testbed.live import assert_same_weights, wait_until_map_proven, weights_digest
+
+    top = max(env.feed.expected)  # the module's last version (the test also runs alone: -k)
+    if top == 0:
+        env.feed.publish(top := 1, encoding="xor")
+    assert pull(env, top).status_code == 200
+    body = update_from_pulled(env, top)  # the engine now serves it from the local dir, whatever it served before
+    assert body["success"] and body["weight_version"] == top, body
+    wait_until_map_proven(env.server)
+    new = top + 1
+    env.feed.publish(new, encoding="xor")
+    assert pull(env, new).status_code == 200
+    before = weights_digest(env.server)
+    ids_before = env.server.generate_ids(PROMPT, NEW_TOKENS)
+    (env.faults / "live-apply-fault-dp0_tp1").touch()
+    body = update_from_pulled(env, new, status=500)
+    assert body["success"] is False and body["mode"] == "live" and body["rolled_back"] is True, body
+    assert "injected fault on dp0/tp1" in body["message"] and body["weight_version"] == top
+    assert_same_weights(weights_digest(env.server), before)  # both ranks exactly at the previous version
+    assert env.server.generate_ids(PROMPT, NEW_TOKENS) == ids_before
+    body = update_from_pulled(env, new)  # the staged update was kept: the retry goes live
+    assert body["success"] and body["mode"] == "live" and body["weight_version"] == new, body
+    assert body["elements_scattered"] > 0
+    live = weights_digest(env.server)
+    assert {r["live_version"] for r in live.values()} == {new}
+    resp = env.server.post("/update_weights_from_disk", {"model_path": env.local})
+    assert resp.status_code == 200, resp.text
+    assert_same_weights(live, weights_digest(env.server))
