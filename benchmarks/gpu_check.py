@@ -372,7 +372,7 @@ def differing_params(a: dict, b: dict) -> list[str]:
     return sorted(n for n in a if not bool((as_int_bits(a[n]) == as_int_bits(b[n])).all()))
 
 
-ENGINE_PRESETS = {"qwen3-4b": "qwen3-4b", "small": "tiny"}  # -> bench_data.PRESETS
+ENGINE_PRESETS = {"qwen3-4b": "qwen3-4b", "medium": "small", "small": "tiny"}  # -> bench_data.PRESETS (medium: ~300 MB)
 
 
 def cmd_engine(args) -> int:
@@ -677,11 +677,25 @@ def cmd_merge(args) -> int:
     merged["verdicts"] = verdicts(merged["parts"], args.device)
     with open(args.out, "w") as f:
         json.dump(merged, f, indent=1, default=str)
+    with open(os.path.splitext(args.out)[0] + ".md", "w") as f:
+        f.write(results_markdown(merged))
     print("[gpu_check] verdicts:")
     for k, v in merged["verdicts"].items():
         print(f"[gpu_check]   {k}: {v}")
     bad = [k for k, v in merged["verdicts"].items() if isinstance(v, str) and v.startswith(("FAIL", "not run"))]
     return 1 if bad else 0
+
+
+def results_markdown(merged: dict) -> str:
+    """The block for benchmarks/RESULTS.md: date, box, each verdict."""
+    eng = merged["parts"].get("engine", {})
+    box = f"{eng.get('device_name', merged['device'])}, {os.cpu_count()} cores, torch {eng.get('torch', '?')}"
+    lines = [f"## GPU kit (gpu_check.sh), {merged['date_utc']} UTC, {box}, preset {merged['preset']}", ""]
+    lines += [f"- {k}: {v}" for k, v in merged["verdicts"].items()]
+    for name, part in merged["parts"].items():
+        lines.append(f"- part {name}: rc {part['rc']} in {part['seconds']} s (limit {part['limit_s']} s)"
+                     + (", stopped at its limit" if part["timed_out"] else ""))
+    return "\n".join(lines) + "\n"
 
 
 def verdicts(parts: dict, device: str) -> dict:

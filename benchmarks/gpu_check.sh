@@ -17,7 +17,8 @@
 #   engine   live apply on the device with sglang's own Qwen3 class (exactness, fault, the pause)
 #   trainer  the trainer's tests on the device and its device-to-host bytes per step
 #   bench    bench_sync.py --preset qwen3-4b --device cuda, few steps (the sync benchmark at 4B)
-# Everything lands in $OUT/gpu_check.json and $OUT/gpu_check.log (plus the trainer's junit xml).
+# Everything lands in $OUT: gpu_check.json (verdicts + every figure), gpu_check.md (the block for
+# benchmarks/RESULTS.md), gpu_check.log and trainer_junit.xml.
 # --mirror (the rehearsal): this interpreter sees only the packages the box has plus the
 # carried ones (benchmarks/gpu_mirror/sitecustomize.py), so a missing wheel fails here first.
 set -uo pipefail
@@ -149,6 +150,7 @@ run() {
     case ",$parts," in *,bench,*)
         local bench_preset=$preset steps=3
         [ "$preset" = small ] && bench_preset=tiny
+        [ "$preset" = medium ] && bench_preset=small
         part bench 200 bash -c "\"$PY\" benchmarks/bench_sync.py --preset $bench_preset --device $device --steps $steps \
             --reps 1 --percore-mb 512 --no-append $([ "$big" = 1 ] && echo "--workers $(nproc)") \
             && echo '{\"ran\": true}' > \"$work/bench.json\""

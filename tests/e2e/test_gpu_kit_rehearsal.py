@@ -52,7 +52,7 @@ def test_the_kit_rehearsed_on_the_cpu_passes_every_part_it_can_run_there(rehears
         assert v[key].startswith("PASS"), (key, v[key])
     assert v["bench_sync"] == "ran"
     # what comes back from the box: at most 8 files
-    assert set(files) == {"gpu_check.json", "gpu_check.log", "trainer_junit.xml"}
+    assert set(files) == {"gpu_check.json", "gpu_check.md", "gpu_check.log", "trainer_junit.xml"}
     print("\n[measured] rehearsal: " + "; ".join(f"{k}: {x}" for k, x in v.items()))
 
 
