@@ -111,10 +111,14 @@ def wheel_name_version(filename: str) -> tuple[str, str]:
     return norm_name(parts[0]), parts[1]
 
 
-def working_tree_nbytes() -> int:
-    """Tracked files plus untracked files git does not ignore: what the device tool carries."""
-    out = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=REPO,
-                         capture_output=True, check=True).stdout
+def working_tree_nbytes() -> int | None:
+    """Tracked files plus untracked files git does not ignore: what the device tool carries
+    (None where there is no git or no repository: the box's copy of the tree)."""
+    try:
+        out = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=REPO,
+                             capture_output=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        return None
     total = 0
     for rel in out.split(b"\0"):
         path = os.path.join(REPO, rel.decode())
@@ -154,13 +158,14 @@ def check_wheels(wheel_dir: str) -> dict:
     for name in sorted(set(pins) & box):
         problems.append(f"{name} is on the box already (gpu_box_packages.txt): carrying another version shadows it")
     wheels_nbytes = sum(os.path.getsize(os.path.join(wheel_dir, f)) for f in files)
-    tree_nbytes = working_tree_nbytes()
-    if wheels_nbytes + tree_nbytes > TRAVEL_LIMIT:
+    tree = working_tree_nbytes()
+    tree_nbytes = tree or 0
+    if tree is not None and wheels_nbytes + tree_nbytes > TRAVEL_LIMIT:
         problems.append(f"the wheels ({wheels_nbytes / MiB:.1f} MiB) and the working tree ({tree_nbytes / MiB:.1f} MiB) "
                         f"pass the {TRAVEL_LIMIT / MiB:.0f} MiB the device tool carries")
     return {
-        "wheels": len(files), "wheels_mib": round(wheels_nbytes / MiB, 2), "tree_mib": round(tree_nbytes / MiB, 2),
-        "travel_mib": round((wheels_nbytes + tree_nbytes) / MiB, 2), "limit_mib": TRAVEL_LIMIT // MiB,
+        "wheels": len(files), "wheels_mib": round(wheels_nbytes / MiB, 2), "tree_mib": None if tree is None else round(tree_nbytes / MiB, 2),
+        "travel_mib": None if tree is None else round((wheels_nbytes + tree_nbytes) / MiB, 2), "limit_mib": TRAVEL_LIMIT // MiB,
         "installable_here": installable, "not_installable_here": [wheel_name_version(f)[0] for f in not_here],
         "problems": problems,
     }
@@ -522,7 +527,7 @@ def cmd_engine(args) -> int:
                         with Timer(args.device) as t_r:
                             undo.restore()
                         restores.append(t_r.s * 1e3)
-                if args.device.startswith("cuda") and abs(frac - 0.04) < 1e-9:
+                if abs(frac - 0.04) < 1e-9:
                     row["profile"] = profile_scatter(staged, undo)
                 row.update(pause_ms=round(_median(pauses), 3), pause_ms_all=[round(x, 3) for x in pauses],
                            pause_wall_ms=round(_median(walls), 3), restore_ms=round(_median(restores), 3) if restores else None,
@@ -556,18 +561,25 @@ def cmd_engine(args) -> int:
 
 
 def profile_scatter(staged, undo) -> str:
-    """One more scatter (then its restore, then the scatter again) under torch's profiler: the
-    table of the device's and the host's time per operation, to say where a missed pause goes."""
+    """The scatter once more (after a restore) under torch's profiler: the table of the device's
+    and the host's time per operation, to say where a missed pause goes. Leaves it patched."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
     from sglang_patch.live_patch import scatter_with_undo
 
+    cuda = any(p.flat.device.type == "cuda" for p in staged.patches)
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
     undo.restore()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        scatter_with_undo(staged)
-        torch.cuda.synchronize()
-    return prof.key_averages().table(sort_by="cuda_time_total", row_limit=12)
+    try:
+        with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+            scatter_with_undo(staged)
+            sync()
+        return prof.key_averages().table(sort_by="cuda_time_total" if cuda else "cpu_time_total", row_limit=12)
+    except Exception as exc:  # the profiler is a bonus: the measurements stand without it
+        sync()
+        scatter_with_undo(staged)  # patched whether or not it failed before its scatter: the same values again
+        return f"the profiler failed: {type(exc).__name__}: {exc}"
 
 
 # --- the trainer part -------------------------------------------------------------------------
