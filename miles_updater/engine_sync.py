@@ -143,6 +143,7 @@ class EngineSync:
         self._no_live_route: dict[str, str] = {}  # engine -> why it is reloaded directly (auto)
         self.served: dict[str, int | None] = {name: None for name in engines.names}
         self.newest: int | None = None  # the newest version some engine was brought to
+        self._pulled: dict[str, int] = {}  # engine -> the version its local checkpoint holds, by its last pull
 
     # --- the baseline ---------------------------------------------------------------------
 
@@ -206,7 +207,9 @@ class EngineSync:
         newest = self.newest
         if newest is None or newest >= version:
             return
-        names = self.lagging()
+        # One whose local checkpoint already went past it (it pulled a later version whose
+        # apply failed) cannot pull it again: the sync to the new version brings it up.
+        names = [n for n in self.lagging() if self._pulled.get(n, -1) <= newest]
         if not names:
             return
         log.warning("engines %s lag behind v%d (serving %s): bringing them up first", names, newest,
@@ -230,6 +233,7 @@ class EngineSync:
             raise
         metrics.pull_s = time.perf_counter() - t
         metrics.pulls = [_pull_summary(name, r) for name, r in zip(names, pulls)]
+        self._pulled.update({name: version for name in names})
         t_pause = time.perf_counter()
         failure: BaseException | None = None
         try:
