@@ -359,6 +359,38 @@ class UpdatersUnderFaults(RuleBasedStateMachine):
             shutil.rmtree(self.dir, ignore_errors=True)
 
 
+def test_a_failed_apply_through_torch_weight_sync_names_each_engines_version_and_the_next_publish_brings_it_up_first(
+        tmp_path):
+    """Issue 21 point 5 through the trainer object: e1 can apply v2 neither live nor by a reload."""
+    w = _world()
+    w.model.load_state_dict(w.seed_state)
+    faults = Faults()
+    engines = [EngineStandIn(f"e{i}", w.hf, str(tmp_path / f"engine{i}"), faults, {}) for i in range(2)]
+    sync = TorchWeightSync(str(tmp_path / "shared"), w.hf, local_checkpoint_dir=str(tmp_path / "unused"),
+                           engines=engines, retry_backoff_s=0.0)
+    try:
+        with torch.no_grad():
+            for k in (1, 2, 3):
+                next(iter(w.model.parameters())).view(-1)[k] += 0.5
+                if k == 2:
+                    faults.arm("e1:apply", 2)  # the live call and the reload in the same pause
+                    with pytest.raises(EngineSyncError) as info:
+                        sync.publish(w.model)
+                    assert info.value.served == {"e0": 2, "e1": 1} and info.value.version == 2
+                    assert info.value.metrics.served == {"e0": 2, "e1": 1}
+                    assert "Engines now serve: e0 v2, e1 v1" in str(info.value)
+                    assert [e.live_version for e in engines] == [2, 1] and not any(e.paused for e in engines)
+                    assert sync.version == 2  # published: the engines' failure does not unpublish it
+                    continue
+                m = sync.publish(w.model)
+        assert m.version == 3 and m.caught_up == {"e1": 2} and m.served == {"e0": 3, "e1": 3}
+        assert [e.live_version for e in engines] == [3, 3]
+        assert engines[1].live == engines[0].live  # both hold v3's bytes
+    finally:
+        sync.close()
+        w.model.load_state_dict(w.seed_state)
+
+
 # Each step publishes a real model and pulls it back: a handful of sequences in CI, hundreds of
 # longer ones in the thorough profile.
 UpdatersUnderFaults.TestCase.settings = settings(
