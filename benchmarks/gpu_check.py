@@ -736,8 +736,8 @@ def verdicts(parts: dict, device: str) -> dict:
             met = r["pause_ms"] <= PAUSE_TARGET_MS and r["pause_over_reload"] <= PAUSE_TARGET_RATIO
             where = "" if device.startswith("cuda") else " (CPU rehearsal: the target is the H200's)"
             out["pause_target_4%"] = ("met" if met else "missed") + (
-                f": {r['pause_ms']:.2f} ms <= {PAUSE_TARGET_MS:g} ms and {r['pause_over_reload']:.2%} <= "
-                f"{PAUSE_TARGET_RATIO:.0%} of the reload{where}")
+                f": pause {r['pause_ms']:.2f} ms (target <= {PAUSE_TARGET_MS:g} ms), {r['pause_over_reload']:.2%} of the "
+                f"reload (target <= {PAUSE_TARGET_RATIO:.0%}){where}")
     if eng.get("error"):
         out["engine_error"] = "FAIL: " + eng["error"]
     tr = parts.get("trainer", {})
