@@ -684,7 +684,8 @@ def cmd_merge(args) -> int:
             with open(path) as f:
                 part.update(json.load(f))
         except (OSError, ValueError) as exc:
-            part["missing"] = f"{type(exc).__name__}: {exc}"
+            part["missing"] = ("the budget was spent before it" if int(limit) == 0 and int(rc) == 125
+                               else f"no result file ({type(exc).__name__}: {exc})")
         merged["parts"][name] = part
     merged["verdicts"] = verdicts(merged["parts"], args.device)
     with open(args.out, "w") as f:
@@ -716,8 +717,8 @@ def verdicts(parts: dict, device: str) -> dict:
     wh = parts.get("wheels")
     if wh is not None:
         out["carried_wheels"] = ("PASS" if not wh.get("problems") and "wheels_mib" in wh else "FAIL") + (
-            f": {wh.get('wheels')} wheels, {wh.get('wheels_mib')} MiB; with the working tree {wh.get('travel_mib')} "
-            f"of {wh.get('limit_mib')} MiB" + (f"; {wh['problems']}" if wh.get("problems") else ""))
+            f": {wh.get('wheels')} wheels, {wh.get('wheels_mib')} MiB; with the working tree "
+            + (f"{wh['travel_mib']} of {wh.get('limit_mib')} MiB" if wh.get("travel_mib") is not None else "(no git here to size it)") + (f"; {wh['problems']}" if wh.get("problems") else ""))
     eng = parts.get("engine", {})
     rows = eng.get("versions", [])
     if not rows:
