@@ -57,7 +57,7 @@ class SourceDirModel(RuleBasedStateMachine):
         self.hosts = [os.path.join(self.root, "host0")]
         self.tensors: dict[int, dict[str, np.ndarray]] = {}  # committed versions of this run
         self.pub: Publisher | None = None
-        self.damage: dict[str, bytes] = {}  # path -> its bytes before the flip
+        self.damage: dict[str, tuple[int, bytes]] = {}  # path -> (its inode, its bytes before the flip)
         self.runs = 0
         SEQUENCES["sequences"] += 1
 
@@ -195,14 +195,29 @@ class SourceDirModel(RuleBasedStateMachine):
         with open(path, "r+b") as f:
             f.seek(pos)
             f.write(bytes([original[pos] ^ mask]))
-        self.damage[path] = original
+        self.damage[path] = (os.stat(path).st_ino, original)
         event("damaged an anchor" if "/anchor_v" in path else "damaged a version's shard")
 
+    def _live_damage(self) -> list[str]:
+        """The damaged files still there as damaged (not pruned, not replaced by a republish)."""
+        live = []
+        for path, (ino, _) in self.damage.items():
+            try:
+                if os.stat(path).st_ino == ino:
+                    live.append(path)
+            except FileNotFoundError:
+                pass
+        return live
+
     def _repair(self) -> None:
-        for path, original in self.damage.items():
-            if os.path.exists(path):  # pruned meanwhile: nothing to repair
-                with open(path, "r+b") as f:
-                    f.write(original)
+        for path, (ino, original) in self.damage.items():
+            try:
+                if os.stat(path).st_ino != ino:
+                    continue  # a republish replaced the damaged file (a new inode): nothing to repair
+            except FileNotFoundError:
+                continue  # pruned meanwhile
+            with open(path, "r+b") as f:
+                f.write(original)
         self.damage.clear()
 
     @rule()
@@ -238,7 +253,7 @@ class SourceDirModel(RuleBasedStateMachine):
         if not published:
             event(f"pull failed (v{target} pruned): {type(first).__name__}")
             return
-        if self.damage:
+        if self._live_damage():
             event(f"pull failed over damage: {type(first).__name__}")
             self._repair()
             try:
