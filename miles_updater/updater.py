@@ -68,9 +68,11 @@ def _engine_wait_group(group, timeout_s: float):
     ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
     # Over the whole world every rank calls this, so the group is agreed globally: a locally
     # synchronised group over ranks Megatron already grouped (PP=2 on two ranks) hangs in gloo's
-    # rendezvous (its name, hashed from the ranks, meets the earlier group's store keys).
+    # rendezvous (its name, hashed from the ranks, meets the earlier group's store keys). The world
+    # passed explicitly (``group=dist.group.WORLD``) is the world too.
+    spans_world = len(ranks) == dist.get_world_size()
     return dist.new_group(ranks=ranks, backend="gloo", timeout=datetime.timedelta(seconds=timeout_s),
-                          use_local_synchronization=group is not None)
+                          use_local_synchronization=not spans_world)
 
 
 class WeightSyncFailed(RuntimeError):

@@ -134,7 +134,8 @@ def _worker(rank: int, cfg: dict) -> None:
     config = DiskDeltaConfig(source_dir=cfg["disk_dir"], local_checkpoint_dir=cfg["local_dir"],
                              hf_checkpoint=cfg["hf_dir"], apply_mode="reload", pull_timeout_s=60.0,
                              engine_timeout_s=10.0, not_ready_retry_s=5.0)
-    updater = DiskDeltaWeightUpdater(config, [model])
+    # The world passed explicitly, as a host trainer may: its wait group is agreed by every rank.
+    updater = DiskDeltaWeightUpdater(config, [model], group=dist.group.WORLD)
     engine = HostEngine(cfg["hf_dir"], {1: SLOW_PULL_S})
     updater.connect_rollout_engines([engine], ["engine0"])
     seen: dict = {"syncs": [], "errors": [], "serves": [], "served_equals_published": {}}
