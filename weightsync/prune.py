@@ -15,7 +15,8 @@ below it prunable. An anchor of an earlier attempt at a version now committed wi
 with another commit id (an orphan), is deleted; one without a commit id (an older publisher's)
 is never an anchor point and goes once it falls below P.
 
-Versions below P go, except the newest ``keep``; side anchors below P go. Each is deleted once,
+Versions below P go, except the newest ``keep``; side anchors below P go. A kept version below P
+lowers P to the anchor point under it, so that what is kept can still be pulled by a fresh host. Each is deleted once,
 index first, so a reader never sees a half-deleted version as published. The publisher keeps
 this record itself (a restarted one scans the source dir once), so a commit reads no index.
 """
@@ -113,7 +114,22 @@ class Retention:
             candidates.append(self.fulls[-1])
         if len(self.points) >= 2:
             candidates.append(self.points[-2])
-        return max(candidates) if candidates else None
+        if not candidates:
+            return None
+        return self._keep_pullable(max(candidates))
+
+    def _keep_pullable(self, point: int) -> int | None:
+        """Lower ``point`` so that every kept version stays pullable by a fresh host: a kept
+        delta below the point needs the anchor point under it and the chain from there (a kept
+        v4 whose full v3 went would be on disk yet unservable). None: a kept version chains from
+        the seed dir, so no version may go."""
+        if self.keep == 0 or not self.versions:
+            return point
+        oldest_kept = self.versions[-min(self.keep, len(self.versions))]
+        if oldest_kept >= point:
+            return point
+        # The points queue holds only what is at or above the last prune point: short.
+        return max((q for q in self.points if q <= oldest_kept), default=None)
 
     def doomed(self) -> tuple[list[int], list[int]]:
         """(versions, side anchors) that pruning would delete now (orphaned anchors included)."""

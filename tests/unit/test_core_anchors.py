@@ -226,3 +226,25 @@ def test_version_known_to_be_full_is_not_encoded(fast_tmp_path, rng, monkeypatch
         pull(local, run.seed, run.source, v)
         assert_checkpoint_is(local, tensor_bytes(run.t[v]))
     run.pub.close()
+
+
+def test_every_version_pruning_keeps_stays_pullable_by_a_fresh_host(fast_tmp_path, rng):
+    """keep=2 after a full v3, a delta v4 and a full v5: v4 is kept, so its base v3 must stay
+    (deleting it left v4 on disk yet unservable to a host that joins)."""
+    sizes = {"embed": ("float32", (48, 16)), "norm": ("float32", (16,))}
+    seed, src = str(fast_tmp_path / "seed"), str(fast_tmp_path / "src")
+    tensors = [random_tensors(rng, sizes)]
+    write_hf_checkpoint(seed, tensors[0])
+    pub = Publisher(src, encoding="xor", workers=1, keep_versions=2, prune=True)
+    pub.seed_snapshot(tensors[0], version=0)
+    for v, full in ((1, False), (2, False), (3, True), (4, False), (5, True)):
+        tensors.append(mutate(tensors[-1], rng, 0.05))
+        assert pub.publish(v, tensors[-1], full=full).kind == ("full" if full else "delta")
+    pub.close()
+    kept = list_versions(src)
+    assert 4 in kept and 5 in kept
+    for v in kept:
+        local = str(fast_tmp_path / f"fresh{v}")
+        pull(local, seed, src, v)
+        assert_checkpoint_is(local, tensor_bytes(tensors[v]))
+    assert kept == [3, 4, 5], "v1 and v2 are below every kept version's anchor point and must go"

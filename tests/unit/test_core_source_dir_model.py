@@ -261,12 +261,6 @@ class SourceDirModel(RuleBasedStateMachine):
                 return
             except errors.ChainBrokenError as e:
                 first = e
-        if isinstance(first, errors.ChainBrokenError) and target != self.latest:
-            # /work/team/findings-18.md F1: pruning kept this delta but deleted its base. Known;
-            # the newest version must still pull exactly.
-            event("pull failed: a kept delta whose base was pruned (findings F1)")
-            self._pull_exactly(local, self.latest)
-            return
         raise AssertionError(f"pull of v{target} on {os.path.basename(local)} failed with nothing damaged: {first!r}")
 
     def _pull_exactly(self, local: str, target: int) -> str:
