@@ -1,8 +1,8 @@
-"""Child process of test_live_map_moe.py: sglang's Qwen3-MoE model class, built on the CPU in a
-single-process gloo group (sglang cannot serve an MoE on this CPU: its fused-MoE kernels need
-sgl_kernel's CPU build or triton on a GPU), mapped, proven and patched in process.
-
-Prints one JSON line with what the test asserts.
+"""Helpers for the in-process sglang tests (``test_live_map_models.py``, ``benchmarks/gpu_check.py``):
+a one-rank gloo group with sglang's parallel state, and Qwen3-MoE's per-expert HF checkpoint
+layout. Run alone, it maps, proves and patches sglang's Qwen3-MoE class in process (sglang cannot
+serve an MoE on this CPU: its fused-MoE kernels need sgl_kernel's CPU build or triton on a GPU)
+and prints one JSON line.
 """
 
 from __future__ import annotations

@@ -4,7 +4,11 @@ A torch-only model whose loaders do what sglang's do (TP narrowing, fused qkv an
 shards, a padded vocab with a constant fill, tied embeddings, stacked MoE experts copied
 through a transpose, and a loader that computes instead of copying) is mapped, then the map
 is replayed against a real checkpoint and compared element by element with what a real load
-produced. The real sglang models are mapped in the e2e tests (tests/e2e/test_live_apply_tp2.py).
+produced. The map is learnt on a storage-free copy of the module tree; what it cannot follow
+(a value read through ``.item()``, a buffer, an attribute, a parameter a loader derives state
+from) is reload-only with its reason; the proof's host memory is bounded by its step. sglang's
+own classes are mapped in process in tests/e2e/test_live_map_models.py and on real servers in
+tests/e2e/test_live_apply_tp2.py.
 """
 
 from __future__ import annotations
@@ -186,3 +190,244 @@ def test_a_proof_in_small_steps_reaches_the_same_verdicts_as_one_in_a_single_ste
     assert "differ from the checkpoint on 1 of" in cmap.reload_only_params["gate_up"]
     biggest = max(p.numel() for p in model.parameters())
     assert count >= biggest // step  # the work really was cut into steps of at most `step` elements
+
+
+# --- what the map does not see is never dropped: reload-only, with the reason ------------------
+
+
+class _Loaded(torch.nn.Module):
+    """A model whose ``load_weights`` is the given function of (model, params, name, tensor)."""
+
+    def __init__(self, load, **params) -> None:
+        super().__init__()
+        for name, t in params.items():
+            self.register_parameter(name, torch.nn.Parameter(t, requires_grad=False))
+        self.register_buffer("scale_buf", torch.zeros(2))
+        self._load = load
+
+    def load_weights(self, weights):
+        params = dict(self.named_parameters())
+        for name, w in weights:
+            self._load(self, params, name, w)
+        if hasattr(self, "post_load"):
+            self.post_load()
+
+
+def _plain(model, params, name, w):
+    params[name.removesuffix(".weight")].data.copy_(w)
+
+
+def _map_load_and_prove(model, ckpt):
+    cmap = build_coordinate_map(model, [TensorSpec(n, tuple(t.shape), "F32") for n, t in ckpt.items()])
+    model.load_weights(iter(ckpt.items()))
+    assert prove_map(cmap, {n: p.data for n, p in model.named_parameters()}, lambda n: ckpt[n])
+    return cmap
+
+
+def test_a_one_element_tensor_read_through_item_is_reload_only_not_unused():
+    def load(model, params, name, w):
+        p = params[name.removesuffix(".weight")]
+        if p.numel() == 1 and w.numel() == 1:
+            p.data.fill_(w.item())  # what sglang's default_weight_loader does for a scalar
+        else:
+            p.data.copy_(w)
+
+    model = _Loaded(load, gate=torch.zeros(1), w=torch.zeros(3, 2))
+    ckpt = {"gate.weight": torch.tensor([0.25]), "w.weight": torch.randn(3, 2)}
+    cmap = _map_load_and_prove(model, ckpt)
+    assert "gate.weight" not in cmap.unused_tensors
+    assert ".item()" in cmap.reload_only_tensors["gate.weight"]
+    assert cmap.why_reload_only("gate.weight") is not None and cmap.why_reload_only("w.weight") is None
+
+
+def test_a_parameter_a_loader_derives_state_from_after_its_copies_is_reload_only():
+    class Mla(_Loaded):
+        def post_load(self):  # as DeepSeek's post_load_weights derives w_kc/w_vc from kv_b_proj
+            w_kc, w_vc = self.kv_b.data.split(2, dim=0)
+            self.w_kc = w_kc.transpose(0, 1).contiguous()
+            self.w_vc = w_vc.contiguous()
+
+    model = Mla(_plain, kv_b=torch.zeros(4, 3), o=torch.zeros(3, 3))
+    ckpt = {"kv_b.weight": torch.randn(4, 3), "o.weight": torch.randn(3, 3)}
+    cmap = build_coordinate_map(model, [TensorSpec(n, tuple(t.shape), "F32") for n, t in ckpt.items()])
+    assert "w_kc" not in model.__dict__ and "w_vc" not in model.__dict__  # derived on the copy only
+    model.load_weights(iter(ckpt.items()))
+    assert prove_map(cmap, {n: p.data for n, p in model.named_parameters()}, lambda n: ckpt[n])
+    assert "state derived from it" in cmap.reload_only_params["kv_b"]
+    assert "is reload-only" in cmap.why_reload_only("kv_b.weight")
+    assert cmap.why_reload_only("o.weight") is None
+
+
+def test_a_parameter_copied_from_another_parameter_makes_both_reload_only():
+    class Mirror(_Loaded):
+        def post_load(self):
+            self.b.data.copy_(self.a.data)  # b follows a: patching a alone would leave b stale
+
+    model = Mirror(_plain, a=torch.zeros(2, 2), b=torch.zeros(2, 2))
+    cmap = build_coordinate_map(model, [TensorSpec("a.weight", (2, 2), "F32")])
+    assert "not a view of a checkpoint tensor" in cmap.reload_only_params["b"]
+    assert "state derived from it" in cmap.reload_only_params["a"]
+    assert cmap.why_reload_only("a.weight") is not None
+
+
+def test_a_tensor_loaded_into_a_buffer_or_kept_as_an_attribute_is_reload_only():
+    def load(model, params, name, w):
+        if name == "scale":
+            model.scale_buf.copy_(w)
+        elif name == "kept":
+            model.kept = w  # no op at all: only the walk over the copy's attributes sees it
+        else:
+            params["w"].data.copy_(w)
+
+    model = _Loaded(load, w=torch.zeros(2))
+    specs = [TensorSpec("scale", (2,), "F32"), TensorSpec("kept", (2,), "F32"), TensorSpec("w", (2,), "F32")]
+    cmap = build_coordinate_map(model, specs)
+    assert "not a parameter" in cmap.reload_only_tensors["scale"]
+    assert "kept by the loader as model.kept" in cmap.reload_only_tensors["kept"]
+    assert cmap.unused_tensors == set() and "kept" not in model.__dict__
+
+
+def test_a_tensor_the_loader_reads_but_places_nowhere_is_reload_only_and_one_it_skips_is_unused():
+    def load(model, params, name, w):
+        if name == "peeked":
+            w.narrow(0, 0, 1)  # looked at, then dropped: a reload might depend on it
+        elif name == "w":
+            params["w"].data.copy_(w)
+
+    model = _Loaded(load, w=torch.zeros(2))
+    cmap = build_coordinate_map(model, [TensorSpec(n, (2,), "F32") for n in ("peeked", "skipped", "w")])
+    assert "copied into no parameter" in cmap.reload_only_tensors["peeked"]
+    assert cmap.unused_tensors == {"skipped"}
+
+
+def test_learning_the_map_runs_the_loader_on_a_copy_never_on_the_serving_model():
+    class Swapper(_Loaded):
+        def post_load(self):
+            self.w.data = self.w.data * 1  # a param.data swap, and new attributes
+            self.derived = torch.ones(1)
+
+    model = Swapper(_plain, w=torch.arange(4.0))
+    before = (model.w.data_ptr(), id(model.w), sorted(model.__dict__), model.w.clone())
+    cmap = build_coordinate_map(model, [TensorSpec("w.weight", (4,), "F32")])
+    assert (model.w.data_ptr(), id(model.w), sorted(model.__dict__)) == before[:3]
+    assert torch.equal(model.w, before[3]) and not cmap.live_writes
+    assert "state derived from it" in cmap.reload_only_params["w"]  # the swap read it
+
+
+def test_a_write_that_reaches_the_serving_model_anyway_is_not_executed_and_makes_it_reload_only():
+    serving = torch.zeros(2)
+
+    def load(model, params, name, w):
+        serving.copy_(w)  # a loader holding a reference the copy cannot re-bind (a closure)
+
+    model = _Loaded(load, w=serving)
+    cmap = build_coordinate_map(model, [TensorSpec("w", (2,), "F32")])
+    assert torch.equal(serving, torch.zeros(2))
+    assert cmap.live_writes == {"w"} and "serving model" in cmap.reload_only_params["w"]
+
+
+def test_a_loader_that_branches_on_a_parameters_value_leaves_no_map():
+    from sglang_patch.coordinate_map import MapNotLearnable
+
+    def load(model, params, name, w):
+        if bool(params["w"].data.sum() == 0):  # needs data a storage-free copy does not have
+            params["w"].data.copy_(w)
+
+    with pytest.raises(MapNotLearnable, match="reads the value"):
+        build_coordinate_map(_Loaded(load, w=torch.zeros(2)), [TensorSpec("w", (2,), "F32")])
+
+
+def test_two_checkpoint_elements_on_one_parameter_element_fail_the_proof():
+    def load(model, params, name, w):
+        params["w"].data[:2].copy_(w)  # both tensors land on the same two elements
+
+    model = _Loaded(load, w=torch.zeros(3))
+    ckpt = {"x": torch.ones(2), "y": torch.ones(2)}
+    cmap = build_coordinate_map(model, [TensorSpec(n, (2,), "F32") for n in ckpt])
+    model.w.data[:2] = 1
+    assert prove_map(cmap, {"w": model.w.data}, lambda n: ckpt[n])
+    assert "written by more than one checkpoint element" in cmap.reload_only_params["w"]
+
+
+# --- the proof's host memory and how often it runs -----------------------------------------------
+
+
+def test_the_proof_never_holds_more_than_one_step_of_host_memory(monkeypatch):
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from sglang_patch import coordinate_map
+
+    step = 64
+    monkeypatch.setattr(coordinate_map, "PROOF_STEP_ELEMENTS", step)
+    ckpt = _checkpoint()
+    model = ToyModel(tied=False)
+    cmap = build_coordinate_map(model, _specs(ckpt))
+    model.load_weights(iter(ckpt.items()))
+    largest = max(p.numel() for p in model.parameters())
+    assert largest > 2 * step
+
+    class Sizes(TorchDispatchMode):
+        biggest = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in (out if isinstance(out, (list, tuple)) else (out,)):
+                if isinstance(t, torch.Tensor) and not any(t.untyped_storage()._cdata == a.untyped_storage()._cdata
+                                                           for a in args if isinstance(a, torch.Tensor)):
+                    Sizes.biggest = max(Sizes.biggest, t.numel())
+            return out
+
+    params = dict(model.named_parameters())
+    with Sizes():
+        assert prove_map(cmap, params, lambda n: ckpt[n])
+    assert cmap.proven_params == {"embed", "lm_head", "qkv", "gate_up", "norm", "w13"}
+    # the interleaved expert halves (gate/up through a transpose) need a one-byte count over their span
+    assert Sizes.biggest <= max(step, model.w13[0].numel()) < largest
+
+
+def test_a_proof_after_reloads_runs_once_per_checkpoint_identity_and_one_at_a_time():
+    from sglang_patch.coordinate_map import ProofAttempts
+
+    attempts = ProofAttempts()
+    assert attempts.begin(("/local", (1, "src", "run", "seed"))) is None
+    assert "already running" in attempts.begin(("/local", (2, "src", "run", "seed")))
+    attempts.end()
+    assert "already tried" in attempts.begin(("/local", (1, "src", "run", "seed")))  # voided, reloaded again
+    assert attempts.begin(("/local", (2, "src", "run", "seed"))) is None  # a new version: once
+    attempts.end()
+    assert attempts.tried == 2
+
+
+# --- the allow-list and the engine-wide reasons ----------------------------------------------------
+
+
+def _allowed_class(qualified: str):
+    module, name = qualified.rsplit(".", 1)
+    return type(name, (torch.nn.Module,), {"__module__": module})()
+
+
+@pytest.mark.parametrize("args, words", [
+    ({"speculative_algorithm": "EAGLE"}, "speculative decoding"),
+    ({"enable_eplb": True}, "EPLB"),
+    ({"ep_num_redundant_experts": 2}, "EPLB"),
+    ({"weight_cache_mode": "daemon"}, "weight cache"),
+])
+def test_an_engine_with_a_draft_model_moving_experts_or_shared_weights_reloads_with_the_reason(args, words):
+    from types import SimpleNamespace
+
+    from sglang_patch.live_scope import why_engine_reload_only
+
+    model = _allowed_class("sglang.srt.models.qwen3.Qwen3ForCausalLM")
+    why = why_engine_reload_only(model, SimpleNamespace(**args), SimpleNamespace(draft_worker=None))
+    assert why is not None and words in why
+
+
+def test_a_class_off_the_allow_list_reloads_naming_the_class_and_a_subclass_is_not_enough():
+    from sglang_patch.live_scope import ALLOW_LIST, why_engine_reload_only, why_not_allowed
+
+    assert "sglang.srt.models.qwen3_moe.Qwen3MoeForCausalLM" in ALLOW_LIST
+    why = why_engine_reload_only(ToyModel())
+    assert why.startswith("model class ToyModel (") and "not on live apply's allow-list" in why
+    sub = type("Qwen3ForCausalLM", (type(_allowed_class("sglang.srt.models.qwen3.Qwen3ForCausalLM")),),
+               {"__module__": "somewhere.else"})()
+    assert why_not_allowed(sub) is not None

@@ -1,0 +1,279 @@
+"""Child process of test_live_map_models.py: sglang's own model classes, built on the CPU in a
+one-rank gloo group (``live_moe_child.init_sglang_single_rank``), each mapped on a storage-free
+copy, proven, patched and compared bit for bit with a reload; plus the cases live apply must
+refuse (a one-element parameter loaded through ``.item()``, an MLA model's derived ``w_kc``/
+``w_vc``, sglang's own refusal of online updates, a class off the allow-list).
+
+Prints one JSON line: ``{case: result}``; a case that raised carries ``error``.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import traceback
+
+import torch
+
+sys.path.insert(0, __file__.rsplit("/", 1)[0])
+from live_moe_child import init_sglang_single_rank, per_expert_checkpoint  # noqa: E402
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    from sglang_patch.coordinate_map import as_int_bits
+
+    return as_int_bits(t.detach())
+
+
+def _state_of_tree(model: torch.nn.Module) -> dict:
+    """What a loader run could change on the serving model besides parameter values."""
+    return {
+        "ptrs": {n: p.data_ptr() for n, p in model.named_parameters()},
+        "ids": {n: id(p) for n, p in model.named_parameters()},
+        "attrs": {name: sorted(m.__dict__) for name, m in model.named_modules()},
+    }
+
+
+def patch_like_a_reload(model: torch.nn.Module, v0: dict, *, seed: int = 1) -> dict:
+    """Map ``model`` (sglang's class), prove it after a real load of ``v0``, patch a few elements of
+    every mapped tensor live, and compare with a real load of the new version."""
+    from sglang_patch.coordinate_map import TensorSpec, build_coordinate_map, prove_map
+    from sglang_patch.live_patch import StagedUpdate, scatter_with_undo, stage_update
+    from sglang_patch.live_scope import why_engine_reload_only
+
+    specs = [TensorSpec(n, tuple(t.shape), "BF16") for n, t in v0.items()]
+    params = {n: p.data for n, p in model.named_parameters()}
+    before_vals = {n: p.clone() for n, p in params.items()}
+    before_tree = _state_of_tree(model)
+    cmap = build_coordinate_map(model, specs)
+    untouched = all(torch.equal(_bits(params[n]), _bits(before_vals[n])) for n in params)
+    tree_unchanged = _state_of_tree(model) == before_tree
+    model.load_weights(iter(v0.items()))
+    proven = prove_map(cmap, params, lambda n: v0[n])
+
+    g = torch.Generator().manual_seed(seed)
+    v1 = {n: t.clone() for n, t in v0.items()}
+    changed = {}
+    for n in sorted(cmap.placements):
+        flat = v1[n].view(-1)
+        pos = torch.randperm(flat.numel(), generator=g)[:5].sort().values
+        flat[pos] = (flat[pos].float() + 1.0).to(torch.bfloat16)
+        changed[n] = pos.numpy().astype("int64")
+
+    class Reader:
+        def tensor(self, name):
+            return v1[name]
+
+    staged = stage_update(
+        cmap, params, ((n, None, p) for n, p in sorted(changed.items())), Reader(), max_elements=10**9,
+        staged=StagedUpdate(0, 1, None, "/nowhere", 0),
+    )
+    ptrs = {n: p.data_ptr() for n, p in params.items()}
+    _, written = scatter_with_undo(staged)
+    live = {n: p.clone() for n, p in params.items()}
+    model.load_weights(iter(v1.items()))  # the reload
+    return {
+        "class": type(model).__name__,
+        "scope": why_engine_reload_only(model),
+        "params": sorted(params),
+        "untouched_while_mapping": untouched,
+        "tree_unchanged_while_mapping": tree_unchanged,
+        "proven": proven,
+        "proven_params": sorted(cmap.proven_params),
+        "reload_only_params": cmap.reload_only_params,
+        "reload_only_tensors": cmap.reload_only_tensors,
+        "unused_tensors": sorted(cmap.unused_tensors),
+        "placements": {n: len(ps) for n, ps in cmap.placements.items()},
+        "tensors": sorted(v0),
+        "written": written,
+        "changed": sum(len(p) for p in changed.values()),
+        "pointers_unchanged": all(p.data_ptr() == ptrs[n] for n, p in params.items()),
+        "differ_from_reload": [n for n, p in params.items() if not torch.equal(_bits(live[n]), _bits(p))],
+        "build_s": cmap.build_s,
+        "nbytes": cmap.nbytes(),
+    }
+
+
+def _bf16(state: dict) -> dict:
+    return {n: t.detach().to(torch.bfloat16).clone() for n, t in state.items()}
+
+
+def qwen3(tied: bool) -> dict:
+    from transformers import Qwen3Config, Qwen3ForCausalLM as HF
+
+    from sglang.srt.models.qwen3 import Qwen3ForCausalLM
+
+    cfg = Qwen3Config(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, head_dim=8, max_position_embeddings=128, tie_word_embeddings=tied)
+    torch.manual_seed(0)
+    return patch_like_a_reload(Qwen3ForCausalLM(cfg).to(torch.float32), _bf16(HF(cfg).state_dict()))
+
+
+def llama() -> dict:
+    from transformers import LlamaConfig, LlamaForCausalLM as HF
+
+    from sglang.srt.models.llama import LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, head_dim=8, max_position_embeddings=128, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    return patch_like_a_reload(LlamaForCausalLM(cfg).to(torch.float32), _bf16(HF(cfg).state_dict()))
+
+
+def qwen3_moe() -> dict:
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM as HF
+
+    from sglang.srt.models.qwen3_moe import Qwen3MoeForCausalLM
+
+    cfg = Qwen3MoeConfig(
+        vocab_size=256, hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=4, num_experts_per_tok=2,
+        max_position_embeddings=128, tie_word_embeddings=False, decoder_sparse_step=1, mlp_only_layers=[],
+    )
+    torch.manual_seed(0)
+    v0 = per_expert_checkpoint(HF(cfg).state_dict(), cfg.moe_intermediate_size)
+    return patch_like_a_reload(Qwen3MoeForCausalLM(cfg).to(torch.float32), v0)
+
+
+def glm4_moe() -> dict:
+    from transformers import Glm4MoeConfig, Glm4MoeForCausalLM as HF
+
+    from sglang.srt.models.glm4_moe import Glm4MoeForCausalLM
+
+    cfg = Glm4MoeConfig(
+        vocab_size=256, hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, n_routed_experts=4, num_experts_per_tok=2,
+        n_shared_experts=1, first_k_dense_replace=1, n_group=1, topk_group=1, max_position_embeddings=128,
+        tie_word_embeddings=False, partial_rotary_factor=0.5, use_qk_norm=True,
+    )
+    torch.manual_seed(0)
+    v0 = per_expert_checkpoint(HF(cfg).state_dict(), cfg.moe_intermediate_size)
+    return patch_like_a_reload(Glm4MoeForCausalLM(cfg).to(torch.float32), v0)
+
+
+def scalar_parameter() -> dict:
+    """A one-element parameter loaded by sglang's own ``default_weight_loader`` (``fill_(w.item())``,
+    as mllama's cross-attention gates and FP8 KV ``k_scale``/``v_scale`` are)."""
+    from sglang.srt.model_loader.weight_utils import default_weight_loader
+
+    from sglang_patch.coordinate_map import TensorSpec, build_coordinate_map, prove_map
+
+    class Gated(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.gate = torch.nn.Parameter(torch.zeros(1), requires_grad=False)
+            self.proj = torch.nn.Parameter(torch.zeros(4, 4), requires_grad=False)
+
+        def load_weights(self, weights):
+            params = dict(self.named_parameters())
+            for name, w in weights:
+                default_weight_loader(params[name.removesuffix(".weight")], w)
+
+    ckpt = {"gate.weight": torch.tensor([0.5]).to(torch.bfloat16), "proj.weight": torch.randn(4, 4).to(torch.bfloat16)}
+    model = Gated()
+    cmap = build_coordinate_map(model, [TensorSpec(n, tuple(t.shape), "BF16") for n, t in ckpt.items()])
+    model.load_weights(iter(ckpt.items()))
+    prove_map(cmap, {n: p.data for n, p in model.named_parameters()}, lambda n: ckpt[n])
+    return {
+        "unused_tensors": sorted(cmap.unused_tensors),
+        "reload_only_tensors": cmap.reload_only_tensors,
+        "why_gate": cmap.why_reload_only("gate.weight"),
+        "why_proj": cmap.why_reload_only("proj.weight"),
+        "proven_params": sorted(cmap.proven_params),
+    }
+
+
+def mla() -> dict:
+    """sglang's DeepSeek-V2 class: ``post_load_weights`` derives ``w_kc``/``w_vc`` from ``kv_b_proj``."""
+    from transformers import DeepseekV2Config, DeepseekV2ForCausalLM as HF
+
+    from sglang.srt.models.deepseek_v2 import DeepseekV2ForCausalLM
+    from sglang_patch.coordinate_map import TensorSpec, build_coordinate_map
+    from sglang_patch.live_scope import why_engine_reload_only
+
+    cfg = DeepseekV2Config(
+        vocab_size=256, hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=1,
+        num_attention_heads=4, num_key_value_heads=4, q_lora_rank=None, kv_lora_rank=16, qk_nope_head_dim=8,
+        qk_rope_head_dim=8, v_head_dim=8, n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2,
+        n_group=1, topk_group=1, first_k_dense_replace=1,
+        max_position_embeddings=128, tie_word_embeddings=False,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 1.0, "original_max_position_embeddings": 128,
+                         "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0},  # sglang's CPU MLA rope
+    )
+    cfg.moe_layer_freq = 1  # sglang reads the DeepSeek checkpoints' field, transformers' config lacks it
+    torch.manual_seed(0)
+    v0 = _bf16(HF(cfg).state_dict())
+    model = DeepseekV2ForCausalLM(cfg).to(torch.float32)
+    attn = model.model.layers[0].self_attn
+    before = {k: attn.__dict__.get(k) for k in ("w_kc", "w_vc")}
+    cmap = build_coordinate_map(model, [TensorSpec(n, tuple(t.shape), "BF16") for n, t in v0.items()])
+    after = {k: attn.__dict__.get(k) for k in ("w_kc", "w_vc")}
+    model.load_weights(iter(v0.items()))  # a real load derives them on the serving model
+    loaded = {k: type(attn.__dict__.get(k)).__name__ for k in ("w_kc", "w_vc")}
+    kv_b = [n for n in cmap.reload_only_params if "kv_b_proj" in n]
+    return {
+        "scope": why_engine_reload_only(model),
+        "kv_b_proj_reload_only": {n: cmap.reload_only_params[n] for n in kv_b},
+        "why_kv_b_tensor": cmap.why_reload_only("model.layers.0.self_attn.kv_b_proj.weight"),
+        "serving_w_kc_w_vc_untouched": all(before[k] is after[k] for k in before),
+        "w_kc_w_vc_before_a_real_load": {k: type(v).__name__ for k, v in before.items()},
+        "w_kc_w_vc_after_a_real_load": loaded,
+    }
+
+
+def sglang_refusal() -> dict:
+    """sglang's own refusal of online updates (``_derived_weight_cache_error`` on a module) is live apply's."""
+    from transformers import Qwen3Config
+
+    from sglang.srt.models.qwen3 import Qwen3ForCausalLM
+    from sglang_patch.live_scope import why_engine_reload_only
+
+    try:
+        from sglang.srt.model_executor.model_runner_components.weight_updater import (
+            _unsupported_derived_weight_cache_error as sglang_check,
+        )
+    except ImportError:
+        sglang_check = None
+    cfg = Qwen3Config(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                      num_key_value_heads=2, head_dim=8, max_position_embeddings=128)
+    model = Qwen3ForCausalLM(cfg)
+    clean = why_engine_reload_only(model)
+    model.model.layers[0].mlp._derived_weight_cache_error = "test: a derived cache the loader does not refresh"
+    return {
+        "sglang_has_the_check": sglang_check is not None,
+        "sglang_reason": sglang_check(model) if sglang_check else None,
+        "clean": clean,
+        "refused": why_engine_reload_only(model),
+    }
+
+
+def off_the_list() -> dict:
+    from sglang.srt.models.llama import Phi3ForCausalLM
+    from sglang_patch.live_scope import why_engine_reload_only
+
+    return {"why": why_engine_reload_only(object.__new__(Phi3ForCausalLM))}
+
+
+CASES = {
+    "qwen3": lambda: qwen3(tied=False), "qwen3_tied": lambda: qwen3(tied=True), "llama": llama,
+    "qwen3_moe": qwen3_moe, "glm4_moe": glm4_moe, "scalar_parameter": scalar_parameter, "mla": mla,
+    "sglang_refusal": sglang_refusal, "off_the_list": off_the_list,
+}
+
+
+def main() -> None:
+    init_sglang_single_rank(int(sys.argv[1]))
+    out = {}
+    wanted = sys.argv[2:] or list(CASES)
+    for name, case in CASES.items():
+        if name not in wanted:
+            continue
+        try:
+            out[name] = case()
+        except Exception as exc:
+            out[name] = {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()[-3000:]}
+    print(json.dumps(out, default=str))
+
+
+if __name__ == "__main__":
+    main()
