@@ -44,42 +44,63 @@ class LiveDecision(msgspec.Struct, frozen=True):
 
 
 class PauseCosts:
-    """What one rank measured of its own pauses, for ``choose_mode``.
+    """What one rank measured of its own pauses, for ``choose_mode``. Both estimates are of the
+    whole pause as this rank sees it, from the vote to its last phase:
 
-    - the last reload's pause (sglang's ``update_weights_from_disk`` on this rank, from either
-      route: its cost does not depend on the version it loads);
-    - the scatter cost per element: the median over the last ``WINDOW`` live applies of each
-      one's scatter seconds per element written (one apply that the OS preempted does not
-      swing the choice; a small one's fixed per-tensor cost makes it look slower per element).
+    - reload: the last reload's own time (sglang's ``update_weights_from_disk`` on this rank,
+      from either route: its cost does not depend on the version it loads) plus the median
+      round trip from a vote to the next phase;
+    - live: the median fixed part of the last ``WINDOW`` live applies (their pause less their
+      writes: the extra phase, the gathers, the cache flush) plus this update's elements at the
+      median per-element scatter cost of those applies (one apply the OS preempted does not
+      swing the choice; a small one's per-tensor cost makes it look slower per element).
 
-    Both sides leave out what every mode pays (votes, gathers, the cache flush).
+    On a tiny model the fixed part dominates and a reload is often the faster; on a real one the
+    scatter and the reload's copy of every tensor do.
     """
 
     WINDOW = 8
 
     def __init__(self) -> None:
         self.reload_s: Optional[float] = None
-        self._scatters: list[tuple[int, float]] = []
+        self._rates: list[float] = []
+        self._fixed: list[float] = []
+        self._round_trips: list[float] = []
+
+    def _keep(self, window: list[float], value: float) -> None:
+        window.append(float(value))
+        del window[:-self.WINDOW]
 
     def record_reload(self, seconds: float) -> None:
         self.reload_s = float(seconds)
 
-    def record_scatter(self, elements: int, seconds: float) -> None:
+    def record_round_trip(self, seconds: float) -> None:
+        self._keep(self._round_trips, seconds)
+
+    def record_live(self, elements: int, scatter_s: float, pause_s: float) -> None:
         if elements > 0:
-            self._scatters = (self._scatters + [(int(elements), float(seconds))])[-self.WINDOW:]
+            self._keep(self._rates, scatter_s / elements)
+        self._keep(self._fixed, max(0.0, pause_s - scatter_s))
 
     @property
     def per_element_s(self) -> Optional[float]:
-        if not self._scatters:
+        return statistics.median(self._rates) if self._rates else None
+
+    @property
+    def reload_estimate(self) -> Optional[float]:
+        if self.reload_s is None:
             return None
-        return statistics.median(s / n for n, s in self._scatters)
+        return self.reload_s + (statistics.median(self._round_trips) if self._round_trips else 0.0)
 
     def live_estimate(self, elements: int) -> Optional[float]:
         rate = self.per_element_s
-        return None if rate is None else elements * rate
+        if rate is None:
+            return None
+        return statistics.median(self._fixed) + elements * rate
 
     def describe(self) -> dict:
-        return {"reload_s": self.reload_s, "scatter_s_per_element": self.per_element_s, "live_applies": len(self._scatters)}
+        return {"reload_estimate_s": self.reload_estimate, "scatter_s_per_element": self.per_element_s,
+                "live_fixed_s": statistics.median(self._fixed) if self._fixed else None}
 
 
 class _LiveOutcome(msgspec.Struct, kw_only=True):

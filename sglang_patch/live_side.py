@@ -68,6 +68,7 @@ LIVE_STATE_ATTR = "_weightsync_live"
 FAULT_DIR_ENV = "WEIGHTSYNC_TEST_FAULT_DIR"
 TRANSFORM_ENV = "WEIGHTSYNC_TEST_POST_LOAD_TRANSFORM"
 RELOAD_GATE_ENV = "WEIGHTSYNC_TEST_RELOAD_GATE"
+RELOAD_DELAY_ENV = "WEIGHTSYNC_TEST_RELOAD_DELAY_S"
 LOOP_STAGING_TIMEOUT_S = 120.0  # the loop runs a slice every iteration; only a stalled loop takes this long
 LOOP_PROOF_TIMEOUT_S = 1800.0  # O(model): a few seconds for 1.3 GB here, minutes for the largest
 
@@ -184,6 +185,7 @@ class LiveApplyState:
     def after_reload(self, model_path: Optional[str], success: bool) -> None:
         """After sglang's update_weights_from_disk (ours or anyone's): the live version is what
         the dir named before the reload, if it names the same now and no pull ran meanwhile."""
+        _test_reload_delay()
         if success and self._reload_started is not None:
             self.pause_costs.record_reload(time.perf_counter() - self._reload_started)
         self._reload_started = None
@@ -452,7 +454,7 @@ class LiveApplyState:
                 message="a /pull_weights is still running on this engine and may be rewriting the local checkpoint; "
                 "wait for its reply, then retry",
             )
-        reload_s = self.pause_costs.reload_s
+        reload_s = self.pause_costs.reload_estimate
 
         def reload_because(reason: str) -> lr.LiveDecision:
             return lr.LiveDecision(rank=self.rank, live=False, reason=reason, reload_estimate_s=reload_s)
@@ -519,6 +521,8 @@ class LiveApplyState:
         txn = self._txn
         if txn is None or txn.id != getattr(request, "txn", ""):
             return self._phase_failure(phase, f"phase {phase} of a transaction this rank did not vote in", start)
+        if phase in (tx.APPLY, tx.RELOAD):  # from the vote to the next phase: what either mode pays
+            self.pause_costs.record_round_trip(start - txn.start)
         if phase == tx.APPLY:
             return self._apply_live(request, txn)
         if phase == tx.COMMIT:
@@ -587,10 +591,10 @@ class LiveApplyState:
                                                              f"patched {txn.written} elements live")
         compat.record_weight_version(self.scheduler.weight_updater, staged.to_version)
         self._take_applied_version(staged)
-        self.pause_costs.record_scatter(txn.written, txn.scatter_s)
         _release_later(self._voted)
         self._voted, self._txn = None, None
         pause_s = time.perf_counter() - txn.start
+        self.pause_costs.record_live(txn.written, txn.scatter_s, pause_s)
         log.info("live apply %s: v%d committed, %d elements, pause %.4fs (scatter %.4fs)", self.rank, staged.to_version,
                  txn.written, pause_s, txn.scatter_s)
         return lr.LiveRankReport(
@@ -830,6 +834,15 @@ def _before_reload(manager, recv_req=None, *args, **kwargs):
     state = state_of(getattr(manager, "scheduler", None))
     if state is not None:
         state.begin_reload(getattr(recv_req, "model_path", None))
+
+
+def _test_reload_delay() -> None:
+    """Test-only (``WEIGHTSYNC_TEST_RELOAD_DELAY_S``): every reload takes that much longer, as a
+    real model's does: on the tiny test models a reload is as fast as a live apply's fixed cost,
+    so the measured choice would reload where a test means to exercise live apply."""
+    delay = os.environ.get(RELOAD_DELAY_ENV)
+    if delay:
+        time.sleep(float(delay))
 
 
 def _wait_at_reload_gate(rank: str, timeout_s: float = 120.0) -> None:

@@ -36,6 +36,10 @@ def server_factory(request, tmp_path_factory):
 
     def start(model_dir, *, wait_healthy: bool = True, **kwargs) -> SglangCpuServer:
         kwargs.setdefault("log_path", log_dir / f"server-{len(servers)}.log")
+        # Live apply's mode is chosen by measured pauses, and on these tiny models a reload is as
+        # fast as a live apply's fixed cost: every reload takes as long as a real model's would,
+        # so that the tests which exercise live apply get it (a module may set its own value).
+        kwargs["env"] = {"WEIGHTSYNC_TEST_RELOAD_DELAY_S": "0.3", **(kwargs.get("env") or {})}
         server = SglangCpuServer(model_dir, **kwargs)
         servers.append(server)
         server.start(wait_healthy=wait_healthy)

@@ -126,22 +126,25 @@ def test_nothing_to_write_is_live_whatever_the_estimates():
     assert lr.choose_mode([vote("tp0", 0, 0.5, 0.1)]) == (lr.LIVE, None)
 
 
-def test_pause_costs_estimate_from_the_last_reload_and_the_scatter_rate_of_recent_live_applies():
+def test_pause_costs_estimate_whole_pauses_from_the_last_reload_and_recent_live_applies():
     costs = lr.PauseCosts()
-    assert costs.live_estimate(1000) is None and costs.reload_s is None
+    assert costs.live_estimate(1000) is None and costs.reload_estimate is None
     costs.record_reload(0.3)
     costs.record_reload(0.2)
-    assert costs.reload_s == 0.2
-    costs.record_scatter(1000, 0.001)
-    costs.record_scatter(3000, 0.006)
-    costs.record_scatter(0, 0.5)  # nothing written: no rate
+    assert costs.reload_estimate == 0.2  # the last one; no round trip measured yet
+    costs.record_round_trip(0.004)
+    costs.record_round_trip(0.006)
+    assert costs.reload_estimate == pytest.approx(0.205)
+    costs.record_live(1000, 0.001, 0.011)
+    costs.record_live(3000, 0.006, 0.016)
+    costs.record_live(0, 0.0, 0.010)  # nothing written: a fixed cost, no rate
     assert costs.per_element_s == pytest.approx(1.5e-6)  # the median of 1e-6 and 2e-6
-    assert costs.live_estimate(10_000) == pytest.approx(0.015)
-    costs.record_scatter(1000, 0.5)  # one preempted apply does not swing it
+    assert costs.live_estimate(10_000) == pytest.approx(0.010 + 0.015)
+    costs.record_live(1000, 0.5, 0.51)  # one preempted apply does not swing it
     assert costs.per_element_s == pytest.approx(2e-6)
     for _ in range(lr.PauseCosts.WINDOW):
-        costs.record_scatter(1000, 0.01)
-    assert costs.per_element_s == pytest.approx(1e-5)  # only the last WINDOW count
+        costs.record_live(1000, 0.01, 0.02)
+    assert costs.per_element_s == pytest.approx(1e-5) and costs.live_estimate(0) == pytest.approx(0.01)  # the last WINDOW
 
 
 def test_the_reply_carries_both_estimates():
