@@ -675,7 +675,15 @@ class LiveApplyState:
             log.exception("weights_digest failed")
             mine = RankDigests(host=self.host, rank=self.rank, digests={}, live_reason=f"digest failed: {exc}")
         ranks = self._all_gather(mine)
-        return WeightsDigestReqOutput(ranks=list(ranks))
+        timeout_s = self.gather.timeout_s
+
+        def make_output(items: list, missing: list) -> Any:
+            lost = [RankDigests(host=f"pp-stage-{k}", rank=f"pp{k}", digests={},
+                                live_reason=f"pipeline stage {k} did not answer within {timeout_s:.0f} s") for k in missing]
+            return WeightsDigestReqOutput(ranks=items + lost)
+
+        # every pipeline stage's ranks (stage 0's entry rank replies once each stage posted)
+        return self.gather.finish(request, f"digest/{getattr(request, 'rid', None) or ''}", list(ranks), make_output)
 
     def _all_gather(self, obj: Any) -> list:
         return self.group.all_gather(obj) if self.group.size > 1 else [obj]

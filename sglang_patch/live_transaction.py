@@ -75,7 +75,7 @@ class StageGather:
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.pp_rank, self.pp_size, self.leader = pp_rank, pp_size, leader
         self.channel, self.send, self.timeout_s, self.clock = channel, send, timeout_s, clock
-        self.pending: Optional[_PendingPhase] = None
+        self.pending: dict[str, _PendingPhase] = {}  # by key (a digest may come while a phase waits)
 
     def finish(self, request: Any, key: str, items: list, make_output: Callable[[list, list], Any]) -> Any:
         if self.pp_size <= 1:
@@ -86,15 +86,14 @@ class StageGather:
             return None
         if not self.leader:
             return None
-        if self.pending is not None:
-            log.error("live apply: phase %s replaced phase %s before every stage reported", key, self.pending.key)
-        self.pending = _PendingPhase(request, key, {0: list(items)}, self.clock() + self.timeout_s, make_output)
+        self.pending[key] = _PendingPhase(request, key, {0: list(items)}, self.clock() + self.timeout_s, make_output)
         return None
 
     def poll(self) -> None:
-        pending = self.pending
-        if pending is None:
-            return
+        for pending in list(self.pending.values()):
+            self._poll_one(pending)
+
+    def _poll_one(self, pending: _PendingPhase) -> None:
         now = self.clock()
         if now < pending.next_check:
             return
@@ -112,7 +111,7 @@ class StageGather:
         missing = [k for k in range(self.pp_size) if k not in pending.items]
         if missing and now < pending.deadline:
             return
-        self.pending = None
+        del self.pending[pending.key]
         items = [item for k in sorted(pending.items) for item in pending.items[k]]
         try:
             output = pending.make_output(items, missing)

@@ -170,6 +170,8 @@ async def weights_digest(tokenizer_manager: Any, request):
 
     tokenizer_manager.auto_create_handle_loop()
     communicator = getattr(tokenizer_manager, f"{DIGEST_COMMUNICATOR_NAME}_communicator")
+    if not request.rid:  # every pipeline stage keys its ranks' digests by it
+        request.rid = f"digest-{uuid.uuid4().hex}"
     replies = await communicator(request)
     return WeightsDigestReqOutput(ranks=[r for reply in replies for r in reply.ranks])
 

@@ -28,8 +28,9 @@ def env(tmp_path_factory, tiny_model_dir, server_factory):
         dp=2,
         entrypoint="serve",  # the plugin's flags through `sglang serve` as well
         extra_args=[*SERVER_COMPUTE_ARGS, "--pull-weights-allowed-roots", str(root)],
-        env={"SGLANG_USE_PICKLE_IPC": "0"},
+        env={"SGLANG_USE_PICKLE_IPC": "0", "WEIGHTSYNC_TEST_FAULT_DIR": str(root / "faults")},
     )
+    (root / "faults").mkdir()
 
     class Env:
         pass
@@ -37,6 +38,7 @@ def env(tmp_path_factory, tiny_model_dir, server_factory):
     e = Env()
     e.server, e.model, e.root = server, tiny_model_dir, root
     e.local = str(root / "local")
+    e.faults = root / "faults"
     e.feed = VersionFeed(tiny_model_dir, root / "shared")
     return e
 
@@ -84,9 +86,9 @@ def test_a_failure_is_merged_from_both_groups(env):
     assert host["ranks"] == ["dp0/tp0", "dp1/tp0"] and host["success"] is False
 
 
-def update(env, version):
+def update(env, version, *, status=200):
     resp = env.server.post("/update_weights_from_pulled", {"local_checkpoint_dir": env.local, "target_version": version})
-    assert resp.status_code == 200, resp.text
+    assert resp.status_code == status, resp.text
     return resp.json()
 
 
@@ -127,3 +129,32 @@ def test_a_live_apply_reaches_both_dp_groups_bit_identical_to_a_reload(env, vers
     resp = env.server.post("/update_weights_from_disk", {"model_path": env.local})
     assert resp.status_code == 200, resp.text
     assert_same_weights(live, weights_digest(env.server))  # bit for bit what a reload of the same dir gives
+
+
+def test_a_fault_on_dp1_restores_both_dp_groups_and_the_retry_commits_on_both(env):
+    """One DP group used to roll back alone while the other kept the new version, and the engine
+    served both versions round-robin."""
+    from testbed.live import assert_same_weights, wait_until_map_proven, weights_digest
+
+    top = max(env.feed.expected)  # the module's last version (the test also runs alone: -k)
+    if top == 0:
+        env.feed.publish(top := 1, encoding="xor")
+    assert pull(env, top).status_code == 200
+    assert update(env, top)["weight_version"] == top
+    wait_until_map_proven(env.server)
+    new = top + 1
+    env.feed.publish(new, encoding="xor")
+    assert pull(env, new).status_code == 200
+    before = weights_digest(env.server)
+    (env.faults / "live-apply-fault-dp1_tp0").touch()
+    body = update(env, new, status=500)
+    assert body["success"] is False and body["mode"] == "live" and body["rolled_back"] is True, body
+    assert "injected fault on dp1/tp0" in body["message"] and body["weight_version"] == top, body
+    after = weights_digest(env.server)
+    assert_same_weights(after, before)  # dp0 had written all of it: restored as well
+    assert {r["live_version"] for r in after.values()} == {top}
+    body = update(env, new)
+    assert body["success"] and body["mode"] == "live" and body["weight_version"] == new, body
+    live = weights_digest(env.server)
+    assert {r["live_version"] for r in live.values()} == {new}
+    assert live["dp0/tp0"]["digests"] == live["dp1/tp0"]["digests"] != before["dp0/tp0"]["digests"]

@@ -41,6 +41,8 @@ def env(tmp_path_factory, tiny_model_dir, server_factory):
     gate.mkdir()
     (gate / "release").touch()  # the hook passes through unless a test removes this
     control = root / "hook_control.json"
+    faults = root / "faults"  # live apply's one-shot fault files (WEIGHTSYNC_TEST_FAULT_DIR)
+    faults.mkdir()
     server = server_factory(
         tiny_model_dir,
         pp=2,
@@ -54,6 +56,7 @@ def env(tmp_path_factory, tiny_model_dir, server_factory):
             "TESTBED_PRE_READ_HOOK_GATE": str(gate),
             "TESTBED_PRE_READ_HOOK_CONTROL": str(control),
             "WEIGHTSYNC_LOCK_TIMEOUT_S": str(LOCK_TIMEOUT_S),
+            "WEIGHTSYNC_TEST_FAULT_DIR": str(faults),
         },
     )  # fmt: skip
 
@@ -66,6 +69,7 @@ def env(tmp_path_factory, tiny_model_dir, server_factory):
     e.feed = VersionFeed(tiny_model_dir, allowed / "shared")
     e.gate = gate
     e.control = control
+    e.faults = faults
     return e
 
 
@@ -166,13 +170,57 @@ def test_a_hung_read_ends_at_the_deadline_a_retry_waits_for_it_and_another_targe
     assert_checkpoint_equals(env.local, env.feed.expected[3])
 
 
+def update_from_pulled(env, version, *, status=200):
+    resp = env.server.post("/update_weights_from_pulled", {"local_checkpoint_dir": env.local, "target_version": version})
+    assert resp.status_code == status, resp.text
+    return resp.json()
+
+
+def test_a_fault_on_stage_1_rolls_both_stages_back_and_the_retry_commits_on_both(env):
+    """Stage 0 used to reply success before stage 1 had even seen the request; stage 1 then
+    failed, rolled back alone, and the engine served the old weights under the new version."""
+    from testbed.live import assert_same_weights, wait_until_map_proven, weights_digest
+
+    top = max(env.feed.expected)  # the module's last version (the test also runs alone: -k)
+    if top == 0:
+        env.feed.publish(top := 1, encoding="xor")
+    assert pull(env, top).status_code == 200
+    body = update_from_pulled(env, top)  # the engine serves it from the local dir, whatever it served before
+    assert body["success"] and body["weight_version"] == top, body
+    wait_until_map_proven(env.server)
+    new = top + 1
+    env.feed.publish(new, encoding="xor")
+    assert pull(env, new).status_code == 200
+    before = weights_digest(env.server)
+    assert sorted(before) == STAGES
+    (env.faults / "live-apply-fault-dp0_pp1_tp0").touch()
+    body = update_from_pulled(env, new, status=500)
+    assert body["success"] is False and body["mode"] == "live" and body["rolled_back"] is True, body
+    assert "injected fault on dp0/pp1/tp0" in body["message"] and body["weight_version"] == top, body
+    assert body["hosts"][0]["ranks"] == STAGES
+    after = weights_digest(env.server)
+    assert_same_weights(after, before)  # stage 0 wrote and was restored too
+    assert {r["live_version"] for r in after.values()} == {top}
+    body = update_from_pulled(env, new)
+    assert body["success"] and body["mode"] == "live" and body["weight_version"] == new, body
+    assert body["hosts"][0]["ranks"] == STAGES and body["elements_scattered"] > 0
+    live = weights_digest(env.server)
+    assert {r["live_version"] for r in live.values()} == {new}
+    for rank in STAGES:
+        assert live[rank]["digests"] != before[rank]["digests"], rank  # each stage holds changed layers
+    resp = env.server.post("/update_weights_from_disk", {"model_path": env.local})
+    assert resp.status_code == 200, resp.text
+    assert_same_weights(live, weights_digest(env.server))
+
+
 def test_sigterm_during_a_pull_answers_it_503_and_the_server_exits(env):
-    env.feed.publish(4, encoding="xor")
+    version = max(env.feed.expected) + 1
+    env.feed.publish(version, encoding="xor")
     (env.gate / "release").unlink()
     replies: dict = {}
-    thread = start_pull(env, 4, replies, "pull")
+    thread = start_pull(env, version, replies, "pull")
     try:
-        wait_for(env.gate / "started-4", "the pull never reached the pre-read hook")
+        wait_for(env.gate / f"started-{version}", "the pull never reached the pre-read hook")
         t0 = time.monotonic()
         os.kill(env.server.proc.pid, signal.SIGTERM)
         thread.join(timeout=30)
