@@ -364,6 +364,22 @@ def test_the_reply_carries_both_measured_estimates_and_follows_them(env):
     assert_same_weights(digests(env), reload_digests(env))
 
 
+# --- the model-based differential test (issue 19: "shown on real servers") ---------------------
+
+
+def test_every_step_of_a_random_sequence_leaves_every_rank_equal_to_a_reload_of_the_claimed_version(env):
+    """Pulls, live applies, reloads of another path, new runs, a replaced seed dir, reseeds from a
+    full version or an anchor, faults mid-scatter and killed pull helpers, in a seeded random
+    order (tests/e2e/live_model_support.py; WEIGHTSYNC_LIVE_MODEL_STEPS for the long profile)."""
+    from tests.e2e.live_model_support import run_model_sequences
+
+    ran = run_model_sequences(env.server, root=env.allowed / "live_model", seed_dir=env.model, local=env.local,
+                              faults=env.faults, gate=env.gate, names=env.others, model_kwargs=TIED_PADDED_VOCAB,
+                              default_seed=1900)
+    print(f"\n[measured] live model TP=2: {ran}")
+    assert ran["steps"] >= 9 and ran["sequences"] >= 1
+
+
 # --- endpoint input (both routes) ---------------------------------------------------------------
 
 
@@ -383,3 +399,19 @@ def test_a_huge_target_version_is_a_400_and_a_non_json_content_type_a_415_with_t
                          timeout=60)
     assert resp.status_code == 415, resp.text
     assert resp.json()["success"] is False and resp.json()["error_type"] == "unsupported_media_type"
+
+
+def test_a_rank_whose_restore_fails_says_not_restored_and_the_whole_engine_reloads_the_target(env):
+    env.feed.publish(11, encoding="xor", names=env.others)
+    pull(env, 11)
+    (env.faults / "live-apply-fault-dp0_tp1").touch()  # tp1 fails mid-scatter (and restores itself)
+    (env.faults / "live-restore-fault-dp0_tp0").touch()  # tp0's write-back of its undo log fails once
+    body = update(env, 11)
+    assert body["success"] and body["mode"] == "reload" and body["weight_version"] == 11, body
+    assert "injected fault on dp0/tp1" in body["reason"], body["reason"]
+    assert "could not be restored (dp0/tp0: live apply failed" in body["reason"], body["reason"]
+    assert "not restored: " in body["reason"] and "injected fault on dp0/tp0 while restoring" in body["reason"]
+    assert not os.path.exists(env.faults / "live-restore-fault-dp0_tp0")
+    ranks = digests(env)
+    assert {r["live_version"] for r in ranks.values()} == {11}  # reloaded from the dir: its marker
+    assert_same_weights(ranks, reload_digests(env))
