@@ -364,22 +364,6 @@ def test_the_reply_carries_both_measured_estimates_and_follows_them(env):
     assert_same_weights(digests(env), reload_digests(env))
 
 
-# --- the model-based differential test (issue 19: "shown on real servers") ---------------------
-
-
-def test_every_step_of_a_random_sequence_leaves_every_rank_equal_to_a_reload_of_the_claimed_version(env):
-    """Pulls, live applies, reloads of another path, new runs, a replaced seed dir, reseeds from a
-    full version or an anchor, faults mid-scatter and killed pull helpers, in a seeded random
-    order (tests/e2e/live_model_support.py; WEIGHTSYNC_LIVE_MODEL_STEPS for the long profile)."""
-    from tests.e2e.live_model_support import run_model_sequences
-
-    ran = run_model_sequences(env.server, root=env.allowed / "live_model", seed_dir=env.model, local=env.local,
-                              faults=env.faults, gate=env.gate, names=env.others, model_kwargs=TIED_PADDED_VOCAB,
-                              default_seed=1900)
-    print(f"\n[measured] live model TP=2: {ran}")
-    assert ran["steps"] >= 9 and ran["sequences"] >= 1
-
-
 # --- endpoint input (both routes) ---------------------------------------------------------------
 
 
@@ -415,3 +399,20 @@ def test_a_rank_whose_restore_fails_says_not_restored_and_the_whole_engine_reloa
     ranks = digests(env)
     assert {r["live_version"] for r in ranks.values()} == {11}  # reloaded from the dir: its marker
     assert_same_weights(ranks, reload_digests(env))
+
+
+# --- the model-based differential test (issue 19: "shown on real servers"); last: it leaves the
+# engine on an oracle's reload and the seed dir replaced
+
+
+def test_every_step_of_a_random_sequence_leaves_every_rank_equal_to_a_reload_of_the_claimed_version(env):
+    """Pulls, live applies, reloads of another path, new runs, a replaced seed dir, reseeds from a
+    full version or an anchor, faults mid-scatter and killed pull helpers, in a seeded random
+    order (tests/e2e/live_model_support.py; WEIGHTSYNC_LIVE_MODEL_STEPS for the long profile)."""
+    from tests.e2e.live_model_support import run_model_sequences
+
+    ran = run_model_sequences(env.server, root=env.allowed / "live_model", seed_dir=env.model, local=env.local,
+                              faults=env.faults, gate=env.gate, names=env.others, model_kwargs=TIED_PADDED_VOCAB,
+                              default_seed=1900)
+    print(f"\n[measured] live model TP=2: {ran}")
+    assert ran["steps"] >= 9 and ran["sequences"] >= 1
