@@ -16,7 +16,33 @@ import traceback
 import torch
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from live_moe_child import init_sglang_single_rank, per_expert_checkpoint  # noqa: E402
+from live_moe_child import per_expert_checkpoint  # noqa: E402
+
+
+def init_one_rank(port: int) -> None:
+    """A one-rank gloo group with sglang's parallel state and server args, on either release."""
+    from sglang.srt import runtime_context
+
+    if hasattr(runtime_context, "SpawnRanks"):  # 0.5.23: the spawn-time publish
+        from live_moe_child import init_sglang_single_rank
+
+        init_sglang_single_rank(port)
+        return
+    import os  # 0.5.16: parallel state from the globals, server args through the legacy shim
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    from sglang.srt.distributed.parallel_state import init_distributed_environment, initialize_model_parallel
+    from sglang.srt.server_args import ServerArgs, set_global_server_args_for_scheduler
+
+    from types import SimpleNamespace
+
+    from sglang.srt.layers.dp_attention import initialize_dp_attention
+
+    init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo")
+    initialize_model_parallel(backend="gloo")
+    server_args = ServerArgs(model_path="dummy", tp_size=1, ep_size=1, pp_size=1, device="cpu")
+    set_global_server_args_for_scheduler(server_args)
+    initialize_dp_attention(server_args, SimpleNamespace(hf_config=SimpleNamespace(), hidden_size=32, dtype=torch.float32))
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -262,7 +288,7 @@ CASES = {
 
 
 def main() -> None:
-    init_sglang_single_rank(int(sys.argv[1]))
+    init_one_rank(int(sys.argv[1]))
     out = {}
     wanted = sys.argv[2:] or list(CASES)
     for name, case in CASES.items():

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -26,10 +25,10 @@ ALLOWED = ["qwen3", "qwen3_tied", "llama", "qwen3_moe", "glm4_moe"]
 
 @pytest.fixture(scope="module")
 def cases():
-    from testbed.sglang_cpu import cpu_server_env, find_free_port
+    from testbed.sglang_cpu import cpu_server_env, find_free_port, server_python
 
-    done = subprocess.run(
-        [sys.executable, str(HERE / "live_models_child.py"), str(find_free_port())],
+    done = subprocess.run(  # the version matrix points server_python at sglang 0.5.16's venv
+        [server_python(), str(HERE / "live_models_child.py"), str(find_free_port())],
         capture_output=True, text=True, timeout=900, env=cpu_server_env(), cwd=str(HERE.parents[1]),
     )
     assert done.returncode == 0, done.stderr[-4000:]
