@@ -231,6 +231,9 @@ _PLAIN_COPIES = {aten.clone.default, aten._to_copy.default, aten.contiguous.defa
 # reads that turn tensor data into a Python value (.item(), bool(t), torch.equal): a meta tensor
 # has no data, and a value read this way is never a copy the map can follow
 _DATA_READS = {aten._local_scalar_dense.default, aten.is_nonzero.default, aten.equal.default}
+# ops that take a tensor's shape, dtype and device only, never its values
+_SHAPE_ONLY = {aten.empty_like.default, aten.zeros_like.default, aten.ones_like.default, aten.full_like.default,
+               aten.new_empty.default, aten.new_zeros.default, aten.new_ones.default, aten.new_full.default}
 
 
 class _Recorder(TorchDispatchMode):
@@ -250,12 +253,14 @@ class _Recorder(TorchDispatchMode):
                     self.slots.setdefault(_sid(p), []).append(_Slot(name, p.storage_offset(), p.numel(), kind))
         self.touched_params: set[str] = set()
         self.read_tensors: set[str] = set()  # checkpoint tensors any op looked at
+        self.probes: list[torch.Tensor] = []  # meta: they hold no memory
 
     def track_probe(self, spec: TensorSpec, probe: torch.Tensor) -> None:
         shape = tuple(probe.shape)
         strides = _contiguous_strides(shape)
         if probe.numel():
             self.origins[_sid(probe)] = _Origin(spec.name, probe.element_size(), shape, strides, 0, 0, strides)
+            self.probes.append(probe)  # alive until the build ends: no later storage reuses its address
 
     def _slot_of(self, t: Any) -> Optional[_Slot]:
         if not isinstance(t, torch.Tensor) or t.numel() == 0:
@@ -333,6 +338,10 @@ class _Recorder(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if func in _SHAPE_ONLY:
+            out = func(*args, **kwargs)
+            self.origins.pop(_sid(out), None)
+            return out
         inputs = [a for a in _tensors_in(args, kwargs) if a.numel()]
         tracked = [o for o in (self._origin_of(a) for a in inputs) if o is not None]
         self.read_tensors.update(o.tensor for o in tracked)
@@ -554,9 +563,17 @@ def build_coordinate_map(model: torch.nn.Module, specs: Iterable[TensorSpec]) ->
             recorder.track_probe(spec, probe)
             yield spec.name, probe
 
+    storages = {name: _sid(p) for name, p in params.items()}
     with torch.no_grad(), recorder:
         shadow.load_weights(probes())
     _refuse_kept_probes(shadow, recorder)
+    for name, p in shadow.named_parameters():
+        origin = recorder._origin_of(p)
+        if origin is not None:  # param.data = the checkpoint tensor: no copy, and a reload re-points it
+            recorder._refuse_tensor(origin.tensor, f"became the storage of parameter {name} (no copy)")
+            recorder._refuse_param(name, f"its storage was replaced by checkpoint tensor {origin.tensor} while loading")
+        elif name in storages and _sid(p) != storages[name]:
+            recorder._refuse_param(name, "its storage was replaced while loading (a param.data swap): a reload re-points it")
     for name, p in params.items():
         if name in recorder.touched_params and not p.is_contiguous():
             result.reload_only_params.setdefault(name, "not contiguous in memory")

@@ -287,6 +287,21 @@ def test_a_tensor_loaded_into_a_buffer_or_kept_as_an_attribute_is_reload_only():
     assert cmap.unused_tensors == set() and "kept" not in model.__dict__
 
 
+def test_a_parameter_whose_storage_the_loader_swaps_is_reload_only():
+    def load(model, params, name, w):
+        if name == "adopted":
+            params["a"].data = w  # the checkpoint tensor itself becomes the parameter: no copy
+        else:
+            params["b"].data.copy_(w)
+            params["b"].data = torch.empty_like(params["b"])  # a swap after the copy: not what it serves
+
+    model = _Loaded(load, a=torch.zeros(2, 2), b=torch.zeros(2, 2))
+    cmap = build_coordinate_map(model, [TensorSpec("adopted", (2, 2), "F32"), TensorSpec("copied", (2, 2), "F32")])
+    assert "became the storage of parameter a" in cmap.reload_only_tensors["adopted"]
+    assert "param.data swap" in cmap.reload_only_params["b"]
+    assert cmap.why_reload_only("copied") is not None and "adopted" not in cmap.unused_tensors
+
+
 def test_a_tensor_the_loader_reads_but_places_nowhere_is_reload_only_and_one_it_skips_is_unused():
     def load(model, params, name, w):
         if name == "peeked":
