@@ -446,3 +446,41 @@ def test_a_class_off_the_allow_list_reloads_naming_the_class_and_a_subclass_is_n
     sub = type("Qwen3ForCausalLM", (type(_allowed_class("sglang.srt.models.qwen3.Qwen3ForCausalLM")),),
                {"__module__": "somewhere.else"})()
     assert why_not_allowed(sub) is not None
+
+
+# --- the engine says why it has no map ----------------------------------------------------------
+
+
+def _engine_state(tmp_path, model, scope=None):
+    from types import SimpleNamespace
+
+    from sglang_patch.coordinator import SingleRankGroup
+    from sglang_patch.live_side import LiveApplyState
+    from testbed.tiny_qwen3 import make_tiny_qwen3
+
+    seed = make_tiny_qwen3(tmp_path / "seed")
+    scheduler = SimpleNamespace(tp_worker=SimpleNamespace(model_runner=SimpleNamespace(model=model)))
+    return LiveApplyState(scheduler=scheduler, group=SingleRankGroup(), host="host/node0", rank="dp0/tp0",
+                          seed_dir=str(seed), allowed_roots=(), max_changed_fraction=0.1, scope=scope)
+
+
+def test_an_engine_off_the_allow_list_builds_no_map_and_every_update_reloads_saying_why(tmp_path):
+    from types import SimpleNamespace
+
+    from sglang_patch.live_scope import EngineScope
+
+    state = _engine_state(tmp_path, ToyModel(), EngineScope(SimpleNamespace(), SimpleNamespace(draft_worker=None)))
+    state._build_and_prove()
+    assert state.cmap is None
+    assert state.map_status().startswith("live apply is off for this engine: model class ToyModel")
+
+
+def test_a_map_that_cannot_be_learnt_on_a_storage_free_copy_says_so(tmp_path):
+    def load(model, params, name, w):
+        if bool(params["w"].data.sum() == 0):
+            params["w"].data.copy_(w)
+
+    state = _engine_state(tmp_path, _Loaded(load, w=torch.zeros(2)))
+    state._build_and_prove()
+    assert state.cmap is None
+    assert "could not be learnt on a storage-free copy of the model" in state.map_status()
