@@ -234,9 +234,8 @@ def test_pruning_keeps_every_version_a_pull_at_or_past_the_anchor_needs(run):
         if v == 2:
             run.assert_pulls(2, host_behind)
         remaining = list_versions(run.source)
-        anchor = max(u for u in (3, 6) if u <= v) if v >= 3 else None
-        if anchor is not None:
-            assert min(remaining) == min(anchor, v - 1), (v, remaining)  # older than the anchor: gone
+        if v >= 3:  # below the anchor point under the oldest kept version (v-1): gone
+            assert min(remaining) == max((u for u in (3, 6) if u <= v - 1), default=1), (v, remaining)
         for u in remaining:  # every remaining dir is published, none half-deleted
             assert os.path.exists(os.path.join(run.vdir(u), INDEX))
     assert list_versions(run.source) == [6, 7, 8]
@@ -250,8 +249,9 @@ def test_pruning_never_removes_what_keep_versions_protects(run):
     pub.seed_snapshot(run.tensors[0])
     for v in range(1, 10):
         pub.publish(v, run.next_tensors(0.02))
-    assert list_versions(run.source) == [5, 6, 7, 8, 9]  # anchor v8; v5..v9 are the newest five
-    for target in (8, 9):
+    # v5..v9 are the newest five; v4 (full) stays because the kept v5..v7 chain from it
+    assert list_versions(run.source) == [4, 5, 6, 7, 8, 9]
+    for target in (4, 5, 6, 7, 8, 9):
         run.assert_pulls(target)
 
 
