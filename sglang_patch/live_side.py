@@ -620,7 +620,8 @@ class LiveApplyState:
             txn.undo = None
             if not result.restored:
                 txn.restore_failure = result.describe()
-        self._txn = None
+        # The transaction stays open until the next vote: when any rank of the engine was not
+        # restored, the coordinator sends every rank (restored or not) the reload phase next.
         if txn.restore_failure is not None:
             with self._lock:
                 self.generation += 1
