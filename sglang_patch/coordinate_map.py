@@ -391,9 +391,9 @@ class _Recorder(TorchDispatchMode):
         for t in fresh:  # new storage: whatever was tracked at that address before is gone
             self.origins.pop(_sid(t), None)
         for t in written:
-            o = self._origin_of(t)
-            if o is not None:  # computed in place: it no longer mirrors its checkpoint tensor
-                self._refuse_tensor(o.tensor, f"changed in place by {func} while loading")
+            changed = self._origin_of(t)
+            if changed is not None:  # computed in place: it no longer mirrors its checkpoint tensor
+                self._refuse_tensor(changed.tensor, f"changed in place by {func} while loading")
                 self.origins.pop(_sid(t), None)
         if not tracked:
             return out

@@ -484,3 +484,13 @@ def test_a_map_that_cannot_be_learnt_on_a_storage_free_copy_says_so(tmp_path):
     state._build_and_prove()
     assert state.cmap is None
     assert "could not be learnt on a storage-free copy of the model" in state.map_status()
+
+
+def test_a_checkpoint_tensor_changed_in_place_before_its_copy_is_reload_only():
+    def load(model, params, name, w):
+        w.mul_(2)  # in place: the copy that follows no longer carries the checkpoint's values
+        params["w"].data.copy_(w)
+
+    cmap = build_coordinate_map(_Loaded(load, w=torch.zeros(2)), [TensorSpec("w", (2,), "F32")])
+    assert "changed in place" in cmap.reload_only_tensors["w"]
+    assert cmap.why_reload_only("w") is not None
