@@ -240,6 +240,23 @@ def test_a_request_for_a_version_the_local_checkpoint_does_not_hold_is_refused(e
     assert resp.status_code == 401  # the admin level of /update_weights_from_disk
 
 
+def test_a_rank_whose_restore_fails_says_not_restored_and_the_whole_engine_reloads_the_target(env):
+    env.feed.publish(11, encoding="xor", names=env.others)
+    pull(env, 11)
+    (env.faults / "live-apply-fault-dp0_tp1").touch()  # tp1 fails mid-scatter (and restores itself)
+    (env.faults / "live-restore-fault-dp0_tp0").touch()  # tp0's write-back of its undo log fails once
+    body = update(env, 11)
+    assert body["success"] and body["mode"] == "reload" and body["weight_version"] == 11, body
+    assert "injected fault on dp0/tp1" in body["reason"], body["reason"]
+    assert "could not be restored (dp0/tp0: live apply failed" in body["reason"], body["reason"]
+    assert "not restored: " in body["reason"] and "injected fault on dp0/tp0 while restoring" in body["reason"]
+    assert not os.path.exists(env.faults / "live-restore-fault-dp0_tp0")
+    ranks = digests(env)
+    assert {r["live_version"] for r in ranks.values()} == {11}  # reloaded from the dir: its marker
+    assert_same_weights(ranks, reload_digests(env))
+
+
+
 # --- the live version's identity (issue 19 point 1): every scenario reloads, never a live "success"
 
 
@@ -385,25 +402,8 @@ def test_a_huge_target_version_is_a_400_and_a_non_json_content_type_a_415_with_t
     assert resp.json()["success"] is False and resp.json()["error_type"] == "unsupported_media_type"
 
 
-def test_a_rank_whose_restore_fails_says_not_restored_and_the_whole_engine_reloads_the_target(env):
-    env.feed.publish(11, encoding="xor", names=env.others)
-    pull(env, 11)
-    (env.faults / "live-apply-fault-dp0_tp1").touch()  # tp1 fails mid-scatter (and restores itself)
-    (env.faults / "live-restore-fault-dp0_tp0").touch()  # tp0's write-back of its undo log fails once
-    body = update(env, 11)
-    assert body["success"] and body["mode"] == "reload" and body["weight_version"] == 11, body
-    assert "injected fault on dp0/tp1" in body["reason"], body["reason"]
-    assert "could not be restored (dp0/tp0: live apply failed" in body["reason"], body["reason"]
-    assert "not restored: " in body["reason"] and "injected fault on dp0/tp0 while restoring" in body["reason"]
-    assert not os.path.exists(env.faults / "live-restore-fault-dp0_tp0")
-    ranks = digests(env)
-    assert {r["live_version"] for r in ranks.values()} == {11}  # reloaded from the dir: its marker
-    assert_same_weights(ranks, reload_digests(env))
-
-
 # --- the model-based differential test (issue 19: "shown on real servers"); last: it leaves the
 # engine on an oracle's reload and the seed dir replaced
-
 
 def test_every_step_of_a_random_sequence_leaves_every_rank_equal_to_a_reload_of_the_claimed_version(env):
     """Pulls, live applies, reloads of another path, new runs, a replaced seed dir, reseeds from a
