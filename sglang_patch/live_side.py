@@ -19,14 +19,18 @@ Per scheduler rank, one ``LiveApplyState`` (on ``scheduler._weightsync_live``):
   the local checkpoint: the helper process does the heavy half, the scheduler thread the
   engine half in slices as above (see ``live_patch``). From a side thread every torch call
   waited for the GIL held by sglang's busy loop (about 9 ms a call here).
-- **The pause**: ``handle_update`` runs in the scheduler's request dispatch on every TP rank at
-  the same loop iteration (sglang broadcasts the request). The ranks all-gather their votes,
-  then either all scatter (and all-gather the outcome: one failure and every rank restores
-  its undo log) or all reload with sglang's own ``update_weights_from_disk``.
+- **The pause**: one transaction for the whole engine (``live_transaction``): the tokenizer
+  sends ``vote``, then ``apply`` (every rank writes and keeps its undo log) and ``commit`` or
+  ``rollback`` (or ``reload``) to every DP group; ``handle_update`` runs each phase on every TP
+  rank at the same loop iteration (sglang broadcasts the request), all-gathers the stage's
+  items, and stage 0's entry rank replies once every pipeline stage posted its items through
+  the store (``StageGather``). A rank whose restore fails says "not restored" and every rank
+  reloads.
 
 Test-only switches (environment, read by the scheduler processes):
 ``WEIGHTSYNC_TEST_FAULT_DIR``: a file ``live-apply-fault-<rank label with / as _>`` there
-makes that rank fail once in the middle of its next scatter (the file is removed);
+makes that rank fail once in the middle of its next scatter, ``live-restore-fault-<rank>`` in
+the middle of its next restore (each file is removed when it fires);
 ``WEIGHTSYNC_TEST_POST_LOAD_TRANSFORM=param``: after every load, nudge one element of that
 parameter by one ulp (a stand-in for AMX packing or an MoE shuffle; see ``plugin``).
 """

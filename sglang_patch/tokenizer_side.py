@@ -150,8 +150,13 @@ async def update_weights_from_pulled(tokenizer_manager: Any, request):
         replies = await communicator(msgspec.structs.replace(request, phase=phase, txn=txn, reason=reason))
         return tx.PhaseReplies(votes=[v for r in replies for v in r.votes], reports=[x for r in replies for x in r.reports])
 
-    async with lock:
-        merged = await tx.run_transaction(send, request.target_version)
+    async def transaction() -> dict:
+        async with lock:
+            return await tx.run_transaction(send, request.target_version)
+
+    # its own task, shielded: a client that goes away between the writes and the commit or
+    # rollback must not leave the ranks holding uncommitted writes under the old version
+    merged = await asyncio.shield(asyncio.get_running_loop().create_task(transaction()))
     output = UpdateWeightsFromPulledReqOutput(**merged)
     if output.success:
         if output.mode == live_results.RELOAD:
