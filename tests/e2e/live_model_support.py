@@ -364,12 +364,25 @@ def helper_pids(seq: Sequence) -> list:
 def kill_helpers(seq: Sequence) -> list:
     import signal
 
+    import psutil
+
     pids = helper_pids(seq)
     for pid in pids:
         try:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
+    # SIGKILL lands when the kernel next runs the process: until it is a zombie, the engine's
+    # liveness check (poll) still sees it alive, and a pull sent to it now is a death mid-pull.
+    deadline = time.monotonic() + 30
+    for pid in pids:
+        while time.monotonic() < deadline:
+            try:
+                if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
+                    break
+            except psutil.NoSuchProcess:
+                break
+            time.sleep(0.02)
     return pids
 
 

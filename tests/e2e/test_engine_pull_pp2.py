@@ -213,6 +213,20 @@ def test_a_fault_on_stage_1_rolls_both_stages_back_and_the_retry_commits_on_both
     assert_same_weights(live, weights_digest(env.server))
 
 
+def test_every_step_of_a_random_sequence_leaves_both_stages_equal_to_a_reload_of_the_claimed_version(env):
+    """Issue 19's model-based differential test on this server (tests/e2e/live_model_support.py):
+    pulls, live applies, reloads of another path, new runs, a replaced seed dir, reseeds, faults
+    on either stage mid-scatter and killed pull helpers (held at the pre-read hook's gate)."""
+    from pathlib import Path
+
+    from tests.e2e.live_model_support import run_model_sequences
+
+    ran = run_model_sequences(env.server, root=Path(env.local).parent / "live_model", seed_dir=env.feed.model_dir,
+                              local=env.local, faults=env.faults, gate=env.gate, default_seed=1910)
+    print(f"\n[measured] live model PP=2: {ran}")
+    assert ran["steps"] >= 9 and ran["sequences"] >= 1
+
+
 def test_sigterm_during_a_pull_answers_it_503_and_the_server_exits(env):
     version = max(env.feed.expected) + 1
     env.feed.publish(version, encoding="xor")
