@@ -158,3 +158,15 @@ def test_a_fault_on_dp1_restores_both_dp_groups_and_the_retry_commits_on_both(en
     live = weights_digest(env.server)
     assert {r["live_version"] for r in live.values()} == {new}
     assert live["dp0/tp0"]["digests"] == live["dp1/tp0"]["digests"] != before["dp0/tp0"]["digests"]
+
+
+def test_every_step_of_a_random_sequence_leaves_both_dp_groups_equal_to_a_reload_of_the_claimed_version(env):
+    """Issue 19's model-based differential test on this server (tests/e2e/live_model_support.py):
+    pulls, live applies, reloads of another path, new runs, a replaced seed dir, reseeds, faults
+    on either DP group mid-scatter and killed pull helpers (between pulls: no pre-read hook here)."""
+    from tests.e2e.live_model_support import run_model_sequences
+
+    ran = run_model_sequences(env.server, root=env.root / "live_model", seed_dir=env.model, local=env.local,
+                              faults=env.faults, default_seed=1920)
+    print(f"\n[measured] live model DP=2: {ran}")
+    assert ran["steps"] >= 9 and ran["sequences"] >= 1
