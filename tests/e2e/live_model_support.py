@@ -31,8 +31,8 @@ a reload is the oracle.
 
 Profiles: by default 2 sequences of 18 steps (rounds of every step kind once, shuffled; about
 40 s on a 2-core box); ``WEIGHTSYNC_LIVE_MODEL_STEPS=N`` runs N steps per sequence and
-``WEIGHTSYNC_LIVE_MODEL_SEQUENCES=M`` M sequences; ``WEIGHTSYNC_LIVE_MODEL_SEED=S`` replays
-sequence seed S. A failure prints the seed and every step taken so far.
+``WEIGHTSYNC_LIVE_MODEL_SEQUENCES=M`` M sequences (``WEIGHTSYNC_LIVE_MODEL_SEED_BASE=B`` shifts
+their seeds by B, away from CI's); ``WEIGHTSYNC_LIVE_MODEL_SEED=S`` replays sequence seed S. A failure prints the seed and every step taken so far.
 """
 
 from __future__ import annotations
@@ -51,6 +51,7 @@ from typing import Any, Callable, Optional
 STEPS_ENV = "WEIGHTSYNC_LIVE_MODEL_STEPS"
 SEQUENCES_ENV = "WEIGHTSYNC_LIVE_MODEL_SEQUENCES"
 SEED_ENV = "WEIGHTSYNC_LIVE_MODEL_SEED"
+SEED_BASE_ENV = "WEIGHTSYNC_LIVE_MODEL_SEED_BASE"  # another set of sequences than CI's
 
 KINDS = ("pull", "update", "disk_other", "new_run", "seed_replaced", "reseed_full", "reseed_anchor", "fault",
          "kill_helper")
@@ -69,7 +70,8 @@ def profile(default_seed: int) -> tuple[list[int], int]:
     if os.environ.get(SEED_ENV):
         return [int(os.environ[SEED_ENV])], steps
     n = int(os.environ.get(SEQUENCES_ENV) or DEFAULT_SEQUENCES)
-    return [default_seed + i for i in range(n)], steps
+    base = default_seed + int(os.environ.get(SEED_BASE_ENV) or 0)
+    return [base + i for i in range(n)], steps
 
 
 def draw_kinds(rng: random.Random, steps: int) -> list[str]:
