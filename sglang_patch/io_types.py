@@ -60,7 +60,7 @@ def reply_fields(output: PullWeightsReqOutput) -> dict:
 
 from typing import Any, Dict  # noqa: E402
 
-from .live_results import LiveDecision, LiveHostResult, LiveRankReport  # noqa: E402
+from .live_results import LiveDecision, LiveHostResult, LiveRankReport, RankCheck  # noqa: E402
 
 
 class UpdateWeightsFromPulledReqInput(BaseReq, kw_only=True):
@@ -93,6 +93,14 @@ class UpdateWeightsFromPulledReqOutput(BaseReq, kw_only=True):
     # what the mode was chosen by (live_results.choose_mode): the engine's estimated pause each way
     live_estimate_s: Optional[float] = None
     reload_estimate_s: Optional[float] = None
+    # the check after the update (live_check): elements compared equal, and those that were not,
+    # summed over ranks (per rank: each host's ``checks``); a mismatch after a live apply made
+    # every rank reload the local checkpoint (``reloaded_after_check``)
+    verified_elements: int = 0
+    mismatches: int = 0
+    not_checkable_params: int = 0
+    reloaded_after_check: bool = False
+    failed_checks: List[RankCheck] = msgspec.field(default_factory=list)  # the ranks' checks that found them
     # one phase's items of every rank of the DP group (every stage), for the tokenizer's decision
     votes: List[LiveDecision] = msgspec.field(default_factory=list)
     reports: List[LiveRankReport] = msgspec.field(default_factory=list)
@@ -135,4 +143,5 @@ def live_reply_fields(output: UpdateWeightsFromPulledReqOutput) -> dict:
 def live_http_body(output: UpdateWeightsFromPulledReqOutput) -> dict:
     body = {k: v for k, v in live_reply_fields(output).items() if k not in ("http_status",)}
     body["hosts"] = msgspec.to_builtins(output.hosts)
+    body["failed_checks"] = msgspec.to_builtins(output.failed_checks)
     return body

@@ -103,6 +103,20 @@ class PauseCosts:
                 "live_fixed_s": statistics.median(self._fixed) if self._fixed else None}
 
 
+class RankCheck(msgspec.Struct, frozen=True, kw_only=True):
+    """One rank's check after an update (in the reply, per rank)."""
+
+    rank: str
+    verified_elements: int = 0  # compared and equal
+    mismatches: int = 0
+    sampled_elements: int = 0  # of those compared, drawn from the checkpoint
+    scattered_elements: int = 0  # of those compared, written by this live apply
+    checked_params: int = 0  # parameters the sample could reach
+    not_checkable_params: int = 0  # reload-only, unproven or unmapped: outside the sample
+    check_s: float = 0.0
+    detail: str = ""  # the first mismatch, or why nothing was checked
+
+
 class _LiveOutcome(msgspec.Struct, kw_only=True):
     """What a rank, or a host's ranks together, did in one call (shared by both levels)."""
 
@@ -122,10 +136,27 @@ class _LiveOutcome(msgspec.Struct, kw_only=True):
 
 class LiveRankReport(_LiveOutcome, kw_only=True):
     rank: str
+    check: Optional[RankCheck] = None  # the check after a commit or a reload (live_check)
 
 
 class LiveHostResult(_LiveOutcome, kw_only=True):
     ranks: list[str]
+    checks: list[RankCheck] = msgspec.field(default_factory=list)  # one per rank that checked
+
+
+def checks_of(items: Sequence["LiveRankReport | LiveHostResult"]) -> list[RankCheck]:
+    out: list[RankCheck] = []
+    for item in items:
+        if isinstance(item, LiveHostResult):
+            out.extend(item.checks)
+        elif item.check is not None:
+            out.append(item.check)
+    return out
+
+
+def check_mismatches(items: Sequence["LiveRankReport | LiveHostResult"]) -> str:
+    """Why the check after a commit failed (ranks and their first mismatch), or "" when it held."""
+    return "; ".join(f"{c.rank}: {c.mismatches} mismatch(es), first {c.detail}" for c in checks_of(items) if c.mismatches)
 
 
 def engine_estimates(decisions: Sequence[LiveDecision]) -> tuple[Optional[float], Optional[float]]:
@@ -193,6 +224,7 @@ def merge_hosts(items: Sequence[LiveRankReport | LiveHostResult]) -> list[LiveHo
                 rolled_back=any(i.rolled_back for i in group),
                 stage_s=max(i.stage_s for i in group),
                 staged_nbytes=sum(i.staged_nbytes for i in group),
+                checks=checks_of(group),
             )
         )
     return out
@@ -200,7 +232,7 @@ def merge_hosts(items: Sequence[LiveRankReport | LiveHostResult]) -> list[LiveHo
 
 def summarize(target_version: int, hosts: Sequence[LiveHostResult], *, error_type: Optional[str] = None,
               http_status: int = 200, message: Optional[str] = None, live_estimate_s: Optional[float] = None,
-              reload_estimate_s: Optional[float] = None) -> dict:
+              reload_estimate_s: Optional[float] = None, failed_checks: Sequence[RankCheck] = ()) -> dict:
     """The reply's fields (see ``UpdateWeightsFromPulledReqOutput``)."""
     hosts = list(hosts)
     ok = error_type is None and bool(hosts) and all(h.success and h.weight_version == target_version for h in hosts)
@@ -237,6 +269,13 @@ def summarize(target_version: int, hosts: Sequence[LiveHostResult], *, error_typ
         hosts=hosts,
         live_estimate_s=live_estimate_s,
         reload_estimate_s=reload_estimate_s,
+        # the check after the update (live_check), every rank of every host together
+        verified_elements=sum(c.verified_elements for h in hosts for c in h.checks),
+        mismatches=sum(c.mismatches for h in hosts for c in h.checks) + sum(c.mismatches for c in failed_checks),
+        not_checkable_params=sum(c.not_checkable_params for h in hosts for c in h.checks),
+        # the checks after a live apply that found mismatches, which made every rank reload
+        reloaded_after_check=bool(failed_checks),
+        failed_checks=[c for c in failed_checks if c.mismatches],
     )
 
 
@@ -249,4 +288,4 @@ def merge_replies(target_version: int, replies: Sequence[dict]) -> dict:
     failed = [r for r in replies if not r.get("success")]
     if failed and not hosts:
         return dict(failed[0])
-    return summarize(target_version, hosts)
+    return summarize(target_version, hosts, failed_checks=[c for r in replies for c in r.get("failed_checks", ())])

@@ -54,6 +54,7 @@ from weightsync.identity import seed_fingerprint as fingerprint_seed
 from weightsync.lock import shared_host_lock
 
 from . import compat
+from . import live_check
 from . import live_results as lr
 from .coordinate_map import CheckpointReader, CoordinateMap, MapNotLearnable, ProofAttempts, build_coordinate_map, prove_map_steps
 from . import live_scope
@@ -595,8 +596,12 @@ class LiveApplyState:
                                                              f"patched {txn.written} elements live")
         compat.record_weight_version(self.scheduler.weight_updater, staged.to_version)
         self._take_applied_version(staged)
+        # every written element and a fresh sample against the checkpoint (live_check); a
+        # mismatch on any rank makes the coordinator send the reload phase: the transaction stays
+        # open until the next vote, as after a rollback
+        check = live_check.check_after_update(self, staged.local_checkpoint_dir, staged.to_version, staged.patches)
         _release_later(self._voted)
-        self._voted, self._txn = None, None
+        self._voted = None
         pause_s = time.perf_counter() - txn.start
         self.pause_costs.record_live(txn.written, txn.scatter_s, pause_s)
         log.info("live apply %s: v%d committed, %d elements, pause %.4fs (scatter %.4fs)", self.rank, staged.to_version,
@@ -604,7 +609,7 @@ class LiveApplyState:
         return lr.LiveRankReport(
             host=self.host, rank=self.rank, success=ok, mode=lr.LIVE, message=message,
             weight_version=staged.to_version, elements_scattered=txn.written, pause_s=pause_s,
-            scatter_s=txn.scatter_s, stage_s=staged.stage_s, staged_nbytes=staged.nbytes,
+            scatter_s=txn.scatter_s, stage_s=staged.stage_s, staged_nbytes=staged.nbytes, check=check,
         )
 
     def _take_applied_version(self, staged: StagedUpdate) -> None:
@@ -660,10 +665,11 @@ class LiveApplyState:
             )
         )
         live = self.live
+        check = live_check.check_after_update(self, local, request.target_version) if out.success else None
         return lr.LiveRankReport(
             host=self.host, rank=self.rank, success=bool(out.success), mode=lr.RELOAD, reason=reason,
             message=out.message, weight_version=live.version if (out.success and live) else None,
-            pause_s=time.perf_counter() - start,
+            pause_s=time.perf_counter() - start, check=check,
         )
 
     def handle_digest(self, request: Any) -> Any:

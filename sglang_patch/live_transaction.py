@@ -165,7 +165,14 @@ async def run_transaction(send: Callable[[str, Optional[str]], Awaitable[PhaseRe
     applied = (await send(APPLY, None)).reports
     if applied and all(r.success for r in applied):
         committed = (await send(COMMIT, None)).reports
-        return lr.summarize(target_version, **estimates, hosts=lr.merge_hosts(committed))
+        mismatched = lr.check_mismatches(committed)
+        if not mismatched:
+            return lr.summarize(target_version, **estimates, hosts=lr.merge_hosts(committed))
+        # the live weights are not the published bytes on some rank: the sound path, on every rank
+        why = f"the check after the live apply found mismatches ({mismatched}): every rank reloads the local checkpoint"
+        log.error("live apply v%d: %s", target_version, why)
+        return lr.summarize(target_version, **estimates, hosts=lr.merge_hosts((await send(RELOAD, why)).reports),
+                            failed_checks=lr.checks_of(committed))
     failure = rank_failures(applied) or "no rank reported its writes"
     log.warning("live apply v%d failed on some rank: %s; every rank rolls back", target_version, failure)
     rolled = (await send(ROLLBACK, failure)).reports

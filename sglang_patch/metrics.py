@@ -23,6 +23,9 @@ Metrics (glossary of docs/FORMAT.md):
 | ``weightsync_live_weight_version`` | gauge | | the version the engine serves (0: the model it started from) |
 | ``weightsync_reseeds_total`` | counter | ``host`` | pulls that found the local state torn or corrupt and reseeded |
 | ``weightsync_weight_update_pause_seconds`` | histogram | ``mode`` | how long a weight update held generation: ``reload`` (``/update_weights_from_disk``) or ``live`` |
+| ``weightsync_update_checks_total`` | counter | ``outcome`` | ranks' checks of the live weights after a ``/update_weights_from_pulled`` (``live_check``): ``ok``, ``mismatch``, or ``unchecked`` (no sample drawn: the detail says why) |
+| ``weightsync_update_check_mismatches_total`` | counter | | parameter elements those checks found different from the published bytes |
+| ``weightsync_update_check_reloads_total`` | counter | | live applies whose check found a mismatch, after which every rank reloaded |
 """
 
 from __future__ import annotations
@@ -75,6 +78,15 @@ class _Metrics:
             "How long a weight update held generation, by mode (reload: /update_weights_from_disk; live).",
             ["mode"], buckets=PAUSE_SECONDS_BUCKETS,
         )  # fmt: skip
+        self.update_checks = Counter(
+            "weightsync_update_checks", "Ranks' checks of the live weights after an update, by outcome.", ["outcome"]
+        )
+        self.update_check_mismatches = Counter(
+            "weightsync_update_check_mismatches", "Parameter elements found different from the published bytes."
+        )
+        self.update_check_reloads = Counter(
+            "weightsync_update_check_reloads", "Live applies whose check found a mismatch (every rank then reloaded)."
+        )
         self.live_version.set(0)
 
 
@@ -157,6 +169,7 @@ def observe_update_from_pulled(reply: Mapping[str, Any]) -> None:
     Never raises (like ``observe_pull``).
     """
     try:
+        _record_checks(reply)
         if not reply.get("success"):
             return
         mode = reply.get("mode")
@@ -169,6 +182,21 @@ def observe_update_from_pulled(reply: Mapping[str, Any]) -> None:
             set_live_weight_version(int(version))
     except Exception:
         log.exception("weightsync metrics: recording a weight update failed")
+
+
+def _record_checks(reply: Mapping[str, Any]) -> None:
+    metrics = _get()
+    if metrics is None:
+        return
+    checks = list(reply.get("failed_checks") or ())
+    checks += [c for host in reply.get("hosts") or () for c in (_field(host, "checks") or ())]
+    for check in checks:
+        mismatches = int(_field(check, "mismatches", 0) or 0)
+        compared = int(_field(check, "sampled_elements", 0) or 0) + int(_field(check, "scattered_elements", 0) or 0)
+        metrics.update_checks.labels("mismatch" if mismatches else ("ok" if compared else "unchecked")).inc()
+        metrics.update_check_mismatches.inc(mismatches)
+    if reply.get("reloaded_after_check"):
+        metrics.update_check_reloads.inc()
 
 
 def observe_reload(model_path: Optional[str], success: bool, seconds: float) -> None:

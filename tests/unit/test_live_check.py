@@ -1,0 +1,329 @@
+"""Each update proven from the live weights (``sglang_patch.live_check``): after a commit or a
+reload every rank compares a fresh sample of its mapped elements with the checkpoint and every
+element it wrote with the staged value; a mismatch makes every rank reload and the reply says so.
+
+Real coordinate maps learnt from small torch modules' ``load_weights``; the last tests run a
+real core pull (tiny Qwen3 checkpoint, published chain) through ``LiveApplyState``. No sglang.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from sglang_patch import live_results as lr
+from sglang_patch import live_transaction as tx
+from sglang_patch.coordinate_map import TensorSpec, build_coordinate_map, prove_map
+from sglang_patch.live_check import check_sample, check_update, sample_seed
+from sglang_patch.live_patch import StagedUpdate, scatter_with_undo, stage_update
+
+
+class Shards(torch.nn.Module):
+    """Rank 1 of a column split (rows 4..7 of ``w``) fused with a transposed ``b``; ``scale`` is
+    loaded through ``.item()`` (reload-only, as sglang's default loader does for one element);
+    ``extra`` is loaded by nothing (unmapped)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fused = torch.nn.Parameter(torch.zeros(4 + 2, 3))
+        self.scale = torch.nn.Parameter(torch.zeros(()))
+        self.extra = torch.nn.Parameter(torch.ones(5))
+
+    def load_weights(self, weights):
+        for name, t in weights:
+            if name == "w":
+                self.fused.data[:4].copy_(t.narrow(0, 4, 4))
+            elif name == "b":
+                self.fused.data[4:].copy_(t.t())
+            else:
+                self.scale.data.fill_(t.item())
+
+
+def _setup():
+    g = torch.Generator().manual_seed(0)
+    v0 = {"w": torch.randn(8, 3, generator=g), "b": torch.randn(3, 2, generator=g), "s": torch.tensor(0.5)}
+    model = Shards()
+    cmap = build_coordinate_map(model, [TensorSpec(n, tuple(t.shape), "F32") for n, t in v0.items()])
+    model.load_weights(iter(v0.items()))
+    assert prove_map(cmap, dict(model.named_parameters()), lambda n: v0[n])
+    return model, cmap, v0
+
+
+def _changes(v0, v1):
+    for name in sorted(v0):
+        pos = np.flatnonzero((v0[name] != v1[name]).reshape(-1).numpy()).astype(np.int64)
+        if pos.size:
+            yield name, None, pos
+
+
+class _Reader:
+    def __init__(self, tensors):
+        self.tensors = tensors
+
+    def tensor(self, name):
+        return self.tensors[name]
+
+
+def _live_apply(model, cmap, v0):
+    v1 = {n: t.clone() for n, t in v0.items()}
+    v1["w"][5, 2] += 1
+    v1["w"][7, 0] -= 2
+    v1["b"][2, 1] += 1
+    staged = stage_update(cmap, dict(model.named_parameters()), _changes(v0, v1), _Reader(v1), max_elements=100,
+                          staged=StagedUpdate(0, 1, None, "/x", 0))
+    scatter_with_undo(staged)
+    return v1, staged
+
+
+def test_a_correct_live_apply_verifies_every_written_element_and_a_sample_with_no_mismatch():
+    model, cmap, v0 = _setup()
+    v1, staged = _live_apply(model, cmap, v0)
+    check = check_update("dp0/tp1", cmap, dict(model.named_parameters()), v1.__getitem__, version=1, counter=1,
+                         patches=staged.patches)
+    assert check.mismatches == 0 and check.scattered_elements == 3
+    assert check.sampled_elements == 4 * 3 + 3 * 2  # every mapped element of these small tensors
+    assert check.verified_elements == check.sampled_elements + check.scattered_elements
+
+
+def test_a_wrong_element_among_the_written_positions_is_found():
+    model, cmap, v0 = _setup()
+    v1, staged = _live_apply(model, cmap, v0)
+    with torch.no_grad():
+        model.fused.view(-1)[int(staged.patches[0].index[0])] += 0.25  # the write that did not land
+    check = check_update("dp0/tp1", cmap, dict(model.named_parameters()), v1.__getitem__, version=1, counter=1,
+                         patches=staged.patches)
+    assert check.mismatches >= 1 and "fused" in check.detail
+
+
+def test_a_wrong_element_the_update_did_not_write_is_found_by_the_sample():
+    model, cmap, v0 = _setup()
+    v1, staged = _live_apply(model, cmap, v0)
+    with torch.no_grad():
+        model.fused[0, 0] = torch.nextafter(model.fused[0, 0], torch.tensor(float("inf")))  # one ulp: bit for bit
+    check = check_update("dp0/tp1", cmap, dict(model.named_parameters()), v1.__getitem__, version=1, counter=1,
+                         patches=staged.patches)
+    assert check.mismatches == 1 and "fused (from w)" in check.detail and "element 0" in check.detail
+
+
+def test_a_checkpoint_of_another_version_does_not_verify():
+    model, cmap, v0 = _setup()
+    _live_apply(model, cmap, v0)
+    check = check_update("dp0/tp1", cmap, dict(model.named_parameters()), v0.__getitem__, version=1, counter=1)
+    assert check.mismatches == 3
+
+
+def test_reload_only_and_unmapped_parameters_are_outside_the_sample_and_not_counted_as_verified():
+    model, cmap, v0 = _setup()
+    assert "s" in cmap.reload_only_tensors  # read through .item(): scale has no placement
+    with torch.no_grad():
+        model.scale.fill_(7.0)  # neither is checkable: a difference there is not seen, nor counted
+        model.extra.fill_(7.0)
+    check = check_update("dp0/tp1", cmap, dict(model.named_parameters()), v0.__getitem__, version=0, counter=1)
+    assert (check.checked_params, check.not_checkable_params) == (1, 2)
+    assert check.mismatches == 0 and check.verified_elements == model.fused.numel()
+    cmap.reload_only_params["fused"] = "repacked after loading"  # as a failed proof records it
+    check = check_update("dp0/tp1", cmap, dict(model.named_parameters()), v0.__getitem__, version=0, counter=2)
+    assert (check.checked_params, check.not_checkable_params, check.verified_elements) == (0, 3, 0)
+
+
+def test_the_sample_is_bounded_per_tensor_and_drawn_afresh_for_each_update():
+    class Square(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.zeros(64, 64))
+
+        def load_weights(self, weights):
+            for _, t in weights:
+                self.weight.data.copy_(t)
+
+    model = Square()
+    w = torch.randn(64, 64)
+    cmap = build_coordinate_map(model, [TensorSpec("weight", (64, 64), "F32")])
+    model.load_weights([("weight", w)])
+    assert prove_map(cmap, dict(model.named_parameters()), lambda n: w)
+    params = dict(model.named_parameters())
+    first = check_sample(cmap, params, lambda n: w, sample_seed(3, 1), per_tensor=100)
+    assert first.mismatches == 0 and first.compared == 100
+    with torch.no_grad():
+        model.weight.view(-1)[::2] += 1  # half the elements wrong
+    seen = [check_sample(cmap, params, lambda n: w, sample_seed(3, c), per_tensor=100).mismatches for c in (1, 2)]
+    assert all(m > 20 for m in seen)
+    assert check_sample(cmap, params, lambda n: w, sample_seed(3, 1), per_tensor=100).mismatches == seen[0]
+    # a different counter draws other positions (same count by chance only if every position repeated)
+    a = np.random.default_rng(sample_seed(3, 1)).integers(0, 4096, 100)
+    b = np.random.default_rng(sample_seed(3, 2)).integers(0, 4096, 100)
+    assert not np.array_equal(a, b)
+
+
+# --- the transaction: a mismatch after the commit reloads every rank -------------------------------
+
+
+RANKS = ["dp0/tp0", "dp0/tp1", "dp1/tp0"]
+
+
+class Engine:
+    """Every rank's answer per phase (``mismatch_on`` finds a wrong element after its commit)."""
+
+    def __init__(self, mismatch_on=()):
+        self.mismatch_on = set(mismatch_on)
+        self.sent: list = []
+
+    async def send(self, phase, reason):
+        self.sent.append(phase)
+        out = tx.PhaseReplies()
+        for rank in RANKS:
+            base = dict(host=f"h/node{rank[2]}", rank=rank, weight_version=4)
+            if phase == tx.VOTE:
+                out.votes.append(lr.LiveDecision(rank=rank, live=True, elements=3))
+            elif phase == tx.APPLY:
+                out.reports.append(lr.LiveRankReport(**base, success=True, mode=lr.LIVE))
+            elif phase == tx.COMMIT:
+                bad = int(rank in self.mismatch_on)
+                check = lr.RankCheck(rank=rank, verified_elements=100 - bad, mismatches=bad, checked_params=2,
+                                     not_checkable_params=1, detail="p (scattered): element 3 holds 1.0, expected 2.0" if bad else "")
+                out.reports.append(lr.LiveRankReport(**base, success=True, mode=lr.LIVE, check=check))
+            elif phase == tx.RELOAD:
+                check = lr.RankCheck(rank=rank, verified_elements=50, checked_params=2, not_checkable_params=1)
+                out.reports.append(lr.LiveRankReport(**base, success=True, mode=lr.RELOAD, reason=reason, check=check))
+        return out
+
+
+def test_a_clean_check_after_the_commit_replies_the_verified_elements_of_every_rank():
+    engine = Engine()
+    fields = asyncio.run(tx.run_transaction(engine.send, 4))
+    assert engine.sent == [tx.VOTE, tx.APPLY, tx.COMMIT]
+    assert fields["success"] and fields["mode"] == lr.LIVE and not fields["reloaded_after_check"]
+    assert fields["verified_elements"] == 300 and fields["mismatches"] == 0 and fields["not_checkable_params"] == 3
+    assert sorted(c.rank for h in fields["hosts"] for c in h.checks) == RANKS
+
+
+def test_a_mismatch_after_the_commit_on_one_rank_makes_every_rank_reload_and_the_reply_says_so():
+    engine = Engine(mismatch_on={"dp1/tp0"})
+    fields = asyncio.run(tx.run_transaction(engine.send, 4))
+    assert engine.sent == [tx.VOTE, tx.APPLY, tx.COMMIT, tx.RELOAD]
+    assert fields["success"] and fields["mode"] == lr.RELOAD and fields["reloaded_after_check"]
+    assert fields["mismatches"] == 1 and [c.rank for c in fields["failed_checks"]] == ["dp1/tp0"]
+    assert "check after the live apply found mismatches" in fields["reason"] and "dp1/tp0" in fields["reason"]
+    assert fields["verified_elements"] == 150  # the reload's own check, on every rank
+
+
+# --- a real pull, through LiveApplyState -------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def pulled(tmp_path_factory):
+    from testbed.feed import VersionFeed
+    from testbed.tiny_qwen3 import make_tiny_qwen3
+    from weightsync import pull
+
+    root = tmp_path_factory.mktemp("live_check")
+    model_dir = make_tiny_qwen3(root / "model")
+    feed = VersionFeed(model_dir, root / "shared")
+    feed.publish(1)
+    local = str(root / "local")
+    pull(local, model_dir, feed.source_dir, 1)
+    return SimpleNamespace(local=local, model_dir=model_dir)
+
+
+class FlatModel(torch.nn.Module):
+    def __init__(self, tensors: dict) -> None:
+        super().__init__()
+        self.names = sorted(tensors)
+        for i, name in enumerate(self.names):
+            self.register_parameter(f"p{i}", torch.nn.Parameter(torch.zeros_like(tensors[name]), requires_grad=False))
+
+    def load_weights(self, weights):
+        params = dict(self.named_parameters())
+        for name, t in weights:
+            params[f"p{self.names.index(name)}"].data.copy_(t)
+
+
+def _state(pulled):
+    from sglang_patch.coordinate_map import CheckpointReader
+    from sglang_patch.coordinator import SingleRankGroup
+    from sglang_patch.live_identity import from_held
+    from sglang_patch.live_side import LiveApplyState
+    from testbed.tiny_qwen3 import read_state_dict
+    from weightsync.codecs.positions import held_version
+
+    tensors = read_state_dict(pulled.local)
+    model = FlatModel(tensors)
+    model.load_weights(tensors.items())
+    scheduler = SimpleNamespace(tp_worker=SimpleNamespace(model_runner=SimpleNamespace(model=model)))
+    state = LiveApplyState(scheduler=scheduler, group=SingleRankGroup(), host="host/node0", rank="dp0/tp0",
+                           seed_dir=pulled.model_dir, allowed_roots=(), max_changed_fraction=0.1)
+    state.cmap = build_coordinate_map(model, CheckpointReader(pulled.local).specs())
+    state.live = from_held(held_version(pulled.local), "reload")
+    state.live_dir = pulled.local
+    state.prove(CheckpointReader(pulled.local), state.live, checkpoint_dir=pulled.local)
+    return state, model
+
+
+def test_after_an_update_a_rank_verifies_its_weights_against_the_local_checkpoint_of_that_version(pulled):
+    from sglang_patch.live_check import SAMPLE_PER_TENSOR, check_after_update
+
+    state, model = _state(pulled)
+    check = check_after_update(state, pulled.local, 1)
+    tensors = len(state.cmap.placements)
+    assert check.mismatches == 0 and check.detail == ""
+    assert 0 < check.verified_elements <= tensors * SAMPLE_PER_TENSOR
+    assert check.checked_params == len(list(model.parameters())) and check.not_checkable_params == 0
+    smallest = min(model.named_parameters(), key=lambda kv: kv[1].numel())[0]  # fully sampled
+    with torch.no_grad():
+        dict(model.named_parameters())[smallest].view(-1)[0] += 1
+    found = check_after_update(state, pulled.local, 1)
+    assert found.mismatches == 1 and smallest in found.detail
+
+
+def test_a_check_for_a_version_the_local_checkpoint_does_not_hold_draws_no_sample_and_says_why(pulled):
+    from sglang_patch.live_check import check_after_update
+
+    state, _ = _state(pulled)
+    check = check_after_update(state, pulled.local, 2)
+    assert check.mismatches == 0 and check.sampled_elements == 0 and "does not name this version" in check.detail
+
+
+_METRICS_SCRIPT = r"""
+import json
+from sglang_patch import metrics
+
+ok = {"rank": "dp0/tp0", "verified_elements": 10, "sampled_elements": 8, "scattered_elements": 2}
+bad = {"rank": "dp0/tp1", "verified_elements": 7, "mismatches": 3, "sampled_elements": 10}
+unchecked = {"rank": "dp0/tp1", "detail": "the local checkpoint changed during the check"}
+metrics.observe_update_from_pulled({"success": True, "mode": "live", "pause_s": 0.1, "weight_version": 2,
+                                    "hosts": [{"host": "h/node0", "checks": [ok, unchecked]}]})
+metrics.observe_update_from_pulled({"success": True, "mode": "reload", "pause_s": 0.3, "weight_version": 3,
+                                    "reloaded_after_check": True, "failed_checks": [bad],
+                                    "hosts": [{"host": "h/node0", "checks": [ok, ok]}]})
+
+from prometheus_client import CollectorRegistry
+from prometheus_client.multiprocess import MultiProcessCollector
+registry = CollectorRegistry()
+MultiProcessCollector(registry)
+print(json.dumps({f"{s.name}{sorted(s.labels.items())}": s.value
+                  for fam in registry.collect() for s in fam.samples if s.name.startswith("weightsync_update_check")}))
+"""
+
+
+def test_metrics_count_each_ranks_check_its_mismatches_and_the_reloads_they_caused(tmp_path):
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    mp_dir = tmp_path / "prom"
+    mp_dir.mkdir()
+    env = dict(os.environ, PROMETHEUS_MULTIPROC_DIR=str(mp_dir), PYTHONPATH=str(Path(__file__).resolve().parents[2]))
+    out = subprocess.run([sys.executable, "-c", _METRICS_SCRIPT], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["weightsync_update_checks_total[('outcome', 'ok')]"] == 3
+    assert got["weightsync_update_checks_total[('outcome', 'mismatch')]"] == 1
+    assert got["weightsync_update_checks_total[('outcome', 'unchecked')]"] == 1
+    assert got["weightsync_update_check_mismatches_total[]"] == 3
+    assert got["weightsync_update_check_reloads_total[]"] == 1
