@@ -125,6 +125,20 @@ def test_the_map_is_proven_on_every_rank_except_for_the_transformed_parameter(en
               f"{cmap['placements']} placements, {cmap['nbytes']} B")
 
 
+def assert_checked_from_the_live_weights_on_every_rank(body) -> None:
+    """Each update proven from the live weights (live_check): every rank compared a sample of its
+    mapped elements with the local checkpoint and every element it wrote, and none differed."""
+    checks = {c["rank"]: c for h in body["hosts"] for c in h["checks"]}
+    assert sorted(checks) == ["dp0/tp0", "dp0/tp1"], body
+    for rank, c in checks.items():
+        assert c["mismatches"] == 0 and c["verified_elements"] > 0 and c["sampled_elements"] > 0, (rank, c)
+        assert c["not_checkable_params"] == 1, (rank, c)  # the nudged parameter is reload-only
+    assert body["mismatches"] == 0 and body["verified_elements"] > 0 and not body["reloaded_after_check"], body
+    cost = max(c["check_s"] for c in checks.values())
+    print(f"\n[measured] check after the update: {cost:.4f}s of a {body['pause_s']:.4f}s pause "
+          f"({body['verified_elements']} elements on {len(checks)} ranks)")
+
+
 @pytest.mark.parametrize("version,encoding", [(1, "xor"), (2, "overwrite"), (3, "sparse-v1")])
 def test_a_live_apply_is_bit_identical_to_a_reload_of_the_same_version(env, version, encoding):
     env.feed.publish(version, encoding=encoding, names=env.others)
@@ -138,6 +152,7 @@ def test_a_live_apply_is_bit_identical_to_a_reload_of_the_same_version(env, vers
           f"{body['elements_scattered']} elements, staged in {body['hosts'][0]['stage_s']:.4f}s")
     [host] = body["hosts"]
     assert host["ranks"] == ["dp0/tp0", "dp0/tp1"] and host["mode"] == "live"
+    assert_checked_from_the_live_weights_on_every_rank(body)
     live = digests(env)
     for rank in live:
         assert live[rank]["live_version"] == version

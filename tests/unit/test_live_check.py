@@ -327,3 +327,31 @@ def test_metrics_count_each_ranks_check_its_mismatches_and_the_reloads_they_caus
     assert got["weightsync_update_checks_total[('outcome', 'unchecked')]"] == 1
     assert got["weightsync_update_check_mismatches_total[]"] == 3
     assert got["weightsync_update_check_reloads_total[]"] == 1
+
+
+def test_the_sample_reaches_at_most_the_tensor_budget_per_update_and_other_tensors_the_next_time():
+    class Many(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.zeros(10, 8))
+
+        def load_weights(self, weights):
+            for name, t in weights:
+                self.weight.data[int(name[1:])].copy_(t)
+
+    rows = {f"r{i}": torch.randn(8) for i in range(10)}
+    model = Many()
+    cmap = build_coordinate_map(model, [TensorSpec(n, (8,), "F32") for n in rows])
+    model.load_weights(rows.items())
+    assert prove_map(cmap, dict(model.named_parameters()), rows.__getitem__)
+    params = dict(model.named_parameters())
+    first = check_sample(cmap, params, rows.__getitem__, sample_seed(1, 1), max_tensors=3)
+    assert first.compared == 3 * 8
+    seen = set()
+    for counter in range(1, 30):
+        with torch.no_grad():
+            model.weight.copy_(torch.stack([rows[f"r{i}"] for i in range(10)]))
+            model.weight[counter % 10] += 1  # one wrong row: found only when its tensor is drawn
+        if check_sample(cmap, params, rows.__getitem__, sample_seed(1, counter), max_tensors=3).mismatches:
+            seen.add(counter % 10)
+    assert len(seen) >= 5  # drawn afresh: over updates, different tensors are reached
