@@ -370,6 +370,39 @@ def checkpoint_files(directory: str) -> list[str]:
     return [os.path.join(directory, f) for f in checkpoint_weight_files(directory)]
 
 
+def per_update_check(args: Any, cmap: Any, params: dict, local: str, version: int, staged: Any, pause_ms: float) -> dict:
+    """Issue 19's check after an update (``sglang_patch.live_check``), on the weights that hold
+    ``version``: a fresh sample against the local checkpoint and every scattered element against
+    the staged value; then again with one planted wrong element, which it must find."""
+    import torch
+
+    from sglang_patch.coordinate_map import CheckpointReader
+    from sglang_patch.live_check import SAMPLE_PER_TENSOR, SAMPLE_TENSORS_PER_UPDATE, check_update
+
+    read = CheckpointReader(local).tensor
+    with Timer(args.device) as t:
+        check = check_update("bench", cmap, params, read, version=version, counter=1, patches=staged.patches,
+                             max_tensors=SAMPLE_TENSORS_PER_UPDATE)
+    with Timer(args.device) as t_sample:
+        sample_only = check_update("bench", cmap, params, read, version=version, counter=2,
+                                   max_tensors=SAMPLE_TENSORS_PER_UPDATE)
+    p = staged.patches[0]
+    bits = p.flat.view(torch.int16 if p.flat.element_size() == 2 else torch.int32)
+    k = int(p.index[0])
+    with torch.no_grad():
+        bits[k] ^= 1  # one bit of one scattered element
+        planted = check_update("bench", cmap, params, read, version=version, counter=3, patches=staged.patches,
+                               max_tensors=SAMPLE_TENSORS_PER_UPDATE)
+        bits[k] ^= 1
+    return {"verified_elements": check.verified_elements, "mismatches": check.mismatches,
+            "sampled_elements": check.sampled_elements, "scattered_elements": check.scattered_elements,
+            "not_checkable_params": check.not_checkable_params, "sample_mismatches": sample_only.mismatches,
+            "per_tensor": SAMPLE_PER_TENSOR, "tensors_per_update": SAMPLE_TENSORS_PER_UPDATE,
+            "check_ms": round(t.s * 1e3, 3), "sample_only_ms": round(t_sample.s * 1e3, 3),
+            "check_over_pause": round(t.s * 1e3 / pause_ms, 4) if pause_ms else None,
+            "planted_found": planted.mismatches == 1, "planted_detail": planted.detail}
+
+
 def differing_params(a: dict, b: dict) -> list[str]:
     """Names whose bytes differ (compared on the device, as integers: NaN and -0.0 count)."""
     from sglang_patch.coordinate_map import as_int_bits
@@ -538,11 +571,7 @@ def cmd_engine(args) -> int:
                 row["pause_over_reload"] = round(row["pause_ms"] / 1e3 / row["reload_s"], 5)
                 row["not_bit_identical_to_reload"] = differing_params(live, params)
                 row["pointers_unchanged_after_reload"] = all(p.data_ptr() == ptrs[n] for n, p in params.items())
-                # issue 19's per-update check from the live weights (a sample of every mapped
-                # tensor against the local checkpoint, every scattered element against the staged
-                # value) belongs here once it lands: run it on the patched weights, then again
-                # with one planted wrong element, which it must catch
-                row["per_update_check"] = "not in this tree yet (issue 19)"
+                row["per_update_check"] = per_update_check(args, cmap, params, local, version, staged, row["pause_ms"])
                 del live, staged, undo
                 if args.device.startswith("cuda"):
                     torch.cuda.empty_cache()
@@ -553,6 +582,7 @@ def cmd_engine(args) -> int:
                 r["fault_raised"] and not r["fault_not_restored"] and r["pointers_unchanged"]
                 and not r["not_bit_identical_to_reload"]
                 and r["elements_written"] == r["staged_elements"] == r["changed_elements"]
+                and r["per_update_check"]["mismatches"] == 0 and r["per_update_check"]["planted_found"]
                 for r in results))
         finally:
             if not args.keep_data:
