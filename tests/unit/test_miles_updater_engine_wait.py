@@ -15,23 +15,15 @@ from __future__ import annotations
 
 import json
 import os
-import socket
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
+from megatron_support import free_port, run_gloo_ranks
 
-REPO = Path(__file__).resolve().parents[2]
 GROUP_TIMEOUT_S = 6.0
 SLOW_PULL_S = 2.5 * GROUP_TIMEOUT_S
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -40,16 +32,9 @@ def run(tmp_path_factory):
 
     work = tmp_path_factory.mktemp("engine_wait")
     hf = make_tiny_qwen3(work / "hf", seed=8)
-    cfg = dict(port=_free_port(), hf_dir=hf, out_dir=str(work / "out"), disk_dir=str(work / "shared"),
+    cfg = dict(port=free_port(), hf_dir=hf, out_dir=str(work / "out"), disk_dir=str(work / "shared"),
                local_dir=str(work / "engine" / "ckpt"))
-    os.makedirs(cfg["out_dir"])
-    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
-    procs = [subprocess.Popen([sys.executable, __file__, str(rank), json.dumps(cfg)], env=env, cwd=str(REPO),
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for rank in range(2)]
-    logs = [p.communicate(timeout=600)[0] for p in procs]
-    failed = [(r, p.returncode) for r, p in enumerate(procs) if p.returncode != 0]
-    assert not failed, f"ranks failed {failed}:\n" + "\n".join(log[-4000:] for log in logs)
-    seen = [json.loads((Path(cfg["out_dir"]) / f"rank{r}.json").read_text()) for r in range(2)]
+    seen, _ = run_gloo_ranks(__file__, cfg)
     return dict(cfg, seen=seen)
 
 

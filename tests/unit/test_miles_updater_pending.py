@@ -17,20 +17,11 @@ from __future__ import annotations
 
 import json
 import os
-import socket
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-
-REPO = Path(__file__).resolve().parents[1].parent
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from megatron_support import free_port, run_gloo_ranks
 
 
 @pytest.fixture(scope="module")
@@ -39,15 +30,8 @@ def run(tmp_path_factory):
 
     work = tmp_path_factory.mktemp("updater_pending")
     hf = make_tiny_qwen3(work / "hf", seed=5)
-    cfg = dict(world=2, port=_free_port(), hf_dir=hf, out_dir=str(work / "out"), disk_dir=str(work / "shared"))
-    os.makedirs(cfg["out_dir"])
-    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
-    procs = [subprocess.Popen([sys.executable, __file__, str(rank), json.dumps(cfg)], env=env, cwd=str(REPO),
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for rank in range(2)]
-    logs = [p.communicate(timeout=600)[0] for p in procs]
-    failed = [(r, p.returncode) for r, p in enumerate(procs) if p.returncode != 0]
-    assert not failed, f"ranks failed {failed}:\n" + "\n".join(log[-4000:] for log in logs)
-    seen = [json.loads((Path(cfg["out_dir"]) / f"rank{r}.json").read_text()) for r in range(2)]
+    cfg = dict(world=2, port=free_port(), hf_dir=hf, out_dir=str(work / "out"), disk_dir=str(work / "shared"))
+    seen, logs = run_gloo_ranks(__file__, cfg)
     return dict(cfg, seen=seen, logs=logs)
 
 

@@ -1,0 +1,36 @@
+"""Shared harness of the unit tests that run real Megatron ranks on gloo, one process per rank.
+
+Role: start the test module itself once per rank as a child process (the module's ``__main__``
+runs the rank's work and writes ``<out_dir>/rank<r>.json``), wait for every rank, fail the test
+with the tail of each rank's log when any rank failed, and hand back what each rank recorded.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_gloo_ranks(script: str, cfg: dict, ranks: int = 2) -> tuple[list[dict], list[str]]:
+    """Run ``script <rank> <cfg as json>`` for every rank at once; -> (each rank's json, each rank's log)."""
+    os.makedirs(cfg["out_dir"])
+    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    procs = [subprocess.Popen([sys.executable, script, str(rank), json.dumps(cfg)], env=env, cwd=str(REPO),
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for rank in range(ranks)]
+    logs = [p.communicate(timeout=600)[0] for p in procs]
+    failed = [(r, p.returncode) for r, p in enumerate(procs) if p.returncode != 0]
+    assert not failed, f"ranks failed {failed}:\n" + "\n".join(log[-4000:] for log in logs)
+    seen = [json.loads((Path(cfg["out_dir"]) / f"rank{r}.json").read_text()) for r in range(ranks)]
+    return seen, logs
