@@ -239,9 +239,9 @@ def sglang_cpu_view() -> Iterator[None]:
 
 
 def init_sglang_single_rank(port: int) -> None:
-    """A one-rank gloo process group with sglang's parallel state (as tests/e2e/live_moe_child.py)."""
+    """A one-rank gloo process group with sglang's parallel state (as tests/e2e/live_models_child.py)."""
     sys.path.insert(0, os.path.join(REPO, "tests", "e2e"))
-    from live_moe_child import init_sglang_single_rank as init
+    from live_models_child import init_sglang_single_rank as init
 
     if not port:
         import socket

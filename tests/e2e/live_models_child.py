@@ -1,8 +1,11 @@
 """Child process of test_live_map_models.py: sglang's own model classes, built on the CPU in a
-one-rank gloo group (``live_moe_child.init_sglang_single_rank``), each mapped on a storage-free
-copy, proven, patched and compared bit for bit with a reload; plus the cases live apply must
-refuse (a one-element parameter loaded through ``.item()``, an MLA model's derived ``w_kc``/
-``w_vc``, sglang's own refusal of online updates, a class off the allow-list).
+one-rank gloo group (``init_one_rank``), each mapped on a storage-free copy, proven, patched and
+compared bit for bit with a reload; plus the cases live apply must refuse (a one-element parameter
+loaded through ``.item()``, an MLA model's derived ``w_kc``/``w_vc``, sglang's own refusal of
+online updates, a class off the allow-list). ``benchmarks/gpu_check.py`` imports its one-rank
+setup from here. The MoE classes run only in process: sglang cannot serve an MoE on this CPU (its
+fused-MoE kernels need sgl_kernel's CPU build or triton on a GPU). One case alone:
+``python live_models_child.py PORT qwen3_moe``.
 
 Prints one JSON line: ``{case: result}``; a case that raised carries ``error``.
 """
@@ -10,13 +13,48 @@ Prints one JSON line: ``{case: result}``; a case that raised carries ``error``.
 from __future__ import annotations
 
 import json
+import os
 import sys
 import traceback
 
 import torch
 
-sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from live_moe_child import per_expert_checkpoint  # noqa: E402
+
+def init_sglang_single_rank(port: int) -> None:
+    """A one-rank gloo group with sglang's parallel state, through 0.5.23's spawn-time publish."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    from sglang.srt.distributed import parallel_state
+    from sglang.srt.distributed.parallel_state import init_distributed_environment, initialize_model_parallel
+    from sglang.srt.runtime_context import SpawnRanks, get_parallel, publish, reset_context
+    from sglang.srt.server_args import ServerArgs
+
+    init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo")
+    reset_context()
+    publish(ServerArgs(model_path="dummy", tp_size=1, ep_size=1, pp_size=1, device="cpu"), role="test",
+            ranks=SpawnRanks(world_rank=0))
+    if parallel_state._WORLD is not None:
+        get_parallel().override_permanently(world_group=parallel_state._WORLD)
+    initialize_model_parallel(backend="gloo")
+
+
+def per_expert_checkpoint(state: dict, inter: int) -> dict:
+    """The on-disk HF layout of Qwen3-MoE (``experts.{e}.{gate,up,down}_proj.weight``, bf16):
+    transformers fuses the experts in memory, sglang's loader reads them one by one."""
+    out = {}
+    for name, t in state.items():
+        t = t.detach().to(torch.bfloat16)
+        if name.endswith("mlp.experts.gate_up_proj"):
+            base = name[: -len("gate_up_proj")]
+            for e in range(t.shape[0]):
+                out[f"{base}{e}.gate_proj.weight"] = t[e, :inter].clone()
+                out[f"{base}{e}.up_proj.weight"] = t[e, inter:].clone()
+        elif name.endswith("mlp.experts.down_proj"):
+            base = name[: -len("down_proj")]
+            for e in range(t.shape[0]):
+                out[f"{base}{e}.down_proj.weight"] = t[e].clone()
+        else:
+            out[name] = t.clone()
+    return out
 
 
 def init_one_rank(port: int) -> None:
@@ -24,12 +62,9 @@ def init_one_rank(port: int) -> None:
     from sglang.srt import runtime_context
 
     if hasattr(runtime_context, "SpawnRanks"):  # 0.5.23: the spawn-time publish
-        from live_moe_child import init_sglang_single_rank
-
         init_sglang_single_rank(port)
         return
-    import os  # 0.5.16: parallel state from the globals, server args through the legacy shim
-
+    # 0.5.16: parallel state from the globals, server args through the legacy shim
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
     from sglang.srt.distributed.parallel_state import init_distributed_environment, initialize_model_parallel
     from sglang.srt.server_args import ServerArgs, set_global_server_args_for_scheduler
