@@ -21,6 +21,8 @@ from sglang_patch.coordinate_map import TensorSpec, build_coordinate_map, prove_
 from sglang_patch.live_check import check_sample, check_update, sample_seed
 from sglang_patch.live_patch import StagedUpdate, scatter_with_undo, stage_update
 
+from live_support import TensorReader, changed_positions, serve_from_local
+
 
 class Shards(torch.nn.Module):
     """Rank 1 of a column split (rows 4..7 of ``w``) fused with a transposed ``b``; ``scale`` is
@@ -53,27 +55,12 @@ def _setup():
     return model, cmap, v0
 
 
-def _changes(v0, v1):
-    for name in sorted(v0):
-        pos = np.flatnonzero((v0[name] != v1[name]).reshape(-1).numpy()).astype(np.int64)
-        if pos.size:
-            yield name, None, pos
-
-
-class _Reader:
-    def __init__(self, tensors):
-        self.tensors = tensors
-
-    def tensor(self, name):
-        return self.tensors[name]
-
-
 def _live_apply(model, cmap, v0):
     v1 = {n: t.clone() for n, t in v0.items()}
     v1["w"][5, 2] += 1
     v1["w"][7, 0] -= 2
     v1["b"][2, 1] += 1
-    staged = stage_update(cmap, dict(model.named_parameters()), _changes(v0, v1), _Reader(v1), max_elements=100,
+    staged = stage_update(cmap, dict(model.named_parameters()), changed_positions(v0, v1), TensorReader(v1), max_elements=100,
                           staged=StagedUpdate(0, 1, None, "/x", 0))
     scatter_with_undo(staged)
     return v1, staged
@@ -229,36 +216,10 @@ def pulled(tmp_path_factory):
     return SimpleNamespace(local=local, model_dir=model_dir)
 
 
-class FlatModel(torch.nn.Module):
-    def __init__(self, tensors: dict) -> None:
-        super().__init__()
-        self.names = sorted(tensors)
-        for i, name in enumerate(self.names):
-            self.register_parameter(f"p{i}", torch.nn.Parameter(torch.zeros_like(tensors[name]), requires_grad=False))
-
-    def load_weights(self, weights):
-        params = dict(self.named_parameters())
-        for name, t in weights:
-            params[f"p{self.names.index(name)}"].data.copy_(t)
-
-
 def _state(pulled):
     from sglang_patch.coordinate_map import CheckpointReader
-    from sglang_patch.coordinator import SingleRankGroup
-    from sglang_patch.live_identity import from_held
-    from sglang_patch.live_side import LiveApplyState
-    from testbed.tiny_qwen3 import read_state_dict
-    from weightsync.codecs.positions import held_version
 
-    tensors = read_state_dict(pulled.local)
-    model = FlatModel(tensors)
-    model.load_weights(tensors.items())
-    scheduler = SimpleNamespace(tp_worker=SimpleNamespace(model_runner=SimpleNamespace(model=model)))
-    state = LiveApplyState(scheduler=scheduler, group=SingleRankGroup(), host="host/node0", rank="dp0/tp0",
-                           seed_dir=pulled.model_dir, allowed_roots=(), max_changed_fraction=0.1)
-    state.cmap = build_coordinate_map(model, CheckpointReader(pulled.local).specs())
-    state.live = from_held(held_version(pulled.local), "reload")
-    state.live_dir = pulled.local
+    state, model = serve_from_local(pulled.local, pulled.model_dir, "reload")
     state.prove(CheckpointReader(pulled.local), state.live, checkpoint_dir=pulled.local)
     return state, model
 

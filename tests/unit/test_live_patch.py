@@ -11,6 +11,8 @@ from sglang_patch import live_results as lr
 from sglang_patch.coordinate_map import Placement, TensorSpec, build_coordinate_map, prove_map
 from sglang_patch.live_patch import StagedUpdate, StagingRefused, positions_through, scatter_with_undo, stage_update
 
+from live_support import TensorReader, changed_positions
+
 
 class TwoShards(torch.nn.Module):
     """Rank 1 of a column split (rows 4..7 of ``w``) fused with all of ``b`` behind it."""
@@ -35,21 +37,6 @@ def _setup():
     model.load_weights(iter(v0.items()))
     assert prove_map(cmap, dict(model.named_parameters()), lambda n: v0[n])
     return model, cmap, v0
-
-
-class _Reader:
-    def __init__(self, tensors):
-        self.tensors = tensors
-
-    def tensor(self, name):
-        return self.tensors[name]
-
-
-def _changes(v0, v1):
-    for name in sorted(v0):
-        pos = np.flatnonzero((v0[name] != v1[name]).reshape(-1).numpy()).astype(np.int64)
-        if pos.size:
-            yield name, None, pos
 
 
 def test_positions_through_a_box_keep_only_what_lands_on_this_rank():
@@ -92,7 +79,7 @@ def test_a_staged_scatter_equals_a_reload_and_keeps_the_storage():
     v1["w"][1, 0] += 1  # rank 0's rows: not this rank's business
     v1["w"][5, 2] += 1
     v1["b"][2, 1] += 1
-    staged = stage_update(cmap, dict(model.named_parameters()), _changes(v0, v1), _Reader(v1), max_elements=100,
+    staged = stage_update(cmap, dict(model.named_parameters()), changed_positions(v0, v1), TensorReader(v1), max_elements=100,
                           staged=StagedUpdate(0, 1, None, "/x", 0))
     assert staged.elements == 2 and staged.nbytes == 2 * (8 + 4 + 4)  # index, new values, old values (undo)
     ptr = model.fused.data_ptr()
@@ -106,7 +93,7 @@ def test_a_staged_scatter_equals_a_reload_and_keeps_the_storage():
 def test_a_failure_mid_scatter_restores_every_written_position():
     model, cmap, v0 = _setup()
     v1 = {n: t + 1 for n, t in v0.items()}  # every element of both tensors
-    staged = stage_update(cmap, dict(model.named_parameters()), _changes(v0, v1), _Reader(v1), max_elements=100,
+    staged = stage_update(cmap, dict(model.named_parameters()), changed_positions(v0, v1), TensorReader(v1), max_elements=100,
                           staged=StagedUpdate(0, 1, None, "/x", 0))
     before = model.fused.detach().clone()
 
@@ -133,11 +120,11 @@ def test_staging_stops_at_the_threshold_and_at_a_reload_only_parameter():
     model, cmap, v0 = _setup()
     v1 = {n: t + 1 for n, t in v0.items()}
     with pytest.raises(StagingRefused, match="more than 5 changed elements"):
-        stage_update(cmap, dict(model.named_parameters()), _changes(v0, v1), _Reader(v1), max_elements=5,
+        stage_update(cmap, dict(model.named_parameters()), changed_positions(v0, v1), TensorReader(v1), max_elements=5,
                      staged=StagedUpdate(0, 1, None, "/x", 0))
     cmap.reload_only_params["fused"] = "repacked after loading"
     with pytest.raises(StagingRefused, match="parameter fused .* is reload-only: repacked after loading"):
-        stage_update(cmap, dict(model.named_parameters()), _changes(v0, v1), _Reader(v1), max_elements=100,
+        stage_update(cmap, dict(model.named_parameters()), changed_positions(v0, v1), TensorReader(v1), max_elements=100,
                      staged=StagedUpdate(0, 1, None, "/x", 0))
 
 

@@ -15,34 +15,15 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-
-
-class FlatModel(torch.nn.Module):
-    """One parameter per checkpoint tensor, loaded by a plain copy."""
-
-    def __init__(self, tensors: dict) -> None:
-        super().__init__()
-        self.names = sorted(tensors)
-        for i, name in enumerate(self.names):
-            self.register_parameter(f"p{i}", torch.nn.Parameter(torch.zeros_like(tensors[name]), requires_grad=False))
-
-    def load_weights(self, weights):
-        params = dict(self.named_parameters())
-        for name, t in weights:
-            params[f"p{self.names.index(name)}"].data.copy_(t)
+from live_support import serve_from_local
 
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
     """``state()``: the engine reloaded from ``local`` (at the version it holds then), its map built, not proven."""
-    from sglang_patch.coordinate_map import CheckpointReader, build_coordinate_map
-    from sglang_patch.coordinator import SingleRankGroup
-    from sglang_patch.live_identity import from_held
-    from sglang_patch.live_side import LiveApplyState
     from testbed.feed import VersionFeed
-    from testbed.tiny_qwen3 import make_tiny_qwen3, read_state_dict
+    from testbed.tiny_qwen3 import make_tiny_qwen3
     from weightsync import pull
-    from weightsync.codecs.positions import held_version
 
     root = tmp_path_factory.mktemp("live_proof")
     model_dir = make_tiny_qwen3(root / "model")
@@ -53,15 +34,7 @@ def served(tmp_path_factory):
     pull(local, model_dir, feed.source_dir, 1)
 
     def state():
-        model = FlatModel(read_state_dict(local))
-        model.load_weights(read_state_dict(local).items())
-        scheduler = SimpleNamespace(tp_worker=SimpleNamespace(model_runner=SimpleNamespace(model=model)))
-        s = LiveApplyState(scheduler=scheduler, group=SingleRankGroup(), host="host/node0", rank="dp0/tp0",
-                           seed_dir=model_dir, allowed_roots=(), max_changed_fraction=0.1)
-        s.cmap = build_coordinate_map(model, CheckpointReader(local).specs())
-        s.live = from_held(held_version(local), f"reload from {local} (marker)")
-        s.live_dir = local
-        return s
+        return serve_from_local(local, model_dir, f"reload from {local} (marker)")[0]
 
     return SimpleNamespace(state=state, local=local, model_dir=model_dir, feed=feed, pull=pull)
 
