@@ -21,6 +21,7 @@ import time
 
 import pytest
 
+from live_apply_support import serve_newest_then_pull_next, update_from_pulled
 from testbed.tiny_qwen3 import SERVER_COMPUTE_ARGS
 
 pytestmark = pytest.mark.slow
@@ -170,27 +171,12 @@ def test_a_hung_read_ends_at_the_deadline_a_retry_waits_for_it_and_another_targe
     assert_checkpoint_equals(env.local, env.feed.expected[3])
 
 
-def update_from_pulled(env, version, *, status=200):
-    resp = env.server.post("/update_weights_from_pulled", {"local_checkpoint_dir": env.local, "target_version": version})
-    assert resp.status_code == status, resp.text
-    return resp.json()
-
-
 def test_a_fault_on_stage_1_rolls_both_stages_back_and_the_retry_commits_on_both(env):
     """Stage 0 used to reply success before stage 1 had even seen the request; stage 1 then
     failed, rolled back alone, and the engine served the old weights under the new version."""
-    from testbed.live import assert_same_weights, wait_until_map_proven, weights_digest
+    from testbed.live import assert_same_weights, weights_digest
 
-    top = max(env.feed.expected)  # the module's last version (the test also runs alone: -k)
-    if top == 0:
-        env.feed.publish(top := 1, encoding="xor")
-    assert pull(env, top).status_code == 200
-    body = update_from_pulled(env, top)  # the engine serves it from the local dir, whatever it served before
-    assert body["success"] and body["weight_version"] == top, body
-    wait_until_map_proven(env.server)
-    new = top + 1
-    env.feed.publish(new, encoding="xor")
-    assert pull(env, new).status_code == 200
+    top, new = serve_newest_then_pull_next(env, pull)
     before = weights_digest(env.server)
     assert sorted(before) == STAGES
     (env.faults / "live-apply-fault-dp0_pp1_tp0").touch()

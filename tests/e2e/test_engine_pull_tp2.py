@@ -22,6 +22,7 @@ import time
 
 import pytest
 
+from live_apply_support import serve_newest_then_pull_next, update_from_pulled
 from testbed.tiny_qwen3 import SERVER_COMPUTE_ARGS
 
 pytestmark = pytest.mark.slow
@@ -420,27 +421,12 @@ def test_a_routine_not_published_404_writes_no_traceback_to_the_log(env):
 # --- live apply on this server's sglang (the 0.5.16 matrix runs this module too) ------------------
 
 
-def update_from_pulled(env, version, *, status=200):
-    resp = env.server.post("/update_weights_from_pulled", {"local_checkpoint_dir": env.local, "target_version": version})
-    assert resp.status_code == status, resp.text
-    return resp.json()
-
-
 def test_a_live_apply_equals_a_reload_and_a_fault_after_the_first_write_rolls_every_rank_back(env):
     """On 0.5.16 every live apply used to fail after its writes (its cache flush takes other
     arguments) and left the new values in place under the old version."""
-    from testbed.live import assert_same_weights, wait_until_map_proven, weights_digest
+    from testbed.live import assert_same_weights, weights_digest
 
-    top = max(env.feed.expected)  # the module's last version (the test also runs alone: -k)
-    if top == 0:
-        env.feed.publish(top := 1, encoding="xor")
-    assert pull(env, top).status_code == 200
-    body = update_from_pulled(env, top)  # the engine now serves it from the local dir, whatever it served before
-    assert body["success"] and body["weight_version"] == top, body
-    wait_until_map_proven(env.server)
-    new = top + 1
-    env.feed.publish(new, encoding="xor")
-    assert pull(env, new).status_code == 200
+    top, new = serve_newest_then_pull_next(env, pull)
     before = weights_digest(env.server)
     ids_before = env.server.generate_ids(PROMPT, NEW_TOKENS)
     (env.faults / "live-apply-fault-dp0_tp1").touch()
