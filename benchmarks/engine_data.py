@@ -78,6 +78,11 @@ def write_model(model_dir: str, tensors: dict[str, np.ndarray], shape: Shape) ->
     tokenizer = make_tokenizer(model_dir)
     with open(os.path.join(model_dir, "config.json"), "w") as f:
         json.dump(config_json(shape, tokenizer.convert_tokens_to_ids(EOS_TOKEN)), f, indent=1)
+    write_sharded_weights(model_dir, tensors)
+
+
+def write_sharded_weights(model_dir: str, tensors: dict[str, np.ndarray]) -> None:
+    """bf16 safetensors shards of at most SHARD_NBYTES each (names in order) and their index."""
     shards: list[list[str]] = [[]]
     size = 0
     for name in sorted(tensors):

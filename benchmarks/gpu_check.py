@@ -339,29 +339,12 @@ def make_versions(shape, device: str, fractions: list[float], seed: int = 0):
 
 def write_checkpoint(model_dir: str, tensors: dict, shape) -> None:
     """An HF checkpoint dir: config.json (Qwen3, tied embeddings) and ~1 GB bf16 shards."""
-    from engine_data import SHARD_NBYTES, config_json
-    from weightsync.fsio import write_file
-    from weightsync.safetensors_io import iter_file_chunks
+    from engine_data import config_json, write_sharded_weights
 
     os.makedirs(model_dir, exist_ok=True)
     with open(os.path.join(model_dir, "config.json"), "w") as f:
         json.dump(config_json(shape, 0), f, indent=1)
-    shards: list[list[str]] = [[]]
-    size = 0
-    for name in sorted(tensors):
-        if shards[-1] and size + tensors[name].nbytes > SHARD_NBYTES:
-            shards.append([])
-            size = 0
-        shards[-1].append(name)
-        size += tensors[name].nbytes
-    weight_map = {}
-    for i, names in enumerate(shards, start=1):
-        fname = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
-        entries = [(n, "BF16", tuple(tensors[n].shape), tensors[n]) for n in names]
-        write_file(os.path.join(model_dir, fname), iter_file_chunks(entries, {"format": "pt"}))
-        weight_map.update({n: fname for n in names})
-    with open(os.path.join(model_dir, "model.safetensors.index.json"), "w") as f:
-        json.dump({"metadata": {"total_size": sum(a.nbytes for a in tensors.values())}, "weight_map": weight_map}, f)
+    write_sharded_weights(model_dir, tensors)
 
 
 def checkpoint_files(directory: str) -> list[str]:
