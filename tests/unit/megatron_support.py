@@ -2,7 +2,8 @@
 
 Role: start the test module itself once per rank as a child process (the module's ``__main__``
 runs the rank's work and writes ``<out_dir>/rank<r>.json``), wait for every rank, fail the test
-with the tail of each rank's log when any rank failed, and hand back what each rank recorded.
+with the tail of each rank's log when any rank failed, and hand back what each rank recorded; in
+the rank, a deterministic stand-in for an optimizer step.
 """
 
 from __future__ import annotations
@@ -34,3 +35,15 @@ def run_gloo_ranks(script: str, cfg: dict, ranks: int = 2) -> tuple[list[dict], 
     assert not failed, f"ranks failed {failed}:\n" + "\n".join(log[-4000:] for log in logs)
     seen = [json.loads((Path(cfg["out_dir"]) / f"rank{r}.json").read_text()) for r in range(ranks)]
     return seen, logs
+
+
+def move_weights(model, step: int) -> None:
+    """A deterministic "optimizer step": 1% of each parameter's elements move."""
+    import torch
+
+    with torch.no_grad():
+        for i, p in enumerate(model.parameters()):
+            g = torch.Generator().manual_seed(10_000 * step + i)
+            flat = p.view(-1)
+            idx = torch.randperm(flat.numel(), generator=g)[: max(1, flat.numel() // 100)]
+            flat[idx] += torch.randn(idx.numel(), generator=g) * 0.05

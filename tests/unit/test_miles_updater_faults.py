@@ -21,7 +21,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from megatron_support import free_port, run_gloo_ranks
+from megatron_support import free_port, move_weights, run_gloo_ranks
 
 
 FAULTS = ["prepare@1", "write@1", "barrier@all", "commit@0"]  # versions 1..4, one failure each
@@ -174,18 +174,6 @@ class Faults:
         return wrapper
 
 
-def _move_weights(model, step: int) -> None:
-    """A deterministic "optimizer step": 1% of each parameter's elements move."""
-    import torch
-
-    with torch.no_grad():
-        for i, p in enumerate(model.parameters()):
-            g = torch.Generator().manual_seed(10_000 * step + i)
-            flat = p.view(-1)
-            idx = torch.randperm(flat.numel(), generator=g)[: max(1, flat.numel() // 100)]
-            flat[idx] += torch.randn(idx.numel(), generator=g) * 0.05
-
-
 def _adam_like_step(model, step: int, lr: float = 2e-5) -> None:
     """Every element moves by about ``lr`` (a sign and a log-normal size): after the bf16 cast
     small weights change more often than large ones, the data sparse-v2 is for."""
@@ -262,13 +250,13 @@ def _worker(rank: int, cfg: dict) -> None:
     step = 0
     for fault in FAULTS + [None]:
         step += 1
-        _move_weights(model, step)
+        move_weights(model, step)
         if fault is not None:
             faults.armed[fault] = 1
         seen["syncs"].append(record(updater.update_weights(update_engines=False)))
     # Every attempt at v6 fails on rank 1's write: both ranks raise, v6 stays pending.
     step += 1
-    _move_weights(model, step)
+    move_weights(model, step)
     faults.armed["write@every"] = 3 if rank == 1 else 0
     try:
         updater.update_weights(update_engines=False)
@@ -279,7 +267,7 @@ def _worker(rank: int, cfg: dict) -> None:
     seen["digests"]["6"] = {n: xxhash.xxh3_128_hexdigest(t.data) for n, t in updater.gatherer.owned_tensors().items()}
     for _ in range(2):
         step += 1
-        _move_weights(model, step)
+        move_weights(model, step)
         seen["syncs"].append(record(updater.update_weights(update_engines=False)))
     seen["history_versions"] = [m.version for m in updater.history]
     seen["fault_hits"] = {k: faults.hits[k] for k in FAULTS}
@@ -305,7 +293,7 @@ def _worker(rank: int, cfg: dict) -> None:
         syncs = []
         for _ in range(2 if run else 1):
             step += 1
-            _move_weights(model, step)
+            move_weights(model, step)
             syncs.append(record(updater.update_weights(update_engines=False)))
         start = updater.run_start
         seen["restarts"].append({"start": dict(newest_version=start.newest_version, reopened=start.reopened,

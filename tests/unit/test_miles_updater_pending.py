@@ -21,7 +21,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from megatron_support import free_port, run_gloo_ranks
+from megatron_support import free_port, move_weights, run_gloo_ranks
 
 
 @pytest.fixture(scope="module")
@@ -93,18 +93,6 @@ def test_a_version_nothing_was_written_for_is_published_with_the_next_weights(ru
 # --- the rank process ---------------------------------------------------------------------------
 
 
-def _move_weights(model, step: int) -> None:
-    """A deterministic "optimizer step": 1% of each parameter's elements move."""
-    import torch
-
-    with torch.no_grad():
-        for i, p in enumerate(model.parameters()):
-            g = torch.Generator().manual_seed(10_000 * step + i)
-            flat = p.view(-1)
-            idx = torch.randperm(flat.numel(), generator=g)[: max(1, flat.numel() // 100)]
-            flat[idx] += torch.randn(idx.numel(), generator=g) * 0.05
-
-
 def _worker(rank: int, cfg: dict) -> None:
     import errno
     import faulthandler
@@ -160,10 +148,10 @@ def _worker(rank: int, cfg: dict) -> None:
 
     disk = {"full": rank == 0}
     publish_mod.write_bytes = index_failing
-    _move_weights(model, 1)
+    move_weights(model, 1)
     failing_sync("index", 1)
     disk["full"] = False  # the disk recovered
-    _move_weights(model, 2)
+    move_weights(model, 2)
     next_sync("index", 2)
 
     def prune_failing():
@@ -171,10 +159,10 @@ def _worker(rank: int, cfg: dict) -> None:
 
     if rank == 0:
         pub.retention.prune = prune_failing
-    _move_weights(model, 3)
+    move_weights(model, 3)
     failing_sync("prune", 3)
     pub.retention.prune = real_prune
-    _move_weights(model, 4)
+    move_weights(model, 4)
     next_sync("prune", 4)
     v3_index = os.path.join(updater.source_dir, "weight_v000003", "model.safetensors.index.json")
     seen["cases"]["prune"]["index_written_once"] = index_writes.get(v3_index) == 1
@@ -184,10 +172,10 @@ def _worker(rank: int, cfg: dict) -> None:
 
     if rank == 1:
         pub.encoder.prepare = encode_failing
-    _move_weights(model, 5)
+    move_weights(model, 5)
     failing_sync("encode", 5)
     pub.encoder.prepare = real_encode
-    _move_weights(model, 6)
+    move_weights(model, 6)
     next_sync("encode", 5)
     (Path(cfg["out_dir"]) / f"rank{rank}.json").write_text(json.dumps(seen))
     updater.close()
