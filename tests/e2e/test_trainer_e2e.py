@@ -49,6 +49,10 @@ def loop(tmp_path_factory):
     # delta is patched live and checked here (the threshold's fallback: test_live_apply_tp2.py).
     server = SglangCpuServer(hf, extra_args=ENGINE_ARGS + ["--pull-weights-allowed-roots", str(work),
                                                            "--update-weights-live-max-changed-fraction", "1"],
+                             # The mode is chosen by measured pauses, and this tiny model reloads in
+                             # about 8 ms, faster than a live apply's fixed cost: every reload takes as
+                             # long as a real model's, so that each delta is patched live and checked.
+                             env={"WEIGHTSYNC_TEST_RELOAD_DELAY_S": "0.3"},
                              log_path=work / "sglang.log").start(wait_healthy=False)
     args = add_update_weight_arguments(argparse.ArgumentParser()).parse_args([
         "--update-weight-mode", "delta", "--update-weight-transport", "disk",
