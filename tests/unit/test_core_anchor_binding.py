@@ -82,6 +82,14 @@ class World:
             pub.publish(v, self.t[v])
         pub.close()
 
+    def publish_every_tensor_changed(self, upto: int) -> None:
+        """v1..``upto``, each changing every tensor (anchors at every third delta)."""
+        pub = self.publisher()
+        for v in range(1, upto + 1):
+            self.t.append(mutate(self.t[-1], self.rng, 0.05))
+            pub.publish(v, self.t[v])
+        pub.close()
+
     def local(self) -> str:
         self.n += 1
         return os.path.join(self.root, f"local{self.n}")
@@ -249,11 +257,7 @@ def test_a_damaged_anchor_with_the_chain_below_it_pruned_is_a_typed_error_that_b
 
 
 def test_a_damaged_newest_anchor_falls_back_to_the_older_anchor_pruning_kept(world):
-    pub = world.publisher()
-    for v in range(1, 8):
-        world.t.append(mutate(world.t[-1], world.rng, 0.05))
-        pub.publish(v, world.t[v])
-    pub.close()
+    world.publish_every_tensor_changed(upto=7)
     assert list_anchors(world.source) == [3, 6]
     assert prune_versions(world.source, keep=0) == [1, 2]  # the second-newest anchor point is v3
     flip_local_byte(adir(world.source, 6), "embed", 7)
@@ -380,11 +384,7 @@ def test_verify_of_a_pruned_version_says_which_version_is_missing(fast_tmp_path,
 
 
 def test_pruning_counts_only_bound_anchors_and_deletes_an_orphaned_one(world):
-    pub = world.publisher()
-    for v in range(1, 8):
-        world.t.append(mutate(world.t[-1], world.rng, 0.05))
-        pub.publish(v, world.t[v])
-    pub.close()
+    world.publish_every_tensor_changed(upto=7)
     assert list_anchors(world.source) == [3, 6]
     path = os.path.join(vdir(world.source, 6), INDEX)
     index = read_json(path)
