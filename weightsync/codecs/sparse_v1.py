@@ -159,6 +159,24 @@ def _width(nbytes: int, itemsize: int) -> int:
     return itemsize if itemsize in LE_UINT and nbytes % itemsize == 0 else 1
 
 
+def join_segment_parts(parts: list, nbytes: int, itemsize: int, seg_elements: int, pack_head) -> Encoded | None:
+    """One payload from a tensor's parts ``(entries, frames, compressed bytes, changed, ...)``, in
+    segment order, behind the header ``pack_head(width, n, nseg)`` writes; None when nothing
+    changed. Shared by the segmented encodings (sparse-v1 and sparse-v2)."""
+    changed_elements = sum(p[3] for p in parts)
+    if changed_elements == 0:
+        return None
+    width = _width(nbytes, itemsize)
+    n = nbytes // width
+    nseg = -(-n // seg_elements)
+    entries = [e for p in parts for e in p[0]]
+    if len(entries) != nseg:
+        raise AssertionError(f"parts cover {len(entries)} of {nseg} segments")
+    head = pack_head(width, n, nseg)
+    return Encoded(b"".join([head, *entries, *(f for p in parts for f in p[1])]), sum(p[2] for p in parts),
+                   changed_elements)
+
+
 def encode_segment_range(old, new, itemsize: int, seg_elements: int, seg_range, encode_segment) -> tuple:
     """The segment loop both sparse encodings share: segments [a, b) of a tensor (all when
     ``seg_range`` is None) as (table entries, frames, changed bytes, changed elements), where
@@ -224,18 +242,10 @@ class SparseCodec:
 
     def join(self, parts: list, nbytes: int, itemsize: int) -> Encoded | None:
         """One payload from the parts of a tensor, in segment order; None when nothing changed."""
-        changed_elements = sum(p[3] for p in parts)
-        if changed_elements == 0:
-            return None
-        width = _width(nbytes, itemsize)
-        n = nbytes // width
-        nseg = -(-n // self.seg_elements)
-        entries = [e for p in parts for e in p[0]]
-        if len(entries) != nseg:
-            raise AssertionError(f"parts cover {len(entries)} of {nseg} segments")
-        head = HEADER.pack(MAGIC, VERSION, width, self.transform, 0, n, self.seg_elements, nseg)
-        return Encoded(b"".join([head, *entries, *(f for p in parts for f in p[1])]), sum(p[2] for p in parts),
-                       changed_elements)
+        return join_segment_parts(
+            parts, nbytes, itemsize, self.seg_elements,
+            lambda width, n, nseg: HEADER.pack(MAGIC, VERSION, width, self.transform, 0, n, self.seg_elements, nseg),
+        )
 
     def _diff_segment(self, o, nw, s0, s1, width):
         """(count, changed bytes, gaps as <u4, sign flags, |difference| - 1) of elements [s0, s1)."""

@@ -47,7 +47,7 @@ import numpy as np
 from .. import knobs
 from ..errors import CoderUnavailableError, InvalidKnobError, LocalTensorMismatchError, PayloadBoundError
 from .base import SCRATCH, Encoded, PayloadDensity
-from .sparse_v1 import LE_UINT, _from_order, _signed, _to_order, _width, encode_segment_range
+from .sparse_v1 import LE_UINT, _from_order, _signed, _to_order, _width, encode_segment_range, join_segment_parts
 
 try:  # bitstream 3's range coder, built with the package (setup.py; scripts/setup_env.sh)
     from . import _sparse2_rc as _rc  # type: ignore[attr-defined]
@@ -544,21 +544,13 @@ class Sparse2Codec:
         ), bitstream)
 
     def join(self, parts: list, nbytes: int, itemsize: int) -> Encoded | None:
-        changed_elements = sum(p[3] for p in parts)
-        if changed_elements == 0:
-            return None
-        width = _width(nbytes, itemsize)
-        n = nbytes // width
-        nseg = -(-n // self.seg_elements)
-        entries = [e for p in parts for e in p[0]]
-        if len(entries) != nseg:
-            raise AssertionError(f"parts cover {len(entries)} of {nseg} segments")
-        bitstreams = {p[4] for p in parts}
-        if len(bitstreams) != 1:
-            raise AssertionError(f"parts of one tensor were coded in bitstreams {sorted(bitstreams)}")
-        head = HEADER.pack(MAGIC, bitstreams.pop(), width, 0, 0, n, self.seg_elements, nseg)
-        return Encoded(b"".join([head, *entries, *(f for p in parts for f in p[1])]), sum(p[2] for p in parts),
-                       changed_elements)
+        def pack_head(width: int, n: int, nseg: int) -> bytes:
+            bitstreams = {p[4] for p in parts}
+            if len(bitstreams) != 1:
+                raise AssertionError(f"parts of one tensor were coded in bitstreams {sorted(bitstreams)}")
+            return HEADER.pack(MAGIC, bitstreams.pop(), width, 0, 0, n, self.seg_elements, nseg)
+
+        return join_segment_parts(parts, nbytes, itemsize, self.seg_elements, pack_head)
 
     def _encode_segment(self, o: np.ndarray, nw: np.ndarray, width: int):
         dt = o.dtype
