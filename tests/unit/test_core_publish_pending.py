@@ -59,6 +59,15 @@ def _fail_index_write(monkeypatch, version: int, times: int, *, after_landing: b
     return left
 
 
+def _v1_whose_index_landed_before_its_write_failed(world, monkeypatch):
+    """A publisher whose publish of v1 raised after v1's index landed (v1 left pending)."""
+    pub = _publisher(world)
+    _fail_index_write(monkeypatch, 1, times=1, after_landing=True)
+    with pytest.raises(OSError):
+        pub.publish(1, world["t"][1])
+    return pub
+
+
 def _assert_serves(world, version: int, expected) -> str:
     local = os.path.join(world["root"], "local")
     result = pull(local, world["seed"], world["source"], version)
@@ -138,10 +147,7 @@ def test_a_prepare_of_a_version_already_on_disk_is_already_published_not_out_of_
 
 def test_an_index_that_landed_before_its_write_reported_a_failure_is_recognised_as_published(world, monkeypatch):
     t = world["t"]
-    pub = _publisher(world)
-    _fail_index_write(monkeypatch, 1, times=1, after_landing=True)
-    with pytest.raises(OSError):
-        pub.publish(1, t[1])
+    pub = _v1_whose_index_landed_before_its_write_failed(world, monkeypatch)
     assert pub.pending_version == 1
     ipath = os.path.join(world["source"], "weight_v000001", INDEX)
     stat_before = os.stat(ipath)
@@ -177,11 +183,7 @@ def test_a_discarded_pending_version_leaves_no_files_and_the_next_version_is_ful
 
 
 def test_a_pending_version_whose_index_landed_cannot_be_discarded(world, monkeypatch):
-    t = world["t"]
-    pub = _publisher(world)
-    _fail_index_write(monkeypatch, 1, times=1, after_landing=True)
-    with pytest.raises(OSError):
-        pub.publish(1, t[1])
+    pub = _v1_whose_index_landed_before_its_write_failed(world, monkeypatch)
     with pytest.raises(errors.VersionAlreadyPublishedError, match=r"cannot be discarded"):
         pub.discard_pending()
     assert os.path.isfile(os.path.join(world["source"], "weight_v000001", INDEX))
