@@ -84,12 +84,15 @@ def _flat_host(t: torch.Tensor, index: np.ndarray) -> torch.Tensor:
 def check_sample(
     cmap: CoordinateMap, params: Mapping[str, torch.Tensor], read_tensor: Callable[[str], torch.Tensor],
     seed: list[int], per_tensor: int = SAMPLE_PER_TENSOR, tally: Optional[_Tally] = None,
-    max_tensors: Optional[int] = None,
+    max_tensors: Optional[int] = None, checked: Optional[set[str]] = None,
 ) -> _Tally:
     """Compare up to ``per_tensor`` random elements of each of up to ``max_tensors`` random
-    checkpoint tensors' boxes (into checkable parameters) with the parameter elements they land on."""
+    checkpoint tensors' boxes (into checkable parameters) with the parameter elements they land on.
+
+    ``checked``: ``checkable_params``'s first set when the caller has it already (not rebuilt)."""
     tally = tally or _Tally()
-    checked, _ = checkable_params(cmap, params)
+    if checked is None:
+        checked, _ = checkable_params(cmap, params)
     rng = np.random.default_rng(seed)
     tensors = [t for t in sorted(cmap.placements) if any(p.param in checked for p in cmap.placements[t])]
     if max_tensors is not None and len(tensors) > max_tensors:
@@ -156,7 +159,7 @@ def check_update(
         return _result(rank, scattered, None, len(checked), len(unchecked), start,
                        "no sample drawn: the local checkpoint does not name this version (or the sample is off)")
     sample = check_sample(cmap, params, read_tensor, sample_seed(version, counter, rank), per_tensor,
-                          max_tensors=max_tensors)
+                          max_tensors=max_tensors, checked=checked)
     if not still_valid():
         return _result(rank, scattered, None, len(checked), len(unchecked), start,
                        "the local checkpoint changed during the check: the sample counts for nothing")
