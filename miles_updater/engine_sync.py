@@ -259,7 +259,6 @@ class EngineSync:
         modes = {a["mode"] for a in metrics.applies}
         metrics.apply_mode = modes.pop() if len(modes) == 1 else "mixed"
         metrics.elements_scattered = sum(a["elements_scattered"] for a in metrics.applies)
-        return metrics
 
     def apply(self, version: int, indices: list[int] | None = None) -> list[dict]:
         """Apply ``version`` (already pulled) on every paused engine (or those at ``indices``);
