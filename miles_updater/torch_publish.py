@@ -359,9 +359,8 @@ class TorchWeightSync:
             return
         log.info("finishing v%d, left pending by a failed publish, before publishing newer weights", version)
         m = SyncMetrics(version=version)
+        # Counting it published clears the stager's dirty set: its buffers hold what was staged for it.
         self._publish_with_retries(version, m, call)
-        # The stager's buffers hold what was staged for that version: nothing is dirty any more.
-        self.stager.dirty.clear()
 
     def _publish_with_retries(self, version: int, m: SyncMetrics, call) -> None:
         """Run ``call`` (one publish of ``version``) until it succeeds, then count the version published."""
