@@ -328,6 +328,7 @@ class UndoLog:
 
         ``before_write(k, param)``: called before patch ``k``'s write-back (a test's fault)."""
         failures: list[str] = []
+        failed: set[str] = set()  # params already reported (one failure line each)
         with one_intra_op_thread():
             for k in reversed(range(len(self._patches))):
                 p = self._patches[k]
@@ -337,12 +338,12 @@ class UndoLog:
                     self._write_back(p)
                 except Exception as exc:  # the others are still written back
                     failures.append(f"{p.param}: write-back failed: {type(exc).__name__}: {exc}")
+                    failed.add(p.param)
             try:
                 if any(p.flat.device.type == "cuda" for p in self._patches):
                     torch.cuda.synchronize()
             except Exception as exc:
                 failures.append(f"the device: {type(exc).__name__}: {exc}")
-            failed = {f.split(":", 1)[0] for f in failures}
             for p in self._patches:
                 try:
                     if not self._holds_old(p) and p.param not in failed:
