@@ -23,10 +23,13 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Literal
 
 import msgspec
+import numpy as np
 
 from . import knobs
 from .apply import (
     VerifyFailed,
+    _close_map,
+    _hash_in_chunks,
     apply_chain,
     check_against_local,
     fsync_files,
@@ -488,24 +491,35 @@ def _seed_mismatches(local: str, seed: SeedSource, workers: int, chunk: int) -> 
     if placed:
         raise CorruptArtifactError(f"tensors {sorted(placed)[:5]} are not in the shard its index names")
 
+    # One read-only map per shard, shared by the workers (not an open and a map per tensor).
+    maps: dict[str, mmap.mmap] = {}
+    lock = threading.Lock()
+
+    def shard_map(path: str) -> mmap.mmap:
+        with lock:
+            if path not in maps:
+                with open(path, "rb") as fh:
+                    maps[path] = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
+            return maps[path]
+
     def mismatch(name: str) -> tuple[str, str, str] | None:
         path, entry = table[name]
         hasher = tensor_hasher(fmt)
         if entry.nbytes:
-            with open(path, "rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as mm:
-                view = memoryview(mm)
-                try:
-                    end = entry.offset + entry.nbytes
-                    for pos in range(entry.offset, end, chunk):
-                        with view[pos : min(pos + chunk, end)] as part:
-                            hasher.update(part)
-                finally:
-                    view.release()
+            region = np.ndarray((entry.nbytes,), dtype=np.uint8, buffer=shard_map(path), offset=entry.offset)
+            try:
+                _hash_in_chunks(hasher, region, chunk)
+            finally:
+                del region
         actual = hasher.hexdigest()
         return None if actual == digests[name] else (name, digests[name], actual)
 
-    with ThreadPoolExecutor(max(1, workers), thread_name_prefix="weightsync-seed-check") as pool:
-        return [r for r in pool.map(mismatch, sorted(table, key=lambda n: -table[n][1].nbytes)) if r is not None]
+    try:
+        with ThreadPoolExecutor(max(1, workers), thread_name_prefix="weightsync-seed-check") as pool:
+            return [r for r in pool.map(mismatch, sorted(table, key=lambda n: -table[n][1].nbytes)) if r is not None]
+    finally:
+        for mm in maps.values():
+            _close_map(mm)
 
 
 def _execute(
