@@ -257,7 +257,7 @@ def read_anchor_index(source_dir: str, version: int) -> VersionIndex:
     declared = parse_version_number(meta.get("version"), "version", ipath)
     if declared != version:
         raise CorruptArtifactError(f"{ipath} declares version {declared} but lives in the dir of anchor {version}")
-    commit, digests, checksum = _anchor_binding(obj, meta, wmap, ipath)
+    commit, digests, checksum = _anchor_binding(obj, meta, wmap, ipath, version)
     return VersionIndex(
         version, "full", adir, dict(wmap), checksum_format=checksum,
         metadata={str(k): str(v) for k, v in meta.items() if k != ANCHOR_DIGESTS_KEY},
@@ -292,7 +292,9 @@ def _full_digests(obj: dict, meta: dict, wmap: dict, ipath: str) -> tuple[dict[s
     return _checked_digests(raw, checksum, wmap, ipath), str(checksum)
 
 
-def _anchor_binding(obj: dict, meta: dict, wmap: dict, ipath: str) -> tuple[str | None, dict[str, str] | None, str | None]:
+def _anchor_binding(
+    obj: dict, meta: dict, wmap: dict, ipath: str, version: int,
+) -> tuple[str | None, dict[str, str] | None, str | None]:
     """(commit id, digests, checksum format) of an anchor index; (None, None, None) for an
     index without a binding (an older publisher's). A binding that is there but wrong (digests
     that do not cover exactly the weight map, a malformed digest) is a damaged anchor."""
@@ -304,7 +306,6 @@ def _anchor_binding(obj: dict, meta: dict, wmap: dict, ipath: str) -> tuple[str 
     if commit is None or not isinstance(raw, dict):
         raise MalformedHeaderError(ipath, f"an anchor index names both {ANCHOR_COMMIT_KEY} (32 hex digits) and {ANCHOR_DIGESTS_KEY}, or neither")
     raw = _checked_digests(raw, checksum, wmap, ipath)
-    version = parse_version_number(meta.get("version"), "version", ipath)
     if anchor_commit_of(version, checksum, raw) != commit:
         raise MalformedHeaderError(ipath, f"{ANCHOR_COMMIT_KEY} is not the one its {ANCHOR_DIGESTS_KEY} give: the index is damaged")
     return commit, dict(raw), checksum
