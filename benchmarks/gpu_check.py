@@ -354,13 +354,13 @@ def checkpoint_files(directory: str) -> list[str]:
 
 
 def per_update_check(args: Any, cmap: Any, params: dict, local: str, version: int, staged: Any, pause_ms: float) -> dict:
-    """Issue 19's check after an update (``sglang_patch.live_check``), on the weights that hold
+    """Issue 19's check after an update (``sglang_patch.live.check``), on the weights that hold
     ``version``: a fresh sample against the local checkpoint and every scattered element against
     the staged value; then again with one planted wrong element, which it must find."""
     import torch
 
-    from sglang_patch.coordinate_map import CheckpointReader
-    from sglang_patch.live_check import SAMPLE_PER_TENSOR, SAMPLE_TENSORS_PER_UPDATE, check_update
+    from sglang_patch.live.coordinate_map import CheckpointReader
+    from sglang_patch.live.check import SAMPLE_PER_TENSOR, SAMPLE_TENSORS_PER_UPDATE, check_update
 
     read = CheckpointReader(local).tensor
     with Timer(args.device) as t:
@@ -388,7 +388,7 @@ def per_update_check(args: Any, cmap: Any, params: dict, local: str, version: in
 
 def differing_params(a: dict, b: dict) -> list[str]:
     """Names whose bytes differ (compared on the device, as integers: NaN and -0.0 count)."""
-    from sglang_patch.coordinate_map import as_int_bits
+    from sglang_patch.live.coordinate_map import as_int_bits
 
     return sorted(n for n in a if not bool((as_int_bits(a[n]) == as_int_bits(b[n])).all()))
 
@@ -422,9 +422,9 @@ def cmd_engine(args) -> int:
         from transformers import Qwen3Config
 
         from engine_data import config_json
-        from sglang_patch.coordinate_map import CheckpointReader, build_coordinate_map, prove_map
-        from sglang_patch.live_patch import StagedUpdate, finish_staging, reload_only_reasons, scatter_with_undo
-        from sglang_patch.live_stage import StageJob, stage_job
+        from sglang_patch.live.coordinate_map import CheckpointReader, build_coordinate_map, prove_map
+        from sglang_patch.live.patch import StagedUpdate, finish_staging, reload_only_reasons, scatter_with_undo
+        from sglang_patch.live.stage import StageJob, stage_job
         from weightsync import Publisher, RawTensor, pull
 
         cfg = Qwen3Config(**{k: v for k, v in config_json(shape, 0).items() if k not in ("architectures",)})
@@ -579,7 +579,7 @@ def profile_scatter(staged, undo) -> str:
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    from sglang_patch.live_patch import scatter_with_undo
+    from sglang_patch.live.patch import scatter_with_undo
 
     cuda = any(p.flat.device.type == "cuda" for p in staged.patches)
     sync = torch.cuda.synchronize if cuda else (lambda: None)
@@ -641,7 +641,7 @@ def device_diff_bytes(device: str, model_dir: str | None, preset: str) -> dict:
 
     from bench_data import PRESETS
     from miles_updater.torch_publish import StateDictStager
-    from sglang_patch.coordinate_map import CheckpointReader
+    from sglang_patch.live.coordinate_map import CheckpointReader
 
     shape = PRESETS[ENGINE_PRESETS[preset]]
     own = None

@@ -1,10 +1,10 @@
 """The HTTP route ``POST /pull_weights`` (added to sglang's FastAPI app when it is imported).
 
 Body: ``{"local_checkpoint_dir": str, "source_dir": str, "target_version": int}``, parsed strictly
-(``sglang_patch.request``: ``"1"`` or ``true`` as a version is a 400). Auth: sglang's
+(``sglang_patch.pull.request``: ``"1"`` or ``true`` as a version is a 400). Auth: sglang's
 admin-optional level, exactly like ``/update_weights_from_disk`` (``--admin-api-key`` if set,
 else ``--api-key`` if set, else open). Reply: 200 ``{"success": true, ...}`` or a 4xx/5xx with
-``{"success": false, "error_type": ..., "message": ...}`` (see ``sglang_patch.results``): 400
+``{"success": false, "error_type": ..., "message": ...}`` (see ``sglang_patch.pull.results``): 400
 bad_request (also a ``target_version`` beyond int64), 403 forbidden, 404 source_not_ready, 409
 PullInProgress (another target is being pulled; ``target_version`` names it), 415
 unsupported_media_type (a body not sent as ``application/json``), 422 corrupt_artifact /
@@ -22,7 +22,8 @@ from typing import Annotated, Any, Callable
 from fastapi import Body, FastAPI, Request
 from fastapi.responses import ORJSONResponse
 
-from . import metrics, plugin, request as request_body, results
+from . import metrics, parts
+from .pull import request as request_body, results
 from weightsync.errors import EngineUnavailableError
 
 log = logging.getLogger(__name__)
@@ -54,7 +55,7 @@ def install_route(app: FastAPI, get_tokenizer_manager: Callable[[], Any]) -> boo
         """Bring every host's local checkpoint to a published weight version."""
         target_version = -1
         try:
-            reason = plugin.unavailable_reason()
+            reason = parts.unavailable_reason()
             if reason is not None:
                 raise EngineUnavailableError(f"/pull_weights is unavailable on this engine: {reason}")
             request_body.check_json_content_type(ROUTE_PATH, request.headers.get("content-type"))

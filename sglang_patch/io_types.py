@@ -13,7 +13,7 @@ from typing import List, Optional
 import msgspec
 from sglang.srt.managers.io_struct import BaseReq, hook_custom_types
 
-from .results import HostPullResult
+from .pull.results import HostPullResult
 
 
 class PullWeightsReqInput(BaseReq, kw_only=True):
@@ -60,7 +60,7 @@ def reply_fields(output: PullWeightsReqOutput) -> dict:
 
 from typing import Any, Dict  # noqa: E402
 
-from .live_results import LiveDecision, LiveHostResult, LiveRankReport, RankCheck  # noqa: E402
+from .live.results import LiveDecision, LiveHostResult, LiveRankReport, RankCheck  # noqa: E402
 
 
 class UpdateWeightsFromPulledReqInput(BaseReq, kw_only=True):
@@ -70,7 +70,7 @@ class UpdateWeightsFromPulledReqInput(BaseReq, kw_only=True):
     target_version: int
     flush_cache: bool = True
     torch_empty_cache: bool = False  # read by sglang's own post-update flush
-    # the engine-wide transaction (``live_transaction``): which phase, of which transaction, and
+    # the engine-wide transaction (``live.transaction``): which phase, of which transaction, and
     # why (a reload's or a rollback's reason, decided on the tokenizer from every rank's items)
     phase: str = "vote"
     txn: str = ""
@@ -90,10 +90,10 @@ class UpdateWeightsFromPulledReqOutput(BaseReq, kw_only=True):
     pause_s: float = 0.0
     rolled_back: bool = False
     hosts: List[LiveHostResult] = msgspec.field(default_factory=list)
-    # what the mode was chosen by (live_results.choose_mode): the engine's estimated pause each way
+    # what the mode was chosen by (live.results.choose_mode): the engine's estimated pause each way
     live_estimate_s: Optional[float] = None
     reload_estimate_s: Optional[float] = None
-    # the check after the update (live_check): elements compared equal, and those that were not,
+    # the check after the update (live.check): elements compared equal, and those that were not,
     # summed over ranks (per rank: each host's ``checks``); a mismatch after a live apply made
     # every rank reload the local checkpoint (``reloaded_after_check``)
     verified_elements: int = 0

@@ -23,7 +23,7 @@ Metrics (glossary of docs/FORMAT.md):
 | ``weightsync_live_weight_version`` | gauge | | the version the engine serves (0: the model it started from) |
 | ``weightsync_reseeds_total`` | counter | ``host`` | pulls that found the local state torn or corrupt and reseeded |
 | ``weightsync_weight_update_pause_seconds`` | histogram | ``mode`` | how long a weight update held generation: ``reload`` (``/update_weights_from_disk``) or ``live`` |
-| ``weightsync_update_checks_total`` | counter | ``outcome`` | ranks' checks of the live weights after a ``/update_weights_from_pulled`` (``live_check``): ``ok``, ``mismatch``, or ``unchecked`` (no sample drawn: the detail says why) |
+| ``weightsync_update_checks_total`` | counter | ``outcome`` | ranks' checks of the live weights after a ``/update_weights_from_pulled`` (``live.check``): ``ok``, ``mismatch``, or ``unchecked`` (no sample drawn: the detail says why) |
 | ``weightsync_update_check_mismatches_total`` | counter | | parameter elements those checks found different from the published bytes |
 | ``weightsync_update_check_reloads_total`` | counter | | live applies whose check found a mismatch, after which every rank reloaded |
 """

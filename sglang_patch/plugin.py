@@ -12,11 +12,14 @@ that process imports the sglang module it patches:
 - ``sglang.srt.entrypoints.http_server``: the route (``http_route``);
 - ``sglang.srt.managers.tokenizer_manager``: ``/update_weights_from_disk`` is timed (``metrics``).
 
-Every decision (paths, errors, merging, the collective protocol) lives in modules that import no
-sglang and are tested without it: ``paths``, ``request``, ``results``, ``coordinator``.
+The layout: this module and its neighbours at the top are the sglang glue (hooks, IPC types,
+routes, flags); the two features live in packages that import no glue: ``pull`` (the pull, its
+coordinator and helper process) and ``live`` (live apply). ``paths`` and ``compat`` are leaves
+every part may use. Every decision (paths, errors, merging, the collective protocol, the live
+transaction) lives in modules that import no sglang and are tested without it.
 
 A part that fails to install (an sglang whose internals differ) never takes the engine down: one
-error line is logged, the failure is recorded (``unavailable_reason``), sglang serves on, and the
+error line is logged, the failure is recorded (``parts.unavailable_reason``), sglang serves on, and the
 route answers 503 with the reason. The scheduler's part guards itself the same way
 (``scheduler_side``).
 """
@@ -24,39 +27,13 @@ route answers 503 with the reason. The scheduler's part guards itself the same w
 from __future__ import annotations
 
 import logging
-from typing import Callable, Optional
 
 from ._post_import import when_imported
+from .parts import guarded
 
 log = logging.getLogger(__name__)
 
 _loaded = False
-_failures: dict[str, str] = {}
-
-
-def unavailable_reason() -> Optional[str]:
-    """Why ``/pull_weights`` cannot work in this process (a part failed to install), or None."""
-    if not _failures:
-        return None
-    return "; ".join(f"{part}: {why}" for part, why in sorted(_failures.items()))
-
-
-def guarded(part: str, install: Callable) -> Callable:
-    """``install`` wrapped so that a failure is logged in one line and recorded, never raised."""
-
-    def run(module) -> None:
-        try:
-            install(module)
-        except Exception as exc:
-            _failures[part] = f"{type(exc).__name__}: {exc}"
-            log.error(
-                "weightsync pull_weights: the %s part failed to install (%s); sglang serves on "
-                "without it and /pull_weights answers 503",
-                part, _failures[part],
-            )  # fmt: skip
-            log.debug("weightsync pull_weights: %s install traceback", part, exc_info=True)
-
-    return run
 
 
 def load_plugin() -> None:
@@ -77,11 +54,9 @@ def load_plugin() -> None:
         io_types.register_live_types()
 
     def scheduler(_module):
-        from . import scheduler_side
+        from . import live_hooks, scheduler_side
 
-        from . import live_side
-
-        live_side.register_hooks()  # before scheduler_side applies every registered hook
+        live_hooks.register_hooks()  # before scheduler_side applies every registered hook
         scheduler_side.install()
 
     def tokenizer(module):

@@ -14,9 +14,9 @@ Pipeline stages: every stage runs a coordinator and its pull; stage k > 0 posts 
 stage 0 through the torch.distributed store of the DP group's world (``StoreStageChannel``), the
 one channel every stage of every node already shares and that never blocks the loop.
 
-How ranks stay together and why the loop never blocks: see ``sglang_patch.coordinator``. The
-pull itself (``run_rank_pull``, ``sglang_patch.rank_pull``) is the core's ``weightsync.pull``:
-each rank runs it for its host in its own helper process (``sglang_patch.pull_process``: the
+How ranks stay together and why the loop never blocks: see ``sglang_patch.pull.coordinator``. The
+pull itself (``run_rank_pull``, ``sglang_patch.pull.rank``) is the core's ``weightsync.pull``:
+each rank runs it for its host in its own helper process (``sglang_patch.pull.process``: the
 scheduler's busy loop would starve it of the GIL), waited for by the coordinator's thread;
 co-located ranks serialise on the core's per-host flock and the later ones find the work done
 ("noop").
@@ -25,78 +25,44 @@ co-located ranks serialise on the core's per-host flock and the later ones find 
 from __future__ import annotations
 
 import logging
-import os
-import pickle
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from weightsync.errors import EngineUnavailableError
 
-from . import compat, results
-from .coordinator import PullCoordinator, SingleRankGroup, Stage
-from .pull_process import make_rank_puller  # imported here: captures the CPUs before sglang binds them
-from .rank_pull import RankPuller
+from . import compat
+from .pull import results
+from .pull.coordinator import PullCoordinator, SingleRankGroup, Stage
+from .pull.process import make_rank_puller  # imported here: captures the CPUs before sglang binds them
+from .pull.rank import RankPuller
+from .scheduler_context import TorchCpuGroup, rank_label, resolve_seed_dir, stage_channel
 from .server_flags import options_of
 
 log = logging.getLogger(__name__)
 
 STATE_ATTR = "_pull_weights_state"
 
-
-class TorchCpuGroup:
-    """The coordinator's collectives over a gloo (CPU) process group."""
-
-    def __init__(self, cpu_group: Any, size: int) -> None:
-        self.cpu_group = cpu_group
-        self.size = size
-
-    def all_min(self, value: int) -> int:
-        import torch
-        import torch.distributed as dist
-
-        tensor = torch.tensor([value], dtype=torch.int64)
-        dist.all_reduce(tensor, op=dist.ReduceOp.MIN, group=self.cpu_group)
-        return int(tensor.item())
-
-    def all_gather(self, obj: Any) -> list:
-        import torch.distributed as dist
-
-        out: list = [None] * self.size
-        dist.all_gather_object(out, obj, group=self.cpu_group)
-        return out
+# ``listener(scheduler, local_dir, source_dir, version, stager)``, called once a rank's local
+# checkpoint holds a version verified: live apply (``live_hooks``) stages its update there. A
+# registry rather than an import, so the pull's glue never imports live apply's.
+VerifiedListener = Callable[[Any, str, str, int, Any], None]
+_verified_listeners: list[VerifiedListener] = []
 
 
-class StoreStageChannel:
-    """The coordinator's ``StageChannel`` over a torch.distributed store (set/check/get/delete)."""
-
-    PREFIX = "weightsync/pull_weights/"
-
-    def __init__(self, store: Any) -> None:
-        self.store = store
-
-    def post(self, key: str, value: Any) -> None:
-        self.store.set(self.PREFIX + key, pickle.dumps(value))
-
-    def take(self, key: str) -> Any:
-        key = self.PREFIX + key
-        if not self.store.check([key]):
-            return None
-        value = pickle.loads(self.store.get(key))
-        self.store.delete_key(key)
-        return value
+def add_verified_listener(listener: VerifiedListener) -> None:
+    if listener not in _verified_listeners:
+        _verified_listeners.append(listener)
 
 
-def resolve_seed_dir(model_path: Optional[str], download_dir: Optional[str] = None) -> Optional[str]:
-    """The engine's own model as a local dir (version 0), or None if it is not one."""
-    if not model_path:
-        return None
-    if os.path.isdir(model_path):
-        return os.path.realpath(model_path)
-    try:  # a hub id that sglang downloaded at start-up: its local snapshot
-        from huggingface_hub import snapshot_download
+def _tell_verified(scheduler: Any, local_dir: str, source_dir: str, version: int, stager: Any) -> None:
+    for listener in _verified_listeners:
+        listener(scheduler, local_dir, source_dir, version, stager)
 
-        return os.path.realpath(snapshot_download(model_path, cache_dir=download_dir, local_files_only=True))
-    except Exception:
-        return None
+
+def pull_is_pending(scheduler: Any) -> bool:
+    """Whether this rank's coordinator has a pull under way (a reload meanwhile cannot name it)."""
+    state = getattr(scheduler, STATE_ATTR, None)
+    coordinator = getattr(state, "coordinator", None)
+    return bool(coordinator is not None and coordinator.is_pending)
 
 
 def make_coordinator(scheduler: Any) -> PullCoordinator:
@@ -121,12 +87,10 @@ def make_coordinator(scheduler: Any) -> PullCoordinator:
         host, rank, seed_dir, list(options.allowed_roots) or "(none: every pull is refused)", options.pre_read_hook,
         options.timeout_s,
     )  # fmt: skip
-    from . import live_side
-
     puller = make_rank_puller(
         RankPuller(options=options, seed_dir=seed_dir, host=host, rank=rank),
         # live apply stages its update once the local checkpoint holds the target, verified
-        on_verified=lambda local, source, version, stager: live_side.stage_for(scheduler, local, source, version, stager),
+        on_verified=lambda local, source, version, stager: _tell_verified(scheduler, local, source, version, stager),
     )
     return PullCoordinator(
         group=group,
@@ -138,17 +102,6 @@ def make_coordinator(scheduler: Any) -> PullCoordinator:
         timeout_s=options.timeout_s,
         stage=stage,
     )
-
-
-def rank_label(dp_rank: int, pp_rank: int, pp_size: int, tp_rank: int) -> str:
-    """'dp0/tp1', or 'dp0/pp1/tp0' with pipeline stages."""
-    return f"dp{dp_rank}/pp{pp_rank}/tp{tp_rank}" if pp_size > 1 else f"dp{dp_rank}/tp{tp_rank}"
-
-
-def stage_channel() -> StoreStageChannel:
-    import torch.distributed as dist
-
-    return StoreStageChannel(dist.distributed_c10d._get_default_store())
 
 
 def unavailable_reply(request: Any, reason: str):

@@ -33,9 +33,9 @@ import math
 import os
 from typing import Any, Optional
 
-import msgspec
 
-from .coordinator import DEFAULT_TIMEOUT_S
+from .pull.coordinator import DEFAULT_TIMEOUT_S
+from .pull.options import DEFAULT_LIVE_MAX_CHANGED_FRACTION, PullWeightsOptions
 from .paths import ALLOWED_ROOTS_FLAG, parse_allowed_roots
 
 log = logging.getLogger(__name__)
@@ -51,20 +51,7 @@ _ALLOWED_ROOTS_DEST = "pull_weights_allowed_roots"
 LIVE_MAX_FRACTION_FLAG = "--update-weights-live-max-changed-fraction"
 LIVE_MAX_FRACTION_ENV = "SGLANG_UPDATE_WEIGHTS_LIVE_MAX_CHANGED_FRACTION"
 _LIVE_MAX_FRACTION_DEST = "update_weights_live_max_changed_fraction"
-# Above this fraction of a rank's mapped elements, a scatter costs about what a reload does
-# (index_copy_ ~2 ns per element vs a reload's ~0.4 ns per element here) and the staged values
-# take (8 + itemsize) bytes per element of host memory: reload instead.
-DEFAULT_LIVE_MAX_CHANGED_FRACTION = 0.1
 _TIMEOUT_DEST = "pull_weights_timeout_s"
-
-
-class PullWeightsOptions(msgspec.Struct, frozen=True):
-    """The operator's settings for ``/pull_weights``, as every scheduler process sees them."""
-
-    pre_read_hook: Optional[str] = None
-    allowed_roots: tuple[str, ...] = ()
-    live_max_changed_fraction: float = DEFAULT_LIVE_MAX_CHANGED_FRACTION
-    timeout_s: float = DEFAULT_TIMEOUT_S
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:

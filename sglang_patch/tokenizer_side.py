@@ -30,8 +30,8 @@ from typing import Any
 
 from weightsync.errors import EngineUnavailableError, PullInProgressError
 
-from . import results
-from .coordinator import is_same_pull
+from .pull import results
+from .pull.coordinator import is_same_pull
 from .io_types import PullWeightsReqInput, PullWeightsReqOutput, reply_fields
 
 log = logging.getLogger(__name__)
@@ -48,7 +48,7 @@ class _RunningPull:
 
 
 async def pull_weights_fields(tokenizer_manager: Any, body: Any) -> dict:
-    """The reply's fields for a parsed request body (``sglang_patch.request.PullRequestBody``)."""
+    """The reply's fields for a parsed request body (``sglang_patch.pull.request.PullRequestBody``)."""
     request = PullWeightsReqInput(
         local_checkpoint_dir=body.local_checkpoint_dir, source_dir=body.source_dir, target_version=body.target_version
     )
@@ -127,15 +127,15 @@ DIGEST_COMMUNICATOR_NAME = "weights_digest"
 
 
 async def update_weights_from_pulled(tokenizer_manager: Any, request):
-    """Run the update as one transaction over every DP group (``live_transaction``) while
+    """Run the update as one transaction over every DP group (``live.transaction``) while
     generation is held off, like sglang's ``update_weights_from_disk`` (the model-update writer
     lock, unless the engine is paused): the lock is held from the vote to the commit or rollback."""
     from contextlib import nullcontext
 
     import msgspec
 
-    from . import live_results
-    from . import live_transaction as tx
+    from .live import results as live_results
+    from .live import transaction as tx
     from .io_types import UpdateWeightsFromPulledReqOutput
 
     tokenizer_manager.auto_create_handle_loop()

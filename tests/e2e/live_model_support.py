@@ -358,7 +358,7 @@ def helper_pids(seq: Sequence) -> list:
     out = []
     for child in psutil.Process(seq.server.proc.pid).children(recursive=True):
         try:
-            if "sglang_patch.pull_process" in " ".join(child.cmdline()):
+            if "sglang_patch.pull.process" in " ".join(child.cmdline()):
                 out.append(child.pid)
         except psutil.Error:
             continue

@@ -81,7 +81,7 @@ def init_one_rank(port: int) -> None:
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
-    from sglang_patch.coordinate_map import as_int_bits
+    from sglang_patch.live.coordinate_map import as_int_bits
 
     return as_int_bits(t.detach())
 
@@ -98,9 +98,9 @@ def _state_of_tree(model: torch.nn.Module) -> dict:
 def patch_like_a_reload(model: torch.nn.Module, v0: dict, *, seed: int = 1) -> dict:
     """Map ``model`` (sglang's class), prove it after a real load of ``v0``, patch a few elements of
     every mapped tensor live, and compare with a real load of the new version."""
-    from sglang_patch.coordinate_map import TensorSpec, build_coordinate_map, prove_map
-    from sglang_patch.live_patch import StagedUpdate, scatter_with_undo, stage_update
-    from sglang_patch.live_scope import why_engine_reload_only
+    from sglang_patch.live.coordinate_map import TensorSpec, build_coordinate_map, prove_map
+    from sglang_patch.live.patch import StagedUpdate, scatter_with_undo, stage_update
+    from sglang_patch.live.scope import why_engine_reload_only
 
     specs = [TensorSpec(n, tuple(t.shape), "BF16") for n, t in v0.items()]
     params = {n: p.data for n, p in model.named_parameters()}
@@ -217,7 +217,7 @@ def scalar_parameter() -> dict:
     as mllama's cross-attention gates and FP8 KV ``k_scale``/``v_scale`` are)."""
     from sglang.srt.model_loader.weight_utils import default_weight_loader
 
-    from sglang_patch.coordinate_map import TensorSpec, build_coordinate_map, prove_map
+    from sglang_patch.live.coordinate_map import TensorSpec, build_coordinate_map, prove_map
 
     class Gated(torch.nn.Module):
         def __init__(self) -> None:
@@ -249,8 +249,8 @@ def mla() -> dict:
     from transformers import DeepseekV2Config, DeepseekV2ForCausalLM as HF
 
     from sglang.srt.models.deepseek_v2 import DeepseekV2ForCausalLM
-    from sglang_patch.coordinate_map import TensorSpec, build_coordinate_map
-    from sglang_patch.live_scope import why_engine_reload_only
+    from sglang_patch.live.coordinate_map import TensorSpec, build_coordinate_map
+    from sglang_patch.live.scope import why_engine_reload_only
 
     cfg = DeepseekV2Config(
         vocab_size=256, hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=1,
@@ -287,7 +287,7 @@ def sglang_refusal() -> dict:
     from transformers import Qwen3Config
 
     from sglang.srt.models.qwen3 import Qwen3ForCausalLM
-    from sglang_patch.live_scope import why_engine_reload_only
+    from sglang_patch.live.scope import why_engine_reload_only
 
     try:
         from sglang.srt.model_executor.model_runner_components.weight_updater import (
@@ -310,7 +310,7 @@ def sglang_refusal() -> dict:
 
 def off_the_list() -> dict:
     from sglang.srt.models.llama import Phi3ForCausalLM
-    from sglang_patch.live_scope import why_engine_reload_only
+    from sglang_patch.live.scope import why_engine_reload_only
 
     return {"why": why_engine_reload_only(object.__new__(Phi3ForCausalLM))}
 

@@ -126,7 +126,7 @@ def test_the_map_is_proven_on_every_rank_except_for_the_transformed_parameter(en
 
 
 def assert_checked_from_the_live_weights_on_every_rank(body) -> None:
-    """Each update proven from the live weights (live_check): every rank compared a sample of its
+    """Each update proven from the live weights (live.check): every rank compared a sample of its
     mapped elements with the local checkpoint and every element it wrote, and none differed."""
     checks = {c["rank"]: c for h in body["hosts"] for c in h["checks"]}
     assert sorted(checks) == ["dp0/tp0", "dp0/tp1"], body

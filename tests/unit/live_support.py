@@ -49,10 +49,10 @@ class FlatModel(torch.nn.Module):
 def serve_from_local(local: str, model_dir: str, live_reason: str):
     """One rank's ``LiveApplyState`` whose engine (a ``FlatModel``) reloaded from ``local`` at the
     version it holds; its map built, not proven. -> (state, model)"""
-    from sglang_patch.coordinate_map import CheckpointReader, build_coordinate_map
-    from sglang_patch.coordinator import SingleRankGroup
-    from sglang_patch.live_identity import from_held
-    from sglang_patch.live_side import LiveApplyState
+    from sglang_patch.live.coordinate_map import CheckpointReader, build_coordinate_map
+    from sglang_patch.pull.coordinator import SingleRankGroup
+    from sglang_patch.live.identity import from_held
+    from sglang_patch.live.state import LiveApplyState
     from testbed.tiny_qwen3 import read_state_dict
     from weightsync.codecs.positions import held_version
 

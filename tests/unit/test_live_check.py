@@ -1,4 +1,4 @@
-"""Each update proven from the live weights (``sglang_patch.live_check``): after a commit or a
+"""Each update proven from the live weights (``sglang_patch.live.check``): after a commit or a
 reload every rank compares a fresh sample of its mapped elements with the checkpoint and every
 element it wrote with the staged value; a mismatch makes every rank reload and the reply says so.
 
@@ -15,11 +15,11 @@ import numpy as np
 import pytest
 import torch
 
-from sglang_patch import live_results as lr
-from sglang_patch import live_transaction as tx
-from sglang_patch.coordinate_map import TensorSpec, build_coordinate_map, prove_map
-from sglang_patch.live_check import check_sample, check_update, sample_seed
-from sglang_patch.live_patch import StagedUpdate, scatter_with_undo, stage_update
+from sglang_patch.live import results as lr
+from sglang_patch.live import transaction as tx
+from sglang_patch.live.coordinate_map import TensorSpec, build_coordinate_map, prove_map
+from sglang_patch.live.check import check_sample, check_update, sample_seed
+from sglang_patch.live.patch import StagedUpdate, scatter_with_undo, stage_update
 
 from live_support import TensorReader, changed_positions, serve_from_local
 
@@ -217,7 +217,7 @@ def pulled(tmp_path_factory):
 
 
 def _state(pulled):
-    from sglang_patch.coordinate_map import CheckpointReader
+    from sglang_patch.live.coordinate_map import CheckpointReader
 
     state, model = serve_from_local(pulled.local, pulled.model_dir, "reload")
     state.prove(CheckpointReader(pulled.local), state.live, checkpoint_dir=pulled.local)
@@ -225,7 +225,7 @@ def _state(pulled):
 
 
 def test_after_an_update_a_rank_verifies_its_weights_against_the_local_checkpoint_of_that_version(pulled):
-    from sglang_patch.live_check import SAMPLE_PER_TENSOR, check_after_update
+    from sglang_patch.live.check import SAMPLE_PER_TENSOR, check_after_update
 
     state, model = _state(pulled)
     check = check_after_update(state, pulled.local, 1)
@@ -241,7 +241,7 @@ def test_after_an_update_a_rank_verifies_its_weights_against_the_local_checkpoin
 
 
 def test_a_check_for_a_version_the_local_checkpoint_does_not_hold_draws_no_sample_and_says_why(pulled):
-    from sglang_patch.live_check import check_after_update
+    from sglang_patch.live.check import check_after_update
 
     state, _ = _state(pulled)
     check = check_after_update(state, pulled.local, 2)

@@ -8,8 +8,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from sglang_patch import live_results as lr
-from sglang_patch.live_identity import (LiveVersion, ReloadWitness, from_held, is_serving, key_of_held,
+from sglang_patch.live import results as lr
+from sglang_patch.live.identity import (LiveVersion, ReloadWitness, from_held, is_serving, key_of_held,
                                         reload_outcome, seed_version, why_not_base)
 
 SEED, OTHER_SEED = "f" * 32, "e" * 32
@@ -157,7 +157,7 @@ def test_the_engine_reloads_when_one_ranks_measured_live_estimate_exceeds_the_re
     """Across DP groups and stages: the slowest rank's live estimate against the reload estimate."""
     import asyncio
 
-    from sglang_patch import live_transaction as tx
+    from sglang_patch.live import transaction as tx
 
     sent = []
 

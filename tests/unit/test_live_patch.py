@@ -1,5 +1,5 @@
-"""Staging, scatter and undo of a live update (``sglang_patch.live_patch``), and how the ranks'
-outcomes become one reply (``sglang_patch.live_results``). Torch only, no sglang."""
+"""Staging, scatter and undo of a live update (``sglang_patch.live.patch``), and how the ranks'
+outcomes become one reply (``sglang_patch.live.results``). Torch only, no sglang."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 import torch
 
-from sglang_patch import live_results as lr
-from sglang_patch.coordinate_map import Placement, TensorSpec, build_coordinate_map, prove_map
-from sglang_patch.live_patch import StagedUpdate, StagingRefused, positions_through, scatter_with_undo, stage_update
+from sglang_patch.live import results as lr
+from sglang_patch.live.coordinate_map import Placement, TensorSpec, build_coordinate_map, prove_map
+from sglang_patch.live.patch import StagedUpdate, StagingRefused, positions_through, scatter_with_undo, stage_update
 
 from live_support import TensorReader, changed_positions
 
@@ -148,7 +148,7 @@ def test_a_rolled_back_reply_is_a_failure_that_says_every_rank_was_restored():
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16])
 @pytest.mark.parametrize("density", [0.001, 0.5])  # below and above SPARSE_WRITE_DENSITY: both write paths
 def test_a_patch_writes_exactly_its_positions_in_place_and_restores_them(dtype, density):
-    from sglang_patch.live_patch import SPARSE_WRITE_DENSITY, ParamPatch
+    from sglang_patch.live.patch import SPARSE_WRITE_DENSITY, ParamPatch
 
     g = torch.Generator().manual_seed(1)
     param = torch.randn(20_000, generator=g).to(dtype)
@@ -168,8 +168,8 @@ def test_a_patch_writes_exactly_its_positions_in_place_and_restores_them(dtype, 
 
 
 def test_staging_in_steps_bounds_each_step_and_ends_where_staging_at_once_does():
-    from sglang_patch import live_patch
-    from sglang_patch.live_stage import Patch
+    from sglang_patch.live import patch as live_patch
+    from sglang_patch.live.stage import Patch
 
     flat = torch.arange(10_000, dtype=torch.float32)
     index = np.arange(0, 10_000, 3, dtype=np.int64)
@@ -191,7 +191,7 @@ def test_staging_in_steps_bounds_each_step_and_ends_where_staging_at_once_does()
 
 
 def test_a_ranks_source_window_spans_exactly_the_elements_its_boxes_read():
-    from sglang_patch.live_stage import source_windows
+    from sglang_patch.live.stage import source_windows
 
     rows_4_to_7 = Placement("w", "fused", (4, 3), 12, (3, 1), 0, (3, 1))  # of an (8, 3) tensor
     transposed = Placement("b", "fused", (2, 3), 0, (1, 2), 12, (3, 1))  # all of a (3, 2) tensor
@@ -206,7 +206,7 @@ def test_a_ranks_source_window_spans_exactly_the_elements_its_boxes_read():
 
 def _three_patches_written():
     """Three parameters a scatter wrote; returns the patches and each parameter's old values."""
-    from sglang_patch.live_patch import ParamPatch
+    from sglang_patch.live.patch import ParamPatch
 
     g = torch.Generator().manual_seed(3)
     patches, olds = [], []
@@ -230,7 +230,7 @@ def _out_of_memory_on(name):
 
 
 def test_a_restore_whose_one_write_fails_still_restores_the_others_and_reports_not_restored():
-    from sglang_patch.live_patch import UndoLog
+    from sglang_patch.live.patch import UndoLog
 
     patches, olds = _three_patches_written()
     result = UndoLog(patches).restore(before_write=_out_of_memory_on("p1"))  # never raises
@@ -242,7 +242,7 @@ def test_a_restore_whose_one_write_fails_still_restores_the_others_and_reports_n
 
 
 def test_a_restore_checks_every_patch_against_the_undo_log_and_reports_a_write_that_did_not_hold():
-    from sglang_patch.live_patch import UndoLog
+    from sglang_patch.live.patch import UndoLog
 
     patches, olds = _three_patches_written()
 
@@ -257,7 +257,7 @@ def test_a_restore_checks_every_patch_against_the_undo_log_and_reports_a_write_t
 
 
 def test_a_restore_that_holds_reports_restored_and_a_scatter_whose_restore_fails_says_so():
-    from sglang_patch.live_patch import RestoreFailed, UndoLog
+    from sglang_patch.live.patch import RestoreFailed, UndoLog
 
     patches, olds = _three_patches_written()
     assert UndoLog(patches).restore() == (True, ())

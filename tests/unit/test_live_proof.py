@@ -1,4 +1,4 @@
-"""The proof of a rank's map against a local checkpoint (``sglang_patch.live_side.LiveApplyState.prove``).
+"""The proof of a rank's map against a local checkpoint (``sglang_patch.live.state.LiveApplyState.prove``).
 
 After a reload that voided the start-up proof, the map is proven against the reloaded local
 checkpoint on a thread while the engine serves, and a pull may rewrite that dir meanwhile. The
@@ -40,7 +40,7 @@ def served(tmp_path_factory):
 
 
 def test_a_proof_against_the_reloaded_local_checkpoint_proves_every_parameter(served):
-    from sglang_patch.coordinate_map import CheckpointReader
+    from sglang_patch.live.coordinate_map import CheckpointReader
 
     state = served.state()
     state.prove(CheckpointReader(served.local), state.live, checkpoint_dir=served.local)
@@ -52,7 +52,7 @@ def test_a_pull_of_the_checkpoint_a_proof_is_reading_waits_for_the_proof_to_fini
     import threading
     import time
 
-    from sglang_patch.coordinate_map import CheckpointReader
+    from sglang_patch.live.coordinate_map import CheckpointReader
 
     state = served.state()
     reader = CheckpointReader(served.local)
@@ -81,7 +81,7 @@ def test_a_pull_of_the_checkpoint_a_proof_is_reading_waits_for_the_proof_to_fini
 
 def test_a_proof_against_a_checkpoint_rewritten_meanwhile_by_anyone_records_nothing(served):
     # a writer that ignores the host lock (an operator's copy): the proof's end check catches it
-    from sglang_patch.coordinate_map import CheckpointReader
+    from sglang_patch.live.coordinate_map import CheckpointReader
     from weightsync.layout import state_path
 
     state = served.state()
@@ -108,8 +108,6 @@ def test_a_proof_against_a_checkpoint_rewritten_meanwhile_by_anyone_records_noth
 
 
 def test_a_map_built_after_a_reload_from_a_local_checkpoint_is_proven_against_that_dir(served):
-    from sglang_patch.live_side import LiveVersion
-
     state = served.state()  # the reload landed before the map thread finished building
     state.cmap = None
     state._build_and_prove()
@@ -119,8 +117,8 @@ def test_a_map_built_after_a_reload_from_a_local_checkpoint_is_proven_against_th
 
 def _staging_state(served):
     """A proven rank whose live weights are taken to be v1 while the local dir holds v2."""
-    from sglang_patch.coordinate_map import CheckpointReader
-    from sglang_patch.live_side import LiveVersion
+    from sglang_patch.live.coordinate_map import CheckpointReader
+    from sglang_patch.live.identity import LiveVersion
     from weightsync.codecs.positions import held_version
 
     served.pull(served.local, served.model_dir, served.feed.source_dir, 2)
@@ -152,7 +150,7 @@ def _stage_with_a_scheduler_loop(state, served, stager) -> None:
 
 
 def test_staging_runs_its_engine_half_on_the_thread_that_drives_the_loop(served):
-    from sglang_patch.live_stage import stage_job
+    from sglang_patch.live.stage import stage_job
 
     state = _staging_state(served)
     _stage_with_a_scheduler_loop(state, served, stage_job)
@@ -168,8 +166,8 @@ def test_the_undo_log_is_taken_from_the_positions_while_the_values_are_still_bei
     meanwhile, and reads each patch's values only once the stager returned them written."""
     import numpy as np
 
-    from sglang_patch.live_patch import _as_torch
-    from sglang_patch.live_stage import stage_job
+    from sglang_patch.live.patch import _as_torch
+    from sglang_patch.live.stage import stage_job
 
     state = _staging_state(served)
     seen: dict = {}
@@ -193,7 +191,7 @@ def test_the_undo_log_is_taken_from_the_positions_while_the_values_are_still_bei
 
 
 def test_a_staging_the_helper_refuses_after_the_positions_drops_the_undo_log_it_started(served):
-    from sglang_patch.live_stage import StageReply, stage_job
+    from sglang_patch.live.stage import StageReply, stage_job
 
     state = _staging_state(served)
 
@@ -210,11 +208,11 @@ def test_a_staging_the_helper_refuses_after_the_positions_drops_the_undo_log_it_
 def test_staging_on_a_scheduler_loop_that_stopped_running_slices_is_refused_with_its_reason(served, monkeypatch):
     import time
 
-    from sglang_patch import live_side
-    from sglang_patch.live_stage import stage_job
+    from sglang_patch.live import state as live_state
+    from sglang_patch.live.stage import stage_job
 
     state = _staging_state(served)
-    monkeypatch.setattr(live_side, "LOOP_STAGING_TIMEOUT_S", 0.3)
+    monkeypatch.setattr(live_state, "LOOP_STAGING_TIMEOUT_S", 0.3)
     state.loop.last_tick = time.monotonic()  # a loop ran a moment ago, and then stalled
     state.stage_after_pull(served.local, served.feed.source_dir, 2, stage_job)
     assert state.staged is None
@@ -226,7 +224,7 @@ def test_staging_on_a_scheduler_loop_that_stopped_running_slices_is_refused_with
     (dict(run="another-run"), "a new run under the same source dir"),
 ])
 def test_staging_refuses_a_chain_of_another_seed_or_run_than_the_live_weights(served, change, words):
-    from sglang_patch.live_stage import stage_job
+    from sglang_patch.live.stage import stage_job
 
     state = _staging_state(served)
     state.live = state.live._replace(**change)

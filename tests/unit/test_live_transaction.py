@@ -1,4 +1,4 @@
-"""The engine-wide live-apply transaction (``sglang_patch.live_transaction``): the tokenizer's
+"""The engine-wide live-apply transaction (``sglang_patch.live.transaction``): the tokenizer's
 decisions over every rank's items, and how a DP group's pipeline stages reach stage 0's reply.
 No sglang: the stages share a real ``torch.distributed.HashStore``; the DP groups are a table of
 what each rank answers per phase."""
@@ -9,8 +9,8 @@ import asyncio
 
 import pytest
 
-from sglang_patch import live_results as lr
-from sglang_patch import live_transaction as tx
+from sglang_patch.live import results as lr
+from sglang_patch.live import transaction as tx
 
 RANKS = ["dp0/pp0/tp0", "dp0/pp1/tp0", "dp1/pp0/tp0", "dp1/pp1/tp0"]
 
@@ -112,7 +112,7 @@ class Clock:
 def _stages(clock, timeout_s=10.0):
     import torch.distributed as dist
 
-    from sglang_patch.scheduler_side import StoreStageChannel
+    from sglang_patch.scheduler_context import StoreStageChannel
 
     channel = StoreStageChannel(dist.HashStore())
     sent: list = []

@@ -1,4 +1,4 @@
-"""The scheduler thread's sliced work queue (``sglang_patch.loop_slices``): what a caller on
+"""The scheduler thread's sliced work queue (``sglang_patch.live.loop_slices``): what a caller on
 another thread sees, driven here by a plain thread standing in for sglang's loop."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import threading
 
 import pytest
 
-from sglang_patch.loop_slices import LoopSlices, LoopWorkTimeout
+from sglang_patch.live.loop_slices import LoopSlices, LoopWorkTimeout
 
 
 def _drive(loop: LoopSlices, stop: threading.Event) -> threading.Thread:

@@ -37,7 +37,7 @@ with _cpu_standins_on_path():
 
     io_types.register_types()
 
-from sglang_patch import results  # noqa: E402
+from sglang_patch.pull import results  # noqa: E402
 from sglang_patch.io_types import PullWeightsReqInput, PullWeightsReqOutput  # noqa: E402
 
 
@@ -357,12 +357,12 @@ def test_a_json_body_with_a_charset_parameter_is_accepted():
 def test_a_plugin_part_that_failed_to_install_makes_the_route_answer_503_with_the_reason(monkeypatch):
     import types
 
-    from sglang_patch import plugin
+    from sglang_patch import parts
 
-    monkeypatch.setattr(plugin, "_failures", {})
+    monkeypatch.setattr(parts, "_failures", {})
     # An sglang whose tokenizer_control_mixin has no declarative communicator list.
-    plugin.guarded("tokenizer", tokenizer_side.install)(types.ModuleType("tokenizer_control_mixin"))
-    assert "_COMMUNICATOR_SPECS" in plugin.unavailable_reason()
+    parts.guarded("tokenizer", tokenizer_side.install)(types.ModuleType("tokenizer_control_mixin"))
+    assert "_COMMUNICATOR_SPECS" in parts.unavailable_reason()
     tm = FakeTokenizerManager([])
     resp = _client(tm).post("/pull_weights", json=BODY)
     assert resp.status_code == 503, resp.text
@@ -423,7 +423,7 @@ def test_route_honours_api_keys_like_update_weights_from_disk(keys, header, stat
 
 
 def _live_output():
-    from sglang_patch import live_results
+    from sglang_patch.live import results as live_results
 
     report = live_results.LiveRankReport(host="h/node0", rank="dp0/tp0", success=True, mode="live", weight_version=4,
                                          elements_scattered=12, pause_s=0.01)

@@ -10,8 +10,8 @@ import time
 
 import pytest
 
-from sglang_patch import results
-from sglang_patch.coordinator import PullCoordinator, SingleRankGroup
+from sglang_patch.pull import results
+from sglang_patch.pull.coordinator import PullCoordinator, SingleRankGroup
 from sglang_patch.paths import check_request_paths, parse_allowed_roots
 from weightsync.errors import (
     BackwardPullError,
@@ -135,7 +135,7 @@ def test_a_refused_long_path_is_cut_short_in_the_message(roots):
 
 @pytest.mark.parametrize("version", ['"1"', "true", "1.0", "null", "[1]"])
 def test_the_body_takes_only_a_json_integer_as_the_target_version(version):
-    from sglang_patch.request import parse_pull_body
+    from sglang_patch.pull.request import parse_pull_body
 
     raw = b'{"local_checkpoint_dir": "/l", "source_dir": "/s", "target_version": %s}' % version.encode()
     with pytest.raises(InvalidRequestError, match=r"target_version") as info:
@@ -145,7 +145,7 @@ def test_the_body_takes_only_a_json_integer_as_the_target_version(version):
 
 
 def test_a_body_missing_a_field_or_not_an_object_is_a_bad_request():
-    from sglang_patch.request import parse_pull_body
+    from sglang_patch.pull.request import parse_pull_body
 
     with pytest.raises(InvalidRequestError, match="source_dir"):
         parse_pull_body(b'{"local_checkpoint_dir": "/l", "target_version": 1}')
@@ -304,7 +304,7 @@ class _Req:
 
 
 def _make(rank, group, run, replies, *, timeout_s=600.0, stage=None, clock=time.monotonic, label=None):
-    from sglang_patch.coordinator import Stage
+    from sglang_patch.pull.coordinator import Stage
 
     return PullCoordinator(
         group=group,
@@ -538,7 +538,7 @@ def test_every_rank_agrees_on_the_timeout_even_if_only_one_rank_hangs():
 
 def _pipeline(run_by_stage, clock, *, timeout_s=600.0):
     """Stage 0 and stage 1 (TP=1 each) with one in-memory channel; replies of stage 0 only."""
-    from sglang_patch.coordinator import Stage
+    from sglang_patch.pull.coordinator import Stage
 
     channel, replies = DictChannel(), []
     coords = [
@@ -627,7 +627,7 @@ def test_the_core_stays_free_of_engine_imports():
     import subprocess
 
     code = (
-        "import sys, sglang_patch.paths, sglang_patch.results, sglang_patch.coordinator,"
+        "import sys, sglang_patch.paths, sglang_patch.pull.results, sglang_patch.pull.coordinator,"
         " sglang_patch.server_flags;"
         "bad=[m for m in ('sglang','torch') if m in sys.modules]; print(bad); sys.exit(1 if bad else 0)"
     )

@@ -1,4 +1,4 @@
-"""A rank's pull runs in a helper process of its own (sglang_patch.pull_process), tested with
+"""A rank's pull runs in a helper process of its own (sglang_patch.pull.process), tested with
 real processes and real pulls, without sglang: where it runs and on which CPUs, what a killed
 or cancelled helper reports, that the local checkpoint stays honest and the next pull recovers,
 and the fallback to the scheduler process when no helper can start."""
@@ -18,10 +18,10 @@ import numpy as np
 import pytest
 
 import weightsync
-from sglang_patch import pull_process
-from sglang_patch.live_stage import Placement, StageJob, stage_job
-from sglang_patch.pull_process import HelperRankPuller
-from sglang_patch.rank_pull import RankPuller
+from sglang_patch.pull import process as pull_process
+from sglang_patch.live.stage import Placement, StageJob, stage_job
+from sglang_patch.pull.process import HelperRankPuller
+from sglang_patch.pull.rank import RankPuller
 from sglang_patch.server_flags import PullWeightsOptions
 from weightsync.errors import LockTimeoutError
 
@@ -97,9 +97,9 @@ def test_a_scheduler_bound_to_one_core_still_pulls_on_every_engine_cpu(world):
     threads would inherit the binding, the helper does not."""
     code = (
         "import os, sys, json, types; sys.path[:0] = [%r];"
-        "from sglang_patch import pull_process;"  # captures the engine's CPUs first, as the scheduler does
+        "from sglang_patch.pull import process as pull_process;"  # captures the engine's CPUs first, as the scheduler does
         "os.sched_setaffinity(0, {min(os.sched_getaffinity(0))});"
-        "from sglang_patch.rank_pull import RankPuller; from sglang_patch.server_flags import PullWeightsOptions;"
+        "from sglang_patch.pull.rank import RankPuller; from sglang_patch.server_flags import PullWeightsOptions;"
         "h = pull_process.HelperRankPuller(RankPuller(options=PullWeightsOptions(), seed_dir=None, host='h', rank='r'));"
         "r = h(types.SimpleNamespace(local_checkpoint_dir='/x', source_dir='/y', target_version=1));"
         "assert r.error_type == 'forbidden', r;"  # refused (no allowed roots), by the helper
@@ -304,7 +304,7 @@ def test_a_stagings_shared_file_is_written_again_only_once_its_last_view_is_gone
 
 
 def test_a_kept_map_of_a_local_file_sees_it_rewritten_in_place_and_remaps_a_replaced_one(fast_tmp_path):
-    from sglang_patch.live_stage import KeptMaps
+    from sglang_patch.live.stage import KeptMaps
 
     path = str(fast_tmp_path / "model.safetensors")
     with open(path, "wb") as f:
@@ -336,7 +336,7 @@ def _deleted_files_mapped(pid: int, under: str) -> list[str]:
 
 
 def test_kept_maps_of_deleted_or_replaced_files_are_dropped_at_the_next_staging(fast_tmp_path):
-    from sglang_patch.live_stage import KeptMaps
+    from sglang_patch.live.stage import KeptMaps
 
     local = fast_tmp_path / "local"
     local.mkdir()
@@ -421,9 +421,9 @@ def test_a_helper_whose_scheduler_died_mid_pull_exits_instead_of_lingering(world
     code = f"""
 import sys, threading, time, types
 sys.path[:0] = [{ROOT!r}]
-from sglang_patch import pull_process
-from sglang_patch.live_stage import Placement, StageJob, stage_job
-from sglang_patch.rank_pull import RankPuller
+from sglang_patch.pull import process as pull_process
+from sglang_patch.live.stage import Placement, StageJob, stage_job
+from sglang_patch.pull.rank import RankPuller
 from sglang_patch.server_flags import PullWeightsOptions
 options = PullWeightsOptions(pre_read_hook={GATE_HOOK!r}, allowed_roots=({str(world.root)!r},))
 h = pull_process.HelperRankPuller(RankPuller(options=options, seed_dir={world.seed!r}, host="h", rank="r"))

@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from .coordinate_map import CoordinateMap, as_int_bits
-from .live_results import RankCheck
+from .results import RankCheck
 
 SAMPLE_PER_TENSOR = 4096  # elements drawn per checkpoint tensor and update
 # checkpoint tensors sampled per update, drawn afresh each time (a model's few hundred tensors are
@@ -126,7 +126,7 @@ def check_sample(
 
 
 def check_scattered(patches: Iterable, tally: Optional[_Tally] = None) -> _Tally:
-    """Compare every element a live apply wrote (``live_patch.ParamPatch``) with its staged value."""
+    """Compare every element a live apply wrote (``live.patch.ParamPatch``) with its staged value."""
     tally = tally or _Tally()
     for p in patches:
         if p.index.numel() == 0:
@@ -192,12 +192,12 @@ def sample_size() -> tuple[int, int]:
 
 
 def check_after_update(state, local_dir: str, version: int, patches: Iterable = ()) -> RankCheck:
-    """The check of ``live_side.LiveApplyState`` ``state`` once it holds ``version`` (after a
+    """The check of ``live.state.LiveApplyState`` ``state`` once it holds ``version`` (after a
     commit or a reload from ``local_dir``); never raises (a check that fails says so)."""
     import weightsync.codecs.positions as positions
 
     from .coordinate_map import CheckpointReader
-    from .live_identity import key_of_held
+    from .identity import key_of_held
 
     try:
         live = state.live
@@ -205,7 +205,7 @@ def check_after_update(state, local_dir: str, version: int, patches: Iterable = 
 
         def dir_holds_version() -> bool:
             held = positions.held_version(local_dir)
-            return want is not None and held is not None and key_of_held(held) == want and not state._pull_is_running()
+            return want is not None and held is not None and key_of_held(held) == want and not state.pull_is_running()
 
         per_tensor, max_tensors = sample_size()
         read = CheckpointReader(local_dir).tensor if per_tensor > 0 and dir_holds_version() else None

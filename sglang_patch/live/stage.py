@@ -5,10 +5,10 @@ positions of each checkpoint tensor (decoded from the delta payloads by
 ``weightsync.codecs.positions``, never by diffing tensors), mapped through the rank's proven
 placements to parameter positions, and the new values read at those positions from the local
 checkpoint, still in the checkpoint's dtype. It runs in the rank's pull helper process
-(``pull_process``), which has its own interpreter and CPUs: in the scheduler process every
+(``pull.process``), which has its own interpreter and CPUs: in the scheduler process every
 numpy call would have to win the GIL back from sglang's busy-polling loop (about 5 ms each,
 thousands of calls). The scheduler then only casts the values and saves the old ones
-(``live_patch.finish_staging``), a few large torch calls per parameter.
+(``live.patch.finish_staging``), a few large torch calls per parameter.
 
 No torch and no sglang here (the helper imports only the core and numpy).
 
@@ -84,7 +84,7 @@ class PatchRef(msgspec.Struct, frozen=True):
 class StagePositions(msgspec.Struct, frozen=True, tag="positions"):
     """The helper's first answer when there are patches: every patch's positions are in the
     shared file that follows, their values not yet (``StageReply`` says when they are). The
-    scheduler saves its undo log from the positions meanwhile (``live_patch.undo_log_steps``)."""
+    scheduler saves its undo log from the positions meanwhile (``live.patch.undo_log_steps``)."""
 
     patches: list[PatchRef]
     shared_nbytes: int

@@ -35,7 +35,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable, Optional, Sequence
 
-from . import live_results as lr
+from . import results as lr
 
 log = logging.getLogger(__name__)
 
@@ -147,7 +147,7 @@ def rank_failures(reports: Sequence[lr.LiveRankReport]) -> str:
 
 
 async def run_transaction(send: Callable[[str, Optional[str]], Awaitable[PhaseReplies]], target_version: int) -> dict:
-    """Drive one update through the phases; the reply's fields (``live_results.summarize``).
+    """Drive one update through the phases; the reply's fields (``live.results.summarize``).
 
     ``send(phase, reason)``: send the phase to every DP group and return every rank's items.
     """

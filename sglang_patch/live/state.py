@@ -2,11 +2,11 @@
 
 Per scheduler rank, one ``LiveApplyState`` (on ``scheduler._weightsync_live``):
 
-- **The live version** (``live_identity.LiveVersion``): version, source dir, run and seed
+- **The live version** (``live.identity.LiveVersion``): version, source dir, run and seed
   fingerprint, as the core's marker records them; at start-up version 0 (the seed dir the
   engine loaded, fingerprinted then). After a reload from a local checkpoint dir
   (``/update_weights_from_disk`` or our reload route) it is what that dir named before the
-  reload if it names the same after it and no pull ran meanwhile (``live_identity.
+  reload if it names the same after it and no pull ran meanwhile (``live.identity.
   reload_outcome``); after any other weight update (another path, tensors, distributed, IPC) it
   is unknown until the next reload from a dir.
   Every weight update also bumps ``generation``, which voids a proof or a staging in flight.
@@ -17,9 +17,9 @@ Per scheduler rank, one ``LiveApplyState`` (on ``scheduler._weightsync_live``):
   ``process_input_requests``); the map thread waits for it.
 - **Staging**: ``stage_after_pull`` runs in each rank's pull thread once the core verified
   the local checkpoint: the helper process does the heavy half, the scheduler thread the
-  engine half in slices as above (see ``live_patch``). From a side thread every torch call
+  engine half in slices as above (see ``live.patch``). From a side thread every torch call
   waited for the GIL held by sglang's busy loop (about 9 ms a call here).
-- **The pause**: one transaction for the whole engine (``live_transaction``): the tokenizer
+- **The pause**: one transaction for the whole engine (``live.transaction``): the tokenizer
   sends ``vote``, then ``apply`` (every rank writes and keeps its undo log) and ``commit`` or
   ``rollback`` (or ``reload``) to every DP group; ``handle_update`` runs each phase on every TP
   rank at the same loop iteration (sglang broadcasts the request), all-gathers the stage's
@@ -53,25 +53,23 @@ from weightsync.errors import InvalidRequestError, PathNotAllowedError
 from weightsync.identity import seed_fingerprint as fingerprint_seed
 from weightsync.lock import shared_host_lock
 
-from . import compat
-from . import live_check
-from . import live_results as lr
+from .. import compat
+from ..paths import ALLOWED_ROOTS_FLAG
+from . import check as live_check
+from . import results as lr
+from . import scope as live_scope
+from . import transaction as tx
 from .coordinate_map import CheckpointReader, CoordinateMap, MapNotLearnable, ProofAttempts, build_coordinate_map, prove_map_steps
-from . import live_scope
-from . import live_transaction as tx
-from .live_patch import (RestoreFailed, StagedUpdate, StagingRefused, UndoLog, finish_staging_steps, one_intra_op_thread,
-                         reload_only_reasons, scatter_with_undo, undo_log_steps)
-from .live_identity import (LiveVersion, ReloadWitness, from_held, is_serving, key_of_held, reload_outcome, seed_version,
-                            why_not_base)
-from .live_stage import Patch, StageJob, StageReply
+from .identity import (LiveVersion, ReloadWitness, from_held, is_serving, key_of_held, reload_outcome, seed_version,
+                       why_not_base)
 from .loop_slices import LoopSlices, LoopWorkTimeout, drain
-from .paths import ALLOWED_ROOTS_FLAG
+from .patch import (RestoreFailed, StagedUpdate, StagingRefused, UndoLog, finish_staging_steps, one_intra_op_thread,
+                    reload_only_reasons, scatter_with_undo, undo_log_steps)
+from .stage import Patch, StageJob, StageReply
 
 log = logging.getLogger(__name__)
 
-LIVE_STATE_ATTR = "_weightsync_live"
 FAULT_DIR_ENV = "WEIGHTSYNC_TEST_FAULT_DIR"
-TRANSFORM_ENV = "WEIGHTSYNC_TEST_POST_LOAD_TRANSFORM"
 RELOAD_GATE_ENV = "WEIGHTSYNC_TEST_RELOAD_GATE"
 RELOAD_DELAY_ENV = "WEIGHTSYNC_TEST_RELOAD_DELAY_S"
 LOOP_STAGING_TIMEOUT_S = 120.0  # the loop runs a slice every iteration; only a stalled loop takes this long
@@ -119,7 +117,8 @@ class LiveApplyState:
 
     def __init__(self, *, scheduler: Any, group: Any, host: str, rank: str, seed_dir: Optional[str],
                  allowed_roots: tuple, max_changed_fraction: float, gather: Optional[tx.StageGather] = None,
-                 scope: Optional[live_scope.EngineScope] = None) -> None:
+                 scope: Optional[live_scope.EngineScope] = None,
+                 pull_is_running: Callable[[], bool] = lambda: False) -> None:
         self.scheduler = scheduler
         self.group = group
         self.host = host
@@ -127,6 +126,7 @@ class LiveApplyState:
         self.seed_dir = seed_dir
         self.allowed_roots = allowed_roots
         self.max_changed_fraction = max_changed_fraction
+        self.pull_is_running = pull_is_running  # whether this rank's pull is under way (the pull's glue knows)
         self._lock = threading.Lock()
         self.generation = 0
         # v0's identity is the seed's fingerprint, taken now (right after sglang loaded it)
@@ -137,13 +137,13 @@ class LiveApplyState:
         self.cmap: Optional[CoordinateMap] = None
         self.map_error: Optional[str] = None
         self.scope = scope  # the allow-list and engine-wide reasons to reload (None: a bare model in a test)
-        self.scope_reason: Optional[str] = None  # why this engine reloads on every update (live_scope)
+        self.scope_reason: Optional[str] = None  # why this engine reloads on every update (live.scope)
         self.proof_attempts = ProofAttempts()  # proofs after reloads: one at a time, one per identity
         self._map_thread: Optional[threading.Thread] = None
         self.staged: Optional[StagedUpdate] = None
         self._voted: Optional[StagedUpdate] = None
         self._txn: Optional[_Txn] = None
-        # one phase's items of every pipeline stage, to stage 0's entry rank (live_transaction)
+        # one phase's items of every pipeline stage, to stage 0's entry rank (live.transaction)
         self.gather = gather or tx.StageGather(pp_rank=0, pp_size=1, leader=True, channel=None, send=lambda o, r: None)
         self.stage_reason: Optional[str] = "nothing staged yet (pull the target version first)"
         self._phase: dict[str, float] = {}  # seconds into the last update call, per step (logged)
@@ -180,7 +180,7 @@ class LiveApplyState:
     def begin_reload(self, model_path: Optional[str]) -> None:
         """Before sglang's update_weights_from_disk (ours or anyone's): what the dir names now."""
         before = self._identity_of_dir(model_path)
-        witness = ReloadWitness(model_path, before.key() if before else None, self._pull_is_running())
+        witness = ReloadWitness(model_path, before.key() if before else None, self.pull_is_running())
         with self._lock:
             self.generation += 1
             self.staged = None
@@ -198,7 +198,7 @@ class LiveApplyState:
         after = self._identity_of_dir(model_path) if success else None
         with self._lock:
             witness, self._reload_witness = self._reload_witness, None
-        why = reload_outcome(witness, model_path, success, after.key() if after else None, self._pull_is_running())
+        why = reload_outcome(witness, model_path, success, after.key() if after else None, self.pull_is_running())
         with self._lock:
             self.generation += 1
             self.staged = None
@@ -453,7 +453,7 @@ class LiveApplyState:
                                    http_status=int(exc.http_status), message=str(exc))
         _release_later(self._voted)  # a rolled-back update's memory: not freed inside the pause
         self._voted = None
-        if self._pull_is_running():  # the same answer on every rank (see coordinator)
+        if self.pull_is_running():  # the same answer on every rank (see coordinator)
             return lr.LiveDecision(
                 rank=self.rank, live=False, error_type="conflict", http_status=409,
                 message="a /pull_weights is still running on this engine and may be rewriting the local checkpoint; "
@@ -485,19 +485,11 @@ class LiveApplyState:
         return lr.LiveDecision(rank=self.rank, live=True, elements=staged.elements,
                                live_estimate_s=self.pause_costs.live_estimate(staged.elements), reload_estimate_s=reload_s)
 
-    def _pull_is_running(self) -> bool:
-        from .scheduler_side import STATE_ATTR
-
-        pull_state = getattr(self.scheduler, STATE_ATTR, None)
-        coordinator = getattr(pull_state, "coordinator", None)
-        return bool(coordinator is not None and coordinator.is_pending)
-
-    def handle_update(self, request: Any) -> Any:
-        """One phase of the engine-wide transaction (``live_transaction``) on this rank: every TP
+    def handle_update(self, request: Any, reply_type: Callable[..., Any]) -> Any:
+        """One phase of the engine-wide transaction (``live.transaction``) on this rank: every TP
         rank of the stage runs it at the same loop iteration (sglang broadcasts the request); the
-        stage's items go to stage 0's entry rank, which replies for the DP group."""
-        from .io_types import UpdateWeightsFromPulledReqOutput
-
+        stage's items go to stage 0's entry rank, which replies for the DP group (a ``reply_type``:
+        the glue's IPC type)."""
         start = time.perf_counter()
         phase = getattr(request, "phase", tx.VOTE)
         with _no_gc_pause(), _short_gil_switches():
@@ -513,9 +505,9 @@ class LiveApplyState:
         def make_output(all_items: list, missing: list) -> Any:
             if phase == tx.VOTE:
                 votes = all_items + [tx.missing_stage_vote(k, timeout_s) for k in missing]
-                return UpdateWeightsFromPulledReqOutput(success=True, message="", votes=votes)
+                return reply_type(success=True, message="", votes=votes)
             reports = all_items + [tx.missing_stage_report(k, phase, timeout_s) for k in missing]
-            return UpdateWeightsFromPulledReqOutput(success=all(r.success for r in reports), message="", reports=reports)
+            return reply_type(success=all(r.success for r in reports), message="", reports=reports)
 
         return self.gather.finish(request, f"{getattr(request, 'txn', '')}/{phase}", items, make_output)
 
@@ -596,7 +588,7 @@ class LiveApplyState:
                                                              f"patched {txn.written} elements live")
         compat.record_weight_version(self.scheduler.weight_updater, staged.to_version)
         self._take_applied_version(staged)
-        # every written element and a fresh sample against the checkpoint (live_check); a
+        # every written element and a fresh sample against the checkpoint (live.check); a
         # mismatch on any rank makes the coordinator send the reload phase: the transaction stays
         # open until the next vote, as after a rollback
         check = live_check.check_after_update(self, staged.local_checkpoint_dir, staged.to_version, staged.patches)
@@ -672,11 +664,11 @@ class LiveApplyState:
             pause_s=time.perf_counter() - start, check=check,
         )
 
-    def handle_digest(self, request: Any) -> Any:
-        from .io_types import RankDigests, WeightsDigestReqOutput
-
+    def handle_digest(self, request: Any, reply_type: Callable[..., Any], rank_type: Callable[..., Any]) -> Any:
+        """Every parameter's digest on every rank of every stage (``rank_type`` per rank, in one
+        ``reply_type``: the glue's IPC types)."""
         try:
-            mine = RankDigests(
+            mine = rank_type(
                 host=self.host, rank=self.rank, digests=digest_params(self.model, request.names),
                 data_ptrs={n: int(p.data.data_ptr()) for n, p in self.model.named_parameters()},
                 live_version=self.live.version if self.live else None, live_reason=self.describe_live(),
@@ -684,14 +676,14 @@ class LiveApplyState:
             )
         except Exception as exc:
             log.exception("weights_digest failed")
-            mine = RankDigests(host=self.host, rank=self.rank, digests={}, live_reason=f"digest failed: {exc}")
+            mine = rank_type(host=self.host, rank=self.rank, digests={}, live_reason=f"digest failed: {exc}")
         ranks = self._all_gather(mine)
         timeout_s = self.gather.timeout_s
 
         def make_output(items: list, missing: list) -> Any:
-            lost = [RankDigests(host=f"pp-stage-{k}", rank=f"pp{k}", digests={},
+            lost = [rank_type(host=f"pp-stage-{k}", rank=f"pp{k}", digests={},
                                 live_reason=f"pipeline stage {k} did not answer within {timeout_s:.0f} s") for k in missing]
-            return WeightsDigestReqOutput(ranks=items + lost)
+            return reply_type(ranks=items + lost)
 
         # every pipeline stage's ranks (stage 0's entry rank replies once each stage posted)
         return self.gather.finish(request, f"digest/{getattr(request, 'rid', None) or ''}", list(ranks), make_output)
@@ -707,31 +699,16 @@ def _engine_is_idle(scheduler: Any) -> bool:
 
 
 def _check_local_dir(value: object, allowed_roots: tuple) -> str:
-    from .paths import _check_one
+    from ..paths import _check_one
 
     if not allowed_roots:
         raise PathNotAllowedError(str(value), [], f"no allowed roots are configured; start the server with {ALLOWED_ROOTS_FLAG}")
     return _check_one("local_checkpoint_dir", value, allowed_roots)
 
 
-# --- sglang hooks -------------------------------------------------------------------------------
-
-
-def state_of(scheduler: Any) -> Optional[LiveApplyState]:
-    return getattr(scheduler, LIVE_STATE_ATTR, None) if scheduler is not None else None
-
-
 # ``stager(job, positions_ready)``: runs the heavy half of staging; may call
 # ``positions_ready(patches)`` once their positions are readable (their values not yet)
 Stager = Callable[[StageJob, Callable[[list[Patch]], None]], "tuple[StageReply, list[Patch]]"]
-
-
-def stage_for(scheduler: Any, local_dir: str, source_dir: str, target_version: int, stager: Stager) -> None:
-    """Called by the pull thread once the local checkpoint holds ``target_version`` verified;
-    ``stager`` runs the heavy half of staging (in the rank's pull helper process)."""
-    state = state_of(scheduler)
-    if state is not None:
-        state.stage_after_pull(local_dir, source_dir, target_version, stager)
 
 
 def _release_later(staged: Optional[StagedUpdate], delay_s: float = 0.5) -> None:
@@ -776,85 +753,6 @@ def _short_gil_switches(interval_s: float = 1e-4) -> Iterator[None]:
         sys.setswitchinterval(before)
 
 
-def make_state(scheduler: Any) -> LiveApplyState:
-    from sglang.srt.runtime_context import get_parallel
-
-    from . import results
-    from .coordinator import SingleRankGroup
-    from .scheduler_side import TorchCpuGroup, rank_label, resolve_seed_dir, stage_channel
-    from .server_flags import options_of
-
-    server_args = scheduler.server_args
-    parallel = get_parallel()
-    tp_size, tp_rank = int(parallel.tp_size), int(parallel.tp_rank)
-    pp_size, pp_rank = int(getattr(parallel, "pp_size", 1) or 1), int(getattr(parallel, "pp_rank", 0) or 0)
-    group = TorchCpuGroup(parallel.tp_group.cpu_group, tp_size) if tp_size > 1 else SingleRankGroup()
-    dp_rank = compat.dp_rank_of(scheduler, parallel)
-    options = options_of(server_args)
-    gather = tx.StageGather(pp_rank=pp_rank, pp_size=pp_size, leader=tp_rank == 0,
-                            channel=stage_channel() if pp_size > 1 else None,
-                            send=compat.control_output_sender(scheduler))
-    return LiveApplyState(
-        scheduler=scheduler,
-        group=group,
-        gather=gather,
-        host=results.host_label(int(getattr(server_args, "node_rank", 0) or 0)),
-        rank=rank_label(dp_rank or 0, pp_rank, pp_size, tp_rank),
-        seed_dir=resolve_seed_dir(server_args.model_path, getattr(server_args, "download_dir", None)),
-        allowed_roots=options.allowed_roots,
-        max_changed_fraction=options.live_max_changed_fraction,
-        scope=live_scope.EngineScope(server_args, scheduler),
-    )
-
-
-def _safely(fn):
-    def hook(*args, **kwargs):
-        try:
-            fn(*args, **kwargs)
-        except Exception:
-            log.exception("live apply: hook %s failed", fn.__name__)
-        return None
-
-    hook.__name__ = fn.__name__
-    return hook
-
-
-@_safely
-def _after_init_request_dispatcher(result, scheduler, *args, **kwargs):
-    from .io_types import UpdateWeightsFromPulledReqInput, WeightsDigestReqInput
-
-    if state_of(scheduler) is None:
-        setattr(scheduler, LIVE_STATE_ATTR, make_state(scheduler))
-    state = state_of(scheduler)
-
-    def update(request):
-        return state.handle_update(request)
-
-    def digest(request):
-        return state.handle_digest(request)
-
-    scheduler._request_dispatcher += type(scheduler._request_dispatcher)(
-        [(UpdateWeightsFromPulledReqInput, update), (WeightsDigestReqInput, digest)]
-    )
-
-
-@_safely
-def _after_process_input_requests(result, scheduler, *args, **kwargs):
-    state = state_of(scheduler)
-    if state is not None:
-        if state._map_thread is None:
-            state.ensure_map_started()
-        state.gather.poll()
-        state.loop.run_slice()
-
-
-@_safely
-def _before_reload(manager, recv_req=None, *args, **kwargs):
-    state = state_of(getattr(manager, "scheduler", None))
-    if state is not None:
-        state.begin_reload(getattr(recv_req, "model_path", None))
-
-
 def _test_reload_delay() -> None:
     """Test-only (``WEIGHTSYNC_TEST_RELOAD_DELAY_S``): every reload takes that much longer, as a
     real model's does: on the tiny test models a reload is as fast as a live apply's fixed cost,
@@ -875,72 +773,3 @@ def _wait_at_reload_gate(rank: str, timeout_s: float = 120.0) -> None:
     deadline = time.monotonic() + timeout_s
     while os.path.exists(os.path.join(directory, "hold")) and time.monotonic() < deadline:
         time.sleep(0.02)
-
-
-@_safely
-def _after_reload(result, manager, recv_req=None, *args, **kwargs):
-    state = state_of(getattr(manager, "scheduler", None))
-    if state is not None:
-        state.after_reload(getattr(recv_req, "model_path", None), bool(getattr(result, "success", False)))
-
-
-def _other_update(how: str):
-    @_safely
-    def hook(*args, **kwargs):
-        manager = args[1] if len(args) > 1 and not hasattr(args[0], "scheduler") else args[0]
-        state = state_of(getattr(manager, "scheduler", None))
-        if state is not None:
-            state.after_other_update(how)
-
-    return hook
-
-
-def _transform_after_load(result, model, *args, **kwargs):
-    """Test-only: a post-load transform of one parameter (``WEIGHTSYNC_TEST_POST_LOAD_TRANSFORM``)."""
-    import torch
-
-    name = os.environ.get(TRANSFORM_ENV)
-    if not name:
-        return None
-    params = dict(model.named_parameters())
-    if name in params:
-        with torch.no_grad():
-            flat = params[name].data.view(-1)
-            flat[0] = torch.nextafter(flat[0], torch.tensor(float("inf"), dtype=flat.dtype))
-        log.warning("test-only post-load transform: nudged %s[0] by one ulp", name)
-    return None
-
-
-_installed = False
-
-
-def register_hooks(*_ignored) -> None:
-    """Register the live-apply hooks; ``scheduler_side.install`` applies them with its own.
-
-    sglang's HookRegistry patches a target once: hooks on a target registered after it was
-    patched are ignored, so both sides' hooks must be registered before the one apply.
-    """
-    global _installed
-    if _installed:
-        return
-    _installed = True
-    from sglang.srt.plugins.hook_registry import HookRegistry, HookSource, HookType
-
-    source = HookSource(plugin_name="pull_weights", dist_name="weightsync")
-    sched = "sglang.srt.managers.scheduler.Scheduler"
-    manager = "sglang.srt.managers.scheduler_components.weight_updater.SchedulerWeightUpdaterManager"
-    HookRegistry.register(f"{sched}.init_request_dispatcher", _after_init_request_dispatcher, HookType.AFTER, source=source)
-    HookRegistry.register(f"{sched}.process_input_requests", _after_process_input_requests, HookType.AFTER, source=source)
-    HookRegistry.register(f"{manager}.update_weights_from_disk", _before_reload, HookType.BEFORE, source=source)
-    HookRegistry.register(f"{manager}.update_weights_from_disk", _after_reload, HookType.AFTER, source=source)
-    from sglang.srt.managers.scheduler_components.weight_updater import SchedulerWeightUpdaterManager
-
-    moving = compat.weight_moving_calls(SchedulerWeightUpdaterManager)
-    for method in ("update_weights_from_tensor", "update_weights_from_distributed", "update_weights_from_ipc", *moving):
-        HookRegistry.register(f"{manager}.{method}", _other_update(method), HookType.BEFORE, source=source)
-        HookRegistry.register(f"{manager}.{method}", _other_update(method), HookType.AFTER, source=source)
-    if os.environ.get(TRANSFORM_ENV):
-        HookRegistry.register(
-            "sglang.srt.model_loader.loader.DefaultModelLoader.postprocess_weights",
-            _transform_after_load, HookType.AFTER, source=source,
-        )

@@ -1,6 +1,6 @@
 """Finish a live update's staging while serving, scatter it during the pause, undo it exactly.
 
-Staging has two halves. The heavy one (``live_stage``: positions, mapping, new values read from
+Staging has two halves. The heavy one (``live.stage``: positions, mapping, new values read from
 the verified local checkpoint) runs in the rank's pull helper process. This module does the
 engine-side half, in the scheduler process but still while serving (``finish_staging_steps``):
 cast the new values to each parameter's dtype (what the loader's ``copy_`` does), and read the
@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from .coordinate_map import INT_OF_WIDTH, TORCH_DTYPE_OF, CheckpointReader, CoordinateMap, as_int_bits
-from .live_stage import Patch, StagingRefused, positions_through, stage_changes
+from .stage import Patch, StagingRefused, positions_through, stage_changes
 from .loop_slices import drain
 
 __all__ = ["ParamPatch", "RestoreFailed", "RestoreResult", "SavedOld", "StagedUpdate", "StagingRefused", "UndoLog", "finish_staging", "positions_through",
@@ -84,8 +84,8 @@ class StagedUpdate:
     engine_s: float = 0.0  # the engine's half: the time inside finish_staging's steps
     engine_where: str = "in this thread"  # which thread ran them (logged)
     keepalive: object = None  # what the patches' memory belongs to (the helper's shared file)
-    from_key: Optional[tuple] = None  # the identity of the live version it was staged from (live_identity)
-    target: Any = None  # the live version it makes (a live_identity.LiveVersion)
+    from_key: Optional[tuple] = None  # the identity of the live version it was staged from (live.identity)
+    target: Any = None  # the live version it makes (a live.identity.LiveVersion)
 
     @property
     def nbytes(self) -> int:
@@ -218,7 +218,7 @@ def stage_update(
 ) -> StagedUpdate:
     """Both halves of staging in this process, for ``changes`` (``(tensor, entry, positions)``).
 
-    What the helper process does with ``live_stage.stage_job``, here from given positions and a
+    What the helper process does with ``live.stage.stage_job``, here from given positions and a
     reader of torch tensors (tests, the in-process MoE map check).
 
     Raises:

@@ -136,7 +136,7 @@ class _LiveOutcome(msgspec.Struct, kw_only=True):
 
 class LiveRankReport(_LiveOutcome, kw_only=True):
     rank: str
-    check: Optional[RankCheck] = None  # the check after a commit or a reload (live_check)
+    check: Optional[RankCheck] = None  # the check after a commit or a reload (live.check)
 
 
 class LiveHostResult(_LiveOutcome, kw_only=True):
@@ -269,7 +269,7 @@ def summarize(target_version: int, hosts: Sequence[LiveHostResult], *, error_typ
         hosts=hosts,
         live_estimate_s=live_estimate_s,
         reload_estimate_s=reload_estimate_s,
-        # the check after the update (live_check), every rank of every host together
+        # the check after the update (live.check), every rank of every host together
         verified_elements=sum(c.verified_elements for h in hosts for c in h.checks),
         mismatches=sum(c.mismatches for h in hosts for c in h.checks) + sum(c.mismatches for c in failed_checks),
         not_checkable_params=sum(c.not_checkable_params for h in hosts for c in h.checks),

@@ -9,7 +9,7 @@ scheduler. On CPUs where sglang binds each rank to its OMP cores, threads the sc
 also inherit that binding.
 
 The helper (one per scheduler rank, long-lived, serves one pull at a time):
-- is a fresh interpreter, ``python -m sglang_patch.pull_process FD``, started with
+- is a fresh interpreter, ``python -m sglang_patch.pull.process FD``, started with
   ``subprocess`` (fork+exec): never a bare fork of the scheduler (whose threads, locks and device
   state a fork would copy), nor ``multiprocessing``'s spawn (which re-imports sglang's main module);
 - binds itself to the CPUs the engine process was started with (captured when this module is
@@ -17,7 +17,7 @@ The helper (one per scheduler rank, long-lived, serves one pull at a time):
 - speaks length-prefixed msgpack frames over a socketpair: ``HelperConfig`` -> ``HelperReady``,
   then per pull ``PullJob`` -> ``RankPullReport`` (the same ``RankPuller`` runs inside), and,
   after a pull, live apply's ``StageJob`` -> ``StageReply`` plus the staged arrays as a memfd
-  passed with ``SCM_RIGHTS`` (``live_stage``: the heavy half of staging, off the scheduler's GIL);
+  passed with ``SCM_RIGHTS`` (``live.stage``: the heavy half of staging, off the scheduler's GIL);
 - keeps running after it replies, so the core's deferred flush (fsync, marker, lock release)
   finishes in it, and exits when its scheduler goes away (EOF on the socket, or a new parent pid).
 
@@ -49,10 +49,10 @@ import msgspec
 from weightsync.errors import PullWorkerDiedError
 
 from . import results
-from .live_stage import (KEPT_MAPS, Patch, SpareFile, StageJob, StagePositions, StageReply, read_shared, stage_job,
-                         stage_job_shared)
-from .rank_pull import RankPuller
-from .server_flags import PullWeightsOptions
+from ..live.stage import (KEPT_MAPS, Patch, SpareFile, StageJob, StagePositions, StageReply, read_shared, stage_job,
+                          stage_job_shared)
+from .rank import RankPuller
+from .options import PullWeightsOptions
 
 log = logging.getLogger(__name__)
 

@@ -49,7 +49,7 @@ import numpy as np
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from .live_stage import CARRIER, Placement
+from .stage import CARRIER, Placement
 from .loop_slices import drain
 
 log = logging.getLogger(__name__)

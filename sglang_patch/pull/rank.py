@@ -3,7 +3,7 @@
 ``RankPuller`` checks the request's paths against the operator's allowed roots, runs the core's
 ``weightsync.pull`` for this rank's host and turns the outcome into a ``RankPullReport``. It
 never raises: every exception becomes a failed report (traceback to the log). No sglang and no
-torch here: it runs in the pull helper process (``sglang_patch.pull_process``) and, as the
+torch here: it runs in the pull helper process (``sglang_patch.pull.process``) and, as the
 fallback, in a thread of the scheduler process.
 """
 
@@ -17,8 +17,8 @@ import weightsync
 from weightsync.errors import InvalidRequestError, WeightSyncError
 
 from . import results
-from .paths import CheckedPaths, check_request_paths
-from .server_flags import PullWeightsOptions
+from ..paths import CheckedPaths, check_request_paths
+from .options import PullWeightsOptions
 
 log = logging.getLogger(__name__)
 

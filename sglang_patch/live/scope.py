@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from . import compat
+from .. import compat
 
 # model class (module.qualname) -> the family it serves; each has its in-process proof
 ALLOW_LIST = {

@@ -1,0 +1,191 @@
+"""Live apply's sglang glue: the scheduler hooks that give every rank its ``LiveApplyState``.
+
+- after ``init_request_dispatcher``: build the rank's state (its TP group, its stage's channel,
+  its label, the seed dir, the operator's options, the engine's scope) and route
+  ``UpdateWeightsFromPulledReqInput`` and ``WeightsDigestReqInput`` to it;
+- after ``process_input_requests`` (every loop iteration): start the map once, poll the
+  transaction's stage gather, run one bounded slice of staging or proof work;
+- around ``update_weights_from_disk``: the reload witness (what the engine loaded, if anything
+  certain); around every other call that moves weights: the live version becomes unknown;
+- from the pull's glue, once a rank's checkpoint holds a verified version: staging.
+
+How live apply works: ``docs/LIVE_APPLY.md`` and the ``live`` package.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any, Optional
+
+from . import compat, io_types, scheduler_side
+from .live import scope as live_scope
+from .live import transaction as tx
+from .live.state import LiveApplyState, Stager
+from .pull import results
+from .pull.coordinator import SingleRankGroup
+from .scheduler_context import TorchCpuGroup, rank_label, resolve_seed_dir, stage_channel
+from .server_flags import options_of
+
+log = logging.getLogger(__name__)
+
+LIVE_STATE_ATTR = "_weightsync_live"
+TRANSFORM_ENV = "WEIGHTSYNC_TEST_POST_LOAD_TRANSFORM"
+
+
+def state_of(scheduler: Any) -> Optional[LiveApplyState]:
+    return getattr(scheduler, LIVE_STATE_ATTR, None) if scheduler is not None else None
+
+
+def stage_for(scheduler: Any, local_dir: str, source_dir: str, target_version: int, stager: Stager) -> None:
+    """Called by the pull thread once the local checkpoint holds ``target_version`` verified;
+    ``stager`` runs the heavy half of staging (in the rank's pull helper process)."""
+    state = state_of(scheduler)
+    if state is not None:
+        state.stage_after_pull(local_dir, source_dir, target_version, stager)
+
+
+def make_state(scheduler: Any) -> LiveApplyState:
+    from sglang.srt.runtime_context import get_parallel
+
+    server_args = scheduler.server_args
+    parallel = get_parallel()
+    tp_size, tp_rank = int(parallel.tp_size), int(parallel.tp_rank)
+    pp_size, pp_rank = int(getattr(parallel, "pp_size", 1) or 1), int(getattr(parallel, "pp_rank", 0) or 0)
+    group = TorchCpuGroup(parallel.tp_group.cpu_group, tp_size) if tp_size > 1 else SingleRankGroup()
+    dp_rank = compat.dp_rank_of(scheduler, parallel)
+    options = options_of(server_args)
+    gather = tx.StageGather(pp_rank=pp_rank, pp_size=pp_size, leader=tp_rank == 0,
+                            channel=stage_channel() if pp_size > 1 else None,
+                            send=compat.control_output_sender(scheduler))
+    return LiveApplyState(
+        scheduler=scheduler,
+        group=group,
+        gather=gather,
+        host=results.host_label(int(getattr(server_args, "node_rank", 0) or 0)),
+        rank=rank_label(dp_rank or 0, pp_rank, pp_size, tp_rank),
+        seed_dir=resolve_seed_dir(server_args.model_path, getattr(server_args, "download_dir", None)),
+        allowed_roots=options.allowed_roots,
+        max_changed_fraction=options.live_max_changed_fraction,
+        scope=live_scope.EngineScope(server_args, scheduler),
+        pull_is_running=lambda: scheduler_side.pull_is_pending(scheduler),
+    )
+
+
+def _safely(fn):
+    def hook(*args, **kwargs):
+        try:
+            fn(*args, **kwargs)
+        except Exception:
+            log.exception("live apply: hook %s failed", fn.__name__)
+        return None
+
+    hook.__name__ = fn.__name__
+    return hook
+
+
+@_safely
+def _after_init_request_dispatcher(result, scheduler, *args, **kwargs):
+    if state_of(scheduler) is None:
+        setattr(scheduler, LIVE_STATE_ATTR, make_state(scheduler))
+    state = state_of(scheduler)
+
+    def update(request):
+        return state.handle_update(request, reply_type=io_types.UpdateWeightsFromPulledReqOutput)
+
+    def digest(request):
+        return state.handle_digest(request, reply_type=io_types.WeightsDigestReqOutput, rank_type=io_types.RankDigests)
+
+    scheduler._request_dispatcher += type(scheduler._request_dispatcher)(
+        [(io_types.UpdateWeightsFromPulledReqInput, update), (io_types.WeightsDigestReqInput, digest)]
+    )
+
+
+@_safely
+def _after_process_input_requests(result, scheduler, *args, **kwargs):
+    state = state_of(scheduler)
+    if state is not None:
+        if state._map_thread is None:
+            state.ensure_map_started()
+        state.gather.poll()
+        state.loop.run_slice()
+
+
+@_safely
+def _before_reload(manager, recv_req=None, *args, **kwargs):
+    state = state_of(getattr(manager, "scheduler", None))
+    if state is not None:
+        state.begin_reload(getattr(recv_req, "model_path", None))
+
+
+@_safely
+def _after_reload(result, manager, recv_req=None, *args, **kwargs):
+    state = state_of(getattr(manager, "scheduler", None))
+    if state is not None:
+        state.after_reload(getattr(recv_req, "model_path", None), bool(getattr(result, "success", False)))
+
+
+def _other_update(how: str):
+    @_safely
+    def hook(*args, **kwargs):
+        manager = args[1] if len(args) > 1 and not hasattr(args[0], "scheduler") else args[0]
+        state = state_of(getattr(manager, "scheduler", None))
+        if state is not None:
+            state.after_other_update(how)
+
+    return hook
+
+
+def _transform_after_load(result, model, *args, **kwargs):
+    """Test-only: a post-load transform of one parameter (``WEIGHTSYNC_TEST_POST_LOAD_TRANSFORM``)."""
+    import torch
+
+    name = os.environ.get(TRANSFORM_ENV)
+    if not name:
+        return None
+    params = dict(model.named_parameters())
+    if name in params:
+        with torch.no_grad():
+            flat = params[name].data.view(-1)
+            flat[0] = torch.nextafter(flat[0], torch.tensor(float("inf"), dtype=flat.dtype))
+        log.warning("test-only post-load transform: nudged %s[0] by one ulp", name)
+    return None
+
+
+_installed = False
+
+
+def register_hooks(*_ignored) -> None:
+    """Register the live-apply hooks; ``scheduler_side.install`` applies them with its own.
+
+    Live apply also learns from the pull's glue when a rank's checkpoint holds a verified version
+    (``scheduler_side.add_verified_listener``): it stages its update then.
+
+    sglang's HookRegistry patches a target once: hooks on a target registered after it was
+    patched are ignored, so both sides' hooks must be registered before the one apply.
+    """
+    global _installed
+    if _installed:
+        return
+    _installed = True
+    scheduler_side.add_verified_listener(stage_for)
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookSource, HookType
+
+    source = HookSource(plugin_name="pull_weights", dist_name="weightsync")
+    sched = "sglang.srt.managers.scheduler.Scheduler"
+    manager = "sglang.srt.managers.scheduler_components.weight_updater.SchedulerWeightUpdaterManager"
+    HookRegistry.register(f"{sched}.init_request_dispatcher", _after_init_request_dispatcher, HookType.AFTER, source=source)
+    HookRegistry.register(f"{sched}.process_input_requests", _after_process_input_requests, HookType.AFTER, source=source)
+    HookRegistry.register(f"{manager}.update_weights_from_disk", _before_reload, HookType.BEFORE, source=source)
+    HookRegistry.register(f"{manager}.update_weights_from_disk", _after_reload, HookType.AFTER, source=source)
+    from sglang.srt.managers.scheduler_components.weight_updater import SchedulerWeightUpdaterManager
+
+    moving = compat.weight_moving_calls(SchedulerWeightUpdaterManager)
+    for method in ("update_weights_from_tensor", "update_weights_from_distributed", "update_weights_from_ipc", *moving):
+        HookRegistry.register(f"{manager}.{method}", _other_update(method), HookType.BEFORE, source=source)
+        HookRegistry.register(f"{manager}.{method}", _other_update(method), HookType.AFTER, source=source)
+    if os.environ.get(TRANSFORM_ENV):
+        HookRegistry.register(
+            "sglang.srt.model_loader.loader.DefaultModelLoader.postprocess_weights",
+            _transform_after_load, HookType.AFTER, source=source,
+        )
