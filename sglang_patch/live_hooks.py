@@ -105,8 +105,7 @@ def _after_init_request_dispatcher(result, scheduler, *args, **kwargs):
 def _after_process_input_requests(result, scheduler, *args, **kwargs):
     state = state_of(scheduler)
     if state is not None:
-        if state._map_thread is None:
-            state.ensure_map_started()
+        state.ensure_map_started()
         state.gather.poll()
         state.loop.run_slice()
 

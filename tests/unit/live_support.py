@@ -62,7 +62,7 @@ def serve_from_local(local: str, model_dir: str, live_reason: str):
     scheduler = SimpleNamespace(tp_worker=SimpleNamespace(model_runner=SimpleNamespace(model=model)))
     state = LiveApplyState(scheduler=scheduler, group=SingleRankGroup(), host="host/node0", rank="dp0/tp0",
                            seed_dir=model_dir, allowed_roots=(), max_changed_fraction=0.1)
-    state.cmap = build_coordinate_map(model, CheckpointReader(local).specs())
-    state.live = from_held(held_version(local), live_reason)
-    state.live_dir = local
+    state.proof.cmap = build_coordinate_map(model, CheckpointReader(local).specs())
+    state.weights.live = from_held(held_version(local), live_reason)
+    state.weights.live_dir = local
     return state, model

@@ -220,7 +220,7 @@ def _state(pulled):
     from sglang_patch.live.coordinate_map import CheckpointReader
 
     state, model = serve_from_local(pulled.local, pulled.model_dir, "reload")
-    state.prove(CheckpointReader(pulled.local), state.live, checkpoint_dir=pulled.local)
+    state.proof.prove(CheckpointReader(pulled.local), state.live, checkpoint_dir=pulled.local)
     return state, model
 
 

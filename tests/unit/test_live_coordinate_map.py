@@ -470,9 +470,9 @@ def test_an_engine_off_the_allow_list_builds_no_map_and_every_update_reloads_say
     from sglang_patch.live.scope import EngineScope
 
     state = _engine_state(tmp_path, ToyModel(), EngineScope(SimpleNamespace(), SimpleNamespace(draft_worker=None)))
-    state._build_and_prove()
+    state.proof.build_and_prove()
     assert state.cmap is None
-    assert state.map_status().startswith("live apply is off for this engine: model class ToyModel")
+    assert state.proof.status().startswith("live apply is off for this engine: model class ToyModel")
 
 
 def test_a_map_that_cannot_be_learnt_on_a_storage_free_copy_says_so(tmp_path):
@@ -481,9 +481,9 @@ def test_a_map_that_cannot_be_learnt_on_a_storage_free_copy_says_so(tmp_path):
             params["w"].data.copy_(w)
 
     state = _engine_state(tmp_path, _Loaded(load, w=torch.zeros(2)))
-    state._build_and_prove()
+    state.proof.build_and_prove()
     assert state.cmap is None
-    assert "could not be learnt on a storage-free copy of the model" in state.map_status()
+    assert "could not be learnt on a storage-free copy of the model" in state.proof.status()
 
 
 def test_a_checkpoint_tensor_changed_in_place_before_its_copy_is_reload_only():

@@ -43,7 +43,7 @@ def test_a_proof_against_the_reloaded_local_checkpoint_proves_every_parameter(se
     from sglang_patch.live.coordinate_map import CheckpointReader
 
     state = served.state()
-    state.prove(CheckpointReader(served.local), state.live, checkpoint_dir=served.local)
+    state.proof.prove(CheckpointReader(served.local), state.live, checkpoint_dir=served.local)
     assert state.cmap.proven and not state.cmap.reload_only_params
     assert len(state.cmap.proven_params) == len(list(state.model.parameters()))
 
@@ -72,7 +72,7 @@ def test_a_pull_of_the_checkpoint_a_proof_is_reading_waits_for_the_proof_to_fini
         return read(name)
 
     reader.tensor = tensor_while_a_pull_starts
-    state.prove(reader, state.live, checkpoint_dir=served.local)
+    state.proof.prove(reader, state.live, checkpoint_dir=served.local)
     proof_done = time.monotonic()
     puller.join(timeout=120)
     assert events and events[0][1] >= proof_done, "the pull rewrote the dir while the proof read it"
@@ -99,7 +99,7 @@ def test_a_proof_against_a_checkpoint_rewritten_meanwhile_by_anyone_records_noth
     with open(state_path(served.local), "rb") as f:
         marker = f.read()
     try:
-        state.prove(reader, state.live, checkpoint_dir=served.local)
+        state.proof.prove(reader, state.live, checkpoint_dir=served.local)
     finally:
         with open(state_path(served.local), "wb") as f:  # the module's other tests use the dir
             f.write(marker)
@@ -109,9 +109,9 @@ def test_a_proof_against_a_checkpoint_rewritten_meanwhile_by_anyone_records_noth
 
 def test_a_map_built_after_a_reload_from_a_local_checkpoint_is_proven_against_that_dir(served):
     state = served.state()  # the reload landed before the map thread finished building
-    state.cmap = None
-    state._build_and_prove()
-    assert state.map_error is None and state.map_status() is None, state.cmap.proof_reason
+    state.proof.cmap = None
+    state.proof.build_and_prove()
+    assert state.proof.map_error is None and state.proof.status() is None, state.cmap.proof_reason
     assert not state.cmap.reload_only_params
 
 
@@ -123,10 +123,10 @@ def _staging_state(served):
 
     served.pull(served.local, served.model_dir, served.feed.source_dir, 2)
     state = served.state()
-    state.prove(CheckpointReader(served.local), state.live, checkpoint_dir=served.local)
+    state.proof.prove(CheckpointReader(served.local), state.live, checkpoint_dir=served.local)
     assert state.cmap.proven
     held = held_version(served.local)  # v2 of the same run and seed: the weights are taken to be its v1
-    state.live = LiveVersion(1, os.path.realpath(served.feed.source_dir), "test: serving v1", held.run, held.seed)
+    state.weights.live = LiveVersion(1, os.path.realpath(served.feed.source_dir), "test: serving v1", held.run, held.seed)
     return state
 
 
@@ -154,8 +154,8 @@ def test_staging_runs_its_engine_half_on_the_thread_that_drives_the_loop(served)
 
     state = _staging_state(served)
     _stage_with_a_scheduler_loop(state, served, stage_job)
-    staged = state.staged
-    assert staged is not None, state.stage_reason
+    staged = state.weights.staged
+    assert staged is not None, state.weights.stage_reason
     assert staged.elements > 0 and staged.engine_where.startswith("on the scheduler thread")
     for p in staged.patches:  # the undo log holds what the live weights hold there
         assert torch.equal(p.old, p.flat[p.index])
@@ -182,8 +182,8 @@ def test_the_undo_log_is_taken_from_the_positions_while_the_values_are_still_bei
         return reply, blank
 
     _stage_with_a_scheduler_loop(state, served, stager)
-    staged = state.staged
-    assert staged is not None, state.stage_reason
+    staged = state.weights.staged
+    assert staged is not None, state.weights.stage_reason
     assert staged.engine_where.startswith("undo log while the helper gathered the values")
     for p, d in zip(staged.patches, seen["done"]):
         assert torch.equal(p.old, p.flat[p.index])  # the undo log holds what the live weights hold there
@@ -201,22 +201,22 @@ def test_a_staging_the_helper_refuses_after_the_positions_drops_the_undo_log_it_
         return StageReply(refused="the helper failed while staging"), []
 
     _stage_with_a_scheduler_loop(state, served, stager)
-    assert state.staged is None and state.stage_reason == "the helper failed while staging"
+    assert state.weights.staged is None and state.weights.stage_reason == "the helper failed while staging"
     assert not state.loop._jobs  # nothing left for the loop to run
 
 
 def test_staging_on_a_scheduler_loop_that_stopped_running_slices_is_refused_with_its_reason(served, monkeypatch):
     import time
 
-    from sglang_patch.live import state as live_state
+    from sglang_patch.live import staging
     from sglang_patch.live.stage import stage_job
 
     state = _staging_state(served)
-    monkeypatch.setattr(live_state, "LOOP_STAGING_TIMEOUT_S", 0.3)
+    monkeypatch.setattr(staging, "LOOP_STAGING_TIMEOUT_S", 0.3)
     state.loop.last_tick = time.monotonic()  # a loop ran a moment ago, and then stalled
     state.stage_after_pull(served.local, served.feed.source_dir, 2, stage_job)
-    assert state.staged is None
-    assert "staging did not finish" in state.stage_reason and "scheduler loop" in state.stage_reason
+    assert state.weights.staged is None
+    assert "staging did not finish" in state.weights.stage_reason and "scheduler loop" in state.weights.stage_reason
 
 
 @pytest.mark.parametrize("change,words", [
@@ -227,6 +227,6 @@ def test_staging_refuses_a_chain_of_another_seed_or_run_than_the_live_weights(se
     from sglang_patch.live.stage import stage_job
 
     state = _staging_state(served)
-    state.live = state.live._replace(**change)
+    state.weights.live = state.live._replace(**change)
     _stage_with_a_scheduler_loop(state, served, stage_job)
-    assert state.staged is None and words in state.stage_reason, state.stage_reason
+    assert state.weights.staged is None and words in state.weights.stage_reason, state.weights.stage_reason

@@ -1,0 +1,186 @@
+"""One rank's writes in the pause: apply, then commit, roll back, or reload.
+
+``apply`` writes what the rank voted on and keeps the undo log (``patch.scatter_with_undo``);
+nothing is committed until every rank of every stage and DP group applied (``transaction``).
+``commit`` takes the new version, flushes the cache (on every rank at once) and checks the live
+weights (``check``). ``rollback`` writes the undo log back and checks it; a rank that cannot
+prove its restore holds an unknown version, and the coordinator makes every rank ``reload``.
+
+Test-only switch (environment, read by the scheduler processes): ``WEIGHTSYNC_TEST_FAULT_DIR``:
+a file ``live-apply-fault-<rank label with / as _>`` there makes that rank fail once in the
+middle of its next scatter, ``live-restore-fault-<rank>`` in the middle of its next restore
+(each file is removed when it fires).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Optional
+
+from .. import compat
+from . import results as lr
+from .patch import RestoreFailed, StagedUpdate, UndoLog, scatter_with_undo
+from .version import LiveWeights
+
+log = logging.getLogger(__name__)
+
+FAULT_DIR_ENV = "WEIGHTSYNC_TEST_FAULT_DIR"
+
+# ``check(local_dir, version, patches) -> RankCheck``: the check of the live weights once they
+# hold ``version`` (``check.check_after_update`` on this rank)
+Check = Callable[[str, int, Iterable], lr.RankCheck]
+
+
+class InjectedFault(RuntimeError):
+    """The test-only fault of ``WEIGHTSYNC_TEST_FAULT_DIR``."""
+
+
+def fault_file(rank: str, prefix: str = "live-apply-fault-") -> Optional[str]:
+    directory = os.environ.get(FAULT_DIR_ENV)
+    return os.path.join(directory, prefix + rank.replace("/", "_")) if directory else None
+
+
+@dataclass
+class RankTxn:
+    """This rank's part of one engine-wide transaction, from its vote to its commit or rollback."""
+
+    id: str
+    start: float  # when this rank saw the vote (the pause, as this rank sees it)
+    staged: Optional[StagedUpdate] = None
+    undo: Optional[UndoLog] = None
+    written: int = 0
+    scatter_s: float = 0.0
+    restore_failure: Optional[str] = None  # why this rank is not restored (it must reload)
+    before_restore: Optional[Callable[[int, str], None]] = None
+
+
+class RankWrites:
+    """Apply, commit, roll back or reload on one rank (see the module docstring)."""
+
+    def __init__(self, *, host: str, rank: str, scheduler: Any, weights: LiveWeights, check: Check,
+                 pause_costs: lr.PauseCosts) -> None:
+        self.host = host
+        self.rank = rank
+        self.scheduler = scheduler
+        self.weights = weights
+        self.check = check
+        self.pause_costs = pause_costs
+
+    def failure(self, message: str, start: float) -> lr.LiveRankReport:
+        return lr.LiveRankReport(host=self.host, rank=self.rank, success=False, mode=lr.LIVE, message=message,
+                                 pause_s=time.perf_counter() - start)
+
+    def apply(self, staged: Optional[StagedUpdate], txn: RankTxn) -> lr.LiveRankReport:
+        """Write ``staged`` (what this rank voted on) and keep the undo log; commit nothing yet."""
+        if staged is None:
+            return self.failure("this rank voted for no live update", txn.start)
+        txn.staged = staged
+        fault = fault_file(self.rank)
+        restore_fault = fault_file(self.rank, "live-restore-fault-")
+
+        def before_write(k: int, param: str) -> None:
+            if fault and k == len(staged.patches) // 2 and os.path.exists(fault):
+                os.unlink(fault)
+                raise InjectedFault(f"injected fault on {self.rank} while writing {param} (patch {k} of {len(staged.patches)})")
+
+        def before_restore(k: int, param: str) -> None:
+            if restore_fault and k == len(staged.patches) // 2 and os.path.exists(restore_fault):
+                os.unlink(restore_fault)
+                raise InjectedFault(f"injected fault on {self.rank} while restoring {param}")
+
+        txn.before_restore = before_restore
+        t0 = time.perf_counter()
+        try:
+            txn.undo, txn.written = scatter_with_undo(staged, before_write=before_write, before_restore=before_restore)
+        except RestoreFailed as exc:
+            txn.restore_failure = exc.result.describe()
+            log.error("live apply %s: scatter failed and this rank was not restored: %s", self.rank, exc)
+            return self.failure(f"{exc}", txn.start)
+        except Exception as exc:
+            log.warning("live apply %s: scatter failed, this rank restored: %s", self.rank, exc)
+            return self.failure(f"{type(exc).__name__}: {exc}", txn.start)
+        txn.scatter_s = time.perf_counter() - t0
+        return lr.LiveRankReport(
+            host=self.host, rank=self.rank, success=True, mode=lr.LIVE, message=f"patched {txn.written} elements live",
+            weight_version=staged.to_version, elements_scattered=txn.written, pause_s=time.perf_counter() - txn.start,
+            scatter_s=txn.scatter_s, stage_s=staged.stage_s, staged_nbytes=staged.nbytes,
+        )
+
+    def commit(self, request: Any, txn: RankTxn) -> lr.LiveRankReport:
+        """Every rank applied: this rank takes the new version and flushes its cache.
+
+        The flush is here, on every rank at once, not in ``apply``: the TP ranks' schedulers must
+        keep identical caches (one rank flushed and another not diverged their batches and took
+        the server down after a rollback)."""
+        staged = txn.staged
+        if staged is None or txn.undo is None:
+            return self.failure("this rank applied nothing to commit", txn.start)
+        ok, message = compat.flush_cache_after_weight_update(self.scheduler.weight_updater, request,
+                                                             f"patched {txn.written} elements live")
+        compat.record_weight_version(self.scheduler.weight_updater, staged.to_version)
+        self.weights.take_applied(staged)
+        # every written element and a fresh sample against the checkpoint (live.check); a
+        # mismatch on any rank makes the coordinator send the reload phase: the transaction stays
+        # open until the next vote, as after a rollback
+        check = self.check(staged.local_checkpoint_dir, staged.to_version, staged.patches)
+        pause_s = time.perf_counter() - txn.start
+        self.pause_costs.record_live(txn.written, txn.scatter_s, pause_s)
+        log.info("live apply %s: v%d committed, %d elements, pause %.4fs (scatter %.4fs)", self.rank, staged.to_version,
+                 txn.written, pause_s, txn.scatter_s)
+        return lr.LiveRankReport(
+            host=self.host, rank=self.rank, success=ok, mode=lr.LIVE, message=message,
+            weight_version=staged.to_version, elements_scattered=txn.written, pause_s=pause_s,
+            scatter_s=txn.scatter_s, stage_s=staged.stage_s, staged_nbytes=staged.nbytes, check=check,
+        )
+
+    def rollback(self, txn: RankTxn, reason: str) -> lr.LiveRankReport:
+        """Some rank failed: write this rank's undo log back and check it. The staged update is
+        kept, so a retry can succeed; a rank that is not restored holds an unknown version."""
+        staged = txn.staged
+        if txn.undo is not None:
+            result = txn.undo.restore(before_write=txn.before_restore)
+            txn.undo = None
+            if not result.restored:
+                txn.restore_failure = result.describe()
+        # The transaction stays open until the next vote: when any rank of the engine was not
+        # restored, the coordinator sends every rank (restored or not) the reload phase next.
+        if txn.restore_failure is not None:
+            self.weights.forget(f"a live apply's restore failed on this rank ({txn.restore_failure})")
+            log.error("live apply %s: NOT restored: %s", self.rank, txn.restore_failure)
+            return lr.LiveRankReport(
+                host=self.host, rank=self.rank, success=False, mode=lr.LIVE, rolled_back=False,
+                message=f"live apply failed ({reason}) and this rank was {txn.restore_failure}",
+                pause_s=time.perf_counter() - txn.start,
+            )
+        live = self.weights.live
+        log.warning("live apply %s: rolled back%s: %s", self.rank,
+                    f" v{staged.to_version} -> v{staged.from_version}" if staged else "", reason)
+        return lr.LiveRankReport(
+            host=self.host, rank=self.rank, success=False, mode=lr.LIVE, rolled_back=True,
+            message=f"live apply failed, rolled back: {reason}", weight_version=live.version if live else None,
+            pause_s=time.perf_counter() - txn.start, stage_s=staged.stage_s if staged else 0.0,
+            staged_nbytes=staged.nbytes if staged else 0,
+        )
+
+    def reload(self, request: Any, reason: Optional[str], start: float) -> lr.LiveRankReport:
+        """sglang's own reload of the local checkpoint (its hooks keep the live version), checked."""
+        from sglang.srt.managers.io_struct import UpdateWeightFromDiskReqInput
+
+        local = os.path.realpath(request.local_checkpoint_dir)
+        load_format = getattr(self.scheduler.server_args, "load_format", None)
+        out = self.scheduler.weight_updater.update_weights_from_disk(
+            UpdateWeightFromDiskReqInput(
+                model_path=local, load_format=load_format, weight_version=str(request.target_version),
+                flush_cache=request.flush_cache,
+            )
+        )
+        live = self.weights.live
+        check = self.check(local, request.target_version, ()) if out.success else None
+        return lr.LiveRankReport(
+            host=self.host, rank=self.rank, success=bool(out.success), mode=lr.RELOAD, reason=reason,
+            message=out.message, weight_version=live.version if (out.success and live) else None,
+            pause_s=time.perf_counter() - start, check=check,
+        )
