@@ -9,7 +9,8 @@ prove its restore holds an unknown version, and the coordinator makes every rank
 Test-only switch (environment, read by the scheduler processes): ``WEIGHTSYNC_TEST_FAULT_DIR``:
 a file ``live-apply-fault-<rank label with / as _>`` there makes that rank fail once in the
 middle of its next scatter, ``live-restore-fault-<rank>`` in the middle of its next restore
-(each file is removed when it fires).
+(each file is removed when it fires); ``live-reload-fault-<rank>`` makes that rank's next reload
+phase fail before it loads anything, as many times as the file says (default once).
 """
 
 from __future__ import annotations
@@ -41,6 +42,20 @@ class InjectedFault(RuntimeError):
 def fault_file(rank: str, prefix: str = "live-apply-fault-") -> Optional[str]:
     directory = os.environ.get(FAULT_DIR_ENV)
     return os.path.join(directory, prefix + rank.replace("/", "_")) if directory else None
+
+
+def _fires(path: Optional[str]) -> bool:
+    """Whether a counted test fault fires now: the file holds how many more times (default once)."""
+    if not path or not os.path.exists(path):
+        return False
+    with open(path) as f:
+        left = int(f.read().strip() or 1) - 1
+    if left > 0:
+        with open(path, "w") as f:
+            f.write(str(left))
+    else:
+        os.unlink(path)
+    return True
 
 
 @dataclass
@@ -170,6 +185,10 @@ class RankWrites:
         from sglang.srt.managers.io_struct import UpdateWeightFromDiskReqInput
 
         local = os.path.realpath(request.local_checkpoint_dir)
+        if _fires(fault_file(self.rank, "live-reload-fault-")):  # this rank's load fails, its weights stay
+            return lr.LiveRankReport(host=self.host, rank=self.rank, success=False, mode=lr.RELOAD, reason=reason,
+                                     message=f"injected reload fault on {self.rank}: its weights were not reloaded",
+                                     pause_s=time.perf_counter() - start)
         load_format = getattr(self.scheduler.server_args, "load_format", None)
         out = self.scheduler.weight_updater.update_weights_from_disk(
             UpdateWeightFromDiskReqInput(

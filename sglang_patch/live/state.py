@@ -249,8 +249,7 @@ class LiveApplyState:
             return report
         if phase == tx.ROLLBACK:
             return self.writes.rollback(txn, request.reason or "another rank failed")
-        if phase == tx.RELOAD:
-            self._txn = None
+        if phase == tx.RELOAD:  # the transaction stays open: a failed reload is repeated on every rank
             return self.writes.reload(request, request.reason, txn.start)
         return self._phase_failure(phase, f"unknown phase {phase!r}", start)
 

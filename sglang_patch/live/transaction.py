@@ -19,6 +19,8 @@ lock throughout, so no generation runs between the phases):
    every rank writes its undo log back and checks it; a rank that reports "not restored" makes
    every rank ``reload`` the target from the local checkpoint (which holds it verified), so the
    engine never serves a mix.
+4. a ``reload`` that failed on any rank is repeated on every rank, once (a rank whose load
+   failed holds other weights than the rest); a second failure is a reply that says so.
 
 Each phase is one request to every DP group (the tokenizer's fan-out); inside a group every TP
 rank of a stage handles it at the same loop iteration and all-gathers its item. Stage k > 0's
@@ -161,7 +163,7 @@ async def run_transaction(send: Callable[[str, Optional[str]], Awaitable[PhaseRe
     mode, reason = lr.choose_mode(votes)
     estimates = lr.estimate_fields(votes)  # what the mode was chosen by, in the reply
     if mode == lr.RELOAD:
-        return lr.summarize(target_version, **estimates, hosts=lr.merge_hosts((await send(RELOAD, reason)).reports))
+        return await _reload_everywhere(send, target_version, reason, estimates)
     applied = (await send(APPLY, None)).reports
     if applied and all(r.success for r in applied):
         committed = (await send(COMMIT, None)).reports
@@ -171,8 +173,7 @@ async def run_transaction(send: Callable[[str, Optional[str]], Awaitable[PhaseRe
         # the live weights are not the published bytes on some rank: the sound path, on every rank
         why = f"the check after the live apply found mismatches ({mismatched}): every rank reloads the local checkpoint"
         log.error("live apply v%d: %s", target_version, why)
-        return lr.summarize(target_version, **estimates, hosts=lr.merge_hosts((await send(RELOAD, why)).reports),
-                            failed_checks=lr.checks_of(committed))
+        return await _reload_everywhere(send, target_version, why, estimates, failed_checks=lr.checks_of(committed))
     failure = rank_failures(applied) or "no rank reported its writes"
     log.warning("live apply v%d failed on some rank: %s; every rank rolls back", target_version, failure)
     rolled = (await send(ROLLBACK, failure)).reports
@@ -182,7 +183,35 @@ async def run_transaction(send: Callable[[str, Optional[str]], Awaitable[PhaseRe
     why = (f"live apply failed ({failure}) and {len(not_restored)} rank(s) could not be restored "
            f"({rank_failures(not_restored)}): every rank reloads the local checkpoint")
     log.error("live apply v%d: %s", target_version, why)
-    return lr.summarize(target_version, **estimates, hosts=lr.merge_hosts((await send(RELOAD, why)).reports))
+    return await _reload_everywhere(send, target_version, why, estimates)
+
+
+async def _reload_everywhere(send: Callable[[str, Optional[str]], Awaitable[PhaseReplies]], target_version: int,
+                             reason: Optional[str], estimates: dict, **summary: Any) -> dict:
+    """Every rank reloads the target; if any rank's reload failed, every rank reloads once more.
+
+    A rank whose load failed keeps other weights than the ranks whose load worked (sglang falls
+    back to what it held), and the engine would serve two weight sets under one reply. The local
+    checkpoint holds only the target now, so the one set every rank can reach is the target:
+    the reload is repeated on every rank, once. If it fails again, the reply says that the
+    ranks may hold different weights until an update succeeds; a retry of the call reloads
+    every rank that does not hold the target (its vote finds nothing to patch live).
+    """
+    reports = (await send(RELOAD, reason)).reports
+    failed = rank_failures(reports)
+    if not failed:
+        return lr.summarize(target_version, **estimates, **summary, hosts=lr.merge_hosts(reports))
+    again = f"{reason}; the reload failed on some rank ({failed}): every rank reloaded once more"
+    log.warning("live apply v%d: the reload failed on some rank (%s): every rank reloads once more", target_version, failed)
+    reports = (await send(RELOAD, again)).reports
+    failed = rank_failures(reports)
+    if not failed:
+        return lr.summarize(target_version, **estimates, **summary, hosts=lr.merge_hosts(reports))
+    message = (f"the reload of v{target_version} failed twice on some rank ({failed}); the ranks whose reload "
+               "worked serve the target and the others what their load left, so the engine may serve two weight "
+               "sets until an update succeeds: retry the call (it reloads every rank that does not hold the target)")
+    log.error("live apply v%d: %s", target_version, message)
+    return lr.summarize(target_version, **estimates, **summary, hosts=lr.merge_hosts(reports), message=message)
 
 
 def new_transaction_id() -> str:

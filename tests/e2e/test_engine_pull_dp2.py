@@ -160,6 +160,38 @@ def test_a_fault_on_dp1_restores_both_dp_groups_and_the_retry_commits_on_both(en
     assert live["dp0/tp0"]["digests"] == live["dp1/tp0"]["digests"] != before["dp0/tp0"]["digests"]
 
 
+def test_a_reload_that_fails_in_one_dp_group_is_repeated_on_both_and_a_second_failure_says_the_groups_differ(env):
+    """A reload phase used to fail in one DP group while the other loaded the target, and the
+    engine served two weight sets round-robin until the next update."""
+    from tests.e2e.live_apply_support import serve_newest_then_pull_next
+    from testbed.live import assert_same_weights, weights_digest
+
+    def reload_from_the_seed():  # the weights hold another path now: the next update must reload
+        assert env.server.post("/update_weights_from_disk", {"model_path": str(env.model)}).status_code == 200
+
+    top, new = serve_newest_then_pull_next(env, pull)
+    reload_from_the_seed()
+    (env.faults / "live-reload-fault-dp1_tp0").write_text("1")
+    body = update(env, new)
+    assert body["success"] and body["mode"] == "reload" and body["weight_version"] == new, body
+    assert "the reload failed on some rank (dp1/tp0: injected reload fault" in body["reason"], body
+    reloaded = weights_digest(env.server)
+    assert reloaded["dp0/tp0"]["digests"] == reloaded["dp1/tp0"]["digests"]
+    assert {r["live_version"] for r in reloaded.values()} == {new}
+
+    reload_from_the_seed()
+    seed = weights_digest(env.server)
+    (env.faults / "live-reload-fault-dp1_tp0").write_text("2")
+    body = update(env, new, status=500)
+    assert not body["success"] and "failed twice" in body["message"] and "retry" in body["message"], body
+    mixed = weights_digest(env.server)  # said as it is: dp0 holds the target, dp1 what it held
+    assert mixed["dp0/tp0"]["digests"] == reloaded["dp0/tp0"]["digests"]
+    assert mixed["dp1/tp0"]["digests"] == seed["dp1/tp0"]["digests"] != reloaded["dp1/tp0"]["digests"]
+    body = update(env, new)  # the retry brings every group to the target
+    assert body["success"] and body["weight_version"] == new, body
+    assert_same_weights(weights_digest(env.server), reloaded)
+
+
 def test_every_step_of_a_random_sequence_leaves_both_dp_groups_equal_to_a_reload_of_the_claimed_version(env):
     """Issue 19's model-based differential test on this server (tests/e2e/live_model_support.py):
     pulls, live applies, reloads of another path, new runs, a replaced seed dir, reseeds, faults

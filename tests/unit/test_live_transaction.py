@@ -18,9 +18,10 @@ RANKS = ["dp0/pp0/tp0", "dp0/pp1/tp0", "dp1/pp0/tp0", "dp1/pp1/tp0"]
 class Engine:
     """Every rank's answer per phase; records the phases the tokenizer sent, in order."""
 
-    def __init__(self, *, vote=None, apply_fails=(), not_restored=()):
+    def __init__(self, *, vote=None, apply_fails=(), not_restored=(), reload_fails=None):
         self.vote = vote or {}
         self.apply_fails, self.not_restored = set(apply_fails), set(not_restored)
+        self.reload_fails = dict(reload_fails or {})  # rank -> how many of its reloads fail
         self.sent: list[tuple[str, object]] = []
         self.version = {r: 3 for r in RANKS}
 
@@ -45,6 +46,11 @@ class Engine:
                                                      weight_version=3 if restored else None,
                                                      message="rolled back" if restored else "not restored: p1"))
             elif phase == tx.RELOAD:
+                if self.reload_fails.get(rank, 0) > 0:  # its load failed: it keeps what it held
+                    self.reload_fails[rank] -= 1
+                    out.reports.append(lr.LiveRankReport(**{**report, "mode": lr.RELOAD}, success=False, reason=reason,
+                                                         message=f"load failed on {rank}"))
+                    continue
                 self.version[rank] = 4
                 out.reports.append(lr.LiveRankReport(**{**report, "mode": lr.RELOAD}, success=True, weight_version=4,
                                                      reason=reason))
@@ -97,6 +103,44 @@ def test_one_rank_refusing_refuses_the_call_and_nothing_is_written():
     assert [p for p, _ in engine.sent] == [tx.VOTE]
     assert fields["http_status"] == 409 and fields["error_type"] == "conflict" and not fields["success"]
 
+
+
+RELOAD_VOTE = {"dp1/pp1/tp0": lr.LiveDecision(rank="dp1/pp1/tp0", live=False, reason="nothing staged")}
+
+
+@pytest.mark.parametrize("failing", ["dp0/pp1/tp0", "dp1/pp0/tp0"])  # a later stage; another DP group
+def test_a_reload_that_fails_on_one_stage_or_dp_group_is_repeated_on_every_rank_so_the_engine_holds_one_version(failing):
+    engine = Engine(vote=RELOAD_VOTE, reload_fails={failing: 1})
+    fields = run(engine)
+    assert [p for p, _ in engine.sent] == [tx.VOTE, tx.RELOAD, tx.RELOAD]
+    assert f"the reload failed on some rank ({failing}: load failed on {failing})" in engine.sent[-1][1]
+    assert fields["success"] and fields["mode"] == lr.RELOAD and fields["weight_version"] == 4, fields
+    assert set(engine.version.values()) == {4}
+
+
+def test_a_reload_that_fails_twice_replies_failure_saying_the_ranks_may_differ():
+    engine = Engine(vote=RELOAD_VOTE, reload_fails={"dp1/pp0/tp0": 2})
+    fields = run(engine)
+    assert [p for p, _ in engine.sent] == [tx.VOTE, tx.RELOAD, tx.RELOAD]
+    assert not fields["success"] and fields["http_status"] == 500 and fields["weight_version"] is None, fields
+    assert "failed twice" in fields["message"] and "two weight sets" in fields["message"] and "retry" in fields["message"]
+    assert engine.version["dp1/pp0/tp0"] == 3 and engine.version["dp0/pp0/tp0"] == 4
+
+
+def test_a_mismatch_after_a_commit_reloads_every_rank_and_a_failed_reload_there_is_repeated_too():
+    engine = Engine(reload_fails={"dp0/pp0/tp0": 1})
+    mismatch = lr.RankCheck(rank="dp1/pp1/tp0", verified_elements=10, mismatches=1, detail="p[3] differs")
+    send = engine.send
+
+    async def send_with_a_mismatch(phase, reason):
+        out = await send(phase, reason)
+        if phase == tx.COMMIT:
+            out.reports[-1].check = mismatch
+        return out
+
+    fields = asyncio.run(tx.run_transaction(send_with_a_mismatch, 4))
+    assert [p for p, _ in engine.sent] == [tx.VOTE, tx.APPLY, tx.COMMIT, tx.RELOAD, tx.RELOAD]
+    assert fields["success"] and fields["mode"] == lr.RELOAD and set(engine.version.values()) == {4}
 
 # --- pipeline stages: stage 0's entry rank replies once every stage has posted ------------------
 
