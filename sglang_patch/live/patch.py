@@ -3,17 +3,27 @@
 Staging has two halves. The heavy one (``live.stage``: positions, mapping, new values read from
 the verified local checkpoint) runs in the rank's pull helper process. This module does the
 engine-side half, in the scheduler process but still while serving (``finish_staging_steps``):
-cast the new values to each parameter's dtype (what the loader's ``copy_`` does), and read the
-*old* values at the same positions from the live parameters, which is the undo log. It runs on
-the scheduler thread itself, in bounded steps between loop iterations (``loop_slices``).
-Everything sits in host memory, pinned when the parameters live on a CUDA device.
+cast the new values to each parameter's dtype (what the loader's ``copy_`` does), read the
+*old* values at the same positions from the live parameters, which is the undo log, and make
+everything the pause and a restore use: on a device the index and the values copied there, and
+the restore's scratch. It runs on the scheduler thread itself, in bounded steps between loop
+iterations (``loop_slices``). The pause and the restore then allocate nothing, on any device:
+an out-of-memory error cannot hit them (``tests/unit/test_live_pause_allocations.py``).
 
-Memory bound, per rank: ``8 + 2 x itemsize`` bytes per changed element of this rank's shard
-(the index, the new values, the old values), plus the checkpoint-dtype values while the cast
-runs; staging is refused (the call reloads) once the changed elements pass ``max_elements``.
+Memory bound, per rank: ``8 + 2 x itemsize`` bytes of host memory per changed element of this
+rank's shard (the index, the new values, the old values), plus the checkpoint-dtype values while
+the cast runs; staging is refused (the call reloads) once the changed elements pass
+``max_elements``. For parameters on a device, ``8 + itemsize`` bytes more per changed element
+on that device (the index and the values, copied there at staging) and the restore's scratch
+(``RestoreBuffers``: the largest patch's elements once on the device and once on the host).
+No host memory is pinned: the pause reads none (its index and values are on the device
+already), staging copies in bounded steps while serving, and a restore is the rare path. So
+there is nothing for torch's caching host allocator to keep at its high-water mark; everything
+is freed with the staged update (``live.state._release_later``).
 
 The pause (``scatter_with_undo``) is then only the writes into each parameter's own storage
-(pointers unchanged, so captured CUDA graphs stay valid): ``index_copy_`` on a device, numpy
+(pointers unchanged, so captured CUDA graphs stay valid): ``index_copy_`` on a device, ordered
+with sglang's forward stream by events (``live.device.PauseFence``), numpy
 fancy assignment over integer views for sparse patches on the CPU, with one intra-op thread (a multi-threaded
 ``index_copy_`` of bf16 over scattered positions is many times slower here, and the TP ranks
 already run side by side). On any failure every patch is written
@@ -33,10 +43,11 @@ import numpy as np
 import torch
 
 from .coordinate_map import INT_OF_WIDTH, TORCH_DTYPE_OF, CheckpointReader, CoordinateMap, as_int_bits
+from .device import HostFence, PauseFence, needs_device_copies
 from .stage import Patch, StagingRefused, positions_through, stage_changes
 from .loop_slices import drain
 
-__all__ = ["ParamPatch", "RestoreFailed", "RestoreResult", "SavedOld", "StagedUpdate", "StagingRefused", "UndoLog", "finish_staging", "positions_through",
+__all__ = ["ParamPatch", "RestoreBuffers", "RestoreFailed", "RestoreResult", "SavedOld", "StagedUpdate", "StagingRefused", "UndoLog", "finish_staging", "positions_through",
            "scatter_with_undo", "stage_update", "undo_log_steps"]
 
 SPARSE_WRITE_DENSITY = 0.03  # below it a CPU patch is written through numpy (see ParamPatch.write)
@@ -45,26 +56,33 @@ SPARSE_WRITE_DENSITY = 0.03  # below it a CPU patch is written through numpy (se
 class ParamPatch(NamedTuple):
     param: str
     flat: torch.Tensor  # the parameter's own storage, flat (a view: writes go to the live weights)
-    index: torch.Tensor  # int64 flat positions in the contiguous parameter
+    index: torch.Tensor  # int64 flat positions in the contiguous parameter, host memory
     values: torch.Tensor  # the new values, the parameter's dtype, host memory
-    old: torch.Tensor  # the live values there when staged (the undo log)
-    device_index: Optional[torch.Tensor] = None  # ``index`` on the parameter's device (None on the CPU)
+    old: torch.Tensor  # the live values there when staged (the undo log), host memory
+    device_index: Optional[torch.Tensor] = None  # ``index`` on the parameter's device, made at staging
+    device_values: Optional[torch.Tensor] = None  # ``values`` there (None: written from the host)
 
     def write(self, source: torch.Tensor) -> None:
-        """``flat[index] = source`` in place."""
-        if self.flat.device.type == "cpu" and self.index.numel() < SPARSE_WRITE_DENSITY * self.flat.numel():
+        """``flat[index] = source`` in place; ``source`` on ``flat``'s device (the host for a
+        patch without device copies). Never copies or allocates: inside the pause, an
+        allocation is an out-of-memory error waiting to happen."""
+        if self.device_index is None and self.index.numel() < SPARSE_WRITE_DENSITY * self.flat.numel():
             # numpy's fancy assignment over same-width integer views: the same bytes, measured
             # about 1.5x faster than index_copy_ at 1% density, and slower from about 5%
             as_int_bits(self.flat).numpy()[self.index.numpy()] = as_int_bits(source).numpy()
         else:
-            self.flat.index_copy_(0, self.on_device_index(), source.to(self.flat.device, non_blocking=True))
+            self.flat.index_copy_(0, self.on_device_index(), source)
+
+    def write_new(self) -> None:
+        """The scatter's write: the new values, from the copies staging made on the device."""
+        self.write(self.device_values if self.device_values is not None else self.values)
 
     def on_device_index(self) -> torch.Tensor:
-        if self.flat.device.type == "cpu":
-            return self.index
         if self.device_index is not None:
             return self.device_index
-        return self.index.to(self.flat.device, non_blocking=True)
+        if self.flat.device.type != "cpu":
+            raise RuntimeError(f"{self.param}: no copy of the positions was staged on {self.flat.device}")
+        return self.index
 
 
 @dataclass
@@ -84,12 +102,21 @@ class StagedUpdate:
     engine_s: float = 0.0  # the engine's half: the time inside finish_staging's steps
     engine_where: str = "in this thread"  # which thread ran them (logged)
     keepalive: object = None  # what the patches' memory belongs to (the helper's shared file)
+    restore_buffers: "Optional[RestoreBuffers]" = None  # a restore's scratch, made at staging
+    fence: Any = None  # orders the pause's writes with the device (live.device.PauseFence; None: the CPU's)
     from_key: Optional[tuple] = None  # the identity of the live version it was staged from (live.identity)
     target: Any = None  # the live version it makes (a live.identity.LiveVersion)
 
     @property
     def nbytes(self) -> int:
+        """Host memory: the index, the new and the old values."""
         return sum(p.index.nbytes + p.values.nbytes + p.old.nbytes for p in self.patches)
+
+    @property
+    def device_nbytes(self) -> int:
+        """Device memory: the index and the values copied there, and the restore's scratch."""
+        copies = sum(p.device_index.nbytes + p.device_values.nbytes for p in self.patches if p.device_values is not None)
+        return copies + (self.restore_buffers.device_nbytes if self.restore_buffers is not None else 0)
 
 
 def _as_torch(values: np.ndarray, dtype: str) -> torch.Tensor:
@@ -103,16 +130,18 @@ def _as_torch(values: np.ndarray, dtype: str) -> torch.Tensor:
 STEP_ELEMENTS = 1 << 16  # elements per step of finish_staging_steps: well under a millisecond
 
 
-def finish_staging(patches: Iterable[Patch], params: Mapping[str, torch.Tensor], staged: StagedUpdate) -> StagedUpdate:
-    """Cast each patch's values to its parameter's dtype and save the live values it overwrites."""
+def finish_staging(patches: Iterable[Patch], params: Mapping[str, torch.Tensor], staged: StagedUpdate,
+                   device_copies: Optional[bool] = None) -> StagedUpdate:
+    """Cast each patch's values to its parameter's dtype, save the live values it overwrites, and
+    make what the pause and a restore use (``finish_staging_steps``)."""
     with one_intra_op_thread():
-        drain(finish_staging_steps(patches, params, staged))
+        drain(finish_staging_steps(patches, params, staged, device_copies=device_copies))
     return staged
 
 
 def finish_staging_steps(
     patches: Iterable[Patch], params: Mapping[str, torch.Tensor], staged: StagedUpdate,
-    saved: "Optional[list[SavedOld]]" = None,
+    saved: "Optional[list[SavedOld]]" = None, device_copies: Optional[bool] = None,
 ) -> Iterator[None]:
     """``finish_staging`` in steps of at most ``STEP_ELEMENTS`` elements, yielding between them.
 
@@ -122,78 +151,85 @@ def finish_staging_steps(
     a 0.1 ms switch interval (4.3 s for 6.6M elements; 0.17 s of steps on the loop thread).
     ``staged.engine_s`` counts only the time spent in the steps. ``saved``: the undo log, when
     ``undo_log_steps`` already took it from the same patches (while the helper still wrote their
-    values).
+    values). ``device_copies``: see ``undo_log_steps``.
     """
     patches = list(patches)
     if saved is None:
-        saved = yield from undo_log_steps(patches, params, staged)
+        saved = yield from undo_log_steps(patches, params, staged, device_copies=device_copies)
     yield from _new_values_steps(patches, saved, staged)
+    t0 = time.perf_counter()
+    staged.restore_buffers = RestoreBuffers(staged.patches)  # the last allocation a restore would make
+    staged.engine_s += time.perf_counter() - t0
 
 
 class SavedOld(NamedTuple):
     """What one patch needs only its positions for: where it writes, and the undo log."""
 
     flat: torch.Tensor  # the parameter's own storage, flat
-    index: torch.Tensor  # the positions, host memory (pinned with CUDA)
-    old: torch.Tensor  # the live values there (host memory, pinned with CUDA)
-    pinned: bool
-    device_index: Optional[torch.Tensor] = None  # the positions on the parameter's device (kept: a
-    # restore inside the pause must not allocate device memory for them)
+    index: torch.Tensor  # the positions, host memory (the helper's shared file)
+    old: torch.Tensor  # the live values there, host memory
+    device_index: Optional[torch.Tensor] = None  # the positions on the parameter's device (the
+    # pause and a restore inside it must not copy them there: that allocates)
 
 
 def undo_log_steps(
-    patches: list[Patch], params: Mapping[str, torch.Tensor], staged: StagedUpdate
+    patches: list[Patch], params: Mapping[str, torch.Tensor], staged: StagedUpdate,
+    device_copies: Optional[bool] = None,
 ) -> Generator[None, None, list[SavedOld]]:
     """The first half of ``finish_staging_steps``: save the live values at every patch's
-    positions (reads ``patch.index`` only, never ``patch.values``); returns them."""
-    pin = any(p.device.type == "cuda" for p in params.values())
+    positions (reads ``patch.index`` only, never ``patch.values``); returns them.
+
+    ``device_copies``: whether the positions (and later the values) get their own copies on the
+    parameter's device; None: for parameters off the CPU (``live.device.needs_device_copies``).
+    True on CPU parameters runs the device path on the CPU (a test's way to exercise it here).
+    """
     saved = []
     for patch in patches:
         t0 = time.perf_counter()
         flat = params[patch.param].data.view(-1)
         count = int(patch.index.size)
-        on_cpu = flat.device.type == "cpu"
+        copies = needs_device_copies(flat) if device_copies is None else device_copies
         with _quiet_readonly():
-            shared_index = torch.from_numpy(patch.index)
-        # on the CPU the shared file's views are used as they are; for a device, pinned copies
-        index = shared_index if not pin else torch.empty(count, dtype=torch.int64, pin_memory=True)
-        device_index = index if on_cpu else torch.empty(count, dtype=torch.int64, device=flat.device)
-        old = torch.empty(count, dtype=flat.dtype, pin_memory=pin)
+            index = torch.from_numpy(patch.index)  # the shared file's view, as it is
+        device_index = torch.empty(count, dtype=torch.int64, device=flat.device) if copies else None
+        old = torch.empty(count, dtype=flat.dtype)  # host memory, not pinned (see the module doc)
         for a in range(0, count, STEP_ELEMENTS):
             b = min(count, a + STEP_ELEMENTS)
-            if index is not shared_index:
-                index[a:b].copy_(shared_index[a:b])
-            if on_cpu:
+            if device_index is None:
                 torch.index_select(flat, 0, index[a:b], out=old[a:b])
             else:
-                device_index[a:b].copy_(index[a:b])
+                device_index[a:b].copy_(index[a:b])  # synchronous: the source is pageable
                 old[a:b].copy_(flat.index_select(0, device_index[a:b]))
             staged.engine_s += time.perf_counter() - t0
             yield
             t0 = time.perf_counter()
-        saved.append(SavedOld(flat, index, old, pin, None if on_cpu else device_index))
+        saved.append(SavedOld(flat, index, old, device_index))
         staged.engine_s += time.perf_counter() - t0
     return saved
 
 
 def _new_values_steps(patches: list[Patch], saved: list[SavedOld], staged: StagedUpdate) -> Iterator[None]:
-    """The second half: each patch's new values in its parameter's dtype (the checkpoint's bytes
-    as they are when the dtypes agree on the CPU: no step then), and the patches it makes."""
+    """The second half: each patch's new values in its parameter's dtype on the host (the
+    checkpoint's bytes as they are when the dtypes agree: no step then) and, for a patch with
+    device copies, on the parameter's device; and the patches it makes."""
     for patch, s in zip(patches, saved, strict=True):
         t0 = time.perf_counter()
         count = int(patch.index.size)
         with _quiet_readonly():
             source = _as_torch(patch.values, patch.dtype)
-        values = source
-        if source.dtype != s.flat.dtype or s.pinned:
-            values = torch.empty(count, dtype=s.flat.dtype, pin_memory=s.pinned)
+        values = source if source.dtype == s.flat.dtype else torch.empty(count, dtype=s.flat.dtype)
+        device_values = None if s.device_index is None else torch.empty(count, dtype=s.flat.dtype, device=s.flat.device)
+        if values is not source or device_values is not None:
             for a in range(0, count, STEP_ELEMENTS):
                 b = min(count, a + STEP_ELEMENTS)
-                values[a:b].copy_(source[a:b])
+                if values is not source:
+                    values[a:b].copy_(source[a:b])
+                if device_values is not None:
+                    device_values[a:b].copy_(values[a:b])
                 staged.engine_s += time.perf_counter() - t0
                 yield
                 t0 = time.perf_counter()
-        staged.patches.append(ParamPatch(patch.param, s.flat, s.index, values, s.old, s.device_index))
+        staged.patches.append(ParamPatch(patch.param, s.flat, s.index, values, s.old, s.device_index, device_values))
         staged.engine_s += time.perf_counter() - t0
 
 
@@ -215,6 +251,7 @@ def stage_update(
     *,
     max_elements: int,
     staged: StagedUpdate,
+    device_copies: Optional[bool] = None,
 ) -> StagedUpdate:
     """Both halves of staging in this process, for ``changes`` (``(tensor, entry, positions)``).
 
@@ -245,7 +282,7 @@ def stage_update(
         cmap.placements, cmap.unused_tensors, reload_only_reasons(cmap), with_dtype(), values_at,
         max_elements=max_elements,
     )
-    finish_staging(patches, params, staged)
+    finish_staging(patches, params, staged, device_copies=device_copies)
     staged.stage_s = time.perf_counter() - start
     return staged
 
@@ -277,51 +314,75 @@ class RestoreResult(NamedTuple):
         return "not restored: " + "; ".join(self.failures)
 
 
+class RestoreBuffers:
+    """The scratch a restore and its check need, made at staging (``finish_staging_steps``).
+
+    Per integer width, one host buffer of the largest patch's elements (the read-back compared
+    with the undo log); per (device, width) of patches with device copies, one buffer there
+    (the undo values on their way back, then the read-back). Patches share them one after the
+    other: on a device every use is on the same stream, so each waits for the one before.
+    """
+
+    def __init__(self, patches: Iterable[ParamPatch]) -> None:
+        host: dict[int, int] = {}
+        device: dict[tuple[str, int], int] = {}
+        for p in patches:
+            width, n = p.flat.element_size(), int(p.index.numel())
+            host[width] = max(host.get(width, 0), n)
+            if p.device_index is not None:
+                key = (str(p.flat.device), width)
+                device[key] = max(device.get(key, 0), n)
+        self.host = {w: torch.empty(n, dtype=INT_OF_WIDTH[w]) for w, n in host.items()}
+        self.device = {k: torch.empty(n, dtype=INT_OF_WIDTH[k[1]], device=k[0]) for k, n in device.items()}
+
+    @property
+    def device_nbytes(self) -> int:
+        return sum(t.nbytes for t in self.device.values())
+
+    def for_patch(self, p: ParamPatch) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """(host read-back, device scratch or None), each exactly ``p``'s elements (views)."""
+        n = int(p.index.numel())
+        host = self.host.get(p.flat.element_size())
+        device = self.device.get((str(p.flat.device), p.flat.element_size())) if p.device_index is not None else None
+        if host is None or host.numel() < n or (p.device_index is not None and (device is None or device.numel() < n)):
+            raise RuntimeError(f"{p.param}: no restore buffer of {n} elements was made at staging "
+                               f"(making one now would allocate inside the pause)")
+        return host[:n], (device[:n] if device is not None else None)
+
+
 class UndoLog:
     """The old values at every position a scatter may have written, to put back on failure.
 
-    Failure-atomic: the buffers a restore and its check need are allocated here, before the
-    first write (on a device every write-back would otherwise allocate the index and the values,
-    and an out-of-memory write is exactly what a restore inside the pause may hit); ``restore``
-    tries every patch even after one failed, then reads every patch back and compares it with
-    the undo log bit for bit. It never raises: the caller must reload on ``restored=False``.
+    Failure-atomic: it allocates nothing (the index, the undo values' device scratch and the
+    read-back were all made at staging, so an out-of-memory error cannot stop a restore inside
+    the pause); ``restore`` tries every patch even after one failed, waits for the device
+    (``fence``), then reads every patch back and compares it with the undo log bit for bit. It
+    never raises: the caller must reload on ``restored=False``.
     """
 
-    def __init__(self, patches: list[ParamPatch]) -> None:
+    def __init__(self, patches: list[ParamPatch], buffers: Optional[RestoreBuffers] = None,
+                 fence: Optional[PauseFence] = None) -> None:
         self._patches = list(patches)
-        # one scratch pair per (device, width): the undo values on the device, and the read-back
-        largest: dict[tuple[str, int], int] = {}
-        for p in self._patches:
-            key = (str(p.flat.device), p.flat.element_size())
-            largest[key] = max(largest.get(key, 0), int(p.index.numel()))
-        self._scratch = {
-            key: (torch.empty(n, dtype=INT_OF_WIDTH[key[1]], device=key[0]),
-                  torch.empty(n, dtype=INT_OF_WIDTH[key[1]], device=key[0]) if not key[0].startswith("cpu") else None)
-            for key, n in largest.items()
-        }
-
-    def _buffers(self, p: ParamPatch) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-        check, device_old = self._scratch[(str(p.flat.device), p.flat.element_size())]
-        n = int(p.index.numel())
-        return check[:n], (device_old[:n] if device_old is not None else None)
+        # None: made here (a caller outside the pause); scatter_with_undo passes staging's
+        self._buffers = buffers if buffers is not None else RestoreBuffers(self._patches)
+        self._fence = fence or HostFence()
 
     def _write_back(self, p: ParamPatch) -> None:
-        _, device_old = self._buffers(p)
+        _, device_old = self._buffers.for_patch(p)
         if device_old is None:
             p.write(p.old)
             return
-        if p.device_index is None:
-            raise RuntimeError("no device copy of the positions was staged (a write-back would allocate)")
-        device_old.copy_(as_int_bits(p.old), non_blocking=True)
-        p.flat.index_copy_(0, p.device_index, device_old.view(p.flat.dtype))
+        device_old.copy_(as_int_bits(p.old), non_blocking=True)  # pageable: the host is done reading on return
+        p.write(device_old.view(p.flat.dtype))
 
     def _holds_old(self, p: ParamPatch) -> bool:
-        check, device_old = self._buffers(p)
-        torch.index_select(as_int_bits(p.flat), 0, p.on_device_index(), out=check)
+        check, device_old = self._buffers.for_patch(p)
         if device_old is None:
-            return torch.equal(check, as_int_bits(p.old))
-        device_old.copy_(as_int_bits(p.old), non_blocking=True)
-        return torch.equal(check, device_old)
+            torch.index_select(as_int_bits(p.flat), 0, p.on_device_index(), out=check)
+        else:
+            torch.index_select(as_int_bits(p.flat), 0, p.device_index, out=device_old)
+            check.copy_(device_old)  # to pageable host memory: returns once the device wrote it
+        return torch.equal(check, as_int_bits(p.old))
 
     def restore(self, *, before_write: Optional[Callable[[int, str], None]] = None) -> RestoreResult:
         """Write every patch back (reverse order), then check each against the undo log.
@@ -330,6 +391,10 @@ class UndoLog:
         failures: list[str] = []
         failed: set[str] = set()  # params already reported (one failure line each)
         with one_intra_op_thread():
+            try:
+                self._fence.begin_writes()
+            except Exception as exc:
+                failures.append(f"the device: {type(exc).__name__}: {exc}")
             for k in reversed(range(len(self._patches))):
                 p = self._patches[k]
                 try:
@@ -340,8 +405,8 @@ class UndoLog:
                     failures.append(f"{p.param}: write-back failed: {type(exc).__name__}: {exc}")
                     failed.add(p.param)
             try:
-                if any(p.flat.device.type == "cuda" for p in self._patches):
-                    torch.cuda.synchronize()
+                self._fence.end_writes()
+                self._fence.wait()  # an asynchronous failure of the write-backs raises here
             except Exception as exc:
                 failures.append(f"the device: {type(exc).__name__}: {exc}")
             for p in self._patches:
@@ -353,7 +418,6 @@ class UndoLog:
                     failures.append(f"{p.param}: read-back failed: {type(exc).__name__}: {exc}")
         if not failures:
             self._patches.clear()
-            self._scratch.clear()
         return RestoreResult(not failures, tuple(failures))
 
     @property
@@ -377,24 +441,30 @@ def scatter_with_undo(
     staged: StagedUpdate, *, before_write: Optional[Callable[[int, str], None]] = None,
     before_restore: Optional[Callable[[int, str], None]] = None,
 ) -> tuple[UndoLog, int]:
-    """Write every patch into the parameter it was staged for; returns the undo log and the
-    elements written.
+    """Write every patch into the parameter it was staged for, and wait until the device did;
+    returns the undo log and the elements written. Allocates nothing: everything it and a
+    restore use was made at staging.
 
-    On an exception every patch is restored before it propagates, so this rank is exactly at
-    the previous version; if that restore fails too, ``RestoreFailed`` (the rank must reload). A
-    caller that learns another rank failed calls ``undo.restore()`` and checks its result.
+    On an exception (an asynchronous device error included: ``staged.fence`` raises it) every
+    patch is restored before it propagates, so this rank is exactly at the previous version; if
+    that restore fails too, ``RestoreFailed`` (the rank must reload). A caller that learns
+    another rank failed calls ``undo.restore()`` and checks its result.
     """
-    undo = UndoLog(staged.patches)
+    if staged.patches and staged.restore_buffers is None:
+        raise RuntimeError("the update was staged without its restore buffers (finish_staging makes them)")
+    fence = staged.fence or HostFence()
+    undo = UndoLog(staged.patches, staged.restore_buffers, fence)
     written = 0
     try:
         with one_intra_op_thread():
+            fence.begin_writes()
             for k, p in enumerate(staged.patches):
                 if before_write is not None:
                     before_write(k, p.param)
-                p.write(p.values)
+                p.write_new()
                 written += int(p.index.numel())
-        if any(p.flat.device.type == "cuda" for p in staged.patches):
-            torch.cuda.synchronize()
+            fence.end_writes()
+            fence.wait()
     except BaseException as exc:
         result = undo.restore(before_write=before_restore)
         if not result.restored:

@@ -23,6 +23,7 @@ from typing import Any, Callable, Optional
 import weightsync.codecs.positions as positions
 
 from . import scope as live_scope
+from .device import PauseFence, pause_fence_for
 from .identity import LiveVersion, from_held, why_not_base
 from .loop_slices import LoopSlices, LoopWorkTimeout
 from .patch import StagedUpdate, StagingRefused, finish_staging_steps, reload_only_reasons, undo_log_steps
@@ -44,7 +45,8 @@ class Staging:
 
     def __init__(self, *, rank: str, weights: LiveWeights, proof: MapProof, loop: LoopSlices,
                  model: Callable[[], Any], params: Callable[[], dict], run_steps: RunSteps,
-                 max_changed_fraction: float, scope: Optional[live_scope.EngineScope] = None) -> None:
+                 max_changed_fraction: float, scope: Optional[live_scope.EngineScope] = None,
+                 make_fence: Optional[Callable[[], PauseFence]] = None) -> None:
         self.rank = rank
         self.weights = weights
         self.proof = proof
@@ -54,6 +56,9 @@ class Staging:
         self.run_steps = run_steps
         self.max_changed_fraction = max_changed_fraction
         self.scope = scope
+        # the pause's fence, made with the staging (``device.pause_fence_for``; the glue knows the
+        # forward stream)
+        self.make_fence = make_fence or (lambda: pause_fence_for(self.params()))
 
     def stage_after_pull(self, local_dir: str, source_dir: str, target_version: int, stager: Stager) -> None:
         """Stage ``live -> target`` from the verified local dir; never raises (the pull succeeded)."""
@@ -127,6 +132,7 @@ class Staging:
                 saved, where = finished.result, f"undo log while the helper gathered the values: {finished}; then "
             _, rest = self.run_steps(finish_staging_steps(patches, self.params(), staged, saved), LOOP_STAGING_TIMEOUT_S)
             staged.engine_where = where + rest
+            staged.fence = self.make_fence()  # the pause makes no event either
         except LoopWorkTimeout as exc:
             raise StagingRefused(f"staging did not finish: {exc}") from exc
         finally:

@@ -41,6 +41,7 @@ from . import scope as live_scope
 from . import transaction as tx
 from .apply import RankTxn, RankWrites
 from .coordinate_map import CoordinateMap
+from .device import pause_fence_for
 from .identity import LiveVersion, is_serving, key_of_held
 from .loop_slices import LoopSlices, drain
 from .patch import StagedUpdate, one_intra_op_thread
@@ -86,7 +87,8 @@ class LiveApplyState:
                               run_steps=self.run_steps, scope=scope)
         self.staging = Staging(rank=rank, weights=self.weights, proof=self.proof, loop=self.loop,
                                model=lambda: self.model, params=self.params, run_steps=self.run_steps,
-                               max_changed_fraction=max_changed_fraction, scope=scope)
+                               max_changed_fraction=max_changed_fraction, scope=scope,
+                               make_fence=lambda: pause_fence_for(self.params(), scheduler))
         self.writes = RankWrites(host=host, rank=rank, scheduler=scheduler, weights=self.weights,
                                  pause_costs=self.pause_costs, check=self._check)
         self._voted: Optional[StagedUpdate] = None

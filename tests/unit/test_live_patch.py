@@ -257,7 +257,7 @@ def test_a_restore_checks_every_patch_against_the_undo_log_and_reports_a_write_t
 
 
 def test_a_restore_that_holds_reports_restored_and_a_scatter_whose_restore_fails_says_so():
-    from sglang_patch.live.patch import RestoreFailed, UndoLog
+    from sglang_patch.live.patch import RestoreBuffers, RestoreFailed, UndoLog
 
     patches, olds = _three_patches_written()
     assert UndoLog(patches).restore() == (True, ())
@@ -265,6 +265,7 @@ def test_a_restore_that_holds_reports_restored_and_a_scatter_whose_restore_fails
 
     patches, olds = _three_patches_written()
     staged = StagedUpdate(0, 1, None, "/x", 0, patches=[p._replace(values=p.values) for p in patches])
+    staged.restore_buffers = RestoreBuffers(staged.patches)  # what finish_staging makes
     for p, o in zip(patches, olds):  # back at the old version: the scatter writes the new one
         p.flat.copy_(o)
     calls = []
