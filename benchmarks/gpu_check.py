@@ -283,6 +283,97 @@ class Timer:
             self.event_ms = self.e0.elapsed_time(self.e1)
 
 
+class Allocations:
+    """What a block allocates (issue 19, point 9: nothing inside the pause): the torch ops that
+    made a new tensor (``new_tensors``, ``tests/unit/live_support.NewTensors``, on any device)
+    and on CUDA the caching allocator's allocation requests (``device_allocations``, from
+    ``torch.cuda.memory_stats``: kernels' own workspaces too; None on the CPU)."""
+
+    def __init__(self, device: str) -> None:
+        sys.path.insert(0, os.path.join(REPO, "tests", "unit"))
+        from live_support import NewTensors
+
+        self.cuda = device.startswith("cuda")
+        self.mode = NewTensors()
+        self.new_tensors: list[str] = []
+        self.device_allocations: int | None = None
+
+    @staticmethod
+    def _requests() -> int:
+        import torch
+
+        return int(torch.cuda.memory_stats().get("allocation.all.allocated", 0))
+
+    def __enter__(self) -> "Allocations":
+        self.before = self._requests() if self.cuda else 0
+        self.mode.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.mode.__exit__(*exc)
+        self.new_tensors = list(self.mode.created)
+        if self.cuda:
+            self.device_allocations = self._requests() - self.before
+
+
+def pinned_host_blocks() -> dict:
+    """The caching host allocator's pinned blocks (CUDA only; {} elsewhere or where torch lacks it)."""
+    import torch
+
+    if not torch.cuda.is_available() or not hasattr(torch.cuda, "host_memory_stats"):
+        return {}
+    stats = torch.cuda.host_memory_stats()
+    return {k: stats[k] for k in ("num_host_alloc", "active_requests.allocated", "allocated_bytes.current") if k in stats}
+
+
+def fence_ordering(staged: Any, device: str, sleep_ms: float = 50.0) -> dict:
+    """The real CUDA fence (``sglang_patch.live.device.CudaFence``) with a side stream standing
+    in for sglang's forward stream: a 'forward' queued there before the pause (a sleep, then a
+    read of an element the update writes) must read the old value (the writes waited for it on
+    the device), a read queued there after the pause the new one (it waited for the writes'
+    event), and the pause's wall clock must include the forward's sleep (it ends after the
+    device did). Leaves the parameters as they were (restored)."""
+    import torch
+
+    from sglang_patch.live.device import CudaFence
+    from sglang_patch.live.patch import scatter_with_undo
+
+    p = max(staged.patches, key=lambda q: q.index.numel())
+    k = int(p.index[0])
+    old_value, new_value = p.flat[k].clone(), p.values[0].to(device)
+    seen_before, seen_after = torch.empty_like(old_value), torch.empty_like(old_value)
+    forward, schedule = torch.cuda.Stream(torch.device(device)), torch.cuda.Stream(torch.device(device))
+    kept, staged.fence = staged.fence, CudaFence(torch.device(device), forward)
+    cycles = int(sleep_ms * 1.5e6)  # about sleep_ms at 1.5 GHz; measured below
+    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    with torch.cuda.stream(forward):
+        e0.record()
+        torch.cuda._sleep(cycles)
+        e1.record()
+    torch.cuda.synchronize()
+    sleep_ms = e0.elapsed_time(e1)
+    try:
+        with torch.cuda.stream(forward):
+            torch.cuda._sleep(cycles)
+            seen_before.copy_(p.flat[k])
+        with torch.cuda.stream(schedule):  # the loop's stream, as sglang's scheduler thread has it
+            t0 = time.perf_counter()
+            undo, _ = scatter_with_undo(staged)
+            pause_ms = (time.perf_counter() - t0) * 1e3
+        with torch.cuda.stream(forward):
+            seen_after.copy_(p.flat[k])
+        torch.cuda.synchronize()
+        out = {"forward_read_old_before_the_writes": bool(torch.equal(seen_before, old_value)),
+               "forward_read_new_after_the_writes": bool(torch.equal(seen_after, new_value)),
+               "pause_ms_with_a_forward_queued": round(pause_ms, 3), "forward_sleep_ms": round(sleep_ms, 3),
+               "restored": undo.restore().restored}  # on the current stream: the fence orders it too
+    finally:
+        staged.fence = kept
+    out["ok"] = (out["forward_read_old_before_the_writes"] and out["forward_read_new_after_the_writes"]
+                 and out["pause_ms_with_a_forward_queued"] >= 0.9 * sleep_ms and out["restored"])
+    return out
+
+
 def _median(xs: list[float]) -> float:
     s = sorted(xs)
     return s[len(s) // 2] if s else float("nan")
@@ -425,6 +516,7 @@ def cmd_engine(args) -> int:
         from sglang_patch.live.coordinate_map import CheckpointReader, build_coordinate_map, prove_map
         from sglang_patch.live.patch import StagedUpdate, finish_staging, reload_only_reasons, scatter_with_undo
         from sglang_patch.live.stage import StageJob, stage_job
+        from sglang_patch.live.device import pause_fence_for
         from weightsync import Publisher, RawTensor, pull
 
         cfg = Qwen3Config(**{k: v for k, v in config_json(shape, 0).items() if k not in ("architectures",)})
@@ -505,11 +597,20 @@ def cmd_engine(args) -> int:
                     raise RuntimeError(f"staging v{version} refused: {reply.refused or reply.error}")
                 staged = StagedUpdate(version - 1, version, source, local, 0)
                 staged.elements, staged.tensors = reply.elements, reply.tensors
+                pinned_before = pinned_host_blocks()
                 with Timer(args.device) as t_eng:
-                    finish_staging(patches, params, staged)
+                    # device_copies: the path a CUDA parameter takes, rehearsed on the CPU too
+                    finish_staging(patches, params, staged, device_copies=True)
+                staged.fence = pause_fence_for(params)  # as LiveApplyState does at staging
+                pinned_after = pinned_host_blocks()
                 row.update(stage_helper_s=round(reply.stage_s, 4), stage_engine_s=round(t_eng.s, 4),
                            stage_s=round(reply.stage_s + t_eng.s, 4), staged_elements=staged.elements,
-                           staged_nbytes=staged.nbytes, patches=len(staged.patches))
+                           staged_nbytes=staged.nbytes, staged_device_nbytes=staged.device_nbytes,
+                           patches=len(staged.patches),
+                           device_copies=all(p.device_values is not None and p.device_values.device == p.flat.device
+                                             and p.device_index.device == p.flat.device for p in staged.patches),
+                           fence=type(staged.fence).__name__,
+                           pinned_host_during_staging={k: pinned_after[k] - pinned_before.get(k, 0) for k in pinned_after})
                 del patches
 
                 # a fault mid-scatter: every parameter must be restored exactly
@@ -524,13 +625,27 @@ def cmd_engine(args) -> int:
                         raise InjectedFault(f"injected at patch {k} ({param})")
 
                 raised = False
-                with Timer(args.device) as t_fault:
+                with Timer(args.device) as t_fault, Allocations(args.device) as fault_alloc:
                     try:
                         scatter_with_undo(staged, before_write=fail_midway)
                     except InjectedFault:
                         raised = True
                 row.update(fault_raised=raised, fault_restore_s=round(t_fault.s, 4),
-                           fault_not_restored=differing_params(before, params))
+                           fault_not_restored=differing_params(before, params),
+                           fault_new_tensors=fault_alloc.new_tensors[:5],
+                           fault_device_allocations=fault_alloc.device_allocations)
+
+                # the pause and a restore allocate nothing (apart from the timed ones below)
+                with Allocations(args.device) as pause_alloc:
+                    undo, _ = scatter_with_undo(staged)
+                with Allocations(args.device) as restore_alloc:
+                    restored = undo.restore()
+                row.update(pause_new_tensors=pause_alloc.new_tensors[:5], pause_device_allocations=pause_alloc.device_allocations,
+                           restore_new_tensors=restore_alloc.new_tensors[:5],
+                           restore_device_allocations=restore_alloc.device_allocations,
+                           restored_after_allocation_check=restored.restored)
+                if args.device.startswith("cuda"):
+                    row["fence_ordering"] = fence_ordering(staged, args.device)
 
                 # the pause, repeated: scatter, restore (timed too), ..., the last scatter stays
                 pauses, walls, restores, written = [], [], [], 0
@@ -562,7 +677,8 @@ def cmd_engine(args) -> int:
                 rec.step(f"v{version}", versions=results)
             pub.close()
             rec.step("done", ok=all(
-                r["fault_raised"] and not r["fault_not_restored"] and r["pointers_unchanged"]
+                r["fault_raised"] and not r["fault_not_restored"] and r["pointers_unchanged"] and nothing_allocated(r)
+                and r.get("fence_ordering", {}).get("ok", True)
                 and not r["not_bit_identical_to_reload"]
                 and r["elements_written"] == r["staged_elements"] == r["changed_elements"]
                 and r["per_update_check"]["mismatches"] == 0 and r["per_update_check"]["planted_found"]
@@ -724,6 +840,16 @@ def results_markdown(merged: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def nothing_allocated(row: dict) -> bool:
+    """No new tensor and no device allocation in the pause, the restore and the faulted scatter;
+    each patch's index and values on its parameter's device; no pinned block made at staging."""
+    counts = [row.get(f"{k}_device_allocations") for k in ("fault", "pause", "restore")]
+    return (row.get("device_copies") is True and row.get("restored_after_allocation_check") is True
+            and not any(row.get(f"{k}_new_tensors", ["not measured"]) for k in ("fault", "pause", "restore"))
+            and all(c in (0, None) for c in counts)
+            and not any(v > 0 for k, v in row.get("pinned_host_during_staging", {}).items() if k != "allocated_bytes.current"))
+
+
 def verdicts(parts: dict, device: str) -> dict:
     """What each check says, in the issue's words: PASS / FAIL / met / missed / not run."""
     out: dict[str, Any] = {}
@@ -744,6 +870,21 @@ def verdicts(parts: dict, device: str) -> dict:
         out[f"live_apply_exact_{pct}"] = "PASS" if ok else (
             f"FAIL (fault raised {r['fault_raised']}, not restored {r['fault_not_restored'][:5]}, pointers unchanged "
             f"{r['pointers_unchanged']}, differ from reload {r['not_bit_identical_to_reload'][:5]})")
+        out[f"pause_allocates_nothing_{pct}"] = ("PASS" if nothing_allocated(r) else "FAIL") + (
+            f": new tensors in the pause {r.get('pause_new_tensors')}, the restore {r.get('restore_new_tensors')}, "
+            f"the faulted scatter {r.get('fault_new_tensors')}; device allocations "
+            f"{r.get('pause_device_allocations')}/{r.get('restore_device_allocations')}/{r.get('fault_device_allocations')}"
+            f"{' (no CUDA allocator on the CPU: operators only)' if r.get('pause_device_allocations') is None else ''}; "
+            f"device copies {r.get('device_copies')} ({r.get('staged_device_nbytes', 0) / MiB:.1f} MiB), "
+            f"pinned at staging {r.get('pinned_host_during_staging')}")
+        fo = r.get("fence_ordering")
+        if fo is not None:
+            out[f"pause_fence_{pct}"] = ("PASS" if fo["ok"] else "FAIL") + (
+                f": a forward queued before the pause read the old value {fo['forward_read_old_before_the_writes']}, "
+                f"one after it the new {fo['forward_read_new_after_the_writes']}; pause {fo['pause_ms_with_a_forward_queued']} ms "
+                f"with a {fo['forward_sleep_ms']:g} ms forward queued")
+        elif not device.startswith("cuda"):
+            out[f"pause_fence_{pct}"] = "skipped on the CPU (HostFence; tests/unit/test_live_pause_fence.py)"
         out[f"pause_{pct}"] = (f"{r['pause_ms']:.2f} ms, reload {r['reload_s']:.3f} s "
                                f"({r['pause_over_reload']:.2%}); staging {r['stage_s']:.3f} s, pull {r['pull_s']:.3f} s")
         if abs(r["fraction"] - 0.04) < 1e-9:

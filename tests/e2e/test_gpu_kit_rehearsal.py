@@ -48,7 +48,8 @@ def test_the_kit_rehearsed_on_the_cpu_passes_every_part_it_can_run_there(rehears
     rc, log, results, files = rehearsal
     assert rc == 0, log[-6000:]
     v = results["verdicts"]
-    for key in ("carried_wheels", "live_apply_exact_1%", "live_apply_exact_4%", "trainer_tests", "trainer_device_diff"):
+    for key in ("carried_wheels", "live_apply_exact_1%", "live_apply_exact_4%", "trainer_tests", "trainer_device_diff",
+                "pause_allocates_nothing_1%", "pause_allocates_nothing_4%"):
         assert v[key].startswith("PASS"), (key, v[key])
     assert v["bench_sync"] == "ran"
     # what comes back from the box: at most 8 files
@@ -74,3 +75,17 @@ def test_live_apply_in_the_rehearsal_is_exact_restores_a_fault_and_keeps_every_p
         assert r["fault_raised"] and r["fault_not_restored"] == []
         assert r["pointers_unchanged"] and r["not_bit_identical_to_reload"] == []
         assert r["elements_written"] == r["staged_elements"] == r["changed_elements"] > 0
+
+
+def test_the_rehearsal_runs_the_device_path_and_its_pause_and_restore_create_no_tensor(rehearsal):
+    """Issue 19, point 9, as the box checks it: the kit stages every patch with its device
+    copies (the CPU being the device here) and counts the tensors the pause, a restore and a
+    faulted scatter make; on CUDA it also counts the caching allocator's requests and runs the
+    real event fence against a busy stream (``pause_fence_*``), which the CPU cannot."""
+    _, _, results, _ = rehearsal
+    for r in results["parts"]["engine"]["versions"]:
+        assert r["device_copies"] and r["fence"] == "HostFence" and r["staged_device_nbytes"] > 0
+        assert r["pause_new_tensors"] == r["restore_new_tensors"] == r["fault_new_tensors"] == []
+        assert r["pause_device_allocations"] is None and r["restored_after_allocation_check"]
+    v = results["verdicts"]
+    assert v["pause_fence_1%"].startswith("skipped on the CPU") and v["pause_fence_4%"].startswith("skipped on the CPU")

@@ -1,8 +1,9 @@
 """Shared helpers of the live-apply unit tests (``sglang_patch.live_*``): torch only, no sglang.
 
 Role: the changed positions between two versions as a pull would list them, a checkpoint reader
-over tensors in memory, a model with one parameter per checkpoint tensor, and one rank's
-``LiveApplyState`` serving that model from a real local checkpoint.
+over tensors in memory, a model with one parameter per checkpoint tensor, one rank's
+``LiveApplyState`` serving that model from a real local checkpoint, and a recorder of the new
+tensors a block makes (also used by the GPU kit, ``benchmarks/gpu_check.py``).
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ from types import SimpleNamespace
 
 import numpy as np
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 
 def changed_positions(v0: dict, v1: dict):
@@ -66,3 +69,35 @@ def serve_from_local(local: str, model_dir: str, live_reason: str):
     state.weights.live = from_held(held_version(local), live_reason)
     state.weights.live_dir = local
     return state, model
+
+
+def storage_of(t: torch.Tensor) -> int:
+    return t.untyped_storage().data_ptr()
+
+
+class NewTensors(TorchDispatchMode):
+    """Entered with ``with``: records every op whose output tensor has a storage none of its
+    inputs has (``created``: factory ops, ``.to``/``_to_copy``, ``clone``, a gather's result...;
+    views and in-place or ``out=`` ops make none), the storages ops read or wrote (``touched``),
+    and factory calls that asked for pinned memory (``pinned``; run unpinned, so that a CPU-only
+    build can record them). It sees torch's operators, not what a kernel allocates for itself
+    (``torch.cuda.memory_stats`` counts that)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.created: list[str] = []
+        self.touched: set[int] = set()
+        self.pinned: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        inputs = {storage_of(t) for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
+        self.touched |= inputs
+        if kwargs.get("pin_memory"):
+            self.pinned.append(str(func))
+            kwargs = {**kwargs, "pin_memory": False}
+        out = func(*args, **kwargs)
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor) and storage_of(t) not in inputs:
+                self.created.append(f"{func}: {tuple(t.shape)} {t.dtype} on {t.device}")
+        return out

@@ -17,40 +17,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
 from sglang_patch.live.coordinate_map import TensorSpec, build_coordinate_map, prove_map
 from sglang_patch.live.patch import SPARSE_WRITE_DENSITY, StagedUpdate, scatter_with_undo, stage_update
 
-from live_support import FlatModel, TensorReader, changed_positions
-
-
-def _storage(t: torch.Tensor) -> int:
-    return t.untyped_storage().data_ptr()
-
-
-class NewTensors(TorchDispatchMode):
-    """Every op that made a new tensor (``created``), and every storage an op read or wrote (``touched``)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.created: list[str] = []
-        self.touched: set[int] = set()
-        self.pinned: list[str] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        inputs = {_storage(t) for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
-        self.touched |= inputs
-        if kwargs.get("pin_memory"):
-            self.pinned.append(str(func))
-            kwargs = {**kwargs, "pin_memory": False}  # recorded; this CPU build could not pin it
-        out = func(*args, **kwargs)
-        for t in tree_flatten(out)[0]:
-            if isinstance(t, torch.Tensor) and _storage(t) not in inputs:
-                self.created.append(f"{func}: {tuple(t.shape)} {t.dtype} on {t.device}")
-        return out
+from live_support import FlatModel, NewTensors, TensorReader, changed_positions, storage_of as _storage
 
 
 def test_the_recorder_sees_factories_copies_and_gathers_but_not_views_or_in_place_writes():

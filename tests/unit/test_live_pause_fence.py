@@ -1,11 +1,11 @@
 """The pause waits for the device before anything is reported (issue 19, point 10).
 
-A rank's writes are fenced (``live_device.PauseFence``): on CUDA, events order them with
+A rank's writes are fenced (``live.device.PauseFence``): on CUDA, events order them with
 sglang's forward stream and ``wait`` blocks until the last one ran, raising an asynchronous
 device error there. No device here, so the fence is the one fake: a recording fence whose
 ``wait`` can fail the way ``event.synchronize()`` does after a failed kernel. Everything else
 is real: a core pull of a tiny Qwen3 chain, one rank's ``LiveApplyState`` staging it, and the
-engine-wide transaction (``live_transaction.run_transaction``) driving that rank's
+engine-wide transaction (``live.transaction.run_transaction``) driving that rank's
 ``handle_update`` phase by phase. sglang's weight updater is a stand-in that reloads by the
 model's own ``load_weights`` (and calls the reload hooks as sglang's would). The real CUDA
 fence runs in the GPU kit (``benchmarks/gpu_check.py``).
@@ -24,9 +24,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from sglang_patch import live_results as lr
-from sglang_patch import live_transaction as tx
-from sglang_patch.live_device import HostFence, pause_fence_for
+from sglang_patch.live import results as lr
+from sglang_patch.live import transaction as tx
+from sglang_patch.live.device import HostFence, pause_fence_for
 
 from live_support import serve_from_local
 
@@ -120,8 +120,8 @@ def _rank_with_v2_staged(chain, tmp_path, log: list, fail: int):
     """One rank serving v1, with v2 pulled and staged, its fence the recording one."""
     import shutil
 
-    from sglang_patch.coordinate_map import CheckpointReader
-    from sglang_patch.live_stage import stage_job
+    from sglang_patch.live.coordinate_map import CheckpointReader
+    from sglang_patch.live.stage import stage_job
 
     local = str(tmp_path / "local")
     chain.pull(local, chain.model_dir, chain.feed.source_dir, 1)
