@@ -52,7 +52,7 @@ def _cpu_standins_on_path():
 
 with _cpu_standins_on_path():
     from sglang.srt.managers import io_struct  # noqa: F401  (the reload phase's request type)
-    from sglang_patch.io_types import UpdateWeightsFromPulledReqInput
+    from sglang_patch.io_types import UpdateWeightsFromPulledReqInput, UpdateWeightsFromPulledReqOutput
 
 
 class RecordingFence:
@@ -148,7 +148,7 @@ def _run_update(state, local: str, log: list) -> dict:
     async def send(phase, reason):
         request = UpdateWeightsFromPulledReqInput(local_checkpoint_dir=local, target_version=2, phase=phase,
                                                   txn=txn, reason=reason)
-        out = state.handle_update(request)
+        out = state.handle_update(request, reply_type=UpdateWeightsFromPulledReqOutput)
         log.append(f"reply {phase}")
         return tx.PhaseReplies(votes=list(out.votes), reports=list(out.reports))
 
