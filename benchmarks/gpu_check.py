@@ -290,7 +290,9 @@ class Allocations:
     ``torch.cuda.memory_stats``: kernels' own workspaces too; None on the CPU)."""
 
     def __init__(self, device: str) -> None:
-        sys.path.insert(0, os.path.join(REPO, "tests", "unit"))
+        unit_tests = os.path.join(REPO, "tests", "unit")
+        if unit_tests not in sys.path:
+            sys.path.insert(0, unit_tests)
         from live_support import NewTensors
 
         self.cuda = device.startswith("cuda")

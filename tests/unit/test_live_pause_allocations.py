@@ -157,3 +157,18 @@ def test_a_restore_whose_buffers_are_too_small_fails_that_patch_instead_of_alloc
     assert not result.restored and any(f.startswith(f"{largest.param}: write-back failed") for f in result.failures)
     np.testing.assert_array_equal(largest.flat[largest.index].view(torch.int16).numpy(),
                                   largest.values.view(torch.int16).numpy())  # left as written, and said so
+
+
+def test_a_restore_on_the_device_path_reads_every_patch_back_and_reports_a_write_that_did_not_hold():
+    model, cmap, v0, v1 = _engine()
+    staged = _staged(model, cmap, v0, v1, device_copies=True)
+    undo, _ = scatter_with_undo(staged)
+    last = len(staged.patches) - 1
+    victim = staged.patches[last]
+
+    def scribble_after_the_first_write_back(k, param):  # reverse order: the last patch went first
+        if k == last - 1:
+            victim.flat[victim.index[0]] += 1
+
+    result = undo.restore(before_write=scribble_after_the_first_write_back)
+    assert result.failures == (f"{victim.param}: reads back other values than the undo log",)
