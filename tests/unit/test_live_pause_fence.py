@@ -126,7 +126,7 @@ def _rank_with_v2_staged(chain, tmp_path, log: list, fail: int):
     local = str(tmp_path / "local")
     chain.pull(local, chain.model_dir, chain.feed.source_dir, 1)
     state, model = serve_from_local(local, chain.model_dir, f"reload from {local} (marker)")
-    state.prove(CheckpointReader(local), state.live, checkpoint_dir=local)
+    state.proof.prove(CheckpointReader(local), state.live, checkpoint_dir=local)
     assert state.cmap.proven
     state.allowed_roots = (os.path.realpath(str(tmp_path)),)
     state.scheduler.weight_updater = WeightUpdater(log)
@@ -135,9 +135,9 @@ def _rank_with_v2_staged(chain, tmp_path, log: list, fail: int):
     v1 = {n: p.detach().clone() for n, p in model.named_parameters()}
     chain.pull(local, chain.model_dir, chain.feed.source_dir, 2)
     state.stage_after_pull(local, chain.feed.source_dir, 2, stage_job)
-    assert state.staged is not None and state.staged.elements > 0, state.stage_reason
-    assert isinstance(state.staged.fence, HostFence)  # what staging made for CPU parameters
-    state.staged.fence = RecordingFence(log, fail)
+    assert state.weights.staged is not None and state.weights.staged.elements > 0, state.weights.stage_reason
+    assert isinstance(state.weights.staged.fence, HostFence)  # what staging made for CPU parameters
+    state.weights.staged.fence = RecordingFence(log, fail)
     return state, model, local, v1
 
 
