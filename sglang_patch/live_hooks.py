@@ -22,9 +22,7 @@ from . import compat, io_types, scheduler_side
 from .live import scope as live_scope
 from .live import transaction as tx
 from .live.state import LiveApplyState, Stager
-from .pull import results
-from .pull.coordinator import SingleRankGroup
-from .scheduler_context import TorchCpuGroup, rank_label, resolve_seed_dir, stage_channel
+from .scheduler_context import rank_context_of
 from .server_flags import options_of
 
 log = logging.getLogger(__name__)
@@ -46,28 +44,20 @@ def stage_for(scheduler: Any, local_dir: str, source_dir: str, target_version: i
 
 
 def make_state(scheduler: Any) -> LiveApplyState:
-    from sglang.srt.runtime_context import get_parallel
-
-    server_args = scheduler.server_args
-    parallel = get_parallel()
-    tp_size, tp_rank = int(parallel.tp_size), int(parallel.tp_rank)
-    pp_size, pp_rank = int(getattr(parallel, "pp_size", 1) or 1), int(getattr(parallel, "pp_rank", 0) or 0)
-    group = TorchCpuGroup(parallel.tp_group.cpu_group, tp_size) if tp_size > 1 else SingleRankGroup()
-    dp_rank = compat.dp_rank_of(scheduler, parallel)
-    options = options_of(server_args)
-    gather = tx.StageGather(pp_rank=pp_rank, pp_size=pp_size, leader=tp_rank == 0,
-                            channel=stage_channel() if pp_size > 1 else None,
+    ctx = rank_context_of(scheduler)
+    options = options_of(scheduler.server_args)
+    gather = tx.StageGather(pp_rank=ctx.pp_rank, pp_size=ctx.pp_size, leader=ctx.leader, channel=ctx.channel,
                             send=compat.control_output_sender(scheduler))
     return LiveApplyState(
         scheduler=scheduler,
-        group=group,
+        group=ctx.group,
         gather=gather,
-        host=results.host_label(int(getattr(server_args, "node_rank", 0) or 0)),
-        rank=rank_label(dp_rank or 0, pp_rank, pp_size, tp_rank),
-        seed_dir=resolve_seed_dir(server_args.model_path, getattr(server_args, "download_dir", None)),
+        host=ctx.host,
+        rank=ctx.rank,
+        seed_dir=ctx.seed_dir,
         allowed_roots=options.allowed_roots,
         max_changed_fraction=options.live_max_changed_fraction,
-        scope=live_scope.EngineScope(server_args, scheduler),
+        scope=live_scope.EngineScope(scheduler.server_args, scheduler),
         pull_is_running=lambda: scheduler_side.pull_is_pending(scheduler),
     )
 

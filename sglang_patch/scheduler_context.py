@@ -10,7 +10,12 @@ from __future__ import annotations
 
 import os
 import pickle
+from dataclasses import dataclass
 from typing import Any, Optional
+
+from . import compat
+from .pull.coordinator import SingleRankGroup
+from .pull.results import host_label
 
 
 class TorchCpuGroup:
@@ -79,3 +84,40 @@ def stage_channel() -> StoreStageChannel:
     import torch.distributed as dist
 
     return StoreStageChannel(dist.distributed_c10d._get_default_store())
+
+
+@dataclass(frozen=True)
+class RankContext:
+    """One scheduler rank's place in the engine, as the pull and live apply both set up from."""
+
+    host: str  # 'h/node0'
+    rank: str  # 'dp0/tp1', 'dp0/pp1/tp0'
+    tp_rank: int
+    pp_rank: int
+    pp_size: int
+    group: Any  # the TP group's collectives (TorchCpuGroup, or SingleRankGroup without TP)
+    channel: Optional[StoreStageChannel]  # to the other pipeline stages (None without them)
+    seed_dir: Optional[str]  # the engine's own model as a local dir (version 0)
+
+    @property
+    def leader(self) -> bool:
+        return self.tp_rank == 0
+
+
+def rank_context_of(scheduler: Any) -> RankContext:
+    """This scheduler's ``RankContext`` (call once its process groups exist)."""
+    from sglang.srt.runtime_context import get_parallel
+
+    server_args = scheduler.server_args
+    parallel = get_parallel()
+    tp_size, tp_rank = int(parallel.tp_size), int(parallel.tp_rank)
+    pp_size, pp_rank = int(getattr(parallel, "pp_size", 1) or 1), int(getattr(parallel, "pp_rank", 0) or 0)
+    dp_rank = compat.dp_rank_of(scheduler, parallel)
+    return RankContext(
+        host=host_label(int(getattr(server_args, "node_rank", 0) or 0)),
+        rank=rank_label(dp_rank or 0, pp_rank, pp_size, tp_rank),
+        tp_rank=tp_rank, pp_rank=pp_rank, pp_size=pp_size,
+        group=TorchCpuGroup(parallel.tp_group.cpu_group, tp_size) if tp_size > 1 else SingleRankGroup(),
+        channel=stage_channel() if pp_size > 1 else None,
+        seed_dir=resolve_seed_dir(server_args.model_path, getattr(server_args, "download_dir", None)),
+    )

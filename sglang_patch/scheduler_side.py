@@ -31,10 +31,10 @@ from weightsync.errors import EngineUnavailableError
 
 from . import compat
 from .pull import results
-from .pull.coordinator import PullCoordinator, SingleRankGroup, Stage
+from .pull.coordinator import PullCoordinator, Stage
 from .pull.process import make_rank_puller  # imported here: captures the CPUs before sglang binds them
 from .pull.rank import RankPuller
-from .scheduler_context import TorchCpuGroup, rank_label, resolve_seed_dir, stage_channel
+from .scheduler_context import rank_context_of
 from .server_flags import options_of
 
 log = logging.getLogger(__name__)
@@ -67,21 +67,12 @@ def pull_is_pending(scheduler: Any) -> bool:
 
 def make_coordinator(scheduler: Any) -> PullCoordinator:
     """Build this rank's coordinator from the scheduler's config and process groups."""
-    from sglang.srt.runtime_context import get_parallel
-
     from .io_types import PullWeightsReqOutput
 
-    server_args = scheduler.server_args
-    parallel = get_parallel()
-    tp_size, tp_rank = int(parallel.tp_size), int(parallel.tp_rank)
-    pp_size, pp_rank = int(getattr(parallel, "pp_size", 1) or 1), int(getattr(parallel, "pp_rank", 0) or 0)
-    group = TorchCpuGroup(parallel.tp_group.cpu_group, tp_size) if tp_size > 1 else SingleRankGroup()
-    dp_rank = compat.dp_rank_of(scheduler, parallel)
-    host = results.host_label(int(getattr(server_args, "node_rank", 0) or 0))
-    rank = rank_label(dp_rank or 0, pp_rank, pp_size, tp_rank)
-    stage = Stage(pp_rank=pp_rank, pp_size=pp_size, leader=tp_rank == 0, channel=stage_channel() if pp_size > 1 else None)
-    seed_dir = resolve_seed_dir(server_args.model_path, getattr(server_args, "download_dir", None))
-    options = options_of(server_args)
+    ctx = rank_context_of(scheduler)
+    host, rank, seed_dir = ctx.host, ctx.rank, ctx.seed_dir
+    stage = Stage(pp_rank=ctx.pp_rank, pp_size=ctx.pp_size, leader=ctx.leader, channel=ctx.channel)
+    options = options_of(scheduler.server_args)
     log.info(
         "pull_weights ready on %s %s: seed dir %s, allowed roots %s, pre-read hook %s, deadline %gs",
         host, rank, seed_dir, list(options.allowed_roots) or "(none: every pull is refused)", options.pre_read_hook,
@@ -93,7 +84,7 @@ def make_coordinator(scheduler: Any) -> PullCoordinator:
         on_verified=lambda local, source, version, stager: _tell_verified(scheduler, local, source, version, stager),
     )
     return PullCoordinator(
-        group=group,
+        group=ctx.group,
         run_rank_pull=puller,
         host=host,
         rank=rank,
