@@ -8,8 +8,27 @@ somewhere else, a stale element, or bytes of another version. Those show up in a
 sample drawn afresh per update (positions from the version and a per-rank counter, so two
 updates never check the same elements), at a cost of ``SAMPLE_PER_TENSOR`` elements in each of
 ``SAMPLE_TENSORS_PER_UPDATE`` checkpoint tensors (drawn afresh too), independent of the update's
-and the model's size. The scattered elements are all checked:
-their count is what the pause already paid for.
+and the model's size. The scattered elements are all checked: their count is what the pause
+already paid for.
+
+Where the cost goes (the pause holds generation off, so only what must be known before the
+engine serves again runs inside it):
+
+- A live apply's sample is *prepared while serving*, at staging (``UpdateChecker.prepare_steps``,
+  bounded loop slices on the scheduler thread, like the rest of staging): positions drawn, the
+  checkpoint bytes there read from the target version's verified local checkpoint, rebuilt as
+  parameter-dtype values. Those bytes are the target version's published bytes whatever the dir
+  holds later (the dir named that version before and after the read), so the pause reads no
+  file: it gathers the live parameters at the sampled positions, one gather and one compare per
+  parameter (``PreparedSample.compare``).
+- The written elements are checked inside the pause, one gather and one compare per patch.
+  Not after it: the tokenizer holds generation off until the transaction's reply, and letting
+  the engine serve before the check ends would put tokens of unchecked weights under the new
+  version's label (or new weights under the old label); the reply's "success" would no longer
+  mean "served only checked bytes".
+- A reload's sample (and a live apply whose staging prepared none) is read inside the pause,
+  through a reader whose headers are cached until the checkpoint's files change
+  (``ReaderCache``).
 
 Only proven parameters are sampled: a reload-only or unproven parameter, or one no checkpoint
 element lands on, has no expected value the map can rebuild (``not_checkable_params``).
@@ -20,23 +39,24 @@ bit. No sglang here.
 
 from __future__ import annotations
 
+import bisect
 import itertools
 import os
 import time
 import zlib
-from dataclasses import dataclass
-from typing import Callable, Iterable, Mapping, Optional
+from dataclasses import dataclass, field
+from typing import Any, Callable, Generator, Iterable, Iterator, Mapping, Optional
 
 import numpy as np
 import torch
 
-from .coordinate_map import CoordinateMap, as_int_bits
+from .coordinate_map import INT_OF_WIDTH, CheckpointReader, CoordinateMap, as_int_bits
 from .results import RankCheck
 
 SAMPLE_PER_TENSOR = 4096  # elements drawn per checkpoint tensor and update
 # checkpoint tensors sampled per update, drawn afresh each time (a model's few hundred tensors are
-# all reached within a few updates): the cost is per tensor (about 0.4 ms on this CPU), so the
-# sample's cost stays bounded whatever the model's size
+# all reached within a few updates): reading a tensor's sample costs about 0.4 ms on this CPU
+# (at staging for a live apply), so the sample's cost stays bounded whatever the model's size
 SAMPLE_TENSORS_PER_UPDATE = 64
 SAMPLE_ENV = "WEIGHTSYNC_UPDATE_CHECK_SAMPLE"  # "<elements per tensor>,<tensors per update>"; "0,0": none
 
@@ -46,17 +66,37 @@ class _Tally:
     compared: int = 0
     mismatches: int = 0
     first: Optional[str] = None
+    seconds: float = 0.0
 
-    def add(self, where: str, expected: torch.Tensor, got: torch.Tensor, positions: np.ndarray) -> None:
-        differ = torch.ne(as_int_bits(expected), as_int_bits(got))
-        self.compared += int(differ.numel())
+    def add(self, where: Callable[[int], str], expected: torch.Tensor, got: torch.Tensor,
+            positions: torch.Tensor, dtype: torch.dtype) -> None:
+        """``expected``/``got``: the same elements' int bits (host or device)."""
+        self.compared += int(got.numel())
+        if _equal(got, expected):
+            return
+        differ = torch.ne(got, expected)
         bad = int(torch.count_nonzero(differ))
-        if bad:
-            self.mismatches += bad
-            if self.first is None:
-                k = int(torch.nonzero(differ)[0, 0])
-                self.first = (f"{where}: element {int(positions[k])} holds {got[k].item()!r}, "
-                              f"expected {expected[k].item()!r}")
+        self.mismatches += bad
+        if self.first is None and bad:
+            k = int(torch.nonzero(differ)[0, 0])
+            self.first = (f"{where(k)}: element {int(positions[k])} holds {got[k:k + 1].view(dtype).item()!r}, "
+                          f"expected {expected[k:k + 1].view(dtype).item()!r}")
+
+
+def _equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    # numpy's comparison of host integers measured 5-10x faster than torch.equal here
+    if a.device.type == "cpu" and b.device.type == "cpu":
+        return bool(np.array_equal(a.numpy(), b.numpy()))
+    return bool(torch.equal(a, b))
+
+
+def _live_bits(params: Optional[Mapping[str, torch.Tensor]], name: str, staged_flat: torch.Tensor) -> torch.Tensor:
+    """The parameter's storage as the engine holds it now, flat, as int bits: read through the
+    module's current parameter, not the view taken at staging, so that a write into a storage
+    the engine no longer uses shows up as mismatches."""
+    if params is None:
+        return as_int_bits(staged_flat)
+    return as_int_bits(params[name].detach().view(-1))
 
 
 def sample_seed(version: int, counter: int, rank: str = "") -> list[int]:
@@ -72,31 +112,70 @@ def checkable_params(cmap: CoordinateMap, param_names: Iterable[str]) -> tuple[s
     return checked, names - checked
 
 
-def _flat_host(t: torch.Tensor, index: np.ndarray) -> torch.Tensor:
-    # index_select, not flat[idx]: advanced indexing measured 100x slower on the CPU here
-    flat = t.detach().reshape(-1)
-    idx = torch.from_numpy(index)
-    if flat.device.type != "cpu":
-        return flat.index_select(0, idx.to(flat.device, non_blocking=True)).cpu()
-    return flat.index_select(0, idx)
+# --- the sample: drawn and read (at staging), compared (in the pause) -------------------------
 
 
-def check_sample(
-    cmap: CoordinateMap, params: Mapping[str, torch.Tensor], read_tensor: Callable[[str], torch.Tensor],
-    seed: list[int], per_tensor: int = SAMPLE_PER_TENSOR, tally: Optional[_Tally] = None,
-    max_tensors: Optional[int] = None, checked: Optional[set[str]] = None,
-) -> _Tally:
-    """Compare up to ``per_tensor`` random elements of each of up to ``max_tensors`` random
-    checkpoint tensors' boxes (into checkable parameters) with the parameter elements they land on.
+@dataclass
+class _ParamSample:
+    """One parameter's sampled elements: where they are and what they must hold."""
 
-    ``checked``: ``checkable_params``'s first set when the caller has it already (not rebuilt)."""
-    tally = tally or _Tally()
-    if checked is None:
-        checked, _ = checkable_params(cmap, params)
-    rng = np.random.default_rng(seed)
+    param: str
+    dtype: torch.dtype
+    flat: torch.Tensor  # the live parameter's storage, flat, as int bits (a view)
+    index: torch.Tensor  # flat positions, on the parameter's device
+    expected: torch.Tensor  # int bits, on the parameter's device
+    got: torch.Tensor  # the gather's output, allocated with the sample (not inside the pause)
+    runs: list = field(default_factory=list)  # (end, checkpoint tensor): which tensor each position came from
+
+    def source_of(self, k: int) -> str:
+        ends = [end for end, _ in self.runs]
+        return f"{self.param} (from {self.runs[bisect.bisect_right(ends, k)][1]})"
+
+
+@dataclass
+class PreparedSample:
+    """Expected values of one update's sample, ready to compare with the live weights."""
+
+    params: list[_ParamSample] = field(default_factory=list)
+    checked: int = 0  # parameters the sample could reach
+    unchecked: int = 0
+    read_s: float = 0.0  # drawing and reading it (at staging for a live apply)
+
+    @property
+    def elements(self) -> int:
+        return sum(int(s.index.numel()) for s in self.params)
+
+    def compare(self, params: Optional[Mapping[str, torch.Tensor]] = None) -> _Tally:
+        """Gather every sampled element from the live weights (``params``: the engine's
+        parameters now; None: the views taken when prepared) and compare it bit for bit: one
+        gather and one compare per parameter; on a device a single synchronisation at the end."""
+        start = time.perf_counter()
+        tally = _Tally()
+        on_device = []
+        for s in self.params:
+            torch.index_select(_live_bits(params, s.param, s.flat), 0, s.index, out=s.got)
+            if s.got.device.type == "cpu":
+                tally.add(s.source_of, s.expected, s.got, s.index, s.dtype)
+            else:
+                on_device.append((s, torch.ne(s.got, s.expected).sum()))
+        if on_device:
+            counts = torch.stack([c for _, c in on_device]).tolist()
+            for (s, _), bad in zip(on_device, counts):
+                if bad:  # the detail, on the host (only after a mismatch)
+                    tally.add(s.source_of, s.expected.cpu(), s.got.cpu(), s.index.cpu(), s.dtype)
+                else:
+                    tally.compared += int(s.index.numel())
+        tally.seconds = time.perf_counter() - start
+        return tally
+
+
+def _draw(cmap: CoordinateMap, checked: set[str], rng: np.random.Generator, per_tensor: int,
+          max_tensors: Optional[int]) -> list[tuple[str, list, np.ndarray, np.ndarray]]:
+    """``(tensor, its checkable boxes, drawn positions, box starts)`` per sampled tensor."""
     tensors = [t for t in sorted(cmap.placements) if any(p.param in checked for p in cmap.placements[t])]
     if max_tensors is not None and len(tensors) > max_tensors:
         tensors = sorted(rng.choice(np.array(tensors, dtype=object), size=max_tensors, replace=False).tolist())
+    out = []
     for tensor in tensors:
         boxes = [p for p in cmap.placements[tensor] if p.param in checked]
         if not boxes or per_tensor <= 0:
@@ -109,48 +188,168 @@ def check_sample(
             drawn = np.arange(total, dtype=np.int64)  # small: every element
         else:
             drawn = np.sort(rng.choice(total, size=per_tensor, replace=False)).astype(np.int64)
-        starts = np.concatenate(([0], np.cumsum(counts)))
-        src = read_tensor(tensor).reshape(-1)
+        out.append((tensor, boxes, drawn, np.concatenate(([0], np.cumsum(counts)))))
+    return out
+
+
+def prepare_sample_steps(
+    cmap: CoordinateMap, params: Mapping[str, torch.Tensor], read_values: Callable[[str, np.ndarray], torch.Tensor],
+    seed: list[int], per_tensor: int = SAMPLE_PER_TENSOR, max_tensors: Optional[int] = None,
+    checked: Optional[set[str]] = None,
+) -> Generator[None, None, PreparedSample]:
+    """Draw up to ``per_tensor`` random elements of each of up to ``max_tensors`` random
+    checkpoint tensors' boxes (into checkable parameters) and rebuild the values the parameter
+    elements they land on must hold; one step per tensor (``loop_slices``).
+
+    ``read_values(tensor, flat positions)``: those checkpoint elements, in the checkpoint's dtype.
+    ``checked``: ``checkable_params``'s first set when the caller has it already (not rebuilt)."""
+    names = list(params)
+    if checked is None:
+        checked, unchecked = checkable_params(cmap, names)
+    else:
+        unchecked = set(names) - checked
+    spent = 0.0  # only the time inside the steps: a loop slice may wait long between them
+    t0 = time.perf_counter()
+    rng = np.random.default_rng(seed)
+    parts: dict[str, list] = {}  # param -> [(tensor, dst positions, expected values)]
+    for tensor, boxes, drawn, starts in _draw(cmap, checked, rng, per_tensor, max_tensors):
+        located = []
         for b, p in enumerate(boxes):
             local = drawn[(drawn >= starts[b]) & (drawn < starts[b + 1])] - starts[b]
             if local.size == 0:
                 continue
             multi = np.unravel_index(local, p.sizes) if p.sizes else ()
-            src_pos = p.src_offset + sum((m * s for m, s in zip(multi, p.src_strides)), np.zeros_like(local))
-            dst_pos = p.dst_offset + sum((m * s for m, s in zip(multi, p.dst_strides)), np.zeros_like(local))
-            live = params[p.param]
-            expected = torch.empty(local.size, dtype=live.dtype)
-            expected.copy_(src.index_select(0, torch.from_numpy(src_pos)))  # the cast a load does
-            tally.add(f"{p.param} (from {tensor})", expected, _flat_host(live, dst_pos), dst_pos)
-    return tally
+            src = p.src_offset + sum((m * s for m, s in zip(multi, p.src_strides)), np.zeros_like(local))
+            dst = p.dst_offset + sum((m * s for m, s in zip(multi, p.dst_strides)), np.zeros_like(local))
+            located.append((p.param, src, dst))
+        if located:
+            values = read_values(tensor, np.concatenate([src for _, src, _ in located]))
+            at = 0
+            for param, src, dst in located:
+                expected = torch.empty(src.size, dtype=params[param].dtype)
+                expected.copy_(values[at:at + src.size])  # the cast a load does
+                at += src.size
+                parts.setdefault(param, []).append((tensor, dst, as_int_bits(expected)))
+        spent += time.perf_counter() - t0
+        yield
+        t0 = time.perf_counter()
+    sample = PreparedSample(checked=len(checked), unchecked=len(unchecked))
+    for param in sorted(parts):
+        live = params[param].detach()
+        flat = as_int_bits(live.reshape(-1))
+        runs, end = [], 0
+        for tensor, dst, _ in parts[param]:
+            end += dst.size
+            runs.append((end, tensor))
+        index = torch.from_numpy(np.concatenate([dst for _, dst, _ in parts[param]]))
+        expected = torch.cat([e for _, _, e in parts[param]])
+        if flat.device.type != "cpu":
+            index, expected = index.to(flat.device), expected.to(flat.device)
+        got = torch.empty_like(expected)
+        sample.params.append(_ParamSample(param, live.dtype, flat, index, expected, got, runs))
+    sample.read_s = spent + time.perf_counter() - t0
+    return sample
 
 
-def check_scattered(patches: Iterable, tally: Optional[_Tally] = None) -> _Tally:
-    """Compare every element a live apply wrote (``live.patch.ParamPatch``) with its staged value."""
+def check_sample(
+    cmap: CoordinateMap, params: Mapping[str, torch.Tensor], read_tensor: Callable[[str], torch.Tensor],
+    seed: list[int], per_tensor: int = SAMPLE_PER_TENSOR, tally: Optional[_Tally] = None,
+    max_tensors: Optional[int] = None, checked: Optional[set[str]] = None,
+) -> _Tally:
+    """The sample drawn, read through ``read_tensor`` (a checkpoint tensor by name) and compared
+    at once (``prepare_sample_steps`` then ``PreparedSample.compare``)."""
+    from .loop_slices import drain
+
+    sample = drain(prepare_sample_steps(cmap, params, values_through(read_tensor), seed, per_tensor,
+                                        max_tensors, checked))
+    found = sample.compare()
+    if tally is not None:
+        tally.compared += found.compared
+        tally.mismatches += found.mismatches
+        tally.first = tally.first or found.first
+        return tally
+    return found
+
+
+def values_through(read_tensor: Callable[[str], torch.Tensor]) -> Callable[[str, np.ndarray], torch.Tensor]:
+    """``read_values`` of ``prepare_sample_steps`` from a reader of whole tensors (a memmap view:
+    only the pages of the drawn elements are read)."""
+    return lambda name, positions: read_tensor(name).reshape(-1).index_select(0, torch.from_numpy(positions))
+
+
+# --- the written elements (in the pause) ---------------------------------------------------------
+
+
+def check_scattered(patches: Iterable, tally: Optional[_Tally] = None,
+                    params: Optional[Mapping[str, torch.Tensor]] = None,
+                    scratch: Optional["ScatterScratch"] = None) -> _Tally:
+    """Compare every element a live apply wrote (``live.patch.ParamPatch``) with its staged value:
+    one gather and one compare per patch. ``params``: the engine's parameters now (the patches'
+    own views otherwise); ``scratch``: the gather's buffers, allocated at staging."""
     tally = tally or _Tally()
+    start = time.perf_counter()
     for p in patches:
-        if p.index.numel() == 0:
+        n = int(p.index.numel())
+        if n == 0:
             continue
-        got = p.flat.index_select(0, p.on_device_index())
+        bits = _live_bits(params, p.param, p.flat)
+        device_out, host_out = scratch.buffers(bits, n) if scratch is not None else (None, None)
+        if device_out is not None:
+            got = torch.index_select(bits, 0, p.on_device_index(), out=device_out)
+        else:
+            got = torch.index_select(bits, 0, p.on_device_index())
         if got.device.type != "cpu":
-            got = got.cpu()
-        tally.add(f"{p.param} (scattered)", p.values, got, p.index.numpy())
+            got = host_out.copy_(got) if host_out is not None else got.cpu()
+        tally.add(lambda _k, param=p.param: f"{param} (scattered)", as_int_bits(p.values), got, p.index, p.flat.dtype)
+    tally.seconds += time.perf_counter() - start
     return tally
+
+
+class ScatterScratch:
+    """The written-element check's buffers, one set per device and element width, as large as
+    the largest patch: allocated while staging, so that the check allocates nothing in the pause."""
+
+    def __init__(self, patches: Iterable) -> None:
+        largest: dict[tuple[str, int], int] = {}
+        for p in patches:
+            key = (str(p.flat.device), p.flat.element_size())
+            largest[key] = max(largest.get(key, 0), int(p.index.numel()))
+        self._buffers = {}
+        for (device, width), n in largest.items():
+            on_device = torch.empty(n, dtype=INT_OF_WIDTH[width], device=device)
+            host = torch.empty(n, dtype=dtype, pin_memory=True) if on_device.device.type == "cuda" else None
+            self._buffers[(device, width)] = (on_device, host)
+
+    def buffers(self, bits: torch.Tensor, n: int) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+        held = self._buffers.get((str(bits.device), bits.element_size()))
+        if held is None or held[0].numel() < n or held[0].dtype != bits.dtype:
+            return None, None
+        return held[0][:n], (held[1][:n] if held[1] is not None else None)
+
+
+# --- one rank's check after an update ----------------------------------------------------------------
 
 
 def check_update(
     rank: str, cmap: Optional[CoordinateMap], params: Mapping[str, torch.Tensor],
     read_tensor: Optional[Callable[[str], torch.Tensor]], *, version: int, counter: int,
     patches: Iterable = (), per_tensor: int = SAMPLE_PER_TENSOR, max_tensors: Optional[int] = None,
-    still_valid: Callable[[], bool] = lambda: True,
+    still_valid: Callable[[], bool] = lambda: True, prepared: Optional[PreparedSample] = None,
+    scratch: Optional[ScatterScratch] = None,
 ) -> RankCheck:
     """One rank's check after an update to ``version`` (see the module docstring).
 
-    ``read_tensor`` None: the checkpoint is not checked (only the scattered elements).
-    ``still_valid``: False when the checkpoint changed during the check: the sample then counts
-    for nothing (a pull's new bytes are not a mismatch of this version)."""
+    ``params``: the engine's parameters now (every gather reads through them).
+    ``prepared``: the sample's expected values, read at staging (then ``read_tensor`` is not
+    used and nothing is read from the checkpoint). ``read_tensor`` None and nothing prepared:
+    the checkpoint is not checked (only the scattered elements). ``still_valid``: False when the
+    checkpoint changed during the check: the sample then counts for nothing (a pull's new bytes
+    are not a mismatch of this version)."""
     start = time.perf_counter()
-    scattered = check_scattered(patches)
+    scattered = check_scattered(patches, params=params or None, scratch=scratch)
+    if prepared is not None:
+        return _result(rank, scattered, prepared.compare(params or None), prepared.checked, prepared.unchecked,
+                       start, "", prepared_s=prepared.read_s)
     if cmap is None or not cmap.proven:
         why = "no proven coordinate map: the checkpoint sample was not drawn"
         return _result(rank, scattered, None, 0, len(params), start, why)
@@ -167,14 +366,17 @@ def check_update(
 
 
 def _result(rank: str, scattered: _Tally, sample: Optional[_Tally], checked: int, unchecked: int, start: float,
-            why: str) -> RankCheck:
+            why: str, prepared_s: float = 0.0) -> RankCheck:
     sampled = sample.compared if sample else 0
     mismatches = scattered.mismatches + (sample.mismatches if sample else 0)
     first = scattered.first or (sample.first if sample else None)
+    check_s = time.perf_counter() - start
     return RankCheck(
         rank=rank, verified_elements=scattered.compared + sampled - mismatches, mismatches=mismatches,
         sampled_elements=sampled, scattered_elements=scattered.compared, checked_params=checked,
-        not_checkable_params=unchecked, check_s=time.perf_counter() - start, detail=first or why,
+        not_checkable_params=unchecked, check_s=check_s, scattered_check_s=scattered.seconds,
+        sample_check_s=check_s - scattered.seconds, sample_prepared_s=prepared_s,
+        sample_read_in_pause=bool(sample) and sampled > 0 and not prepared_s, detail=first or why,
     )
 
 
@@ -191,12 +393,140 @@ def sample_size() -> tuple[int, int]:
         return SAMPLE_PER_TENSOR, SAMPLE_TENSORS_PER_UPDATE
 
 
-def check_after_update(state, local_dir: str, version: int, patches: Iterable = ()) -> RankCheck:
+# --- the checkpoint's headers, read once per identity of its files --------------------------------
+
+
+def files_key(checkpoint_dir: str) -> tuple:
+    """What the cached headers depend on: every safetensors and JSON file of the dir, by name,
+    device, inode, size and modification time (a file replaced, rewritten or resized changes it)."""
+    out = []
+    with os.scandir(checkpoint_dir) as entries:
+        for e in entries:
+            if e.name.endswith((".safetensors", ".json")) and e.is_file():
+                st = e.stat()
+                out.append((e.name, st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns))
+    return tuple(sorted(out))
+
+
+class ReaderCache:
+    """One ``CheckpointReader`` per checkpoint dir, reused only while ``files_key`` is unchanged:
+    a stale reader (a seed dir replaced, a reseed) is never used."""
+
+    def __init__(self) -> None:
+        self._readers: dict[str, tuple[tuple, CheckpointReader]] = {}
+        self.opened = 0  # readers built (each one reads every shard header)
+
+    def reader(self, checkpoint_dir: str) -> CheckpointReader:
+        key = files_key(checkpoint_dir)
+        held = self._readers.get(checkpoint_dir)
+        if held is not None and held[0] == key:
+            return held[1]
+        reader = CheckpointReader(checkpoint_dir)
+        self.opened += 1
+        if files_key(checkpoint_dir) == key:  # not changed while its headers were read
+            self._readers = {checkpoint_dir: (key, reader)}  # one dir at a time: its maps are freed
+        return reader
+
+
+# --- the scheduler side: what LiveApplyState calls -------------------------------------------------
+
+
+@dataclass
+class _Prepared:
+    """What one staging prepared for the check after its commit."""
+
+    version: int
+    local_dir: str
+    patches: list  # the staged update's own list: the commit passes the same object
+    target_key: tuple  # the identity whose bytes the sample was read from (live.identity)
+    sample: Optional[PreparedSample]  # None: the pause reads one
+    scratch: ScatterScratch
+
+
+class UpdateChecker:
+    """One rank's checks: prepared at staging, run after a commit or a reload.
+
+    ``state``: the rank's ``live.state.LiveApplyState`` (its rank, map, live version, params)."""
+
+    def __init__(self) -> None:
+        self.readers = ReaderCache()
+        self._prepared: Optional[_Prepared] = None
+        self.prepare_reason = ""  # why the last staging prepared no sample
+
+    def prepare_steps(self, state: Any, staged: Any) -> Iterator[None]:
+        """At staging, while the engine serves (loop slices): the written-element check's buffers,
+        and the sample of ``staged``'s target version read from its verified local checkpoint.
+        Never raises: without a prepared sample the check reads the checkpoint inside the
+        pause, as a reload's does."""
+        import weightsync.codecs.positions as positions
+
+        from .identity import key_of_held
+
+        self._prepared = None
+        target = getattr(staged, "target", None)
+        if target is None:
+            self.prepare_reason = "the staged update names no identity"
+            return
+        want, local_dir = target.key(), staged.local_checkpoint_dir
+
+        def dir_holds_target() -> bool:
+            return key_of_held(positions.held_version(local_dir)) == want
+
+        sample = None
+        try:
+            scratch = ScatterScratch(staged.patches)
+            yield
+            per_tensor, max_tensors = sample_size()
+            cmap = state.cmap
+            if cmap is None or not cmap.proven or per_tensor <= 0:
+                self.prepare_reason = "no proven coordinate map, or the sample is off"
+            elif not dir_holds_target():
+                self.prepare_reason = "the local checkpoint does not name the staged version"
+            else:
+                reader = self.readers.reader(local_dir)
+                sample = yield from prepare_sample_steps(
+                    cmap, state.params(), values_through(reader.tensor),
+                    sample_seed(staged.to_version, next(_counter), state.rank), per_tensor, max_tensors)
+                if not dir_holds_target():  # bytes of another version may have been read
+                    sample, self.prepare_reason = None, "the local checkpoint changed while the sample was read"
+                else:
+                    self.prepare_reason = ""
+            self._prepared = _Prepared(staged.to_version, local_dir, staged.patches, want, sample, scratch)
+        except Exception as exc:
+            self.prepare_reason = f"preparing the check failed: {type(exc).__name__}: {exc}"
+
+    def _take_prepared(self, state: Any, local_dir: str, version: int, patches: Any) -> Optional[_Prepared]:
+        """What staging prepared for exactly this commit (the same staged patches, the version
+        the weights now claim), once; None otherwise."""
+        held, self._prepared = self._prepared, None
+        live = state.live
+        if (held is None or held.patches is not patches or held.version != version or held.local_dir != local_dir
+                or live is None or live.key() != held.target_key):
+            return None
+        return held
+
+    def after_update(self, state: Any, local_dir: str, version: int, patches: Any = ()) -> RankCheck:
+        """Inside the pause, once the rank holds ``version`` (a commit of ``patches``, or a reload
+        of ``local_dir``): every written element, and the sample, prepared at staging when it was
+        (else read now, through the cached headers). Never raises."""
+        try:
+            prepared = self._take_prepared(state, local_dir, version, patches)
+            if prepared is None or prepared.sample is None:
+                return check_after_update(state, local_dir, version, patches, readers=self.readers,
+                                          scratch=prepared.scratch if prepared is not None else None)
+            return check_update(state.rank, state.cmap, state.params(), None, version=version, counter=0,
+                                patches=patches, prepared=prepared.sample, scratch=prepared.scratch)
+        except Exception as exc:
+            return RankCheck(rank=state.rank, detail=f"the check failed: {type(exc).__name__}: {exc}")
+
+
+def check_after_update(state, local_dir: str, version: int, patches: Iterable = (),
+                       readers: Optional[ReaderCache] = None, scratch: Optional[ScatterScratch] = None) -> RankCheck:
     """The check of ``live.state.LiveApplyState`` ``state`` once it holds ``version`` (after a
-    commit or a reload from ``local_dir``); never raises (a check that fails says so)."""
+    commit or a reload from ``local_dir``), the sample read now; never raises (a check that fails
+    says so). ``readers``: cached headers (a fresh reader otherwise)."""
     import weightsync.codecs.positions as positions
 
-    from .coordinate_map import CheckpointReader
     from .identity import key_of_held
 
     try:
@@ -208,9 +538,11 @@ def check_after_update(state, local_dir: str, version: int, patches: Iterable = 
             return want is not None and held is not None and key_of_held(held) == want and not state.pull_is_running()
 
         per_tensor, max_tensors = sample_size()
-        read = CheckpointReader(local_dir).tensor if per_tensor > 0 and dir_holds_version() else None
+        read = None
+        if per_tensor > 0 and dir_holds_version():
+            read = (readers.reader(local_dir) if readers is not None else CheckpointReader(local_dir)).tensor
         return check_update(state.rank, state.cmap, state.params(), read, version=version, counter=next(_counter),
                             patches=patches, per_tensor=per_tensor, max_tensors=max_tensors,
-                            still_valid=dir_holds_version)
+                            still_valid=dir_holds_version, scratch=scratch)
     except Exception as exc:
         return RankCheck(rank=state.rank, detail=f"the check failed: {type(exc).__name__}: {exc}")

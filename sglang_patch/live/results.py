@@ -113,7 +113,11 @@ class RankCheck(msgspec.Struct, frozen=True, kw_only=True):
     scattered_elements: int = 0  # of those compared, written by this live apply
     checked_params: int = 0  # parameters the sample could reach
     not_checkable_params: int = 0  # reload-only, unproven or unmapped: outside the sample
-    check_s: float = 0.0
+    check_s: float = 0.0  # inside the pause: the two below together
+    scattered_check_s: float = 0.0  # of check_s, the written elements
+    sample_check_s: float = 0.0  # of check_s, the sample (a compare only when prepared at staging)
+    sample_prepared_s: float = 0.0  # reading the sample's expected values at staging, while serving
+    sample_read_in_pause: bool = False  # no sample was prepared at staging: the pause read the checkpoint
     detail: str = ""  # the first mismatch, or why nothing was checked
 
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import weightsync.codecs.positions as positions
 
@@ -46,7 +46,8 @@ class Staging:
     def __init__(self, *, rank: str, weights: LiveWeights, proof: MapProof, loop: LoopSlices,
                  model: Callable[[], Any], params: Callable[[], dict], run_steps: RunSteps,
                  max_changed_fraction: float, scope: Optional[live_scope.EngineScope] = None,
-                 make_fence: Optional[Callable[[], PauseFence]] = None) -> None:
+                 make_fence: Optional[Callable[[], PauseFence]] = None,
+                 prepare_check: Callable[[StagedUpdate], Iterator[None]] = lambda staged: iter(())) -> None:
         self.rank = rank
         self.weights = weights
         self.proof = proof
@@ -59,6 +60,9 @@ class Staging:
         # the pause's fence, made with the staging (``device.pause_fence_for``; the glue knows the
         # forward stream)
         self.make_fence = make_fence or (lambda: pause_fence_for(self.params()))
+        # the check's part of staging (live.check): what the check after the commit needs, read
+        # while serving so that the pause reads no checkpoint file
+        self.prepare_check = prepare_check
 
     def stage_after_pull(self, local_dir: str, source_dir: str, target_version: int, stager: Stager) -> None:
         """Stage ``live -> target`` from the verified local dir; never raises (the pull succeeded)."""
@@ -132,6 +136,7 @@ class Staging:
                 saved, where = finished.result, f"undo log while the helper gathered the values: {finished}; then "
             _, rest = self.run_steps(finish_staging_steps(patches, self.params(), staged, saved), LOOP_STAGING_TIMEOUT_S)
             staged.engine_where = where + rest
+            self.run_steps(self.prepare_check(staged), LOOP_STAGING_TIMEOUT_S)
             staged.fence = self.make_fence()  # the pause makes no event either
         except LoopWorkTimeout as exc:
             raise StagingRefused(f"staging did not finish: {exc}") from exc

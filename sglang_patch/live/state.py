@@ -85,10 +85,12 @@ class LiveApplyState:
         self.weights = LiveWeights(rank=rank, seed_dir=seed_dir, pull_is_running=pull_is_running)
         self.proof = MapProof(rank=rank, weights=self.weights, model=lambda: self.model, params=self.params,
                               run_steps=self.run_steps, scope=scope)
+        self.checker = live_check.UpdateChecker()  # the check after each update: prepared at staging
         self.staging = Staging(rank=rank, weights=self.weights, proof=self.proof, loop=self.loop,
                                model=lambda: self.model, params=self.params, run_steps=self.run_steps,
                                max_changed_fraction=max_changed_fraction, scope=scope,
-                               make_fence=lambda: pause_fence_for(self.params(), scheduler))
+                               make_fence=lambda: pause_fence_for(self.params(), scheduler),
+                               prepare_check=lambda staged: self.checker.prepare_steps(self, staged))
         self.writes = RankWrites(host=host, rank=rank, scheduler=scheduler, weights=self.weights,
                                  pause_costs=self.pause_costs, check=self._check)
         self._voted: Optional[StagedUpdate] = None
@@ -116,7 +118,7 @@ class LiveApplyState:
         return self.weights.pull_is_running()
 
     def _check(self, local_dir: str, version: int, patches) -> lr.RankCheck:
-        return live_check.check_after_update(self, local_dir, version, patches)
+        return self.checker.after_update(self, local_dir, version, patches)
 
     # --- events from sglang (the glue's hooks) ---------------------------------------------------
 

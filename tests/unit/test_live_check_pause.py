@@ -1,0 +1,242 @@
+"""What the check after a live apply costs inside the pause (``sglang_patch.live.check``,
+issue 19): the sample's expected values are read at staging, while the engine serves, so the
+pause reads no checkpoint file; a reader's headers are reused only while the checkpoint's files
+are the same; a wrong written or sampled element is still found and makes the engine reload.
+
+A real core pull (tiny Qwen3 checkpoint, published chain v1, v2) staged through
+``LiveApplyState`` with a thread driving its loop, as sglang's scheduler thread does; the
+phases run through ``LiveApplyState._run_phase``. No sglang.
+"""
+
+from __future__ import annotations
+
+import builtins
+import os
+import shutil
+import threading
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from sglang_patch.live import results as lr
+from sglang_patch.live import transaction as tx
+
+from live_support import serve_from_local
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    from testbed.feed import VersionFeed
+    from testbed.tiny_qwen3 import make_tiny_qwen3
+    from weightsync import pull
+
+    root = tmp_path_factory.mktemp("live_check_pause")
+    model_dir = make_tiny_qwen3(root / "model")
+    feed = VersionFeed(model_dir, root / "shared")
+    feed.publish(1)
+    feed.publish(2)
+    local = str(root / "local")
+    pull(local, model_dir, feed.source_dir, 1)
+    return SimpleNamespace(root=str(root), local=local, model_dir=model_dir, feed=feed, pull=pull)
+
+
+class _Updater:
+    """The scheduler's weight updater, as far as a commit uses it (the cache flush)."""
+
+    def flush_cache_after_weight_update(self, request):
+        return None
+
+
+def _pull_v1(served):
+    """The local dir at v1 (from the seed again: deltas only go forward)."""
+    served.pull(served.local, served.model_dir, served.feed.source_dir, 0)
+    served.pull(served.local, served.model_dir, served.feed.source_dir, 1)
+
+
+def _staged_state(served):
+    """A proven rank serving v1 with v2 pulled and staged (its loop driven by another thread)."""
+    from sglang_patch.live.coordinate_map import CheckpointReader
+    from sglang_patch.live.identity import LiveVersion
+    from sglang_patch.live.stage import stage_job
+    from weightsync.codecs.positions import held_version
+
+    _pull_v1(served)
+    state, model = serve_from_local(served.local, served.model_dir, "reload (test)")
+    state.proof.prove(CheckpointReader(served.local), state.live, checkpoint_dir=served.local)
+    assert state.cmap.proven
+    served.pull(served.local, served.model_dir, served.feed.source_dir, 2)
+    held = held_version(served.local)
+    state.weights.live = LiveVersion(1, os.path.realpath(served.feed.source_dir), "test: serving v1", held.run, held.seed)
+    state.scheduler.weight_updater = _Updater()
+    state.allowed_roots = (served.root,)
+    stop = threading.Event()
+
+    def scheduler_loop():
+        while not stop.is_set():
+            state.loop.run_slice()
+
+    loop = threading.Thread(target=scheduler_loop, name="scheduler-loop", daemon=True)
+    loop.start()
+    try:
+        while not state.loop.is_driven:
+            pass
+        state.stage_after_pull(served.local, served.feed.source_dir, 2, stage_job)
+    finally:
+        stop.set()
+        loop.join(timeout=30)
+    assert state.weights.staged is not None, state.weights.stage_reason
+    return state, model
+
+
+def _request(served, phase):
+    return SimpleNamespace(phase=phase, txn="t1", local_checkpoint_dir=served.local, target_version=2,
+                           flush_cache=True, reason=None)
+
+
+def _vote_and_apply(state, served):
+    vote = state._run_phase(_request(served, tx.VOTE), tx.VOTE, 0.0)
+    assert vote.live, vote
+    applied = state._run_phase(_request(served, tx.APPLY), tx.APPLY, 0.0)
+    assert applied.success, applied.message
+
+
+def _commit(state, served):
+    return state._run_phase(_request(served, tx.COMMIT), tx.COMMIT, 0.0)
+
+
+class _FileReads:
+    """Counts every file the process opens and every checkpoint header or tensor read."""
+
+    def __init__(self, monkeypatch):
+        from sglang_patch.live import coordinate_map
+        from weightsync import safetensors_io
+
+        self.opened: list = []
+        real_open, real_header, real_tensor = builtins.open, safetensors_io.read_header, coordinate_map.tensor_from_file
+
+        def counting_open(file, *args, **kwargs):
+            self.opened.append(str(file))
+            return real_open(file, *args, **kwargs)
+
+        def counting_header(path, *args, **kwargs):
+            self.opened.append(f"header of {path}")
+            return real_header(path, *args, **kwargs)
+
+        def counting_tensor(path, *args, **kwargs):
+            self.opened.append(f"tensor in {path}")
+            return real_tensor(path, *args, **kwargs)
+
+        monkeypatch.setattr(builtins, "open", counting_open)
+        monkeypatch.setattr(safetensors_io, "read_header", counting_header)
+        monkeypatch.setattr(coordinate_map, "tensor_from_file", counting_tensor)
+
+
+def test_the_sample_is_read_at_staging_and_the_commit_reads_no_checkpoint_file(served, monkeypatch):
+    state, _ = _staged_state(served)
+    _vote_and_apply(state, served)
+    with monkeypatch.context() as m:
+        reads = _FileReads(m)
+        report = _commit(state, served)
+    assert report.success, report.message
+    check = report.check
+    assert reads.opened == []  # nothing at all: no header, no tensor, no version marker
+    assert check.mismatches == 0 and check.detail == "", check.detail
+    assert check.sampled_elements > 0 and check.scattered_elements == report.elements_scattered > 0
+    assert check.verified_elements == check.sampled_elements + check.scattered_elements
+    assert check.sample_prepared_s > 0 and not check.sample_read_in_pause
+    fields = lr.summarize(2, hosts=lr.merge_hosts([report]))  # the reply still carries the counts
+    assert fields["verified_elements"] == check.verified_elements and fields["mismatches"] == 0
+    assert not fields["reloaded_after_check"]
+
+
+def test_a_wrong_written_element_found_by_the_check_after_the_commit_makes_the_engine_reload(served):
+    state, model = _staged_state(served)
+    _vote_and_apply(state, served)
+    patch = state._voted.patches[0]
+    with torch.no_grad():
+        bits = patch.flat.view(torch.int16 if patch.flat.element_size() == 2 else torch.int32)
+        bits[int(patch.index[0])] ^= 1  # the write that did not land exactly
+    report = _commit(state, served)
+    assert report.check.mismatches == 1 and "(scattered)" in report.check.detail
+    assert report.check.sampled_elements > 0 and not report.check.sample_read_in_pause
+    assert lr.check_mismatches([report])  # what makes the coordinator send every rank the reload
+
+
+def test_a_wrong_sampled_element_the_update_did_not_write_makes_the_engine_reload(served):
+    state, model = _staged_state(served)
+    _vote_and_apply(state, served)
+    prepared = state.checker._prepared.sample
+    assert prepared is not None, state.checker.prepare_reason
+    written = {(p.param, int(i)) for p in state._voted.patches for i in p.index.tolist()}
+    params = dict(model.named_parameters())
+    target = next((s.param, int(i)) for s in prepared.params for i in s.index.tolist() if (s.param, int(i)) not in written)
+    with torch.no_grad():
+        flat = params[target[0]].view(-1)
+        flat[target[1]] = torch.nextafter(flat[target[1]], torch.tensor(float("inf"), dtype=flat.dtype))
+    report = _commit(state, served)
+    assert report.check.mismatches == 1 and "(from " in report.check.detail and f"element {target[1]}" in report.check.detail
+    assert lr.check_mismatches([report])
+    fields = lr.summarize(2, hosts=lr.merge_hosts([]), failed_checks=[report.check])
+    assert fields["reloaded_after_check"] and fields["mismatches"] == 1
+
+
+def test_a_sample_prepared_for_another_staging_is_not_used_and_the_pause_reads_its_own(served):
+    state, _ = _staged_state(served)
+    _vote_and_apply(state, served)
+    state.checker._prepared.patches = list(state._voted.patches)  # prepared for another staging of the same version
+    report = _commit(state, served)
+    assert report.check.sample_read_in_pause and report.check.sampled_elements > 0
+    assert report.check.mismatches == 0, report.check.detail
+
+
+def test_reloads_reuse_the_checkpoint_headers_until_a_file_of_the_checkpoint_changes(served):
+    from sglang_patch.live.coordinate_map import CheckpointReader
+
+    _pull_v1(served)
+    state, _ = serve_from_local(served.local, served.model_dir, "reload (test)")
+    state.proof.prove(CheckpointReader(served.local), state.live, checkpoint_dir=served.local)
+    for _ in range(3):
+        check = state.checker.after_update(state, served.local, 1)
+        assert check.mismatches == 0 and check.sampled_elements > 0 and check.sample_read_in_pause
+    assert state.checker.readers.opened == 1
+
+
+def test_a_cached_reader_of_a_checkpoint_whose_file_was_replaced_is_never_used(tmp_path):
+    from safetensors.torch import save_file
+
+    from sglang_patch.live.check import ReaderCache
+
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    save_file({"a": torch.arange(4, dtype=torch.float32)}, str(ckpt / "model.safetensors"))
+    cache = ReaderCache()
+    first = cache.reader(str(ckpt))
+    assert cache.reader(str(ckpt)) is first and cache.opened == 1
+    # the same names, another layout: the old header's offsets would read the wrong bytes
+    save_file({"b": torch.zeros(2), "a": torch.arange(10, 14, dtype=torch.float32)}, str(tmp_path / "new.safetensors"))
+    os.replace(tmp_path / "new.safetensors", ckpt / "model.safetensors")
+    second = cache.reader(str(ckpt))
+    assert second is not first and cache.opened == 2
+    assert second.tensor("a").tolist() == [10.0, 11.0, 12.0, 13.0]
+    # rewritten in place (same inode), one byte longer: a new reader too
+    with open(ckpt / "model.safetensors", "ab") as f:
+        f.write(b"\0")
+    assert cache.reader(str(ckpt)) is not second and cache.opened == 3
+
+
+def test_writes_into_a_storage_the_engine_no_longer_reads_are_found_by_the_check(served):
+    """The check reads through the module's parameters at commit, not the views staging took:
+    had the engine swapped a parameter's storage after staging, the writes landed in the old one."""
+    state, model = _staged_state(served)
+    patch = max(state.weights.staged.patches, key=lambda p: int(p.index.numel()))
+    param = dict(model.named_parameters())[patch.param]
+    _vote_and_apply(state, served)
+    with torch.no_grad():
+        fresh = param.data.clone()
+        fresh.view(-1)[patch.index] = patch.old  # the storage the engine reads now holds the old values
+        param.data = fresh
+    report = _commit(state, served)
+    assert report.check.mismatches >= int(patch.index.numel()), report.check
+    assert f"{patch.param} (scattered)" in report.check.detail
+    assert lr.check_mismatches([report])
