@@ -370,6 +370,7 @@ def report(args, res: dict) -> str:
                 line += (f" live {med(live):.3f} ({spread(live)}) | until served {med(live_srv):.3f} | "
                          f"{ratio:.3f}x | {', '.join(modes)}, scatter {med(scatter):.3f} | staging {stage:.2f} |")
                 targets.append(live_target(args.device, tp, label, med(live), ratio))
+                targets.append(check_cost(tp, label, p["live"]))
                 # the same version's pull: the /pull_weights wall (which returns after staging) less staging
                 pull_alone = med([w - st for w, st in zip(p["pull_live"], p["stage_s"])])
                 targets.append(
@@ -397,6 +398,29 @@ def report(args, res: dict) -> str:
         if not any(per.get("helper", {}).get("live_available") for per in res["tp"].values()):
             lines.append("- live apply: this engine has no /update_weights_from_pulled route yet (reload only)")
     return "\n".join(lines) + "\n"
+
+
+def check_cost(tp: int, label: str, applied: list[dict]) -> str:
+    """The check after each live apply (issue 19's proof), inside the pause, against that pause
+    (per call the slowest rank; medians over the calls). Target: at most 10% of the live pause."""
+    rows = []
+    for r in applied:
+        reply = r["reply"]
+        checks = [c for h in reply.get("hosts") or [] for c in h.get("checks") or []]
+        if reply.get("mode") != "live" or not checks or not reply.get("pause_s"):
+            continue
+        worst = max(checks, key=lambda c: c.get("check_s") or 0.0)
+        rows.append((worst.get("check_s") or 0.0, worst.get("scattered_check_s") or 0.0,
+                     worst.get("sample_check_s") or 0.0, max(c.get("sample_prepared_s") or 0.0 for c in checks),
+                     float(reply["pause_s"]), any(c.get("sample_read_in_pause") for c in checks)))
+    if not rows:
+        return ""
+    check, written, sample, prepared, pause, in_pause = (med([x[k] for x in rows]) for k in range(6))
+    ratio = check / pause
+    return (f"- TP={tp}, {label} changed: the check after the live apply {1000 * check:.1f} ms of the engine's "
+            f"{1000 * pause:.1f} ms pause: {ratio:.3f}x (written elements {1000 * written:.1f} ms, sample "
+            f"{1000 * sample:.1f} ms{', read in the pause' if in_pause else ''}; the sample's read at staging "
+            f"{1000 * prepared:.1f} ms) (target <= 0.10x: {'MET' if ratio <= 0.10 else 'NOT MET'})")
 
 
 def live_target(device: str, tp: int, label: str, live_s: float, ratio: float) -> str:

@@ -133,10 +133,15 @@ def assert_checked_from_the_live_weights_on_every_rank(body) -> None:
     for rank, c in checks.items():
         assert c["mismatches"] == 0 and c["verified_elements"] > 0 and c["sampled_elements"] > 0, (rank, c)
         assert c["not_checkable_params"] == 1, (rank, c)  # the nudged parameter is reload-only
+        if body["mode"] == "live":  # read at staging, while serving: the pause only compares
+            assert not c["sample_read_in_pause"] and c["sample_prepared_s"] > 0, (rank, c)
     assert body["mismatches"] == 0 and body["verified_elements"] > 0 and not body["reloaded_after_check"], body
     cost = max(c["check_s"] for c in checks.values())
     print(f"\n[measured] check after the update: {cost:.4f}s of a {body['pause_s']:.4f}s pause "
-          f"({body['verified_elements']} elements on {len(checks)} ranks)")
+          f"({cost / body['pause_s']:.3f}x; {body['verified_elements']} elements on {len(checks)} ranks); per rank: "
+          + "; ".join(f"{r} written {c['scattered_check_s'] * 1e3:.2f} ms ({c['scattered_elements']}), sample "
+                      f"{c['sample_check_s'] * 1e3:.2f} ms ({c['sampled_elements']}), prepared at staging "
+                      f"{c['sample_prepared_s'] * 1e3:.1f} ms" for r, c in sorted(checks.items())))
 
 
 @pytest.mark.parametrize("version,encoding", [(1, "xor"), (2, "overwrite"), (3, "sparse-v1")])
