@@ -96,7 +96,7 @@ def _live_bits(params: Optional[Mapping[str, torch.Tensor]], name: str, staged_f
     the engine no longer uses shows up as mismatches."""
     if params is None:
         return as_int_bits(staged_flat)
-    return as_int_bits(params[name].detach().view(-1))
+    return as_int_bits(params[name].detach().reshape(-1))  # a copy only if not contiguous (none in sglang)
 
 
 def sample_seed(version: int, counter: int, rank: str = "") -> list[int]:
@@ -335,7 +335,7 @@ def check_update(
     read_tensor: Optional[Callable[[str], torch.Tensor]], *, version: int, counter: int,
     patches: Iterable = (), per_tensor: int = SAMPLE_PER_TENSOR, max_tensors: Optional[int] = None,
     still_valid: Callable[[], bool] = lambda: True, prepared: Optional[PreparedSample] = None,
-    scratch: Optional[ScatterScratch] = None,
+    scratch: Optional[ScatterScratch] = None, started: Optional[float] = None,
 ) -> RankCheck:
     """One rank's check after an update to ``version`` (see the module docstring).
 
@@ -344,8 +344,9 @@ def check_update(
     used and nothing is read from the checkpoint). ``read_tensor`` None and nothing prepared:
     the checkpoint is not checked (only the scattered elements). ``still_valid``: False when the
     checkpoint changed during the check: the sample then counts for nothing (a pull's new bytes
-    are not a mismatch of this version)."""
-    start = time.perf_counter()
+    are not a mismatch of this version). ``started``: when the caller's part of the check began
+    (it counts in ``check_s``)."""
+    start = time.perf_counter() if started is None else started
     scattered = check_scattered(patches, params=params or None, scratch=scratch)
     if prepared is not None:
         return _result(rank, scattered, prepared.compare(params or None), prepared.checked, prepared.unchecked,
@@ -509,19 +510,21 @@ class UpdateChecker:
         """Inside the pause, once the rank holds ``version`` (a commit of ``patches``, or a reload
         of ``local_dir``): every written element, and the sample, prepared at staging when it was
         (else read now, through the cached headers). Never raises."""
+        started = time.perf_counter()
         try:
             prepared = self._take_prepared(state, local_dir, version, patches)
             if prepared is None or prepared.sample is None:
                 return check_after_update(state, local_dir, version, patches, readers=self.readers,
-                                          scratch=prepared.scratch if prepared is not None else None)
+                                          scratch=prepared.scratch if prepared is not None else None, started=started)
             return check_update(state.rank, state.cmap, state.params(), None, version=version, counter=0,
-                                patches=patches, prepared=prepared.sample, scratch=prepared.scratch)
+                                patches=patches, prepared=prepared.sample, scratch=prepared.scratch, started=started)
         except Exception as exc:
             return RankCheck(rank=state.rank, detail=f"the check failed: {type(exc).__name__}: {exc}")
 
 
 def check_after_update(state, local_dir: str, version: int, patches: Iterable = (),
-                       readers: Optional[ReaderCache] = None, scratch: Optional[ScatterScratch] = None) -> RankCheck:
+                       readers: Optional[ReaderCache] = None, scratch: Optional[ScatterScratch] = None,
+                       started: Optional[float] = None) -> RankCheck:
     """The check of ``live.state.LiveApplyState`` ``state`` once it holds ``version`` (after a
     commit or a reload from ``local_dir``), the sample read now; never raises (a check that fails
     says so). ``readers``: cached headers (a fresh reader otherwise)."""
@@ -543,6 +546,6 @@ def check_after_update(state, local_dir: str, version: int, patches: Iterable = 
             read = (readers.reader(local_dir) if readers is not None else CheckpointReader(local_dir)).tensor
         return check_update(state.rank, state.cmap, state.params(), read, version=version, counter=next(_counter),
                             patches=patches, per_tensor=per_tensor, max_tensors=max_tensors,
-                            still_valid=dir_holds_version, scratch=scratch)
+                            still_valid=dir_holds_version, scratch=scratch, started=started)
     except Exception as exc:
         return RankCheck(rank=state.rank, detail=f"the check failed: {type(exc).__name__}: {exc}")
