@@ -26,6 +26,7 @@ Metrics (glossary of docs/FORMAT.md):
 | ``weightsync_update_checks_total`` | counter | ``outcome`` | ranks' checks of the live weights after a ``/update_weights_from_pulled`` (``live.check``): ``ok``, ``mismatch``, or ``unchecked`` (no sample drawn: the detail says why) |
 | ``weightsync_update_check_mismatches_total`` | counter | | parameter elements those checks found different from the published bytes |
 | ``weightsync_update_check_reloads_total`` | counter | | live applies whose check found a mismatch, after which every rank reloaded |
+| ``weightsync_update_check_seconds`` | histogram | ``part`` | what each rank's check cost inside the pause: ``written`` (every element a live apply wrote) and ``sample`` (its checkpoint sample) |
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ NO_ERROR = "none"
 UPDATE_MODES = ("reload", "live")
 PULL_SECONDS_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800)
 PAUSE_SECONDS_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+CHECK_SECONDS_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1)
 
 
 class _Metrics:
@@ -87,6 +89,11 @@ class _Metrics:
         self.update_check_reloads = Counter(
             "weightsync_update_check_reloads", "Live applies whose check found a mismatch (every rank then reloaded)."
         )
+        self.update_check_seconds = Histogram(
+            "weightsync_update_check_seconds",
+            "What each rank's check after an update cost inside the pause, by part (written, sample).",
+            ["part"], buckets=CHECK_SECONDS_BUCKETS,
+        )  # fmt: skip
         self.live_version.set(0)
 
 
@@ -195,6 +202,10 @@ def _record_checks(reply: Mapping[str, Any]) -> None:
         compared = int(_field(check, "sampled_elements", 0) or 0) + int(_field(check, "scattered_elements", 0) or 0)
         metrics.update_checks.labels("mismatch" if mismatches else ("ok" if compared else "unchecked")).inc()
         metrics.update_check_mismatches.inc(mismatches)
+        if int(_field(check, "scattered_elements", 0) or 0):
+            metrics.update_check_seconds.labels("written").observe(float(_field(check, "scattered_check_s", 0.0) or 0.0))
+        if int(_field(check, "sampled_elements", 0) or 0):
+            metrics.update_check_seconds.labels("sample").observe(float(_field(check, "sample_check_s", 0.0) or 0.0))
     if reply.get("reloaded_after_check"):
         metrics.update_check_reloads.inc()
 

@@ -252,8 +252,9 @@ _METRICS_SCRIPT = r"""
 import json
 from sglang_patch import metrics
 
-ok = {"rank": "dp0/tp0", "verified_elements": 10, "sampled_elements": 8, "scattered_elements": 2}
-bad = {"rank": "dp0/tp1", "verified_elements": 7, "mismatches": 3, "sampled_elements": 10}
+ok = {"rank": "dp0/tp0", "verified_elements": 10, "sampled_elements": 8, "scattered_elements": 2,
+      "scattered_check_s": 0.002, "sample_check_s": 0.0007}
+bad = {"rank": "dp0/tp1", "verified_elements": 7, "mismatches": 3, "sampled_elements": 10, "sample_check_s": 0.03}
 unchecked = {"rank": "dp0/tp1", "detail": "the local checkpoint changed during the check"}
 metrics.observe_update_from_pulled({"success": True, "mode": "live", "pause_s": 0.1, "weight_version": 2,
                                     "hosts": [{"host": "h/node0", "checks": [ok, unchecked]}]})
@@ -288,6 +289,11 @@ def test_metrics_count_each_ranks_check_its_mismatches_and_the_reloads_they_caus
     assert got["weightsync_update_checks_total[('outcome', 'unchecked')]"] == 1
     assert got["weightsync_update_check_mismatches_total[]"] == 3
     assert got["weightsync_update_check_reloads_total[]"] == 1
+    # what the checks cost inside the pause, per part: each check that compared such elements
+    assert got["weightsync_update_check_seconds_count[('part', 'written')]"] == 3
+    assert got["weightsync_update_check_seconds_count[('part', 'sample')]"] == 4
+    assert got["weightsync_update_check_seconds_sum[('part', 'written')]"] == pytest.approx(0.006)
+    assert got["weightsync_update_check_seconds_bucket[('le', '0.001'), ('part', 'sample')]"] == 3
 
 
 def test_the_sample_reaches_at_most_the_tensor_budget_per_update_and_other_tensors_the_next_time():
