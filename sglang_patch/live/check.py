@@ -90,13 +90,17 @@ def _equal(a: torch.Tensor, b: torch.Tensor) -> bool:
     return bool(torch.equal(a, b))
 
 
-def _live_bits(params: Optional[Mapping[str, torch.Tensor]], name: str, staged_flat: torch.Tensor) -> torch.Tensor:
-    """The parameter's storage as the engine holds it now, flat, as int bits: read through the
-    module's current parameter, not the view taken at staging, so that a write into a storage
-    the engine no longer uses shows up as mismatches."""
+def _storage_bits(params: Optional[Mapping[str, torch.Tensor]], name: str, bits: torch.Tensor) -> torch.Tensor:
+    """``bits`` (a parameter's storage, flat, as int bits, taken at staging) if the engine's
+    parameter ``name`` still is that storage, else the storage it is now: every gather reads what
+    the engine reads, so a write into a storage it no longer uses shows up as mismatches.
+    ``params`` None: ``bits`` as it is."""
     if params is None:
-        return as_int_bits(staged_flat)
-    return as_int_bits(params[name].detach().reshape(-1))  # a copy only if not contiguous (none in sglang)
+        return bits
+    now = params[name]
+    if now.data_ptr() == bits.data_ptr() and now.numel() == bits.numel() and now.element_size() == bits.element_size():
+        return bits
+    return as_int_bits(now.detach().reshape(-1))  # a copy only if not contiguous (none in sglang)
 
 
 def sample_seed(version: int, counter: int, rank: str = "") -> list[int]:
@@ -123,8 +127,8 @@ class _ParamSample:
     dtype: torch.dtype
     flat: torch.Tensor  # the live parameter's storage, flat, as int bits (a view)
     index: torch.Tensor  # flat positions, on the parameter's device
-    expected: torch.Tensor  # int bits, on the parameter's device
-    got: torch.Tensor  # the gather's output, allocated with the sample (not inside the pause)
+    expected: torch.Tensor  # int bits, on the parameter's device (a slice of its group's)
+    got: torch.Tensor  # the gather's output (a slice of its group's, allocated with the sample)
     runs: list = field(default_factory=list)  # (end, checkpoint tensor): which tensor each position came from
 
     def source_of(self, k: int) -> str:
@@ -133,40 +137,70 @@ class _ParamSample:
 
 
 @dataclass
+class _Group:
+    """The sampled parameters of one device and element width: their gathers land side by side,
+    so one compare covers them all."""
+
+    members: list[_ParamSample]
+    expected: torch.Tensor
+    got: torch.Tensor
+
+
+@dataclass
 class PreparedSample:
     """Expected values of one update's sample, ready to compare with the live weights."""
 
-    params: list[_ParamSample] = field(default_factory=list)
+    groups: list[_Group] = field(default_factory=list)
     checked: int = 0  # parameters the sample could reach
     unchecked: int = 0
     read_s: float = 0.0  # drawing and reading it (at staging for a live apply)
 
     @property
+    def params(self) -> list[_ParamSample]:
+        return [s for g in self.groups for s in g.members]
+
+    @property
     def elements(self) -> int:
-        return sum(int(s.index.numel()) for s in self.params)
+        return sum(int(g.expected.numel()) for g in self.groups)
 
     def compare(self, params: Optional[Mapping[str, torch.Tensor]] = None) -> _Tally:
         """Gather every sampled element from the live weights (``params``: the engine's
-        parameters now; None: the views taken when prepared) and compare it bit for bit: one
-        gather and one compare per parameter; on a device a single synchronisation at the end."""
+        parameters now; None: the views taken when prepared) and compare bit for bit: one gather
+        per parameter, one compare per device and element width (one synchronisation on a
+        device); per parameter only after a mismatch, for the detail."""
         start = time.perf_counter()
         tally = _Tally()
-        on_device = []
-        for s in self.params:
-            torch.index_select(_live_bits(params, s.param, s.flat), 0, s.index, out=s.got)
-            if s.got.device.type == "cpu":
-                tally.add(s.source_of, s.expected, s.got, s.index, s.dtype)
-            else:
-                on_device.append((s, torch.ne(s.got, s.expected).sum()))
-        if on_device:
-            counts = torch.stack([c for _, c in on_device]).tolist()
-            for (s, _), bad in zip(on_device, counts):
-                if bad:  # the detail, on the host (only after a mismatch)
-                    tally.add(s.source_of, s.expected.cpu(), s.got.cpu(), s.index.cpu(), s.dtype)
-                else:
-                    tally.compared += int(s.index.numel())
+        for g in self.groups:
+            for s in g.members:
+                torch.index_select(_storage_bits(params, s.param, s.flat), 0, s.index, out=s.got)
+        for g in self.groups:
+            if _equal(g.got, g.expected):
+                tally.compared += int(g.got.numel())
+                continue
+            for s in g.members:
+                on_host = s.got.device.type == "cpu"
+                tally.add(s.source_of, s.expected if on_host else s.expected.cpu(), s.got if on_host else s.got.cpu(),
+                          s.index, s.dtype)
         tally.seconds = time.perf_counter() - start
         return tally
+
+
+def _grouped(members: list[tuple[str, torch.dtype, torch.Tensor, torch.Tensor, torch.Tensor, list]]) -> list[_Group]:
+    """``(param, dtype, flat bits, index, expected bits, runs)`` -> groups by device and width."""
+    by_key: dict[tuple, list] = {}
+    for m in members:
+        by_key.setdefault((str(m[2].device), m[4].dtype), []).append(m)
+    groups = []
+    for (device, _), ms in sorted(by_key.items(), key=lambda kv: str(kv[0])):
+        expected = torch.cat([m[4] for m in ms]).to(device)
+        got = torch.empty_like(expected)
+        out, at = [], 0
+        for param, dtype, flat, index, exp, runs in ms:
+            n = int(exp.numel())
+            out.append(_ParamSample(param, dtype, flat, index.to(device), expected[at:at + n], got[at:at + n], runs))
+            at += n
+        groups.append(_Group(out, expected, got))
+    return groups
 
 
 def _draw(cmap: CoordinateMap, checked: set[str], rng: np.random.Generator, per_tensor: int,
@@ -233,20 +267,17 @@ def prepare_sample_steps(
         spent += time.perf_counter() - t0
         yield
         t0 = time.perf_counter()
-    sample = PreparedSample(checked=len(checked), unchecked=len(unchecked))
+    members = []
     for param in sorted(parts):
         live = params[param].detach()
-        flat = as_int_bits(live.reshape(-1))
         runs, end = [], 0
         for tensor, dst, _ in parts[param]:
             end += dst.size
             runs.append((end, tensor))
         index = torch.from_numpy(np.concatenate([dst for _, dst, _ in parts[param]]))
-        expected = torch.cat([e for _, _, e in parts[param]])
-        if flat.device.type != "cpu":
-            index, expected = index.to(flat.device), expected.to(flat.device)
-        got = torch.empty_like(expected)
-        sample.params.append(_ParamSample(param, live.dtype, flat, index, expected, got, runs))
+        members.append((param, live.dtype, as_int_bits(live.reshape(-1)), index,
+                        torch.cat([e for _, _, e in parts[param]]), runs))
+    sample = PreparedSample(_grouped(members), checked=len(checked), unchecked=len(unchecked))
     sample.read_s = spent + time.perf_counter() - t0
     return sample
 
@@ -285,46 +316,81 @@ def check_scattered(patches: Iterable, tally: Optional[_Tally] = None,
                     scratch: Optional["ScatterScratch"] = None) -> _Tally:
     """Compare every element a live apply wrote (``live.patch.ParamPatch``) with its staged value:
     one gather and one compare per patch. ``params``: the engine's parameters now (the patches'
-    own views otherwise); ``scratch``: the gather's buffers, allocated at staging."""
+    own views otherwise); ``scratch``: what staging prepared for exactly these patches."""
     tally = tally or _Tally()
     start = time.perf_counter()
-    for p in patches:
-        n = int(p.index.numel())
-        if n == 0:
-            continue
-        bits = _live_bits(params, p.param, p.flat)
-        device_out, host_out = scratch.buffers(bits, n) if scratch is not None else (None, None)
-        if device_out is not None:
-            got = torch.index_select(bits, 0, p.on_device_index(), out=device_out)
-        else:
-            got = torch.index_select(bits, 0, p.on_device_index())
-        if got.device.type != "cpu":
-            got = host_out.copy_(got) if host_out is not None else got.cpu()
-        tally.add(lambda _k, param=p.param: f"{param} (scattered)", as_int_bits(p.values), got, p.index, p.flat.dtype)
+    patches = list(patches)
+    if scratch is not None and scratch.is_for(patches):
+        scratch.check(params, tally)
+    else:
+        for p in patches:
+            if int(p.index.numel()) == 0:
+                continue
+            got = torch.index_select(_storage_bits(params, p.param, as_int_bits(p.flat)), 0, p.on_device_index())
+            tally.add(lambda _k, param=p.param: f"{param} (scattered)", as_int_bits(p.values), got.cpu(), p.index,
+                      p.flat.dtype)
     tally.seconds += time.perf_counter() - start
     return tally
 
 
 class ScatterScratch:
-    """The written-element check's buffers, one set per device and element width, as large as
-    the largest patch: allocated while staging, so that the check allocates nothing in the pause."""
+    """What the written-element check of one staged update needs, prepared while staging: each
+    patch's storage view and positions on its device, the staged values as host integers, and
+    the gathers' buffers, so that the pause allocates nothing. On the CPU one buffer as large as
+    the largest patch, compared right after each gather; on a device every patch's gather side
+    by side, then one copy to pinned host memory per device (one synchronisation)."""
 
     def __init__(self, patches: Iterable) -> None:
-        largest: dict[tuple[str, int], int] = {}
-        for p in patches:
-            key = (str(p.flat.device), p.flat.element_size())
-            largest[key] = max(largest.get(key, 0), int(p.index.numel()))
+        self._patches = [p for p in patches]
+        live = [p for p in self._patches if int(p.index.numel())]
+        sizes: dict[tuple[str, int], int] = {}
+        for p in live:
+            key, n = (str(p.flat.device), p.flat.element_size()), int(p.index.numel())
+            sizes[key] = sizes.get(key, 0) + n if p.flat.device.type != "cpu" else max(sizes.get(key, 0), n)
         self._buffers = {}
-        for (device, width), n in largest.items():
+        for (device, width), n in sizes.items():
             on_device = torch.empty(n, dtype=INT_OF_WIDTH[width], device=device)
-            host = torch.empty(n, dtype=dtype, pin_memory=True) if on_device.device.type == "cuda" else None
+            host = torch.empty(n, dtype=INT_OF_WIDTH[width], pin_memory=True) if on_device.device.type != "cpu" else on_device
             self._buffers[(device, width)] = (on_device, host)
+        self._entries = []
+        used: dict[tuple[str, int], int] = {}
+        for p in live:
+            key, n = (str(p.flat.device), p.flat.element_size()), int(p.index.numel())
+            at = used.get(key, 0)
+            if p.flat.device.type != "cpu":
+                used[key] = at + n
+            on_device, host = self._buffers[key]
+            bits = as_int_bits(p.flat)
+            got_host, expected = host[at:at + n].view(bits.dtype), as_int_bits(p.values)
+            self._entries.append((p, bits, p.on_device_index(), on_device[at:at + n].view(bits.dtype), got_host,
+                                  expected, got_host.numpy(), expected.numpy()))
 
-    def buffers(self, bits: torch.Tensor, n: int) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
-        held = self._buffers.get((str(bits.device), bits.element_size()))
-        if held is None or held[0].numel() < n or held[0].dtype != bits.dtype:
-            return None, None
-        return held[0][:n], (held[1][:n] if held[1] is not None else None)
+    def is_for(self, patches: list) -> bool:
+        return len(patches) == len(self._patches) and all(a is b for a, b in zip(patches, self._patches))
+
+    def check(self, params: Optional[Mapping[str, torch.Tensor]], tally: _Tally) -> None:
+        on_device = []
+        for entry in self._entries:
+            p, bits, index, got = entry[:4]
+            torch.index_select(_storage_bits(params, p.param, bits), 0, index, out=got)
+            if got.device.type == "cpu":
+                self._compare(entry, tally)
+            else:
+                on_device.append(entry)
+        if on_device:
+            for device_buffer, host in self._buffers.values():
+                if host is not device_buffer:
+                    host.copy_(device_buffer)
+            for entry in on_device:
+                self._compare(entry, tally)
+
+    @staticmethod
+    def _compare(entry: tuple, tally: _Tally) -> None:
+        p, _, _, _, got, expected, got_np, expected_np = entry
+        if np.array_equal(got_np, expected_np):  # the common case, without a call through torch
+            tally.compared += int(got_np.size)
+        else:
+            tally.add(lambda _k, param=p.param: f"{param} (scattered)", expected, got, p.index, p.flat.dtype)
 
 
 # --- one rank's check after an update ----------------------------------------------------------------
