@@ -193,7 +193,7 @@ def _grouped(members: list[tuple[str, torch.dtype, torch.Tensor, torch.Tensor, t
     groups = []
     for (device, _), ms in sorted(by_key.items(), key=lambda kv: str(kv[0])):
         expected = torch.cat([m[4] for m in ms]).to(device)
-        got = torch.empty_like(expected)
+        got = torch.zeros_like(expected)  # written now: the pause takes no first-touch page faults
         out, at = [], 0
         for param, dtype, flat, index, exp, runs in ms:
             n = int(exp.numel())
@@ -349,8 +349,9 @@ class ScatterScratch:
             sizes[key] = sizes.get(key, 0) + n if p.flat.device.type != "cpu" else max(sizes.get(key, 0), n)
         self._buffers = {}
         for (device, width), n in sizes.items():
-            on_device = torch.empty(n, dtype=INT_OF_WIDTH[width], device=device)
-            host = torch.empty(n, dtype=INT_OF_WIDTH[width], pin_memory=True) if on_device.device.type != "cpu" else on_device
+            # zeros, not empty: written now, so the pause takes no first-touch page faults
+            on_device = torch.zeros(n, dtype=INT_OF_WIDTH[width], device=device)
+            host = torch.zeros(n, dtype=INT_OF_WIDTH[width], pin_memory=True) if on_device.device.type != "cpu" else on_device
             self._buffers[(device, width)] = (on_device, host)
         self._entries = []
         used: dict[tuple[str, int], int] = {}
