@@ -5,6 +5,8 @@ nothing is committed until every rank of every stage and DP group applied (``tra
 ``commit`` takes the new version, flushes the cache (on every rank at once) and checks the live
 weights (``check``). ``rollback`` writes the undo log back and checks it; a rank that cannot
 prove its restore holds an unknown version, and the coordinator makes every rank ``reload``.
+State a loader derives from a written parameter (MLA's ``w_kc``/``w_vc``, ``live.derived``) is
+re-derived right after the scatter and again after a restore, from the parameter as it then is.
 
 Test-only switch (environment, read by the scheduler processes): ``WEIGHTSYNC_TEST_FAULT_DIR``:
 a file ``live-apply-fault-<rank label with / as _>`` there makes that rank fail once in the
@@ -19,11 +21,12 @@ import logging
 import os
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Optional
+from typing import Any, Callable, Iterable, Mapping, Optional
 
 from .. import compat
+from . import derived as live_derived
 from . import results as lr
-from .patch import RestoreFailed, StagedUpdate, UndoLog, scatter_with_undo
+from .patch import RestoreFailed, RestoreResult, StagedUpdate, UndoLog, scatter_with_undo
 from .version import LiveWeights
 
 log = logging.getLogger(__name__)
@@ -69,6 +72,7 @@ class RankTxn:
     written: int = 0
     scatter_s: float = 0.0
     restore_failure: Optional[str] = None  # why this rank is not restored (it must reload)
+    derived: int = 0  # layers whose derived state (live.derived) the apply re-derived
     before_restore: Optional[Callable[[int, str], None]] = None
 
 
@@ -76,8 +80,9 @@ class RankWrites:
     """Apply, commit, roll back or reload on one rank (see the module docstring)."""
 
     def __init__(self, *, host: str, rank: str, scheduler: Any, weights: LiveWeights, check: Check,
-                 pause_costs: lr.PauseCosts) -> None:
+                 pause_costs: lr.PauseCosts, derivations: Callable[[], Mapping[str, Any]] = dict) -> None:
         self.host = host
+        self.derivations = derivations  # parameter -> its proven derived-state rule (the map's)
         self.rank = rank
         self.scheduler = scheduler
         self.weights = weights
@@ -107,9 +112,14 @@ class RankWrites:
                 raise InjectedFault(f"injected fault on {self.rank} while restoring {param}")
 
         txn.before_restore = before_restore
+        derivations = self.derivations()
+        stale = live_derived.why_stale(derivations, staged.patches)
+        if stale is not None:  # before any write
+            return self.failure(f"derived state would go stale: {stale}", txn.start)
         t0 = time.perf_counter()
         try:
             txn.undo, txn.written = scatter_with_undo(staged, before_write=before_write, before_restore=before_restore)
+            txn.derived = self._rederive(txn, derivations)
         except RestoreFailed as exc:
             txn.restore_failure = exc.result.describe()
             log.error("live apply %s: scatter failed and this rank was not restored: %s", self.rank, exc)
@@ -118,11 +128,36 @@ class RankWrites:
             log.warning("live apply %s: scatter failed, this rank restored: %s", self.rank, exc)
             return self.failure(f"{type(exc).__name__}: {exc}", txn.start)
         txn.scatter_s = time.perf_counter() - t0
+        derived = f" and re-derived {txn.derived} layer(s)' w_kc/w_vc" if txn.derived else ""
         return lr.LiveRankReport(
-            host=self.host, rank=self.rank, success=True, mode=lr.LIVE, message=f"patched {txn.written} elements live",
+            host=self.host, rank=self.rank, success=True, mode=lr.LIVE, message=f"patched {txn.written} elements live{derived}",
             weight_version=staged.to_version, elements_scattered=txn.written, pause_s=time.perf_counter() - txn.start,
             scatter_s=txn.scatter_s, stage_s=staged.stage_s, staged_nbytes=staged.nbytes,
         )
+
+    def _rederive(self, txn: RankTxn, derivations: Mapping[str, Any]) -> int:
+        """After the scatter: the written parameters' derived state. If that fails, the parameters
+        are restored and their state derived again from them (``RestoreFailed`` if not)."""
+        try:
+            return live_derived.refresh(derivations, txn.staged.patches)
+        except Exception as exc:
+            result = txn.undo.restore(before_write=txn.before_restore)
+            txn.undo = None
+            if result.restored:
+                why = self._rederive_after_restore(txn, derivations)
+                result = RestoreResult(False, (why,)) if why is not None else result
+            if not result.restored:
+                raise RestoreFailed(result, exc) from exc
+            raise
+
+    def _rederive_after_restore(self, txn: RankTxn, derivations: Mapping[str, Any]) -> Optional[str]:
+        """Derived state again from the restored parameters: exact, as the derivation is a function of
+        its source (no undo log of its own); why not, or None."""
+        try:
+            live_derived.refresh(derivations, txn.staged.patches if txn.staged else ())
+        except Exception as exc:
+            return f"re-deriving w_kc/w_vc failed: {type(exc).__name__}: {exc}"
+        return None
 
     def commit(self, request: Any, txn: RankTxn) -> lr.LiveRankReport:
         """Every rank applied: this rank takes the new version and flushes its cache.
@@ -160,6 +195,9 @@ class RankWrites:
             txn.undo = None
             if not result.restored:
                 txn.restore_failure = result.describe()
+            else:
+                why = self._rederive_after_restore(txn, self.derivations())
+                txn.restore_failure = f"not restored: {why}" if why is not None else None
         # The transaction stays open until the next vote: when any rank of the engine was not
         # restored, the coordinator sends every rank (restored or not) the reload phase next.
         if txn.restore_failure is not None:

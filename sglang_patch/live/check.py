@@ -34,7 +34,10 @@ Only proven parameters are sampled: a reload-only or unproven parameter, or one 
 element lands on, has no expected value the map can rebuild (``not_checkable_params``).
 The expected value is rebuilt as the proof does: the checkpoint element through the placement's
 box, cast to the parameter's dtype by ``copy_`` (what the loader's copy does), compared bit for
-bit. No sglang here.
+bit. State derived from a parameter (MLA's ``w_kc``/``w_vc``, ``live.derived``) is no parameter:
+``DERIVED_LAYERS_PER_CHECK`` layers drawn afresh (among those a live apply re-derived, or among all
+after a reload) are compared whole with the split of their live ``kv_b_proj``, inside the pause
+(temporaries of one layer: not yet prepared at staging). No sglang here.
 """
 
 from __future__ import annotations
@@ -45,7 +48,7 @@ import os
 import time
 import zlib
 from dataclasses import dataclass, field
-from typing import Any, Callable, Generator, Iterable, Iterator, Mapping, Optional
+from typing import Any, Callable, Generator, Iterable, Iterator, Mapping, NamedTuple, Optional
 
 import numpy as np
 import torch
@@ -58,6 +61,9 @@ SAMPLE_PER_TENSOR = 4096  # elements drawn per checkpoint tensor and update
 # all reached within a few updates): reading a tensor's sample costs about 0.4 ms on this CPU
 # (at staging for a live apply), so the sample's cost stays bounded whatever the model's size
 SAMPLE_TENSORS_PER_UPDATE = 64
+# layers whose derived state is compared whole per update: about 6 ms each for a GLM-4.7-Flash layer
+# (4.6M elements) on one CPU thread, so all 47 would cost 0.3 s of the pause there
+DERIVED_LAYERS_PER_CHECK = 4
 SAMPLE_ENV = "WEIGHTSYNC_UPDATE_CHECK_SAMPLE"  # "<elements per tensor>,<tensors per update>"; "0,0": none
 
 
@@ -67,6 +73,7 @@ class _Tally:
     mismatches: int = 0
     first: Optional[str] = None
     seconds: float = 0.0
+    derived_compared: int = 0  # elements of derived state (live.derived) compared
 
     def add(self, where: Callable[[int], str], expected: torch.Tensor, got: torch.Tensor,
             positions: torch.Tensor, dtype: torch.dtype) -> None:
@@ -394,6 +401,27 @@ class ScatterScratch:
             tally.add(lambda _k, param=p.param: f"{param} (scattered)", expected, got, p.index, p.flat.dtype)
 
 
+def check_derived(derivations: Mapping, patches: list, seed: list[int], tally: Optional[_Tally] = None,
+                  layers: int = DERIVED_LAYERS_PER_CHECK) -> _Tally:
+    """The derived state (``live.derived``) of ``layers`` layers drawn from ``seed`` among those
+    ``patches`` wrote (after a reload, no patches: among all), against a re-derivation."""
+    from .derived import check as check_rules
+
+    tally = tally or _Tally()
+    names = sorted({p.param for p in patches} & set(derivations)) if patches else sorted(derivations)
+    if len(names) > layers:
+        names = [names[int(k)] for k in np.random.default_rng(seed).choice(len(names), size=layers, replace=False)]
+    compared, bad, first = check_rules(derivations, [_Named(n) for n in names])
+    tally.compared += compared
+    tally.mismatches += bad
+    tally.first = tally.first or first
+    return tally
+
+
+class _Named(NamedTuple):
+    param: str
+
+
 # --- one rank's check after an update ----------------------------------------------------------------
 
 
@@ -414,7 +442,13 @@ def check_update(
     are not a mismatch of this version). ``started``: when the caller's part of the check began
     (it counts in ``check_s``)."""
     start = time.perf_counter() if started is None else started
+    patches = list(patches)
     scattered = check_scattered(patches, params=params or None, scratch=scratch)
+    if cmap is not None and cmap.derivations:  # counted with the scattered elements' verdict, not their number
+        derived = check_derived(cmap.derivations, patches, sample_seed(version, counter, rank))
+        scattered.derived_compared = derived.compared
+        scattered.mismatches += derived.mismatches
+        scattered.first = scattered.first or derived.first
     if prepared is not None:
         return _result(rank, scattered, prepared.compare(params or None), prepared.checked, prepared.unchecked,
                        start, "", prepared_s=prepared.read_s)
@@ -440,7 +474,8 @@ def _result(rank: str, scattered: _Tally, sample: Optional[_Tally], checked: int
     first = scattered.first or (sample.first if sample else None)
     check_s = time.perf_counter() - start
     return RankCheck(
-        rank=rank, verified_elements=scattered.compared + sampled - mismatches, mismatches=mismatches,
+        rank=rank, verified_elements=scattered.compared + scattered.derived_compared + sampled - mismatches,
+        mismatches=mismatches,
         sampled_elements=sampled, scattered_elements=scattered.compared, checked_params=checked,
         not_checkable_params=unchecked, check_s=check_s, scattered_check_s=scattered.seconds,
         sample_check_s=check_s - scattered.seconds, sample_prepared_s=prepared_s,

@@ -20,7 +20,9 @@ The map covers exactly what it can follow; everything else is reload-only, with 
   (``.item()``: sglang's ``default_weight_loader`` fills one-element parameters that way), loaded
   into a buffer, kept as a module attribute, or read without reaching any parameter;
 - a parameter whose value the loader reads (a parameter copied from it, a tensor derived after
-  the copies such as DeepSeek's MLA ``w_kc``/``w_vc``).
+  the copies), unless the read is inside ``post_load_weights`` and a rule of ``live.derived``
+  re-derives that state live (MLA's ``w_kc``/``w_vc`` from an unquantized ``kv_b_proj``), proven
+  against the live weights with the map.
 A checkpoint tensor the loader never looks at is "unused": a reload ignores it too.
 
 Proof (``prove_map``, or ``prove_map_steps`` in steps of ``PROOF_STEP_ELEMENTS`` for the
@@ -87,6 +89,10 @@ class CoordinateMap:
     build_s: float = 0.0
     proof_s: float = 0.0
     mapped_elements: int = 0  # parameter elements the checkpoint writes on this rank
+    # parameters that post_load_weights derives other state from, under a rule (``live.derived``):
+    # parameter -> the module holding that state; live only once ``derivations`` holds its proven rule
+    derived_params: dict[str, str] = field(default_factory=dict)
+    derivations: dict[str, Any] = field(default_factory=dict)  # parameter -> bound rule (set by the proof)
 
     def placements_into(self, param: str) -> list[Placement]:
         return [p for ps in self.placements.values() for p in ps if p.param == param]
@@ -114,6 +120,11 @@ class CoordinateMap:
                 return f"parameter {p.param} (loaded from {tensor}) is reload-only: {self.reload_only_params[p.param]}"
             if p.param not in self.proven_params:
                 return f"parameter {p.param} (loaded from {tensor}) is not proven against the live weights"
+            if p.param in self.derived_params:
+                rule = self.derivations.get(p.param)
+                why = "its derived state has no proven rule" if rule is None else rule.why_not_current()
+                if why is not None:
+                    return f"parameter {p.param} (loaded from {tensor}) is reload-only: {why}"
         return None
 
     def summary(self) -> dict:
@@ -128,6 +139,7 @@ class CoordinateMap:
             "proven": self.proven,
             "proof_reason": self.proof_reason,
             "mapped_elements": self.mapped_elements,
+            "derived": {p: self.derived_params[p] for p in sorted(self.derivations)},
             "build_s": round(self.build_s, 4),
             "proof_s": round(self.proof_s, 4),
             "nbytes": self.nbytes(),
@@ -242,9 +254,14 @@ class _Recorder(TorchDispatchMode):
 
     def __init__(self, params: Mapping[str, torch.Tensor], result: CoordinateMap, *,
                  buffers: Optional[Mapping[str, torch.Tensor]] = None,
-                 live: Optional[Mapping[str, torch.Tensor]] = None) -> None:
+                 live: Optional[Mapping[str, torch.Tensor]] = None,
+                 derivable: tuple[Mapping[str, str], Mapping[str, str]] = ({}, {})) -> None:
         super().__init__()
         self.result = result
+        # inside post_load_weights (``deriving``), a read of a ``derivable[0]`` parameter is the
+        # derivation a rule repeats (``live.derived``); ``derivable[1]``: why the others cannot be
+        self.derivable, self.not_derivable = derivable
+        self.deriving = False
         self.origins: dict[int, _Origin] = {}
         self.slots: dict[int, list[_Slot]] = {}
         for kind, tensors in (("param", params), ("buffer", buffers or {}), ("live", live or {})):
@@ -333,6 +350,12 @@ class _Recorder(TorchDispatchMode):
                 continue
             slot = self._slot_of(t)
             if slot is not None and slot.kind == "param":
+                if self.deriving and slot.name in self.derivable:
+                    self.result.derived_params[slot.name] = self.derivable[slot.name]
+                    continue
+                if self.deriving and slot.name in self.not_derivable:
+                    self._refuse_param(slot.name, self.not_derivable[slot.name])
+                    continue
                 self._refuse_param(slot.name, f"its value is read by {func} while loading: state derived from it "
                                               "(a copy into another parameter, a post-load cache) would go stale")
 
@@ -531,7 +554,8 @@ def storage_free_copy(model: torch.nn.Module) -> torch.nn.Module:
     return root
 
 
-def build_coordinate_map(model: torch.nn.Module, specs: Iterable[TensorSpec]) -> CoordinateMap:
+def build_coordinate_map(model: torch.nn.Module, specs: Iterable[TensorSpec],
+                         derivable: tuple[Mapping[str, str], Mapping[str, str]] = ({}, {})) -> CoordinateMap:
     """Learn this rank's placements by driving ``load_weights`` of a storage-free copy of
     ``model`` (``storage_free_copy``) with storage-free probe tensors.
 
@@ -539,6 +563,10 @@ def build_coordinate_map(model: torch.nn.Module, specs: Iterable[TensorSpec]) ->
     one anyway is not executed and makes that parameter reload-only), and whatever the loader
     computes or swaps afterwards lands on the copy. Runs on the calling thread only (dispatch
     modes are thread-local), so generation on the scheduler thread is unaffected.
+
+    ``derivable`` (``live.derived.derivable_params``): parameters whose reads inside the model's
+    ``post_load_weights`` are a derivation a rule repeats live (``derived_params``), and why the
+    others' are not; without it every such read makes the parameter reload-only.
 
     Raises:
         MapNotLearnable: the module tree cannot be copied without storage, or the loader needs the
@@ -550,8 +578,9 @@ def build_coordinate_map(model: torch.nn.Module, specs: Iterable[TensorSpec]) ->
     params = {name: p for name, p in shadow.named_parameters()}
     buffers = {f"buffer {name}": b for name, b in shadow.named_buffers()}
     live = {name: p.data for name, p in model.named_parameters()}
-    recorder = _Recorder(params, result, buffers=buffers, live=live)
+    recorder = _Recorder(params, result, buffers=buffers, live=live, derivable=derivable)
     specs = list(specs)
+    _mark_post_load(shadow, recorder)
 
     def probes() -> Iterator[tuple[str, torch.Tensor]]:
         for spec in specs:
@@ -584,6 +613,23 @@ def build_coordinate_map(model: torch.nn.Module, specs: Iterable[TensorSpec]) ->
     result.mapped_elements = sum(int(np.prod(p.sizes, dtype=np.int64)) for ps in result.placements.values() for p in ps)
     result.build_s = time.perf_counter() - start
     return result
+
+
+def _mark_post_load(shadow: torch.nn.Module, recorder: _Recorder) -> None:
+    """The copy's ``post_load_weights`` (an attribute of the copy only) marks its reads as a
+    derivation's (``_Recorder.deriving``)."""
+    post_load = getattr(shadow, "post_load_weights", None)
+    if not callable(post_load):
+        return
+
+    def marked(*args, **kwargs):
+        recorder.deriving = True
+        try:
+            return post_load(*args, **kwargs)
+        finally:
+            recorder.deriving = False
+
+    shadow.__dict__["post_load_weights"] = marked
 
 
 def _refuse_kept_probes(shadow: torch.nn.Module, recorder: _Recorder) -> None:
@@ -619,6 +665,7 @@ def prove_map(
     read_tensor: Callable[[str], torch.Tensor],
     *,
     still_valid: Callable[[], bool] = lambda: True,
+    prove_derived: Optional[Callable[[Mapping[str, str], list], Generator[None, None, dict]]] = None,
 ) -> bool:
     """Check every mapped parameter against the live weights, element by element.
 
@@ -631,7 +678,8 @@ def prove_map(
         True when the proof completed (``cmap.proven_params`` and ``reload_only_params`` set);
         False when ``still_valid`` said the weights moved (nothing recorded).
     """
-    return bool(drain(prove_map_steps(cmap, live_params, read_tensor, still_valid=still_valid)))
+    return bool(drain(prove_map_steps(cmap, live_params, read_tensor, still_valid=still_valid,
+                                      prove_derived=prove_derived)))
 
 
 def prove_map_steps(
@@ -640,6 +688,7 @@ def prove_map_steps(
     read_tensor: Callable[[str], torch.Tensor],
     *,
     still_valid: Callable[[], bool] = lambda: True,
+    prove_derived: Optional[Callable[[Mapping[str, str], list], Generator[None, None, dict]]] = None,
 ) -> Generator[None, None, bool]:
     """``prove_map`` in steps of at most ``PROOF_STEP_ELEMENTS`` elements (its return value is
     the generator's), so the scheduler thread can run it between loop iterations.
@@ -647,6 +696,10 @@ def prove_map_steps(
     Host memory is bounded by the step, not by the model: each step compares one block of one
     placement (the checkpoint's values cast to the parameter's dtype, and the live block, brought
     to the host when the parameter lives on a device); nothing the size of a parameter is held.
+
+    ``prove_derived(derived_params, names)`` (``live.derived.prover``): for the proven parameters
+    of ``cmap.derived_params``, each one's bound rule, or why it is not proven (a string). A
+    derived parameter without one is reload-only.
     """
     start = time.perf_counter()
     by_param: dict[str, list[Placement]] = {}
@@ -663,8 +716,19 @@ def prove_map_steps(
             proven.add(name)
         else:
             failed[name] = reason
+    derivations: dict[str, Any] = {}
+    derived = sorted(proven & set(cmap.derived_params))
+    rules = (yield from prove_derived(cmap.derived_params, derived)) if prove_derived is not None and derived else {}
+    for name in derived:
+        rule = rules.get(name, "its value is read by post_load_weights and no rule re-derives that state")
+        if isinstance(rule, str):
+            proven.discard(name)
+            failed[name] = rule
+        else:
+            derivations[name] = rule
     if not still_valid():
         return False
+    cmap.derivations = derivations
     cmap.proven_params = proven
     for name, reason in failed.items():
         cmap.reload_only_params.setdefault(name, reason)

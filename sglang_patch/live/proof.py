@@ -19,6 +19,7 @@ from typing import Any, Callable, Iterator, Optional
 import weightsync.codecs.positions as positions
 from weightsync.lock import shared_host_lock
 
+from . import derived as live_derived
 from . import scope as live_scope
 from .coordinate_map import CheckpointReader, CoordinateMap, MapNotLearnable, ProofAttempts, build_coordinate_map, prove_map_steps
 from .identity import LiveVersion, key_of_held
@@ -80,7 +81,8 @@ class MapProof:
                 return
             reader = CheckpointReader(seed_dir)
             try:
-                cmap = build_coordinate_map(self.model(), reader.specs())
+                model = self.model()
+                cmap = build_coordinate_map(model, reader.specs(), derivable=live_derived.derivable_params(model))
             except MapNotLearnable as exc:
                 raise MapNotLearnable(f"it could not be learnt on a storage-free copy of the model: {exc}") from exc
             log.info(
@@ -127,7 +129,8 @@ class MapProof:
         # waits until every rank's proof has read the dir. Without it a trainer that pulls
         # right after a fallback reload voids every proof, and the engine reloads for ever.
         held = shared_host_lock(checkpoint_dir) if checkpoint_dir is not None else contextlib.nullcontext()
-        steps = prove_map_steps(cmap, self.params(), reader.tensor, still_valid=still_valid)
+        steps = prove_map_steps(cmap, self.params(), reader.tensor, still_valid=still_valid,
+                                prove_derived=live_derived.prover(self.model()))
         with held:
             try:
                 result, where = self.run_steps(steps, LOOP_PROOF_TIMEOUT_S)

@@ -92,7 +92,7 @@ class LiveApplyState:
                                make_fence=lambda: pause_fence_for(self.params(), scheduler),
                                prepare_check=lambda staged: self.checker.prepare_steps(self, staged))
         self.writes = RankWrites(host=host, rank=rank, scheduler=scheduler, weights=self.weights,
-                                 pause_costs=self.pause_costs, check=self._check)
+                                 pause_costs=self.pause_costs, check=self._check, derivations=self._derivations)
         self._voted: Optional[StagedUpdate] = None
         self._txn: Optional[RankTxn] = None
         self._phase: dict[str, float] = {}  # seconds into the last update call, per step (logged)
@@ -116,6 +116,9 @@ class LiveApplyState:
 
     def pull_is_running(self) -> bool:
         return self.weights.pull_is_running()
+
+    def _derivations(self) -> dict:
+        return self.cmap.derivations if self.cmap is not None else {}
 
     def _check(self, local_dir: str, version: int, patches) -> lr.RankCheck:
         return self.checker.after_update(self, local_dir, version, patches)

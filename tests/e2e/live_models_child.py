@@ -95,22 +95,42 @@ def _state_of_tree(model: torch.nn.Module) -> dict:
     }
 
 
-def patch_like_a_reload(model: torch.nn.Module, v0: dict, *, seed: int = 1) -> dict:
+def derived_state(model: torch.nn.Module) -> dict:
+    """Every tensor a loader derived after its copies (MLA's ``w_kc``/``w_vc``), by module path."""
+    out = {}
+    for path, m in model.named_modules():
+        for k in ("w_kc", "w_vc"):
+            if isinstance(m.__dict__.get(k), torch.Tensor):
+                out[f"{path}.{k}"] = m.__dict__[k]
+    return out
+
+
+def _differ(a: dict, b: dict) -> list:
+    return sorted(n for n in a if n not in b or not torch.equal(_bits(a[n]), _bits(b[n])))
+
+
+def patch_like_a_reload(model: torch.nn.Module, v0: dict, *, seed: int = 1, before_proof=None) -> dict:
     """Map ``model`` (sglang's class), prove it after a real load of ``v0``, patch a few elements of
-    every mapped tensor live, and compare with a real load of the new version."""
+    every mapped tensor live (re-deriving what ``live.derived`` covers), roll that back and apply it
+    again, and compare with a real load of the new version. ``before_proof(model)``: a test's
+    change to the loaded model before the proof."""
+    from sglang_patch.live import derived
+    from sglang_patch.live.check import check_update
     from sglang_patch.live.coordinate_map import TensorSpec, build_coordinate_map, prove_map
-    from sglang_patch.live.patch import StagedUpdate, scatter_with_undo, stage_update
+    from sglang_patch.live.patch import StagedUpdate, StagingRefused, scatter_with_undo, stage_update
     from sglang_patch.live.scope import why_engine_reload_only
 
     specs = [TensorSpec(n, tuple(t.shape), "BF16") for n, t in v0.items()]
     params = {n: p.data for n, p in model.named_parameters()}
     before_vals = {n: p.clone() for n, p in params.items()}
     before_tree = _state_of_tree(model)
-    cmap = build_coordinate_map(model, specs)
+    cmap = build_coordinate_map(model, specs, derivable=derived.derivable_params(model))
     untouched = all(torch.equal(_bits(params[n]), _bits(before_vals[n])) for n in params)
     tree_unchanged = _state_of_tree(model) == before_tree
     model.load_weights(iter(v0.items()))
-    proven = prove_map(cmap, params, lambda n: v0[n])
+    if before_proof is not None:
+        before_proof(model)
+    proven = prove_map(cmap, params, lambda n: v0[n], prove_derived=derived.prover(model))
 
     g = torch.Generator().manual_seed(seed)
     v1 = {n: t.clone() for n, t in v0.items()}
@@ -125,15 +145,7 @@ def patch_like_a_reload(model: torch.nn.Module, v0: dict, *, seed: int = 1) -> d
         def tensor(self, name):
             return v1[name]
 
-    staged = stage_update(
-        cmap, params, ((n, None, p) for n, p in sorted(changed.items())), Reader(), max_elements=10**9,
-        staged=StagedUpdate(0, 1, None, "/nowhere", 0),
-    )
-    ptrs = {n: p.data_ptr() for n, p in params.items()}
-    _, written = scatter_with_undo(staged)
-    live = {n: p.clone() for n, p in params.items()}
-    model.load_weights(iter(v1.items()))  # the reload
-    return {
+    out = {
         "class": type(model).__name__,
         "scope": why_engine_reload_only(model),
         "params": sorted(params),
@@ -146,13 +158,60 @@ def patch_like_a_reload(model: torch.nn.Module, v0: dict, *, seed: int = 1) -> d
         "unused_tensors": sorted(cmap.unused_tensors),
         "placements": {n: len(ps) for n, ps in cmap.placements.items()},
         "tensors": sorted(v0),
-        "written": written,
-        "changed": sum(len(p) for p in changed.values()),
-        "pointers_unchanged": all(p.data_ptr() == ptrs[n] for n, p in params.items()),
-        "differ_from_reload": [n for n, p in params.items() if not torch.equal(_bits(live[n]), _bits(p))],
+        "derived_params": cmap.derived_params,
+        "derivations": sorted(cmap.derivations),
+        "why_reload_only": {n: cmap.why_reload_only(n) for n in sorted(v0) if cmap.why_reload_only(n)},
         "build_s": cmap.build_s,
         "nbytes": cmap.nbytes(),
     }
+    try:
+        staged = stage_update(
+            cmap, params, ((n, None, p) for n, p in sorted(changed.items())), Reader(), max_elements=10**9,
+            staged=StagedUpdate(0, 1, None, "/nowhere", 0),
+        )
+    except StagingRefused as exc:  # a reload-only tensor changed: the update reloads
+        out["staging_refused"] = exc.reason
+        return out
+    ptrs = {n: p.data_ptr() for n, p in params.items()}
+    derived_v0 = {n: t.clone() for n, t in derived_state(model).items()}
+    derived_ptrs = {n: t.data_ptr() for n, t in derived_state(model).items()}
+    params_v0 = {n: p.clone() for n, p in params.items()}
+
+    # apply, then roll back: the undo log restores the parameters, the rule re-derives the rest
+    undo, written = scatter_with_undo(staged)
+    out["rederived"] = derived.refresh(cmap.derivations, staged.patches)
+    out["derived_changed_by_apply"] = _differ(derived_v0, derived_state(model))
+    restored = undo.restore()
+    derived.refresh(cmap.derivations, staged.patches)
+    out["rollback_restored"] = restored.restored
+    out["undo_log_params"] = sorted({p.param for p in staged.patches})
+    out["differ_after_rollback"] = _differ(params_v0, params) + _differ(derived_v0, derived_state(model))
+
+    # apply again, check it as a commit would, and compare with a reload
+    _, written = scatter_with_undo(staged)
+    derived.refresh(cmap.derivations, staged.patches)
+    check = check_update("dp0/tp0", cmap, params, lambda n: v1[n], version=1, counter=1, patches=staged.patches)
+    out["check"] = {"verified": check.verified_elements, "mismatches": check.mismatches, "detail": check.detail}
+    if cmap.derivations:  # a stale w_kc element is caught by the check
+        d = next(iter(cmap.derivations.values()))
+        keep = d.w_kc[0, 0, 0].clone()
+        d.w_kc[0, 0, 0] += 1
+        stale = check_update("dp0/tp0", cmap, params, lambda n: v1[n], version=1, counter=2, patches=staged.patches)
+        out["check_of_a_stale_w_kc"] = {"mismatches": stale.mismatches, "detail": stale.detail}
+        d.w_kc[0, 0, 0] = keep
+    live = {n: p.clone() for n, p in params.items()}
+    live_derived = {n: t.clone() for n, t in derived_state(model).items()}
+    model.load_weights(iter(v1.items()))  # the reload
+    out.update({
+        "written": written,
+        "changed": sum(len(p) for p in changed.values()),
+        "pointers_unchanged": all(p.data_ptr() == ptrs[n] for n, p in params.items()),
+        "derived_pointers_unchanged": {n: t.data_ptr() for n, t in derived_state(model).items()} == derived_ptrs,
+        "differ_from_reload": [n for n, p in params.items() if not torch.equal(_bits(live[n]), _bits(p))]
+        + _differ(live_derived, derived_state(model)),
+        "derived_tensors": sorted(live_derived),
+    })
+    return out
 
 
 def _bf16(state: dict) -> dict:
@@ -244,42 +303,66 @@ def scalar_parameter() -> dict:
     }
 
 
-def mla() -> dict:
-    """sglang's DeepSeek-V2 class: ``post_load_weights`` derives ``w_kc``/``w_vc`` from ``kv_b_proj``."""
-    from transformers import DeepseekV2Config, DeepseekV2ForCausalLM as HF
-
-    from sglang.srt.models.deepseek_v2 import DeepseekV2ForCausalLM
-    from sglang_patch.live.coordinate_map import TensorSpec, build_coordinate_map
-    from sglang_patch.live.scope import why_engine_reload_only
+def mla_config(q_lora_rank=None):
+    from transformers import DeepseekV2Config
 
     cfg = DeepseekV2Config(
-        vocab_size=256, hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=1,
-        num_attention_heads=4, num_key_value_heads=4, q_lora_rank=None, kv_lora_rank=16, qk_nope_head_dim=8,
+        vocab_size=256, hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=4, q_lora_rank=q_lora_rank, kv_lora_rank=16, qk_nope_head_dim=8,
         qk_rope_head_dim=8, v_head_dim=8, n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2,
-        n_group=1, topk_group=1, first_k_dense_replace=1,
+        n_group=1, topk_group=1, first_k_dense_replace=2,  # dense: sglang's MoE needs more than this CPU
         max_position_embeddings=128, tie_word_embeddings=False,
         rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 1.0, "original_max_position_embeddings": 128,
                          "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0},  # sglang's CPU MLA rope
     )
     cfg.moe_layer_freq = 1  # sglang reads the DeepSeek checkpoints' field, transformers' config lacks it
+    return cfg
+
+
+def mla(before_proof=None, layout=None) -> dict:
+    """sglang's DeepSeek-V2 class: ``post_load_weights`` derives ``w_kc``/``w_vc`` from ``kv_b_proj``.
+    ``layout(model)``: a change to the serving model before the map is learnt."""
+    from transformers import DeepseekV2ForCausalLM as HF
+
+    from sglang.srt.models.deepseek_v2 import DeepseekV2ForCausalLM
+
+    cfg = mla_config()
     torch.manual_seed(0)
-    v0 = _bf16(HF(cfg).state_dict())
+    v0 = per_expert_checkpoint(HF(cfg).state_dict(), cfg.moe_intermediate_size)
     model = DeepseekV2ForCausalLM(cfg).to(torch.float32)
     attn = model.model.layers[0].self_attn
     before = {k: attn.__dict__.get(k) for k in ("w_kc", "w_vc")}
-    cmap = build_coordinate_map(model, [TensorSpec(n, tuple(t.shape), "BF16") for n, t in v0.items()])
-    after = {k: attn.__dict__.get(k) for k in ("w_kc", "w_vc")}
-    model.load_weights(iter(v0.items()))  # a real load derives them on the serving model
-    loaded = {k: type(attn.__dict__.get(k)).__name__ for k in ("w_kc", "w_vc")}
-    kv_b = [n for n in cmap.reload_only_params if "kv_b_proj" in n]
-    return {
-        "scope": why_engine_reload_only(model),
-        "kv_b_proj_reload_only": {n: cmap.reload_only_params[n] for n in kv_b},
-        "why_kv_b_tensor": cmap.why_reload_only("model.layers.0.self_attn.kv_b_proj.weight"),
-        "serving_w_kc_w_vc_untouched": all(before[k] is after[k] for k in before),
-        "w_kc_w_vc_before_a_real_load": {k: type(v).__name__ for k, v in before.items()},
-        "w_kc_w_vc_after_a_real_load": loaded,
-    }
+    if layout is not None:
+        layout(model)
+    out = patch_like_a_reload(model, v0, before_proof=before_proof)
+    out["serving_w_kc_w_vc_untouched_while_mapping"] = before == {"w_kc": None, "w_vc": None}
+    return out
+
+
+def _perturb_w_kc(model) -> None:
+    model.model.layers[1].self_attn.w_kc[1, 2, 3] += 1  # as a derivation the rule does not repeat would
+
+
+def _quantized_kv_b(model) -> None:
+    # what a quantized kv_b_proj carries (sglang then requantizes in post_load_weights)
+    model.model.layers[1].self_attn.kv_b_proj.weight_scale = torch.ones(1)
+
+
+def glm4_moe_lite(q_lora_rank=None) -> dict:
+    """sglang's GLM-4 MoE Lite (GLM-4.7-Flash): MLA through the same mixin, its own load_weights."""
+    from transformers import Glm4MoeLiteConfig, Glm4MoeLiteForCausalLM as HF
+
+    from sglang.srt.models.glm4_moe_lite import Glm4MoeLiteForCausalLM
+
+    cfg = Glm4MoeLiteConfig(
+        vocab_size=256, hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=4, q_lora_rank=q_lora_rank, kv_lora_rank=16, qk_nope_head_dim=8,
+        qk_rope_head_dim=8, v_head_dim=8, n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2,
+        n_group=1, topk_group=1, first_k_dense_replace=1, max_position_embeddings=128, tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    v0 = per_expert_checkpoint(HF(cfg).state_dict(), cfg.moe_intermediate_size)
+    return patch_like_a_reload(Glm4MoeLiteForCausalLM(cfg).to(torch.float32), v0)
 
 
 def sglang_refusal() -> dict:
@@ -318,6 +401,9 @@ def off_the_list() -> dict:
 CASES = {
     "qwen3": lambda: qwen3(tied=False), "qwen3_tied": lambda: qwen3(tied=True), "llama": llama,
     "qwen3_moe": qwen3_moe, "glm4_moe": glm4_moe, "scalar_parameter": scalar_parameter, "mla": mla,
+    "glm4_moe_lite": glm4_moe_lite, "glm4_moe_lite_q_lora": lambda: glm4_moe_lite(q_lora_rank=8),
+    "mla_w_kc_perturbed": lambda: mla(before_proof=_perturb_w_kc),
+    "mla_quantized_kv_b": lambda: mla(layout=_quantized_kv_b),
     "sglang_refusal": sglang_refusal, "off_the_list": off_the_list,
 }
 
