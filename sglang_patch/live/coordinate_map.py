@@ -263,6 +263,9 @@ class _Recorder(TorchDispatchMode):
         self.derivable, self.not_derivable = derivable
         self.deriving = False
         self.origins: dict[int, _Origin] = {}
+        # storage -> its segments: a torch.cat of checkpoint tensors along dim 0 (sglang fuses
+        # q_a_proj and kv_a_proj_with_mqa so), each segment an origin in the same storage
+        self.stacks: dict[int, list[_Origin]] = {}
         self.slots: dict[int, list[_Slot]] = {}
         for kind, tensors in (("param", params), ("buffer", buffers or {}), ("live", live or {})):
             for name, p in tensors.items():
@@ -296,8 +299,64 @@ class _Recorder(TorchDispatchMode):
             return None
         return self.origins.get(_sid(t))
 
-    def _record_copy(self, dst: torch.Tensor, src: Any, param: str) -> None:
-        origin = self._origin_of(src)
+    def _stack_of(self, t: Any) -> list[_Origin]:
+        if not isinstance(t, torch.Tensor) or t.numel() == 0:
+            return []
+        return self.stacks.get(_sid(t), [])
+
+    def _forget(self, t: torch.Tensor) -> None:
+        self.origins.pop(_sid(t), None)
+        self.stacks.pop(_sid(t), None)
+
+    def _track_cat(self, args, kwargs, out: torch.Tensor, tracked: list[_Origin]) -> None:
+        """``out = torch.cat(parts, 0)`` of views of checkpoint tensors: one segment per part, each
+        an affine origin in ``out``'s storage; any other cat reads its inputs (refused)."""
+        parts = [t for t in args[0] if t.numel()]
+        dim = args[1] if len(args) > 1 else kwargs.get("dim", 0)
+        segments: list[_Origin] = []
+        row = 0
+        ok = out.dim() > 0 and dim % out.dim() == 0 and out.is_contiguous() and out.numel()
+        for t in parts if ok else ():
+            origin = self._origin_of(t)
+            box = _hf_box(origin, t) if origin is not None else None
+            if box is None or tuple(t.shape[1:]) != tuple(out.shape[1:]):
+                ok = False
+                break
+            segments.append(_Origin(origin.tensor, t.element_size(), tuple(t.shape), tuple(out.stride()),
+                                    out.storage_offset() + row * out.stride(0), box[0], box[1]))
+            row += t.shape[0]
+        if not ok or row != out.shape[0]:
+            for o in tracked:
+                self._refuse_tensor(o.tensor, "read by aten.cat in a layout the map cannot follow")
+            return
+        self.stacks[_sid(out)] = segments
+        self.probes.append(out)  # alive until the build ends: no later storage reuses its address
+
+    def _record_stack_copy(self, dst: torch.Tensor, src: torch.Tensor, param: str, segments: list[_Origin]) -> None:
+        """A copy from a view of a cat's output: cut, along dim 0, into one copy per segment."""
+        rows = src.shape[0] if src.dim() else 0
+        s0 = src.stride(0) if src.dim() else 0
+        span = 1 + sum((n - 1) * abs(st) for n, st in zip(src.shape[1:], src.stride()[1:]) if n)
+        covered = 0
+        if tuple(src.shape) == tuple(dst.shape) and rows and s0 >= span:
+            off = src.storage_offset()
+            for o in segments:
+                lo, hi = o.offset, o.offset + math.prod(o.sizes)
+                first = max(0, -((off - lo) // s0))  # ceil((lo - off) / s0)
+                end = min(rows, (hi - span - off) // s0 + 1)
+                if first < end:
+                    self._record_copy(dst[first:end], src[first:end], param, origin=o)
+                    covered += end - first
+        if covered != rows:
+            self._refuse_param(param, "written from a cat of checkpoint tensors in a way the map cannot cut")
+            for o in segments:
+                self._refuse_tensor(o.tensor, f"copied into {param} through a cat the map cannot cut")
+
+    def _record_copy(self, dst: torch.Tensor, src: Any, param: str, origin: Optional[_Origin] = None) -> None:
+        if origin is None and self._stack_of(src):
+            self._record_stack_copy(dst, src, param, self._stack_of(src))
+            return
+        origin = origin or self._origin_of(src)
         if origin is None:
             self._refuse_param(param, "written by copy_ from a tensor that is not a view of a checkpoint tensor")
             return
@@ -363,11 +422,17 @@ class _Recorder(TorchDispatchMode):
         kwargs = kwargs or {}
         if func in _SHAPE_ONLY:
             out = func(*args, **kwargs)
-            self.origins.pop(_sid(out), None)
+            self._forget(out)
             return out
         inputs = [a for a in _tensors_in(args, kwargs) if a.numel()]
         tracked = [o for o in (self._origin_of(a) for a in inputs) if o is not None]
+        tracked += [o for a in inputs for o in self._stack_of(a)]
         self.read_tensors.update(o.tensor for o in tracked)
+        if func is aten.cat.default and tracked and not any(self._slot_of(a) for a in inputs):
+            out = func(*args, **kwargs)
+            self._forget(out)
+            self._track_cat(args, kwargs, out, tracked)
+            return out
         if func is aten.copy_.default:
             dst, src = args[0], args[1]
             self._refuse_reads_of_params(func, (src,), {}, [])
@@ -376,13 +441,16 @@ class _Recorder(TorchDispatchMode):
                 if slot.kind == "param":
                     self._record_copy(dst, src, slot.name)
                 else:
-                    self._write_into(slot, func, [o for o in (self._origin_of(src),) if o is not None])
+                    self._write_into(slot, func, [o for o in (self._origin_of(src),) if o is not None]
+                                     + self._stack_of(src))
                 return dst  # never write a parameter
             out = func(*args, **kwargs)
+            for o in self._stack_of(src):
+                self._refuse_tensor(o.tensor, "copied out of a cat into a tensor that is not a parameter")
             origin = self._origin_of(src)
             if origin is None:
                 if dst.numel():
-                    self.origins.pop(_sid(dst), None)
+                    self._forget(dst)
             elif self._origin_of(dst) is None and dst.numel() == src.numel():
                 self._track_copy_of(origin, src, dst)
             return out
@@ -395,7 +463,7 @@ class _Recorder(TorchDispatchMode):
                 self._write_into(slot, func, [o for o in tracked if o is not self._origin_of(t)])
                 return t  # never write a parameter
         if func in _DATA_READS and any(a.device.type == "meta" for a in inputs):
-            if any(a.device.type == "meta" and self._origin_of(a) is None for a in inputs):
+            if any(a.device.type == "meta" and self._origin_of(a) is None and not self._stack_of(a) for a in inputs):
                 # the branch the loader takes may depend on a value that a storage-free copy lacks
                 raise MapNotLearnable(f"the loader reads the value of a parameter or other state ({func}) while "
                                       "loading; the map cannot be learnt without the serving model's data")
@@ -412,8 +480,12 @@ class _Recorder(TorchDispatchMode):
         outs = [t for t in _tensors_in((out,), {}) if t.numel()]
         fresh = [t for t in outs if _sid(t) not in in_sids]
         for t in fresh:  # new storage: whatever was tracked at that address before is gone
-            self.origins.pop(_sid(t), None)
+            self._forget(t)
         for t in written:
+            for o in self._stack_of(t):
+                self._refuse_tensor(o.tensor, f"changed in place by {func} while loading")
+            if t.numel():
+                self.stacks.pop(_sid(t), None)
             changed = self._origin_of(t)
             if changed is not None:  # computed in place: it no longer mirrors its checkpoint tensor
                 self._refuse_tensor(changed.tensor, f"changed in place by {func} while loading")
@@ -638,9 +710,9 @@ def _refuse_kept_probes(shadow: torch.nn.Module, recorder: _Recorder) -> None:
     for mod_name, m in shadow.named_modules():
         for k, v in m.__dict__.items():
             for t in _tensors_in((v,), {}) if isinstance(v, (torch.Tensor, list, tuple)) else ():
-                origin = recorder._origin_of(t)
-                if origin is not None:
-                    recorder._refuse_tensor(origin.tensor, f"kept by the loader as {mod_name or 'model'}.{k}")
+                for origin in [recorder._origin_of(t)] + recorder._stack_of(t):
+                    if origin is not None:
+                        recorder._refuse_tensor(origin.tensor, f"kept by the loader as {mod_name or 'model'}.{k}")
 
 
 # --- proof ----------------------------------------------------------------------------------

@@ -1,9 +1,11 @@
 """Child process of test_live_map_models.py: sglang's own model classes, built on the CPU in a
 one-rank gloo group (``init_one_rank``), each mapped on a storage-free copy, proven, patched and
 compared bit for bit with a reload; plus the cases live apply must refuse (a one-element parameter
-loaded through ``.item()``, an MLA model's derived ``w_kc``/``w_vc``, sglang's own refusal of
-online updates, a class off the allow-list). ``benchmarks/gpu_check.py`` imports its one-rank
-setup from here. The MoE classes run only in process: sglang cannot serve an MoE on this CPU (its
+loaded through ``.item()``, an MLA layer whose derived ``w_kc``/``w_vc`` the rule of
+``live.derived`` cannot prove, sglang's own refusal of online updates, a class off the allow-list).
+The MLA classes (DeepSeek-V2/V3, GLM-4 MoE Lite) are allow-listed: their ``w_kc``/``w_vc`` are
+re-derived live and compared with a reload too, after an apply and after a rollback.
+``benchmarks/gpu_check.py`` imports its one-rank setup from here. The MoE classes run only in process: sglang cannot serve an MoE on this CPU (its
 fused-MoE kernels need sgl_kernel's CPU build or triton on a GPU). One case alone:
 ``python live_models_child.py PORT qwen3_moe``.
 
@@ -303,7 +305,7 @@ def scalar_parameter() -> dict:
     }
 
 
-def mla_config(q_lora_rank=None):
+def mla_config(q_lora_rank=None, architecture="DeepseekV2ForCausalLM"):
     from transformers import DeepseekV2Config
 
     cfg = DeepseekV2Config(
@@ -316,20 +318,21 @@ def mla_config(q_lora_rank=None):
                          "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0},  # sglang's CPU MLA rope
     )
     cfg.moe_layer_freq = 1  # sglang reads the DeepSeek checkpoints' field, transformers' config lacks it
+    cfg.architectures = [architecture]  # sglang 0.5.16 reads it while building
     return cfg
 
 
-def mla(before_proof=None, layout=None) -> dict:
-    """sglang's DeepSeek-V2 class: ``post_load_weights`` derives ``w_kc``/``w_vc`` from ``kv_b_proj``.
-    ``layout(model)``: a change to the serving model before the map is learnt."""
+def mla(before_proof=None, layout=None, architecture="DeepseekV2ForCausalLM") -> dict:
+    """sglang's DeepSeek-V2/V3 classes: ``post_load_weights`` derives ``w_kc``/``w_vc`` from
+    ``kv_b_proj``. ``layout(model)``: a change to the serving model before the map is learnt."""
     from transformers import DeepseekV2ForCausalLM as HF
 
-    from sglang.srt.models.deepseek_v2 import DeepseekV2ForCausalLM
+    from sglang.srt.models import deepseek_v2
 
-    cfg = mla_config()
+    cfg = mla_config(architecture=architecture)
     torch.manual_seed(0)
     v0 = per_expert_checkpoint(HF(cfg).state_dict(), cfg.moe_intermediate_size)
-    model = DeepseekV2ForCausalLM(cfg).to(torch.float32)
+    model = getattr(deepseek_v2, architecture)(cfg).to(torch.float32)
     attn = model.model.layers[0].self_attn
     before = {k: attn.__dict__.get(k) for k in ("w_kc", "w_vc")}
     if layout is not None:
@@ -401,7 +404,7 @@ def off_the_list() -> dict:
 CASES = {
     "qwen3": lambda: qwen3(tied=False), "qwen3_tied": lambda: qwen3(tied=True), "llama": llama,
     "qwen3_moe": qwen3_moe, "glm4_moe": glm4_moe, "scalar_parameter": scalar_parameter, "mla": mla,
-    "glm4_moe_lite": glm4_moe_lite, "glm4_moe_lite_q_lora": lambda: glm4_moe_lite(q_lora_rank=8),
+    "mla_v3": lambda: mla(architecture="DeepseekV3ForCausalLM"), "glm4_moe_lite": glm4_moe_lite, "glm4_moe_lite_q_lora": lambda: glm4_moe_lite(q_lora_rank=8),
     "mla_w_kc_perturbed": lambda: mla(before_proof=_perturb_w_kc),
     "mla_quantized_kv_b": lambda: mla(layout=_quantized_kv_b),
     "sglang_refusal": sglang_refusal, "off_the_list": off_the_list,

@@ -20,7 +20,8 @@ import pytest
 pytestmark = pytest.mark.slow
 
 HERE = Path(__file__).resolve().parent
-ALLOWED = ["qwen3", "qwen3_tied", "llama", "qwen3_moe", "glm4_moe"]
+ALLOWED = ["qwen3", "qwen3_tied", "llama", "qwen3_moe", "glm4_moe", "mla", "mla_v3", "glm4_moe_lite"]
+MLA = ["mla", "mla_v3", "glm4_moe_lite", "glm4_moe_lite_q_lora"]
 
 
 @pytest.fixture(scope="module")
@@ -52,6 +53,7 @@ def test_each_allow_listed_class_is_mapped_on_a_copy_proven_and_patched_bit_iden
     assert out["written"] == out["changed"] > 0
     assert out["pointers_unchanged"]
     assert out["differ_from_reload"] == []
+    assert out["check"]["mismatches"] == 0 and out["check"]["verified"] > 0, out["check"]
     print(f"\n[measured] {out['class']} ({family}): map built in {out['build_s']:.4f}s on a storage-free copy, "
           f"{out['nbytes']} B")
 
@@ -78,15 +80,50 @@ def test_a_one_element_parameter_loaded_through_item_is_reload_only_not_unused(c
     assert out["why_proj"] is None and out["proven_params"] == ["proj"]
 
 
-def test_an_mla_model_whose_loader_derives_w_kc_w_vc_after_its_copies_reloads_with_the_reason(cases):
-    out = _ok(cases, "mla")  # sglang's DeepseekV2ForCausalLM: post_load_weights derives them from kv_b_proj
-    assert "DeepseekV2ForCausalLM" in out["scope"] and "not on live apply's allow-list" in out["scope"]
-    reason = out["kv_b_proj_reload_only"]["model.layers.0.self_attn.kv_b_proj.weight"]
-    assert "state derived from it" in reason
-    assert "is reload-only" in out["why_kv_b_tensor"]
-    # post_load_weights ran on the copy: the serving attention module gained nothing from the mapping
-    assert out["serving_w_kc_w_vc_untouched"]
-    assert out["w_kc_w_vc_after_a_real_load"] == {"w_kc": "Tensor", "w_vc": "Tensor"}
+@pytest.mark.parametrize("family", MLA)
+def test_an_mla_models_w_kc_w_vc_are_re_derived_live_bit_identical_to_a_reload_after_an_apply_and_a_rollback(cases, family):
+    out = _ok(cases, family)  # sglang's post_load_weights derives w_kc/w_vc from kv_b_proj after its copies
+    kv_b = {f"model.layers.{k}.self_attn.kv_b_proj.weight" for k in (0, 1)}
+    assert set(out["derived_params"]) == kv_b and set(out["derivations"]) == kv_b, out["derived_params"]
+    assert not any("kv_b_proj" in n for n in out["why_reload_only"]), out["why_reload_only"]
+    assert out["rederived"] == 2
+    assert out["derived_tensors"] == sorted(f"model.layers.{k}.self_attn.{w}" for k in (0, 1) for w in ("w_kc", "w_vc"))
+    assert out["derived_changed_by_apply"] == out["derived_tensors"]  # the apply did change them
+    # a rollback: the undo log (parameters only) restores kv_b_proj, the rule re-derives the rest exactly
+    assert out["rollback_restored"] and out["differ_after_rollback"] == []
+    assert not any(".w_kc" in n or ".w_vc" in n for n in out["undo_log_params"])
+    assert out["differ_from_reload"] == []  # every parameter and every w_kc/w_vc, bit for bit
+    assert out["pointers_unchanged"] and out["derived_pointers_unchanged"]  # copy_ into the existing storage
+    assert out["check"]["mismatches"] == 0
+    # the per-update check compares the re-derived tensors too: a stale element is a mismatch
+    assert out["check_of_a_stale_w_kc"]["mismatches"] == 1
+    assert "w_kc/w_vc" in out["check_of_a_stale_w_kc"]["detail"]
+
+
+def test_an_mla_layer_whose_w_kc_is_not_the_plain_split_of_kv_b_proj_reloads_with_the_reason(cases):
+    out = _ok(cases, "mla_w_kc_perturbed")  # layer 1's w_kc nudged after the load, before the proof
+    param = "model.layers.1.self_attn.kv_b_proj.weight"
+    assert "differ from the split of its kv_b_proj on 1 of" in out["reload_only_params"][param]
+    assert out["derivations"] == ["model.layers.0.self_attn.kv_b_proj.weight"]  # layer 0 stays live
+    assert "is reload-only" in out["why_reload_only"][param] and out["staging_refused"] == out["why_reload_only"][param]
+
+
+def test_an_mla_layer_with_a_quantized_kv_b_proj_reloads_with_the_reason(cases):
+    out = _ok(cases, "mla_quantized_kv_b")  # layer 1's kv_b_proj carries a weight_scale (sglang requantizes)
+    param = "model.layers.1.self_attn.kv_b_proj.weight"
+    assert "kv_b_proj has a weight_scale" in out["reload_only_params"][param]
+    assert param not in out["derived_params"] and out["staging_refused"] == out["why_reload_only"][param]
+
+
+def test_glm4_moe_lite_with_a_q_lora_rank_reloads_its_fused_q_a_kv_a_projection_with_the_reason(cases):
+    # GLM-4.7-Flash ships q_lora_rank=768: sglang's loader torch.cat's q_a_proj and kv_a_proj_with_mqa
+    # into fused_qkv_a_proj_with_mqa, a copy the map cannot follow (yet): those tensors reload
+    out = _ok(cases, "glm4_moe_lite_q_lora")
+    fused = {n for n in out["reload_only_params"] if "fused_qkv_a_proj_with_mqa" in n}
+    assert fused == {f"model.layers.{k}.self_attn.fused_qkv_a_proj_with_mqa.weight" for k in (0, 1)}
+    assert all("aten.cat" in out["reload_only_tensors"][f"model.layers.{k}.self_attn.{t}.weight"]
+               for k in (0, 1) for t in ("q_a_proj", "kv_a_proj_with_mqa"))
+    assert all("aten.cat" in out["why_reload_only"][f"model.layers.{k}.self_attn.q_a_proj.weight"] for k in (0, 1))
 
 
 def test_sglangs_own_refusal_of_online_updates_makes_live_apply_reload_with_sglangs_reason(cases):
