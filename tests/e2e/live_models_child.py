@@ -322,14 +322,14 @@ def mla_config(q_lora_rank=None, architecture="DeepseekV2ForCausalLM"):
     return cfg
 
 
-def mla(before_proof=None, layout=None, architecture="DeepseekV2ForCausalLM") -> dict:
+def mla(before_proof=None, layout=None, architecture="DeepseekV2ForCausalLM", q_lora_rank=None) -> dict:
     """sglang's DeepSeek-V2/V3 classes: ``post_load_weights`` derives ``w_kc``/``w_vc`` from
     ``kv_b_proj``. ``layout(model)``: a change to the serving model before the map is learnt."""
     from transformers import DeepseekV2ForCausalLM as HF
 
     from sglang.srt.models import deepseek_v2
 
-    cfg = mla_config(architecture=architecture)
+    cfg = mla_config(q_lora_rank=q_lora_rank, architecture=architecture)
     torch.manual_seed(0)
     v0 = per_expert_checkpoint(HF(cfg).state_dict(), cfg.moe_intermediate_size)
     model = getattr(deepseek_v2, architecture)(cfg).to(torch.float32)
@@ -351,7 +351,7 @@ def _quantized_kv_b(model) -> None:
     model.model.layers[1].self_attn.kv_b_proj.weight_scale = torch.ones(1)
 
 
-def glm4_moe_lite(q_lora_rank=None) -> dict:
+def glm4_moe_lite(q_lora_rank: int) -> dict:
     """sglang's GLM-4 MoE Lite (GLM-4.7-Flash): MLA through the same mixin, its own load_weights."""
     from transformers import Glm4MoeLiteConfig, Glm4MoeLiteForCausalLM as HF
 
@@ -404,7 +404,9 @@ def off_the_list() -> dict:
 CASES = {
     "qwen3": lambda: qwen3(tied=False), "qwen3_tied": lambda: qwen3(tied=True), "llama": llama,
     "qwen3_moe": qwen3_moe, "glm4_moe": glm4_moe, "scalar_parameter": scalar_parameter, "mla": mla,
-    "mla_v3": lambda: mla(architecture="DeepseekV3ForCausalLM"), "glm4_moe_lite": glm4_moe_lite, "glm4_moe_lite_q_lora": lambda: glm4_moe_lite(q_lora_rank=8),
+    # DeepSeek-V3 and GLM-4.7-Flash ship a q_lora_rank: sglang fuses q_a_proj and kv_a_proj_with_mqa by torch.cat
+    "mla_v3": lambda: mla(architecture="DeepseekV3ForCausalLM", q_lora_rank=8),
+    "glm4_moe_lite": lambda: glm4_moe_lite(q_lora_rank=8),
     "mla_w_kc_perturbed": lambda: mla(before_proof=_perturb_w_kc),
     "mla_quantized_kv_b": lambda: mla(layout=_quantized_kv_b),
     "sglang_refusal": sglang_refusal, "off_the_list": off_the_list,

@@ -21,7 +21,7 @@ pytestmark = pytest.mark.slow
 
 HERE = Path(__file__).resolve().parent
 ALLOWED = ["qwen3", "qwen3_tied", "llama", "qwen3_moe", "glm4_moe", "mla", "mla_v3", "glm4_moe_lite"]
-MLA = ["mla", "mla_v3", "glm4_moe_lite", "glm4_moe_lite_q_lora"]
+MLA = ["mla", "mla_v3", "glm4_moe_lite"]
 
 
 @pytest.fixture(scope="module")
@@ -115,15 +115,15 @@ def test_an_mla_layer_with_a_quantized_kv_b_proj_reloads_with_the_reason(cases):
     assert param not in out["derived_params"] and out["staging_refused"] == out["why_reload_only"][param]
 
 
-def test_glm4_moe_lite_with_a_q_lora_rank_reloads_its_fused_q_a_kv_a_projection_with_the_reason(cases):
-    # GLM-4.7-Flash ships q_lora_rank=768: sglang's loader torch.cat's q_a_proj and kv_a_proj_with_mqa
-    # into fused_qkv_a_proj_with_mqa, a copy the map cannot follow (yet): those tensors reload
-    out = _ok(cases, "glm4_moe_lite_q_lora")
-    fused = {n for n in out["reload_only_params"] if "fused_qkv_a_proj_with_mqa" in n}
-    assert fused == {f"model.layers.{k}.self_attn.fused_qkv_a_proj_with_mqa.weight" for k in (0, 1)}
-    assert all("aten.cat" in out["reload_only_tensors"][f"model.layers.{k}.self_attn.{t}.weight"]
-               for k in (0, 1) for t in ("q_a_proj", "kv_a_proj_with_mqa"))
-    assert all("aten.cat" in out["why_reload_only"][f"model.layers.{k}.self_attn.q_a_proj.weight"] for k in (0, 1))
+@pytest.mark.parametrize("family", ["mla_v3", "glm4_moe_lite"])
+def test_an_mla_q_a_and_kv_a_projection_fused_by_torch_cat_maps_one_placement_per_part(cases, family):
+    # DeepSeek-V3 and GLM-4.7-Flash ship a q_lora_rank: sglang's loader torch.cat's q_a_proj and
+    # kv_a_proj_with_mqa into fused_qkv_a_proj_with_mqa, then copies that in
+    out = _ok(cases, family)
+    for k in (0, 1):
+        assert out["placements"][f"model.layers.{k}.self_attn.q_a_proj.weight"] == 1
+        assert out["placements"][f"model.layers.{k}.self_attn.kv_a_proj_with_mqa.weight"] == 1
+        assert f"model.layers.{k}.self_attn.fused_qkv_a_proj_with_mqa.weight" in out["proven_params"]
 
 
 def test_sglangs_own_refusal_of_online_updates_makes_live_apply_reload_with_sglangs_reason(cases):

@@ -494,3 +494,89 @@ def test_a_checkpoint_tensor_changed_in_place_before_its_copy_is_reload_only():
     cmap = build_coordinate_map(_Loaded(load, w=torch.zeros(2)), [TensorSpec("w", (2,), "F32")])
     assert "changed in place" in cmap.reload_only_tensors["w"]
     assert cmap.why_reload_only("w") is not None
+
+
+def _fusing_loader(dim: int):
+    """sglang's MLA loaders with a q_lora_rank: q_a and kv_a are cached, then ``torch.cat`` into one
+    parameter by a plain copy (``default_weight_loader``)."""
+    def load(model, params, name, w):
+        if name in ("q_a.weight", "kv_a.weight"):
+            model.cached[name] = w
+            if len(model.cached) == 2:
+                params["fused"].data.copy_(torch.cat([model.cached["q_a.weight"], model.cached["kv_a.weight"]], dim=dim))
+                model.cached.clear()
+        else:
+            _plain(model, params, name, w)
+    return load
+
+
+def test_a_cat_of_checkpoint_tensors_along_rows_maps_one_placement_per_part_exactly_where_a_load_puts_them():
+    model = _Loaded(_fusing_loader(0), fused=torch.zeros(7, 3), o=torch.zeros(3, 3))
+    model.cached = {}
+    ckpt = {"q_a.weight": torch.randn(4, 3), "kv_a.weight": torch.randn(3, 3), "o.weight": torch.randn(3, 3)}
+    cmap = _map_load_and_prove(model, ckpt)
+    assert not cmap.reload_only_params and not cmap.reload_only_tensors
+    assert {n: len(ps) for n, ps in cmap.placements.items()} == {"q_a.weight": 1, "kv_a.weight": 1, "o.weight": 1}
+    assert "fused" in cmap.proven_params
+    replayed = _replay(cmap, model, ckpt)
+    assert torch.equal(replayed["fused"], model.fused.data)  # every element, none left NaN
+
+
+def test_a_cat_the_map_cannot_cut_into_parts_is_reload_only_with_the_reason():
+    model = _Loaded(_fusing_loader(1), fused=torch.zeros(3, 7), o=torch.zeros(3, 3))
+    model.cached = {}
+    ckpt = {"q_a.weight": torch.randn(3, 4), "kv_a.weight": torch.randn(3, 3), "o.weight": torch.randn(3, 3)}
+    cmap = _map_load_and_prove(model, ckpt)
+    assert "aten.cat" in cmap.reload_only_tensors["q_a.weight"] and "aten.cat" in cmap.reload_only_tensors["kv_a.weight"]
+    assert "is reload-only" in cmap.why_reload_only("q_a.weight") and cmap.why_reload_only("o.weight") is None
+
+
+class _Rule:
+    def __init__(self, why=None) -> None:
+        self.why = why
+
+    def why_not_current(self):
+        return self.why
+
+
+class _DerivingModel(_Loaded):
+    def post_load_weights(self):  # as sglang's DeepseekV2WeightLoaderMixin derives w_kc/w_vc
+        self.w_kc = self.kv_b.data[:2].transpose(0, 1).contiguous()
+
+
+def _derived_map(prove_derived):
+    model = _DerivingModel(lambda m, ps, n, w: (_plain(m, ps, n, w), n == "o.weight" and m.post_load_weights()),
+                           kv_b=torch.zeros(4, 3), o=torch.zeros(3, 3))
+    ckpt = {"kv_b.weight": torch.randn(4, 3), "o.weight": torch.randn(3, 3)}
+    cmap = build_coordinate_map(model, _specs_f32(ckpt), derivable=({"kv_b": "attn"}, {}))
+    model.load_weights(iter(ckpt.items()))
+    assert prove_map(cmap, {n: p.data for n, p in model.named_parameters()}, lambda n: ckpt[n], prove_derived=prove_derived)
+    return cmap
+
+
+def _specs_f32(ckpt):
+    return [TensorSpec(n, tuple(t.shape), "F32") for n, t in ckpt.items()]
+
+
+def _rules(result):
+    def prove(derived_params, names):
+        yield
+        return {n: result for n in names}
+    return prove
+
+
+def test_a_read_inside_post_load_weights_that_a_rule_re_derives_and_proves_keeps_the_parameter_live():
+    cmap = _derived_map(_rules(_Rule()))
+    assert cmap.derived_params == {"kv_b": "attn"} and "kv_b" in cmap.derivations and "kv_b" in cmap.proven_params
+    assert cmap.why_reload_only("kv_b.weight") is None
+    cmap.derivations["kv_b"].why = "w_kc was replaced since the proof"  # checked again at every staging
+    assert "w_kc was replaced" in cmap.why_reload_only("kv_b.weight")
+
+
+@pytest.mark.parametrize("prove_derived, words", [
+    (None, "no rule re-derives"), (_rules("the rule is not proven: they differ"), "they differ"),
+])
+def test_a_derived_parameter_whose_rule_is_missing_or_unproven_is_reload_only_with_the_reason(prove_derived, words):
+    cmap = _derived_map(prove_derived)
+    assert words in cmap.reload_only_params["kv_b"] and "kv_b" not in cmap.proven_params
+    assert words in cmap.why_reload_only("kv_b.weight") and not cmap.derivations
