@@ -98,12 +98,13 @@ def _state_of_tree(model: torch.nn.Module) -> dict:
 
 
 def derived_state(model: torch.nn.Module) -> dict:
-    """Every tensor a loader derived after its copies (MLA's ``w_kc``/``w_vc``), by module path."""
+    """Every tensor a module keeps besides its parameters (MLA's ``w_kc``/``w_vc``, buffers, any
+    other tensor attribute a loader may derive), by module path: a reload's must equal them too."""
     out = {}
     for path, m in model.named_modules():
-        for k in ("w_kc", "w_vc"):
-            if isinstance(m.__dict__.get(k), torch.Tensor):
-                out[f"{path}.{k}"] = m.__dict__[k]
+        for k, v in list(m.__dict__.items()) + list(m._buffers.items()):
+            if type(v) is torch.Tensor and v.numel():
+                out[f"{path}.{k}"] = v
     return out
 
 
@@ -182,7 +183,7 @@ def patch_like_a_reload(model: torch.nn.Module, v0: dict, *, seed: int = 1, befo
     # apply, then roll back: the undo log restores the parameters, the rule re-derives the rest
     undo, written = scatter_with_undo(staged)
     out["rederived"] = derived.refresh(cmap.derivations, staged.patches)
-    out["derived_changed_by_apply"] = _differ(derived_v0, derived_state(model))
+    out["derived_changed_by_apply"] = _differ(derived_v0, derived_state(model))  # w_kc/w_vc only, if any
     restored = undo.restore()
     derived.refresh(cmap.derivations, staged.patches)
     out["rollback_restored"] = restored.restored
@@ -211,7 +212,8 @@ def patch_like_a_reload(model: torch.nn.Module, v0: dict, *, seed: int = 1, befo
         "derived_pointers_unchanged": {n: t.data_ptr() for n, t in derived_state(model).items()} == derived_ptrs,
         "differ_from_reload": [n for n, p in params.items() if not torch.equal(_bits(live[n]), _bits(p))]
         + _differ(live_derived, derived_state(model)),
-        "derived_tensors": sorted(live_derived),
+        "derived_tensors": sorted(n for n in live_derived if n.endswith((".w_kc", ".w_vc"))),
+        "other_tensor_state": len(live_derived),
     })
     return out
 
