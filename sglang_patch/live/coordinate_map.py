@@ -12,7 +12,8 @@ view of a parameter is recorded as one ``Placement``: an affine box (sizes, offs
 the checkpoint tensor's element space and the same box in the parameter's. Writes into
 parameters are never executed; constant fills (the padded vocab rows) are dropped. The map is
 O(copy operations), not O(elements): TP narrowing, fused qkv / gate_up, padded vocab, tied
-embeddings and per-expert MoE copies are all just boxes.
+embeddings and per-expert MoE copies are all just boxes, and a copy from a ``torch.cat`` of
+checkpoint tensors along rows (MLA's fused ``q_a_proj`` + ``kv_a_proj_with_mqa``) one box per part.
 
 The map covers exactly what it can follow; everything else is reload-only, with its reason:
 - a parameter written by anything but a probe copy or a constant fill;

@@ -314,13 +314,14 @@ def mla_config(q_lora_rank=None, architecture="DeepseekV2ForCausalLM"):
         vocab_size=256, hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=4, q_lora_rank=q_lora_rank, kv_lora_rank=16, qk_nope_head_dim=8,
         qk_rope_head_dim=8, v_head_dim=8, n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2,
-        n_group=1, topk_group=1, first_k_dense_replace=2,  # dense: sglang's MoE needs more than this CPU
+        n_group=1, topk_group=1, first_k_dense_replace=1,
         max_position_embeddings=128, tie_word_embeddings=False,
         rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 1.0, "original_max_position_embeddings": 128,
                          "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0},  # sglang's CPU MLA rope
     )
     cfg.moe_layer_freq = 1  # sglang reads the DeepSeek checkpoints' field, transformers' config lacks it
     cfg.architectures = [architecture]  # sglang 0.5.16 reads it while building
+    cfg.scoring_func, cfg.topk_method = "softmax", "greedy"  # DeepSeek-V2's router; transformers' config lacks them
     return cfg
 
 

@@ -64,7 +64,7 @@ def test_tied_embeddings_ignore_the_checkpoints_lm_head_as_a_reload_does(cases):
     assert "lm_head.weight" in untied["placements"] and untied["unused_tensors"] == []
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "glm4_moe"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "glm4_moe", "mla", "mla_v3", "glm4_moe_lite"])
 def test_moe_experts_map_as_one_placement_per_expert_tensor(cases, family):
     out = _ok(cases, family)
     experts = {n: k for n, k in out["placements"].items() if ".experts." in n}
@@ -88,7 +88,8 @@ def test_an_mla_models_w_kc_w_vc_are_re_derived_live_bit_identical_to_a_reload_a
     assert not any("kv_b_proj" in n for n in out["why_reload_only"]), out["why_reload_only"]
     assert out["rederived"] == 2
     assert out["derived_tensors"] == sorted(f"model.layers.{k}.self_attn.{w}" for k in (0, 1) for w in ("w_kc", "w_vc"))
-    assert out["derived_changed_by_apply"] == out["derived_tensors"]  # the apply did change them
+    # the apply did change them (five random elements per kv_b_proj: not always in both halves)
+    assert out["derived_changed_by_apply"] and set(out["derived_changed_by_apply"]) <= set(out["derived_tensors"])
     # a rollback: the undo log (parameters only) restores kv_b_proj, the rule re-derives the rest exactly
     assert out["rollback_restored"] and out["differ_after_rollback"] == []
     assert not any(".w_kc" in n or ".w_vc" in n for n in out["undo_log_params"])
