@@ -126,3 +126,32 @@ def test_the_proof_of_the_rule_fails_with_the_reason_when_w_kc_is_not_the_split_
     model.w_vc = model.w_vc.to(torch.float64)
     rules = drain(prove_steps(model, {"kv_b_proj.weight": ""}, ["kv_b_proj.weight"]))
     assert "w_vc is" in rules["kv_b_proj.weight"] and "torch.float64" in rules["kv_b_proj.weight"]
+
+
+class _Counted:
+    def __init__(self, path: str, bad: int = 0) -> None:
+        self.path, self.bad, self.calls = path, bad, 0
+
+    def mismatches(self):
+        self.calls += 1
+        return self.bad, 10
+
+
+def test_the_per_update_check_compares_a_bounded_fresh_draw_of_the_re_derived_layers_and_counts_a_stale_one():
+    from sglang_patch.live.check import DERIVED_LAYERS_PER_CHECK, check_derived
+    from sglang_patch.live.patch import ParamPatch
+
+    rules = {f"l{k}.kv_b_proj.weight": _Counted(f"l{k}") for k in range(10)}
+    patches = [ParamPatch(n, None, None, None, None) for n in list(rules)[:8]]  # 8 layers re-derived
+    drawn = []
+    for seed in range(4):
+        tally = check_derived(rules, patches, [seed])
+        assert tally.compared == 10 * DERIVED_LAYERS_PER_CHECK and tally.mismatches == 0
+        drawn.append({n for n, r in rules.items() if r.calls})
+        for r in rules.values():
+            r.calls = 0
+    assert all(len(d) == DERIVED_LAYERS_PER_CHECK and d <= {p.param for p in patches} for d in drawn)
+    assert len(set(map(frozenset, drawn))) > 1  # drawn afresh
+    rules["l0.kv_b_proj.weight"].bad = 3
+    tally = check_derived(rules, patches[:1], [0])
+    assert tally.mismatches == 3 and "l0.w_kc/w_vc" in tally.first
