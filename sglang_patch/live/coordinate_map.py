@@ -320,10 +320,10 @@ class _Recorder(TorchDispatchMode):
         for t in parts if ok else ():
             origin = self._origin_of(t)
             box = _hf_box(origin, t) if origin is not None else None
-            if box is None or tuple(t.shape[1:]) != tuple(out.shape[1:]):
+            if box is None or t.dtype != out.dtype or tuple(t.shape[1:]) != tuple(out.shape[1:]):
                 ok = False
                 break
-            segments.append(_Origin(origin.tensor, t.element_size(), tuple(t.shape), tuple(out.stride()),
+            segments.append(_Origin(origin.tensor, out.element_size(), tuple(t.shape), tuple(out.stride()),
                                     out.storage_offset() + row * out.stride(0), box[0], box[1]))
             row += t.shape[0]
         if not ok or row != out.shape[0]:
