@@ -139,7 +139,7 @@ class RankWrites:
         """After the scatter: the written parameters' derived state. If that fails, the parameters
         are restored and their state derived again from them (``RestoreFailed`` if not)."""
         try:
-            return live_derived.refresh(derivations, txn.staged.patches)
+            return live_derived.refresh(derivations, txn.staged.patches, txn.staged.fence)
         except Exception as exc:
             result = txn.undo.restore(before_write=txn.before_restore)
             txn.undo = None
@@ -154,7 +154,8 @@ class RankWrites:
         """Derived state again from the restored parameters: exact, as the derivation is a function of
         its source (no undo log of its own); why not, or None."""
         try:
-            live_derived.refresh(derivations, txn.staged.patches if txn.staged else ())
+            if txn.staged is not None:
+                live_derived.refresh(derivations, txn.staged.patches, txn.staged.fence)
         except Exception as exc:
             return f"re-deriving w_kc/w_vc failed: {type(exc).__name__}: {exc}"
         return None

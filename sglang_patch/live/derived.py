@@ -194,15 +194,22 @@ def why_stale(derivations: Mapping[str, MlaDerivation], patches: Iterable) -> Op
     return None
 
 
-def refresh(derivations: Mapping[str, MlaDerivation], patches: Iterable) -> int:
-    """Re-derive every layer whose ``kv_b_proj`` a patch wrote (``patch.ParamPatch``); the count."""
-    done = 0
-    for p in patches:
-        d = derivations.get(p.param)
-        if d is not None:
-            d.derive()
-            done += 1
-    return done
+def refresh(derivations: Mapping[str, MlaDerivation], patches: Iterable, fence: Any = None) -> int:
+    """Re-derive every layer whose ``kv_b_proj`` a patch wrote (``patch.ParamPatch``); the count.
+
+    ``fence`` (``live.device.PauseFence``, the staged update's): the copies are ordered with the
+    forward's stream and waited for, as the scatter's are (an asynchronous error raises here)."""
+    rules = [d for d in (derivations.get(p.param) for p in patches) if d is not None] if derivations else []
+    if not rules:
+        return 0
+    if fence is not None:
+        fence.begin_writes()
+    for d in rules:
+        d.derive()
+    if fence is not None:
+        fence.end_writes()
+        fence.wait()
+    return len(rules)
 
 
 def check(derivations: Mapping[str, MlaDerivation], patches: Iterable) -> tuple[int, int, Optional[str]]:

@@ -20,7 +20,7 @@ from sglang_patch.live.loop_slices import drain
 from sglang_patch.live.patch import StagedUpdate, stage_update
 from sglang_patch.live.version import LiveWeights
 
-from live_support import TensorReader, changed_positions
+from live_support import NewTensors, TensorReader, changed_positions
 
 HEADS, NOPE, V, RANK = 2, 3, 2, 4
 
@@ -155,3 +155,12 @@ def test_the_per_update_check_compares_a_bounded_fresh_draw_of_the_re_derived_la
     rules["l0.kv_b_proj.weight"].bad = 3
     tally = check_derived(rules, patches[:1], [0])
     assert tally.mismatches == 3 and "l0.w_kc/w_vc" in tally.first
+
+
+def test_the_pause_re_derives_and_restores_w_kc_w_vc_without_making_a_tensor():
+    model, _, _, staged, writes = _setup()
+    txn = RankTxn("t", 0.0)
+    with NewTensors() as pause:
+        assert writes.apply(staged, txn).success and txn.derived == 1
+        assert writes.rollback(txn, "another rank failed").rolled_back
+    assert pause.created == [], pause.created  # copy_ from views made at the proof, into the old storage
