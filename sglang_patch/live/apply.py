@@ -173,10 +173,13 @@ class RankWrites:
                                                              f"patched {txn.written} elements live")
         compat.record_weight_version(self.scheduler.weight_updater, staged.to_version)
         self.weights.take_applied(staged)
-        # every written element and a fresh sample against the checkpoint (live.check); a
+        # the written storages still the engine's (each element was read back in the scatter)
+        # and a fresh sample against the checkpoint (live.check); a
         # mismatch on any rank makes the coordinator send the reload phase: the transaction stays
         # open until the next vote, as after a rollback
         check = self.check(staged.local_checkpoint_dir, staged.to_version, staged.patches)
+        if check is not None and txn.undo.read_back is not None:  # the written elements were compared there
+            check = check.with_read_back(txn.undo.read_back.seconds)
         pause_s = time.perf_counter() - txn.start
         self.pause_costs.record_live(txn.written, txn.scatter_s, pause_s)
         log.info("live apply %s: v%d committed, %d elements, pause %.4fs (scatter %.4fs)", self.rank, staged.to_version,

@@ -315,90 +315,39 @@ def values_through(read_tensor: Callable[[str], torch.Tensor]) -> Callable[[str,
     return lambda name, positions: read_tensor(name).reshape(-1).index_select(0, torch.from_numpy(positions))
 
 
-# --- the written elements (in the pause) ---------------------------------------------------------
+# --- the written elements: read back in the scatter, their storage still the engine's at commit ---
 
 
 def check_scattered(patches: Iterable, tally: Optional[_Tally] = None,
-                    params: Optional[Mapping[str, torch.Tensor]] = None,
-                    scratch: Optional["ScatterScratch"] = None) -> _Tally:
-    """Compare every element a live apply wrote (``live.patch.ParamPatch``) with its staged value:
-    one gather and one compare per patch. ``params``: the engine's parameters now (the patches'
-    own views otherwise); ``scratch``: what staging prepared for exactly these patches."""
+                    params: Optional[Mapping[str, torch.Tensor]] = None) -> _Tally:
+    """That every element a live apply wrote (``live.patch.ParamPatch``) is in a storage the
+    engine reads. Reads no element: the scatter read each patch back right after writing it and
+    compared it bit for bit with the staged values (``live.patch.ReadBack``; a commit follows
+    only a scatter whose check held), while its lines were still in cache. What can change
+    between that read and the commit without a write the sample could catch is the engine
+    reading another storage: each patched parameter's current storage (``params``: the engine's
+    parameters now) must be the flat view written, same pointer, size and element width; the
+    elements of a patch whose storage is not count as mismatches. ``params`` None: nothing to
+    compare against (the patches' own views), every written element counts as verified."""
     tally = tally or _Tally()
     start = time.perf_counter()
-    patches = list(patches)
-    if scratch is not None and scratch.is_for(patches):
-        scratch.check(params, tally)
-    else:
-        for p in patches:
-            if int(p.index.numel()) == 0:
-                continue
-            got = torch.index_select(_storage_bits(params, p.param, as_int_bits(p.flat)), 0, p.on_device_index())
-            tally.add(lambda _k, param=p.param: f"{param} (scattered)", as_int_bits(p.values), got.cpu(), p.index,
-                      p.flat.dtype)
+    for p in patches:
+        n = int(p.index.numel())
+        if n == 0:
+            continue
+        tally.compared += n
+        if params is None:
+            continue
+        now = params[p.param]
+        if (now.data_ptr() == p.flat.data_ptr() and now.numel() == p.flat.numel()
+                and now.element_size() == p.flat.element_size()):
+            continue
+        tally.mismatches += n
+        if tally.first is None:
+            tally.first = (f"{p.param} (scattered): the engine reads another storage than the one the live apply "
+                           f"wrote ({n} elements; data_ptr {now.data_ptr():#x}, written {p.flat.data_ptr():#x})")
     tally.seconds += time.perf_counter() - start
     return tally
-
-
-class ScatterScratch:
-    """What the written-element check of one staged update needs, prepared while staging: each
-    patch's storage view and positions on its device, the staged values as host integers, and
-    the gathers' buffers, so that the pause allocates nothing. On the CPU one buffer as large as
-    the largest patch, compared right after each gather; on a device every patch's gather side
-    by side, then one copy to pinned host memory per device (one synchronisation)."""
-
-    def __init__(self, patches: Iterable) -> None:
-        self._patches = [p for p in patches]
-        live = [p for p in self._patches if int(p.index.numel())]
-        sizes: dict[tuple[str, int], int] = {}
-        for p in live:
-            key, n = (str(p.flat.device), p.flat.element_size()), int(p.index.numel())
-            sizes[key] = sizes.get(key, 0) + n if p.flat.device.type != "cpu" else max(sizes.get(key, 0), n)
-        self._buffers = {}
-        for (device, width), n in sizes.items():
-            # zeros, not empty: written now, so the pause takes no first-touch page faults
-            on_device = torch.zeros(n, dtype=INT_OF_WIDTH[width], device=device)
-            host = torch.zeros(n, dtype=INT_OF_WIDTH[width], pin_memory=True) if on_device.device.type != "cpu" else on_device
-            self._buffers[(device, width)] = (on_device, host)
-        self._entries = []
-        used: dict[tuple[str, int], int] = {}
-        for p in live:
-            key, n = (str(p.flat.device), p.flat.element_size()), int(p.index.numel())
-            at = used.get(key, 0)
-            if p.flat.device.type != "cpu":
-                used[key] = at + n
-            on_device, host = self._buffers[key]
-            bits = as_int_bits(p.flat)
-            got_host, expected = host[at:at + n].view(bits.dtype), as_int_bits(p.values)
-            self._entries.append((p, bits, p.on_device_index(), on_device[at:at + n].view(bits.dtype), got_host,
-                                  expected, got_host.numpy(), expected.numpy()))
-
-    def is_for(self, patches: list) -> bool:
-        return len(patches) == len(self._patches) and all(a is b for a, b in zip(patches, self._patches))
-
-    def check(self, params: Optional[Mapping[str, torch.Tensor]], tally: _Tally) -> None:
-        on_device = []
-        for entry in self._entries:
-            p, bits, index, got = entry[:4]
-            torch.index_select(_storage_bits(params, p.param, bits), 0, index, out=got)
-            if got.device.type == "cpu":
-                self._compare(entry, tally)
-            else:
-                on_device.append(entry)
-        if on_device:
-            for device_buffer, host in self._buffers.values():
-                if host is not device_buffer:
-                    host.copy_(device_buffer)
-            for entry in on_device:
-                self._compare(entry, tally)
-
-    @staticmethod
-    def _compare(entry: tuple, tally: _Tally) -> None:
-        p, _, _, _, got, expected, got_np, expected_np = entry
-        if np.array_equal(got_np, expected_np):  # the common case, without a call through torch
-            tally.compared += int(got_np.size)
-        else:
-            tally.add(lambda _k, param=p.param: f"{param} (scattered)", expected, got, p.index, p.flat.dtype)
 
 
 def check_derived(derivations: Mapping, patches: list, seed: list[int], tally: Optional[_Tally] = None,
@@ -430,7 +379,7 @@ def check_update(
     read_tensor: Optional[Callable[[str], torch.Tensor]], *, version: int, counter: int,
     patches: Iterable = (), per_tensor: int = SAMPLE_PER_TENSOR, max_tensors: Optional[int] = None,
     still_valid: Callable[[], bool] = lambda: True, prepared: Optional[PreparedSample] = None,
-    scratch: Optional[ScatterScratch] = None, started: Optional[float] = None,
+    started: Optional[float] = None,
 ) -> RankCheck:
     """One rank's check after an update to ``version`` (see the module docstring).
 
@@ -443,7 +392,7 @@ def check_update(
     (it counts in ``check_s``)."""
     start = time.perf_counter() if started is None else started
     patches = list(patches)
-    scattered = check_scattered(patches, params=params or None, scratch=scratch)
+    scattered = check_scattered(patches, params=params or None)
     if cmap is not None and cmap.derivations:  # counted with the scattered elements' verdict, not their number
         derived = check_derived(cmap.derivations, patches, sample_seed(version, counter, rank))
         scattered.derived_compared = derived.compared
@@ -543,7 +492,6 @@ class _Prepared:
     patches: list  # the staged update's own list: the commit passes the same object
     target_key: tuple  # the identity whose bytes the sample was read from (live.identity)
     sample: Optional[PreparedSample]  # None: the pause reads one
-    scratch: ScatterScratch
 
 
 class UpdateChecker:
@@ -577,8 +525,6 @@ class UpdateChecker:
 
         sample = None
         try:
-            scratch = ScatterScratch(staged.patches)
-            yield
             per_tensor, max_tensors = sample_size()
             cmap = state.cmap
             if cmap is None or not cmap.proven or per_tensor <= 0:
@@ -594,7 +540,7 @@ class UpdateChecker:
                     sample, self.prepare_reason = None, "the local checkpoint changed while the sample was read"
                 else:
                     self.prepare_reason = ""
-            self._prepared = _Prepared(staged.to_version, local_dir, staged.patches, want, sample, scratch)
+            self._prepared = _Prepared(staged.to_version, local_dir, staged.patches, want, sample)
         except Exception as exc:
             self.prepare_reason = f"preparing the check failed: {type(exc).__name__}: {exc}"
 
@@ -616,17 +562,15 @@ class UpdateChecker:
         try:
             prepared = self._take_prepared(state, local_dir, version, patches)
             if prepared is None or prepared.sample is None:
-                return check_after_update(state, local_dir, version, patches, readers=self.readers,
-                                          scratch=prepared.scratch if prepared is not None else None, started=started)
+                return check_after_update(state, local_dir, version, patches, readers=self.readers, started=started)
             return check_update(state.rank, state.cmap, state.params(), None, version=version, counter=0,
-                                patches=patches, prepared=prepared.sample, scratch=prepared.scratch, started=started)
+                                patches=patches, prepared=prepared.sample, started=started)
         except Exception as exc:
-            return RankCheck(rank=state.rank, detail=f"the check failed: {type(exc).__name__}: {exc}")
+            return RankCheck(rank=state.rank, failed=True, detail=f"the check failed: {type(exc).__name__}: {exc}")
 
 
 def check_after_update(state, local_dir: str, version: int, patches: Iterable = (),
-                       readers: Optional[ReaderCache] = None, scratch: Optional[ScatterScratch] = None,
-                       started: Optional[float] = None) -> RankCheck:
+                       readers: Optional[ReaderCache] = None, started: Optional[float] = None) -> RankCheck:
     """The check of ``live.state.LiveApplyState`` ``state`` once it holds ``version`` (after a
     commit or a reload from ``local_dir``), the sample read now; never raises (a check that fails
     says so). ``readers``: cached headers (a fresh reader otherwise)."""
@@ -648,6 +592,6 @@ def check_after_update(state, local_dir: str, version: int, patches: Iterable = 
             read = (readers.reader(local_dir) if readers is not None else CheckpointReader(local_dir)).tensor
         return check_update(state.rank, state.cmap, state.params(), read, version=version, counter=next(_counter),
                             patches=patches, per_tensor=per_tensor, max_tensors=max_tensors,
-                            still_valid=dir_holds_version, scratch=scratch, started=started)
+                            still_valid=dir_holds_version, started=started)
     except Exception as exc:
-        return RankCheck(rank=state.rank, detail=f"the check failed: {type(exc).__name__}: {exc}")
+        return RankCheck(rank=state.rank, failed=True, detail=f"the check failed: {type(exc).__name__}: {exc}")

@@ -47,8 +47,8 @@ from .device import HostFence, PauseFence, needs_device_copies
 from .stage import Patch, StagingRefused, positions_through, stage_changes
 from .loop_slices import drain
 
-__all__ = ["ParamPatch", "RestoreBuffers", "RestoreFailed", "RestoreResult", "SavedOld", "StagedUpdate", "StagingRefused", "UndoLog", "finish_staging", "positions_through",
-           "scatter_with_undo", "stage_update", "undo_log_steps"]
+__all__ = ["ParamPatch", "ReadBack", "RestoreBuffers", "RestoreFailed", "RestoreResult", "SavedOld", "StagedUpdate", "StagingRefused", "UndoLog", "finish_staging", "positions_through",
+           "scatter_with_undo", "stage_update", "undo_log_steps", "WriteNotLanded"]
 
 SPARSE_WRITE_DENSITY = 0.03  # below it a CPU patch is written through numpy (see ParamPatch.write)
 
@@ -324,6 +324,7 @@ class RestoreBuffers:
     """
 
     def __init__(self, patches: Iterable[ParamPatch]) -> None:
+        patches = list(patches)
         host: dict[int, int] = {}
         device: dict[tuple[str, int], int] = {}
         for p in patches:
@@ -332,12 +333,29 @@ class RestoreBuffers:
             if p.device_index is not None:
                 key = (str(p.flat.device), width)
                 device[key] = max(device.get(key, 0), n)
-        self.host = {w: torch.empty(n, dtype=INT_OF_WIDTH[w]) for w, n in host.items()}
-        self.device = {k: torch.empty(n, dtype=INT_OF_WIDTH[k[1]], device=k[0]) for k, n in device.items()}
+        # zeros, not empty: the scatter reads every patch back through these, so they are written
+        # now and the pause takes no first-touch page faults on them
+        self.host = {w: torch.zeros(n, dtype=INT_OF_WIDTH[w]) for w, n in host.items()}
+        self.device = {k: torch.zeros(n, dtype=INT_OF_WIDTH[k[1]], device=k[0]) for k, n in device.items()}
+        # the scatter's compare of what it wrote: on the host one bool per element of the largest
+        # patch (numpy's ``!=`` into it); per device one bool buffer and one count per patch there
+        self.host_differs = np.ones(max(host.values(), default=0), dtype=np.bool_)
+        self.device_differs = {d: torch.zeros(n, dtype=torch.bool, device=d)
+                               for d, n in _largest_per_device(device).items()}
+        self.counts_at = {}  # patch position -> its slot in its device's counts
+        slots: dict[str, int] = {}
+        for k, p in enumerate(patches):
+            if p.device_index is not None:
+                d = str(p.flat.device)
+                self.counts_at[k] = (d, slots.get(d, 0))
+                slots[d] = slots.get(d, 0) + 1
+        self.device_counts = {d: torch.zeros(n, dtype=torch.int64, device=d) for d, n in slots.items()}
+        self.host_counts = {d: torch.zeros(n, dtype=torch.int64) for d, n in slots.items()}  # pageable: see the module doc
 
     @property
     def device_nbytes(self) -> int:
-        return sum(t.nbytes for t in self.device.values())
+        return (sum(t.nbytes for t in self.device.values()) + sum(t.nbytes for t in self.device_differs.values())
+                + sum(t.nbytes for t in self.device_counts.values()))
 
     def for_patch(self, p: ParamPatch) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         """(host read-back, device scratch or None), each exactly ``p``'s elements (views)."""
@@ -348,6 +366,79 @@ class RestoreBuffers:
             raise RuntimeError(f"{p.param}: no restore buffer of {n} elements was made at staging "
                                f"(making one now would allocate inside the pause)")
         return host[:n], (device[:n] if device is not None else None)
+
+
+def _largest_per_device(sizes: Mapping[tuple[str, int], int]) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for (device, _), n in sizes.items():
+        out[device] = max(out.get(device, 0), n)
+    return out
+
+
+class WriteNotLanded(RuntimeError):
+    """A patch read back right after its write holds other bits than the staged values: the
+    scatter fails, so the rank restores and the transaction rolls every rank back."""
+
+
+class ReadBack:
+    """The scatter's check of its own writes: each patch read back from the storage it wrote,
+    right after the write (its lines still in cache on the CPU; on a device the same stream, so
+    after the write), and compared bit for bit with the staged values. Allocates nothing: the
+    buffers are the restore's, made at staging (``RestoreBuffers``). On the host each patch is
+    compared at once; on a device the differing elements of each patch are counted there and
+    read once, after the fence's wait (``verify_device``)."""
+
+    def __init__(self, patches: list[ParamPatch], buffers: RestoreBuffers) -> None:
+        self._patches = patches
+        self._buffers = buffers
+        self.elements = 0  # read back and equal to the staged values
+        self.seconds = 0.0  # on a device: the launches only (the work runs with the writes)
+
+    def after_write(self, k: int, p: ParamPatch) -> None:
+        t0 = time.perf_counter()
+        n = int(p.index.numel())
+        if p.device_index is None:
+            got, _ = self._buffers.for_patch(p)
+            got_np, expected_np = got.numpy(), as_int_bits(p.values).numpy()
+            # mode "clip": numpy buffers a take with out= in its default mode (the positions
+            # are in range: staging took the undo log from them)
+            np.take(as_int_bits(p.flat).numpy(), p.index.numpy(), out=got_np, mode="clip")
+            differs = self._buffers.host_differs[:n]
+            np.not_equal(got_np, expected_np, out=differs)
+            if differs.any():
+                self.seconds += time.perf_counter() - t0
+                raise WriteNotLanded(self._describe(p, got_np, expected_np))
+        else:
+            _, got = self._buffers.for_patch(p)
+            device, slot = self._buffers.counts_at[k]
+            torch.index_select(as_int_bits(p.flat), 0, p.device_index, out=got)
+            differs = self._buffers.device_differs[device][:n]
+            torch.ne(got, as_int_bits(p.device_values), out=differs)
+            torch.sum(differs, 0, out=self._buffers.device_counts[device][slot])
+        self.elements += n
+        self.seconds += time.perf_counter() - t0
+
+    def verify_device(self) -> None:
+        """After the fence's wait: every patch written from device copies held its values."""
+        t0 = time.perf_counter()
+        for d, counts in self._buffers.device_counts.items():
+            self._buffers.host_counts[d].copy_(counts)  # synchronous, a few bytes
+        for k, (d, slot) in self._buffers.counts_at.items():
+            if int(self._buffers.host_counts[d][slot]):
+                p = self._patches[k]
+                # the failure path: this allocates (the rank restores and the update fails anyway)
+                got = as_int_bits(p.flat).index_select(0, p.device_index).cpu().numpy()
+                self.seconds += time.perf_counter() - t0
+                raise WriteNotLanded(self._describe(p, got, as_int_bits(p.values).numpy()))
+        self.seconds += time.perf_counter() - t0
+
+    @staticmethod
+    def _describe(p: ParamPatch, got: np.ndarray, expected: np.ndarray) -> str:
+        bad = np.flatnonzero(got != expected)
+        k = int(bad[0])
+        as_dtype = lambda bits: torch.from_numpy(bits[k:k + 1].copy()).view(p.flat.dtype).item()  # noqa: E731
+        return (f"{p.param}: {bad.size} of {got.size} written element(s) read back other bits than staged, "
+                f"first at flat position {int(p.index[k])}: expected {as_dtype(expected)!r}, found {as_dtype(got)!r}")
 
 
 class UndoLog:
@@ -366,6 +457,7 @@ class UndoLog:
         # None: made here (a caller outside the pause); scatter_with_undo passes staging's
         self._buffers = buffers if buffers is not None else RestoreBuffers(self._patches)
         self._fence = fence or HostFence()
+        self.read_back: Optional[ReadBack] = None  # the scatter's check of its writes (scatter_with_undo)
 
     def _write_back(self, p: ParamPatch) -> None:
         _, device_old = self._buffers.for_patch(p)
@@ -441,9 +533,12 @@ def scatter_with_undo(
     staged: StagedUpdate, *, before_write: Optional[Callable[[int, str], None]] = None,
     before_restore: Optional[Callable[[int, str], None]] = None,
 ) -> tuple[UndoLog, int]:
-    """Write every patch into the parameter it was staged for, and wait until the device did;
-    returns the undo log and the elements written. Allocates nothing: everything it and a
-    restore use was made at staging.
+    """Write every patch into the parameter it was staged for, read each back from the same
+    storage right after its write and compare it bit for bit with the staged values
+    (``ReadBack``: a write that did not land is a failed scatter, ``WriteNotLanded``), and wait
+    until the device did; returns the undo log (``undo.read_back``: the elements verified and the
+    read-back's time) and the elements written. Allocates nothing: everything it and a restore
+    use was made at staging.
 
     On an exception (an asynchronous device error included: ``staged.fence`` raises it) every
     patch is restored before it propagates, so this rank is exactly at the previous version; if
@@ -454,6 +549,7 @@ def scatter_with_undo(
         raise RuntimeError("the update was staged without its restore buffers (finish_staging makes them)")
     fence = staged.fence or HostFence()
     undo = UndoLog(staged.patches, staged.restore_buffers, fence)
+    check = undo.read_back = ReadBack(staged.patches, undo._buffers)
     written = 0
     try:
         with one_intra_op_thread():
@@ -463,8 +559,10 @@ def scatter_with_undo(
                     before_write(k, p.param)
                 p.write_new()
                 written += int(p.index.numel())
+                check.after_write(k, p)
             fence.end_writes()
             fence.wait()
+            check.verify_device()
     except BaseException as exc:
         result = undo.restore(before_write=before_restore)
         if not result.restored:

@@ -113,12 +113,23 @@ class RankCheck(msgspec.Struct, frozen=True, kw_only=True):
     scattered_elements: int = 0  # of those compared, written by this live apply
     checked_params: int = 0  # parameters the sample could reach
     not_checkable_params: int = 0  # reload-only, unproven or unmapped: outside the sample
-    check_s: float = 0.0  # inside the pause: the two below together
-    scattered_check_s: float = 0.0  # of check_s, the written elements
+    check_s: float = 0.0  # inside the pause, at commit: the two below together
+    scattered_check_s: float = 0.0  # of check_s, the written elements' storages still the engine's (no element read)
+    written_read_back_s: float = 0.0  # the written elements read back and compared in the scatter (of scatter_s, not check_s)
     sample_check_s: float = 0.0  # of check_s, the sample (a compare only when prepared at staging)
     sample_prepared_s: float = 0.0  # reading the sample's expected values at staging, while serving
     sample_read_in_pause: bool = False  # no sample was prepared at staging: the pause read the checkpoint
     detail: str = ""  # the first mismatch, or why nothing was checked
+    failed: bool = False  # the check itself raised: nothing is proven, every rank reloads (as after a mismatch)
+
+    def with_read_back(self, seconds: float) -> "RankCheck":
+        """This check with the time the scatter spent reading back what it wrote."""
+        return msgspec.structs.replace(self, written_read_back_s=seconds)
+
+
+def check_failed(c: RankCheck) -> bool:
+    """A check that did not hold: mismatches found, or the check could not run."""
+    return bool(c.mismatches or c.failed)
 
 
 class _LiveOutcome(msgspec.Struct, kw_only=True):
@@ -159,8 +170,10 @@ def checks_of(items: Sequence["LiveRankReport | LiveHostResult"]) -> list[RankCh
 
 
 def check_mismatches(items: Sequence["LiveRankReport | LiveHostResult"]) -> str:
-    """Why the check after a commit failed (ranks and their first mismatch), or "" when it held."""
-    return "; ".join(f"{c.rank}: {c.mismatches} mismatch(es), first {c.detail}" for c in checks_of(items) if c.mismatches)
+    """Why the check after a commit failed (ranks and their first mismatch, or why their check
+    could not run), or "" when it held."""
+    return "; ".join(f"{c.rank}: {c.mismatches} mismatch(es), first {c.detail}" if c.mismatches else f"{c.rank}: {c.detail}"
+                     for c in checks_of(items) if check_failed(c))
 
 
 def engine_estimates(decisions: Sequence[LiveDecision]) -> tuple[Optional[float], Optional[float]]:
@@ -279,7 +292,7 @@ def summarize(target_version: int, hosts: Sequence[LiveHostResult], *, error_typ
         not_checkable_params=sum(c.not_checkable_params for h in hosts for c in h.checks),
         # the checks after a live apply that found mismatches, which made every rank reload
         reloaded_after_check=bool(failed_checks),
-        failed_checks=[c for c in failed_checks if c.mismatches],
+        failed_checks=[c for c in failed_checks if check_failed(c)],
     )
 
 

@@ -155,8 +155,9 @@ RANKS = ["dp0/tp0", "dp0/tp1", "dp1/tp0"]
 class Engine:
     """Every rank's answer per phase (``mismatch_on`` finds a wrong element after its commit)."""
 
-    def __init__(self, mismatch_on=()):
+    def __init__(self, mismatch_on=(), check_raises_on=()):
         self.mismatch_on = set(mismatch_on)
+        self.check_raises_on = set(check_raises_on)
         self.sent: list = []
 
     async def send(self, phase, reason):
@@ -172,6 +173,8 @@ class Engine:
                 bad = int(rank in self.mismatch_on)
                 check = lr.RankCheck(rank=rank, verified_elements=100 - bad, mismatches=bad, checked_params=2,
                                      not_checkable_params=1, detail="p (scattered): element 3 holds 1.0, expected 2.0" if bad else "")
+                if rank in self.check_raises_on:  # what UpdateChecker.after_update replies when the check raised
+                    check = lr.RankCheck(rank=rank, failed=True, detail="the check failed: RuntimeError: boom")
                 out.reports.append(lr.LiveRankReport(**base, success=True, mode=lr.LIVE, check=check))
             elif phase == tx.RELOAD:
                 check = lr.RankCheck(rank=rank, verified_elements=50, checked_params=2, not_checkable_params=1)
@@ -196,6 +199,15 @@ def test_a_mismatch_after_the_commit_on_one_rank_makes_every_rank_reload_and_the
     assert fields["mismatches"] == 1 and [c.rank for c in fields["failed_checks"]] == ["dp1/tp0"]
     assert "check after the live apply found mismatches" in fields["reason"] and "dp1/tp0" in fields["reason"]
     assert fields["verified_elements"] == 150  # the reload's own check, on every rank
+
+
+def test_a_check_that_raised_on_one_rank_verifies_nothing_and_makes_every_rank_reload():
+    engine = Engine(check_raises_on={"dp0/tp1"})
+    fields = asyncio.run(tx.run_transaction(engine.send, 4))
+    assert engine.sent == [tx.VOTE, tx.APPLY, tx.COMMIT, tx.RELOAD]
+    assert fields["success"] and fields["mode"] == lr.RELOAD and fields["reloaded_after_check"]
+    assert [c.rank for c in fields["failed_checks"]] == ["dp0/tp1"] and fields["failed_checks"][0].failed
+    assert "dp0/tp1: the check failed: RuntimeError: boom" in fields["reason"]
 
 
 # --- a real pull, through LiveApplyState -------------------------------------------------------

@@ -150,17 +150,73 @@ def test_the_sample_is_read_at_staging_and_the_commit_reads_no_checkpoint_file(s
     assert not fields["reloaded_after_check"]
 
 
-def test_a_wrong_written_element_found_by_the_check_after_the_commit_makes_the_engine_reload(served):
+def test_a_write_that_did_not_land_fails_the_apply_the_rank_restores_and_the_reply_names_the_element(served,
+                                                                                                        monkeypatch):
+    from sglang_patch.live.patch import ParamPatch
+
     state, model = _staged_state(served)
+    patch = max(state.weights.staged.patches, key=lambda p: int(p.index.numel()))
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    real_write = ParamPatch.write_new
+
+    def miss_the_last_position(self):
+        if self.param != patch.param:
+            return real_write(self)
+        with torch.no_grad():
+            self.flat.index_copy_(0, self.index[:-1], self.values[:-1])
+
+    monkeypatch.setattr(ParamPatch, "write_new", miss_the_last_position)
+    vote = state._run_phase(_request(served, tx.VOTE), tx.VOTE, 0.0)
+    assert vote.live, vote
+    applied = state._run_phase(_request(served, tx.APPLY), tx.APPLY, 0.0)
+    assert not applied.success
+    assert applied.message.startswith(f"WriteNotLanded: {patch.param}: 1 of {int(patch.index.numel())} written element(s)")
+    assert f"flat position {int(patch.index[-1])}: expected " in applied.message, applied.message
+    after = dict(model.named_parameters())
+    assert all(torch.equal(before[n].view(-1).view(torch.int16 if before[n].element_size() == 2 else torch.int32),
+                           after[n].detach().view(-1).view(torch.int16 if before[n].element_size() == 2 else torch.int32))
+               for n in before)  # the rank restored itself; the coordinator rolls every other rank back
+    assert tx.rank_failures([applied])
+
+
+def test_the_check_at_commit_gathers_only_the_sample_and_no_written_element(served, monkeypatch):
+    state, _ = _staged_state(served)
     _vote_and_apply(state, served)
-    patch = state._voted.patches[0]
-    with torch.no_grad():
-        bits = patch.flat.view(torch.int16 if patch.flat.element_size() == 2 else torch.int32)
-        bits[int(patch.index[0])] ^= 1  # the write that did not land exactly
+    prepared = state.checker._prepared.sample
+    assert prepared is not None, state.checker.prepare_reason
+    written = [t for p in state._voted.patches for t in (p.index, p.device_index) if t is not None]
+    gathered: list = []
+    real_select = torch.index_select
+
+    def counting_select(source, dim, index, **kwargs):
+        gathered.append(index)
+        return real_select(source, dim, index, **kwargs)
+
+    with monkeypatch.context() as m:
+        m.setattr(torch, "index_select", counting_select)
+        report = _commit(state, served)
+    assert report.success and report.check.mismatches == 0, report.check
+    assert len(gathered) == len(prepared.params)  # one gather per sampled parameter, none per patch
+    assert not any(g is w for g in gathered for w in written)
+    assert report.check.scattered_elements == report.elements_scattered > 0  # read back in the apply
+    assert report.check.written_read_back_s > 0
+
+
+def test_a_check_that_raises_verifies_nothing_and_makes_the_engine_reload(served, monkeypatch):
+    from sglang_patch.live import check
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("the check's own failure")
+
+    state, _ = _staged_state(served)
+    _vote_and_apply(state, served)
+    monkeypatch.setattr(check, "check_update", broken)
     report = _commit(state, served)
-    assert report.check.mismatches == 1 and "(scattered)" in report.check.detail
-    assert report.check.sampled_elements > 0 and not report.check.sample_read_in_pause
+    assert report.check.failed and report.check.verified_elements == 0 and report.check.mismatches == 0
+    assert "RuntimeError: the check's own failure" in report.check.detail
     assert lr.check_mismatches([report])  # what makes the coordinator send every rank the reload
+    fields = lr.summarize(2, hosts=lr.merge_hosts([]), failed_checks=[report.check])
+    assert fields["reloaded_after_check"] and [c.rank for c in fields["failed_checks"]] == [report.check.rank]
 
 
 def test_a_wrong_sampled_element_the_update_did_not_write_makes_the_engine_reload(served):
@@ -226,8 +282,9 @@ def test_a_cached_reader_of_a_checkpoint_whose_file_was_replaced_is_never_used(t
 
 
 def test_writes_into_a_storage_the_engine_no_longer_reads_are_found_by_the_check(served):
-    """The check reads through the module's parameters at commit, not the views staging took:
-    had the engine swapped a parameter's storage after staging, the writes landed in the old one."""
+    """The check at commit compares each patched parameter's storage now with the view the
+    scatter wrote (and read back): had the engine swapped a parameter's storage after the apply,
+    the checked writes would sit in a storage it no longer reads."""
     state, model = _staged_state(served)
     patch = max(state.weights.staged.patches, key=lambda p: int(p.index.numel()))
     param = dict(model.named_parameters())[patch.param]

@@ -278,3 +278,68 @@ def test_a_restore_that_holds_reports_restored_and_a_scatter_whose_restore_fails
     undo_faults = fail_the_scatter_then_the_restore_of_p0
     with pytest.raises(RestoreFailed, match="boom; the restore failed: not restored: p0"):
         scatter_with_undo(staged, before_write=undo_faults, before_restore=undo_faults)
+
+
+# --- the scatter reads back what it wrote ---------------------------------------------------------
+
+
+def _three_patches(device_copies):
+    """A bf16 engine (from an f32 checkpoint) and v1 staged as three patches: sparse (numpy's
+    write), dense (``index_copy_``) and one element; ``device_copies``: the device path, on the CPU."""
+    from live_support import FlatModel
+
+    g = torch.Generator().manual_seed(5)
+    v0 = {"a": torch.randn(64, 32, generator=g), "b": torch.randn(4000, generator=g), "c": torch.randn(7, 3, generator=g)}
+    model = FlatModel(v0).to(torch.bfloat16)
+    cmap = build_coordinate_map(model, [TensorSpec(n, tuple(t.shape), "F32") for n, t in v0.items()])
+    model.load_weights(v0.items())
+    assert prove_map(cmap, dict(model.named_parameters()), lambda n: v0[n])
+    v1 = {n: t.clone() for n, t in v0.items()}
+    v1["a"].view(-1)[::300] += 1
+    v1["b"][::3] -= 1
+    v1["c"][6, 2] += 1
+    staged = stage_update(cmap, dict(model.named_parameters()), changed_positions(v0, v1), TensorReader(v1),
+                          max_elements=10**6, staged=StagedUpdate(0, 1, None, "/x", 0), device_copies=device_copies)
+    return model, staged
+
+
+def _bits(model):
+    return {n: p.detach().view(torch.int16).clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("device_copies", [None, True], ids=["host-writes", "device-path"])
+def test_a_correct_scatter_reads_back_and_verifies_every_element_it_wrote(device_copies):
+    _, staged = _three_patches(device_copies)
+    undo, written = scatter_with_undo(staged)
+    assert undo.read_back is not None and undo.read_back.elements == written == staged.elements > 0
+
+
+@pytest.mark.parametrize("victim", ["p0", "p1"], ids=["sparse-write", "dense-write"])  # a, b
+@pytest.mark.parametrize("device_copies", [None, True], ids=["host-writes", "device-path"])
+def test_a_write_that_did_not_land_fails_the_scatter_names_the_element_and_the_rank_restores(monkeypatch, device_copies,
+                                                                                             victim):
+    from sglang_patch.live.patch import ParamPatch, WriteNotLanded
+
+    model, staged = _three_patches(device_copies)
+    before = _bits(model)
+    patch = next(p for p in staged.patches if p.param == victim)
+    skipped = int(patch.index[1])
+    old, new = (float(t[1:2].float()) for t in (patch.old, patch.values))
+    assert old != new
+    real_write = ParamPatch.write_new
+
+    def write_all_but_one(self):  # the write of one patch misses its second position
+        if self.param != victim:
+            return real_write(self)
+        keep = torch.ones(self.index.numel(), dtype=torch.bool)
+        keep[1] = False
+        self.flat.index_copy_(0, self.index[keep], self.values[keep])
+
+    monkeypatch.setattr(ParamPatch, "write_new", write_all_but_one)
+    with pytest.raises(WriteNotLanded) as err:
+        scatter_with_undo(staged)
+    message = str(err.value)
+    assert message.startswith(f"{victim}: 1 of {patch.index.numel()} written element(s)")
+    assert f"flat position {skipped}: expected {new!r}, found {old!r}" in message
+    after = _bits(model)
+    assert all(torch.equal(before[n], after[n]) for n in before)  # restored from the undo log
