@@ -328,12 +328,10 @@ def test_a_write_that_did_not_land_fails_the_scatter_names_the_element_and_the_r
     assert old != new
     real_write = ParamPatch.write_new
 
-    def write_all_but_one(self):  # the write of one patch misses its second position
-        if self.param != victim:
-            return real_write(self)
-        keep = torch.ones(self.index.numel(), dtype=torch.bool)
-        keep[1] = False
-        self.flat.index_copy_(0, self.index[keep], self.values[keep])
+    def write_all_but_one(self, start=0, stop=None):  # the write of one patch misses its second position
+        real_write(self, start, stop)
+        if self.param == victim and start <= 1 < (stop or self.index.numel()):
+            self.flat[skipped] = self.old[1]
 
     monkeypatch.setattr(ParamPatch, "write_new", write_all_but_one)
     with pytest.raises(WriteNotLanded) as err:
@@ -343,3 +341,33 @@ def test_a_write_that_did_not_land_fails_the_scatter_names_the_element_and_the_r
     assert f"flat position {skipped}: expected {new!r}, found {old!r}" in message
     after = _bits(model)
     assert all(torch.equal(before[n], after[n]) for n in before)  # restored from the undo log
+
+
+@pytest.mark.parametrize("victim", ["p0", "p1"], ids=["sparse-write", "dense-write"])
+def test_host_patches_are_written_and_read_back_chunk_by_chunk_and_a_missed_chunk_element_is_named(monkeypatch, victim):
+    from sglang_patch.live import patch as patch_module
+    from sglang_patch.live.patch import ParamPatch, WriteNotLanded
+
+    monkeypatch.setattr(patch_module, "READ_BACK_CHUNK", 3)
+    monkeypatch.setattr(patch_module, "DENSE_READ_BACK_CHUNK", 3)
+    model, staged = _three_patches(None)
+    undo, written = scatter_with_undo(staged)
+    assert undo.read_back.elements == written == staged.elements
+    undo.restore()
+    before = _bits(model)
+    patch = next(p for p in staged.patches if p.param == victim)
+    missed = 4  # in the second chunk
+    real_write = ParamPatch.write_new
+
+    def write_missing_one(self, start=0, stop=None):
+        real_write(self, start, stop)
+        if self.param == victim and start <= missed < stop:
+            self.flat[int(self.index[missed])] = self.old[missed]
+
+    monkeypatch.setattr(ParamPatch, "write_new", write_missing_one)
+    with pytest.raises(WriteNotLanded) as err:
+        scatter_with_undo(staged)
+    assert f"{victim}: 1 of positions 3-5 of {patch.index.numel()} written element(s)" in str(err.value)
+    assert f"first at flat position {int(patch.index[missed])}:" in str(err.value)
+    after = _bits(model)
+    assert all(torch.equal(before[n], after[n]) for n in before)
