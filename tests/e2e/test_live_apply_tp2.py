@@ -127,7 +127,8 @@ def test_the_map_is_proven_on_every_rank_except_for_the_transformed_parameter(en
 
 def assert_checked_from_the_live_weights_on_every_rank(body) -> None:
     """Each update proven from the live weights (live.check): every rank compared a sample of its
-    mapped elements with the local checkpoint and every element it wrote, and none differed."""
+    mapped elements with the local checkpoint, a live apply read back every element it wrote
+    inside its scatter, and none differed."""
     checks = {c["rank"]: c for h in body["hosts"] for c in h["checks"]}
     assert sorted(checks) == ["dp0/tp0", "dp0/tp1"], body
     for rank, c in checks.items():
@@ -135,11 +136,14 @@ def assert_checked_from_the_live_weights_on_every_rank(body) -> None:
         assert c["not_checkable_params"] == 1, (rank, c)  # the nudged parameter is reload-only
         if body["mode"] == "live":  # read at staging, while serving: the pause only compares
             assert not c["sample_read_in_pause"] and c["sample_prepared_s"] > 0, (rank, c)
+            # every written element read back in the scatter itself
+            assert c["scattered_elements"] > 0 and c["written_read_back_s"] > 0, (rank, c)
     assert body["mismatches"] == 0 and body["verified_elements"] > 0 and not body["reloaded_after_check"], body
-    cost = max(c["check_s"] for c in checks.values())
+    cost = max(c["check_s"] + c["written_read_back_s"] for c in checks.values())
     print(f"\n[measured] check after the update: {cost:.4f}s of a {body['pause_s']:.4f}s pause "
           f"({cost / body['pause_s']:.3f}x; {body['verified_elements']} elements on {len(checks)} ranks); per rank: "
-          + "; ".join(f"{r} written {c['scattered_check_s'] * 1e3:.2f} ms ({c['scattered_elements']}), sample "
+          + "; ".join(f"{r} written: read back in the scatter {c['written_read_back_s'] * 1e3:.2f} ms, storages at "
+                      f"commit {c['scattered_check_s'] * 1e3:.2f} ms ({c['scattered_elements']}), sample "
                       f"{c['sample_check_s'] * 1e3:.2f} ms ({c['sampled_elements']}), prepared at staging "
                       f"{c['sample_prepared_s'] * 1e3:.1f} ms" for r, c in sorted(checks.items())))
 
