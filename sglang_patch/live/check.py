@@ -1,6 +1,8 @@
 """Each update proven from the live weights (issue 19): after every commit or reload, a rank
 compares a fresh random sample of its mapped parameter elements with the local checkpoint's
-bytes of the version it now claims, and every element a live apply wrote with the staged value.
+bytes of the version it now claims; after a live apply, that every storage it wrote is still
+the one the engine reads (each written element was read back and compared with the staged
+value inside the scatter itself: ``live.patch.ReadBack``).
 
 Why a sample and not the whole model: the start-up proof already showed that each proven
 parameter is a plain copy of its boxes; what can still go wrong later is a write that landed
@@ -8,8 +10,9 @@ somewhere else, a stale element, or bytes of another version. Those show up in a
 sample drawn afresh per update (positions from the version and a per-rank counter, so two
 updates never check the same elements), at a cost of ``SAMPLE_PER_TENSOR`` elements in each of
 ``SAMPLE_TENSORS_PER_UPDATE`` checkpoint tensors (drawn afresh too), independent of the update's
-and the model's size. The scattered elements are all checked: their count is what the pause
-already paid for.
+and the model's size. The scattered elements are all checked, in the scatter, right after
+each chunk's write while its lines are in cache (a gather at commit, with the lines long out
+of cache, cost about as much as the scatter).
 
 Where the cost goes (the pause holds generation off, so only what must be known before the
 engine serves again runs inside it):
@@ -21,8 +24,9 @@ engine serves again runs inside it):
   holds later (the dir named that version before and after the read), so the pause reads no
   file: it gathers the live parameters at the sampled positions, one gather and one compare per
   parameter (``PreparedSample.compare``).
-- The written elements are checked inside the pause, one gather and one compare per patch.
-  Not after it: the tokenizer holds generation off until the transaction's reply, and letting
+- The written elements are read back inside the scatter; at commit only each patched
+  parameter's storage is compared with the view written (``check_scattered``: pointers, no
+  element read). Nothing moves after the pause: the tokenizer holds generation off until the transaction's reply, and letting
   the engine serve before the check ends would put tokens of unchecked weights under the new
   version's label (or new weights under the old label); the reply's "success" would no longer
   mean "served only checked bytes".
@@ -505,8 +509,8 @@ class UpdateChecker:
         self.prepare_reason = ""  # why the last staging prepared no sample
 
     def prepare_steps(self, state: Any, staged: Any) -> Iterator[None]:
-        """At staging, while the engine serves (loop slices): the written-element check's buffers,
-        and the sample of ``staged``'s target version read from its verified local checkpoint.
+        """At staging, while the engine serves (loop slices): the sample of ``staged``'s target
+        version read from its verified local checkpoint.
         Never raises: without a prepared sample the check reads the checkpoint inside the
         pause, as a reload's does."""
         import weightsync.codecs.positions as positions
@@ -556,8 +560,9 @@ class UpdateChecker:
 
     def after_update(self, state: Any, local_dir: str, version: int, patches: Any = ()) -> RankCheck:
         """Inside the pause, once the rank holds ``version`` (a commit of ``patches``, or a reload
-        of ``local_dir``): every written element, and the sample, prepared at staging when it was
-        (else read now, through the cached headers). Never raises."""
+        of ``local_dir``): the written storages still the engine's, and the sample, prepared at
+        staging when it was (else read now, through the cached headers). Never raises: a check
+        that fails replies ``failed`` (every rank then reloads, as after a mismatch)."""
         started = time.perf_counter()
         try:
             prepared = self._take_prepared(state, local_dir, version, patches)

@@ -26,7 +26,9 @@ The pause (``scatter_with_undo``) is then only the writes into each parameter's 
 with sglang's forward stream by events (``live.device.PauseFence``), numpy
 fancy assignment over integer views for sparse patches on the CPU, with one intra-op thread (a multi-threaded
 ``index_copy_`` of bf16 over scattered positions is many times slower here, and the TP ranks
-already run side by side). On any failure every patch is written
+already run side by side). Each patch is read back from the storage it wrote right after the
+write (on the CPU chunk by chunk, while the chunk is in cache) and compared bit for bit with
+the staged values (``ReadBack``): a write that did not land fails the scatter. On any failure every patch is written
 back from the undo log, in reverse order, so the rank is exactly at the previous version. The
 undo log is valid because the live weights cannot change between staging and the pause
 without voiding the staging (the weights' generation, checked when the ranks vote).
