@@ -57,7 +57,7 @@ from typing import Any, Callable, Generator, Iterable, Iterator, Mapping, NamedT
 import numpy as np
 import torch
 
-from .coordinate_map import INT_OF_WIDTH, CheckpointReader, CoordinateMap, as_int_bits
+from .coordinate_map import CheckpointReader, CoordinateMap, as_int_bits
 from .results import RankCheck
 
 SAMPLE_PER_TENSOR = 4096  # elements drawn per checkpoint tensor and update

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import builtins
 import os
-import shutil
 import threading
 from types import SimpleNamespace
 

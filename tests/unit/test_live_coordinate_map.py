@@ -13,7 +13,6 @@ tests/e2e/test_live_apply_tp2.py.
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 

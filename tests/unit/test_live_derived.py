@@ -8,13 +8,11 @@ tests/e2e/test_live_map_models.py.
 
 from __future__ import annotations
 
-import numpy as np
-import pytest
 import torch
 
 from sglang_patch.live import results as lr
 from sglang_patch.live.apply import RankTxn, RankWrites
-from sglang_patch.live.coordinate_map import CoordinateMap, TensorSpec, build_coordinate_map, prove_map
+from sglang_patch.live.coordinate_map import TensorSpec, build_coordinate_map, prove_map
 from sglang_patch.live.derived import MlaDerivation, prove_steps
 from sglang_patch.live.loop_slices import drain
 from sglang_patch.live.patch import StagedUpdate, stage_update

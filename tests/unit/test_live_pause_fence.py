@@ -118,8 +118,6 @@ class WeightUpdater:
 
 def _rank_with_v2_staged(chain, tmp_path, log: list, fail: int):
     """One rank serving v1, with v2 pulled and staged, its fence the recording one."""
-    import shutil
-
     from sglang_patch.live.coordinate_map import CheckpointReader
     from sglang_patch.live.stage import stage_job
 
