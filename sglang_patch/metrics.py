@@ -26,7 +26,7 @@ Metrics (glossary of docs/FORMAT.md):
 | ``weightsync_update_checks_total`` | counter | ``outcome`` | ranks' checks of the live weights after a ``/update_weights_from_pulled`` (``live.check``): ``ok``, ``mismatch``, or ``unchecked`` (no sample drawn: the detail says why) |
 | ``weightsync_update_check_mismatches_total`` | counter | | parameter elements those checks found different from the published bytes |
 | ``weightsync_update_check_reloads_total`` | counter | | live applies whose check found a mismatch, after which every rank reloaded |
-| ``weightsync_update_check_seconds`` | histogram | ``part`` | what each rank's check cost inside the pause: ``written`` (every element a live apply wrote) and ``sample`` (its checkpoint sample) |
+| ``weightsync_update_check_seconds`` | histogram | ``part`` | what each rank's check cost inside the pause: ``written`` (every element a live apply wrote, read back in the scatter, and the storages' check at commit) and ``sample`` (its checkpoint sample) |
 """
 
 from __future__ import annotations
@@ -203,7 +203,8 @@ def _record_checks(reply: Mapping[str, Any]) -> None:
         metrics.update_checks.labels("mismatch" if mismatches else ("ok" if compared else "unchecked")).inc()
         metrics.update_check_mismatches.inc(mismatches)
         if int(_field(check, "scattered_elements", 0) or 0):
-            metrics.update_check_seconds.labels("written").observe(float(_field(check, "scattered_check_s", 0.0) or 0.0))
+            metrics.update_check_seconds.labels("written").observe(  # the read-back in the scatter and the storages' check
+                float(_field(check, "written_read_back_s", 0.0) or 0.0) + float(_field(check, "scattered_check_s", 0.0) or 0.0))
         if int(_field(check, "sampled_elements", 0) or 0):
             metrics.update_check_seconds.labels("sample").observe(float(_field(check, "sample_check_s", 0.0) or 0.0))
     if reply.get("reloaded_after_check"):

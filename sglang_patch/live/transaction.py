@@ -171,7 +171,7 @@ async def run_transaction(send: Callable[[str, Optional[str]], Awaitable[PhaseRe
         if not mismatched:
             return lr.summarize(target_version, **estimates, hosts=lr.merge_hosts(committed))
         # the live weights are not the published bytes on some rank: the sound path, on every rank
-        why = f"the check after the live apply found mismatches ({mismatched}): every rank reloads the local checkpoint"
+        why = f"the check after the live apply did not hold ({mismatched}): every rank reloads the local checkpoint"
         log.error("live apply v%d: %s", target_version, why)
         return await _reload_everywhere(send, target_version, why, estimates, failed_checks=lr.checks_of(committed))
     failure = rank_failures(applied) or "no rank reported its writes"
