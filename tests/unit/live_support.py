@@ -2,18 +2,56 @@
 
 Role: the changed positions between two versions as a pull would list them, a checkpoint reader
 over tensors in memory, a model with one parameter per checkpoint tensor, one rank's
-``LiveApplyState`` serving that model from a real local checkpoint, and a recorder of the new
-tensors a block makes (also used by the GPU kit, ``benchmarks/gpu_check.py``).
+``LiveApplyState`` serving that model from a real local checkpoint, a tiny published chain
+pulled at v1, a recorder of the new tensors a block makes (also used by the GPU kit,
+``benchmarks/gpu_check.py``), and sglang imported with the CPU-test stand-ins.
 """
 
 from __future__ import annotations
 
+import contextlib
+import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
+
+
+SCAFFOLDING = str(Path(__file__).resolve().parents[1] / "cpu_scaffolding")
+
+
+@contextlib.contextmanager
+def cpu_standins_on_path():
+    """Import sglang with the CPU-test stand-ins, then take them off the path again so that
+    other tests in this process do not see a fake ``torchvision``."""
+    before_meta = list(sys.meta_path)
+    sys.path.insert(0, SCAFFOLDING)
+    try:
+        yield
+    finally:
+        sys.path.remove(SCAFFOLDING)
+        sys.meta_path[:] = [f for f in sys.meta_path if f in before_meta or not type(f).__name__.startswith("_StandIn")]
+        for name in list(sys.modules):
+            if name.split(".")[0] in ("torchvision", "sgl_kernel", "_cpu_standin"):
+                del sys.modules[name]
+
+
+def tiny_chain_pulled_at_v1(root: Path) -> SimpleNamespace:
+    """A tiny Qwen3 checkpoint under ``root``, v1 and v2 published, the local dir pulled to v1."""
+    from testbed.feed import VersionFeed
+    from testbed.tiny_qwen3 import make_tiny_qwen3
+    from weightsync import pull
+
+    model_dir = make_tiny_qwen3(root / "model")
+    feed = VersionFeed(model_dir, root / "shared")
+    feed.publish(1)
+    feed.publish(2)
+    local = str(root / "local")
+    pull(local, model_dir, feed.source_dir, 1)
+    return SimpleNamespace(root=str(root), local=local, model_dir=model_dir, feed=feed, pull=pull)
 
 
 def changed_positions(v0: dict, v1: dict):

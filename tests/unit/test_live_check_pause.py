@@ -21,23 +21,12 @@ import torch
 from sglang_patch.live import results as lr
 from sglang_patch.live import transaction as tx
 
-from live_support import serve_from_local
+from live_support import serve_from_local, tiny_chain_pulled_at_v1
 
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-    from testbed.feed import VersionFeed
-    from testbed.tiny_qwen3 import make_tiny_qwen3
-    from weightsync import pull
-
-    root = tmp_path_factory.mktemp("live_check_pause")
-    model_dir = make_tiny_qwen3(root / "model")
-    feed = VersionFeed(model_dir, root / "shared")
-    feed.publish(1)
-    feed.publish(2)
-    local = str(root / "local")
-    pull(local, model_dir, feed.source_dir, 1)
-    return SimpleNamespace(root=str(root), local=local, model_dir=model_dir, feed=feed, pull=pull)
+    return tiny_chain_pulled_at_v1(tmp_path_factory.mktemp("live_check_pause"))
 
 
 class _Updater:

@@ -14,11 +14,8 @@ fence runs in the GPU kit (``benchmarks/gpu_check.py``).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
-import sys
 import time
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -28,29 +25,10 @@ from sglang_patch.live import results as lr
 from sglang_patch.live import transaction as tx
 from sglang_patch.live.device import HostFence, pause_fence_for
 
-from live_support import serve_from_local
+from live_support import cpu_standins_on_path, serve_from_local
 
 WAIT_S = 0.2
-SCAFFOLDING = str(Path(__file__).resolve().parents[1] / "cpu_scaffolding")
-
-
-@contextlib.contextmanager
-def _cpu_standins_on_path():
-    """sglang's request types import with the CPU-test stand-ins (as test_sglang_patch_glue),
-    which then leave the path, so other tests in this process see no fake ``torchvision``."""
-    before_meta = list(sys.meta_path)
-    sys.path.insert(0, SCAFFOLDING)
-    try:
-        yield
-    finally:
-        sys.path.remove(SCAFFOLDING)
-        sys.meta_path[:] = [f for f in sys.meta_path if f in before_meta or not type(f).__name__.startswith("_StandIn")]
-        for name in list(sys.modules):
-            if name.split(".")[0] in ("torchvision", "sgl_kernel", "_cpu_standin"):
-                del sys.modules[name]
-
-
-with _cpu_standins_on_path():
+with cpu_standins_on_path():
     from sglang.srt.managers import io_struct  # noqa: F401  (the reload phase's request type)
     from sglang_patch.io_types import UpdateWeightsFromPulledReqInput, UpdateWeightsFromPulledReqOutput
 

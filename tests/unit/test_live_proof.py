@@ -11,32 +11,22 @@ from __future__ import annotations
 
 import os
 
-from types import SimpleNamespace
 
 import pytest
 import torch
-from live_support import serve_from_local
+from live_support import serve_from_local, tiny_chain_pulled_at_v1
 
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
     """``state()``: the engine reloaded from ``local`` (at the version it holds then), its map built, not proven."""
-    from testbed.feed import VersionFeed
-    from testbed.tiny_qwen3 import make_tiny_qwen3
-    from weightsync import pull
-
-    root = tmp_path_factory.mktemp("live_proof")
-    model_dir = make_tiny_qwen3(root / "model")
-    feed = VersionFeed(model_dir, root / "shared")
-    feed.publish(1)
-    feed.publish(2)
-    local = str(root / "local")
-    pull(local, model_dir, feed.source_dir, 1)
+    chain = tiny_chain_pulled_at_v1(tmp_path_factory.mktemp("live_proof"))
 
     def state():
-        return serve_from_local(local, model_dir, f"reload from {local} (marker)")[0]
+        return serve_from_local(chain.local, chain.model_dir, f"reload from {chain.local} (marker)")[0]
 
-    return SimpleNamespace(state=state, local=local, model_dir=model_dir, feed=feed, pull=pull)
+    chain.state = state
+    return chain
 
 
 def test_a_proof_against_the_reloaded_local_checkpoint_proves_every_parameter(served):

@@ -5,33 +5,12 @@ the tokenizer-side fan-out with sglang's FanOutCommunicator."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import pickle
-import sys
-from pathlib import Path
 
 import pytest
+from live_support import cpu_standins_on_path
 
-SCAFFOLDING = str(Path(__file__).resolve().parents[1] / "cpu_scaffolding")
-
-
-@contextlib.contextmanager
-def _cpu_standins_on_path():
-    """Import sglang with the CPU-test stand-ins, then take them off the path again so that
-    other tests in this process do not see a fake ``torchvision``."""
-    before_meta = list(sys.meta_path)
-    sys.path.insert(0, SCAFFOLDING)
-    try:
-        yield
-    finally:
-        sys.path.remove(SCAFFOLDING)
-        sys.meta_path[:] = [f for f in sys.meta_path if f in before_meta or not type(f).__name__.startswith("_StandIn")]
-        for name in list(sys.modules):
-            if name.split(".")[0] in ("torchvision", "sgl_kernel", "_cpu_standin"):
-                del sys.modules[name]
-
-
-with _cpu_standins_on_path():
+with cpu_standins_on_path():
     from sglang.srt.managers import io_struct
     from sglang_patch import io_types, server_flags, tokenizer_side
 
