@@ -240,6 +240,8 @@ class RankWrites:
         )
         live = self.weights.live
         check = self.check(local, request.target_version, ()) if out.success else None
+        if check is not None:  # a reload through this route pays its check too: the mode weighs it
+            self.pause_costs.record_reload_check(check.check_s)
         return lr.LiveRankReport(
             host=self.host, rank=self.rank, success=bool(out.success), mode=lr.RELOAD, reason=reason,
             message=out.message, weight_version=live.version if (out.success and live) else None,

@@ -139,12 +139,31 @@ def test_pause_costs_estimate_whole_pauses_from_the_last_reload_and_recent_live_
     costs.record_live(3000, 0.006, 0.016)
     costs.record_live(0, 0.0, 0.010)  # nothing written: a fixed cost, no rate
     assert costs.per_element_s == pytest.approx(1.5e-6)  # the median of 1e-6 and 2e-6
-    assert costs.live_estimate(10_000) == pytest.approx(0.010 + 0.015)
+    # applies of different sizes: a line through their pauses (pairwise slopes 1e-6, 2e-6, 2.5e-6)
+    assert costs.live_estimate(10_000) == pytest.approx(0.010 + 0.020)
     costs.record_live(1000, 0.5, 0.51)  # one preempted apply does not swing it
     assert costs.per_element_s == pytest.approx(2e-6)
+    assert costs.live_estimate(10_000) == pytest.approx(0.010 + 0.020)
     for _ in range(lr.PauseCosts.WINDOW):
         costs.record_live(1000, 0.01, 0.02)
     assert costs.per_element_s == pytest.approx(1e-5) and costs.live_estimate(0) == pytest.approx(0.01)  # the last WINDOW
+
+
+
+def test_a_larger_update_is_estimated_from_the_line_through_applies_of_both_sizes_not_the_small_ones_rate():
+    """Measured on the benchmark model (TP=2): 1% applies (3.3M elements) paused 0.094 s with a
+    scatter of 0.06 s, a 5% one (16M) 0.152 s. The small applies' rate (18 ns an element, their
+    sparse writes) put the next 5% update at 0.34 s, above a reload, and the engine reloaded at
+    0.66 s where a live apply took 0.15 s."""
+    costs = lr.PauseCosts()
+    costs.record_live(3_300_000, 0.060, 0.094)
+    costs.record_live(16_000_000, 0.100, 0.152)
+    costs.record_live(3_300_000, 0.061, 0.095)
+    assert costs.live_estimate(16_000_000) == pytest.approx(0.152, abs=0.002)
+    costs.record_reload(0.25)
+    costs.record_reload_check(0.03)
+    assert costs.reload_estimate == pytest.approx(0.28)
+    assert lr.choose_mode([vote("tp0", 16_000_000, costs.live_estimate(16_000_000), costs.reload_estimate)])[0] == lr.LIVE
 
 
 def test_the_reply_carries_both_estimates():
