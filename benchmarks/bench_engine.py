@@ -225,11 +225,28 @@ def measure_cause(model: str, source: str, local: str, reps: int) -> dict:
     return rows
 
 
-def measure_pull(engine: Engine, model: str, reps: int) -> dict:
-    """The pull alone: the engine reloads its own model dir first, which names no version, so
+def unnamed_copy(model: str, work: str) -> str:
+    """The model's files under another dir (hard links): a dir that names no version. The seed
+    dir itself names v0 (its fingerprint), so a reload from it makes live apply stage after
+    every pull, and the pull's wall would count the staging too."""
+    out = os.path.join(work, "model-unnamed")
+    if not os.path.isdir(out):
+        os.makedirs(out)
+        for name in os.listdir(model):
+            src = os.path.join(model, name)
+            if os.path.isfile(src):
+                try:
+                    os.link(src, os.path.join(out, name))
+                except OSError:
+                    shutil.copy2(src, os.path.join(out, name))
+    return out
+
+
+def measure_pull(engine: Engine, model: str, reps: int, work: str) -> dict:
+    """The pull alone: the engine reloads the model from a dir that names no version first, so
     its live version is unknown and live apply stages nothing after these pulls (staging is
     measured with the pause)."""
-    engine.timed_update("/update_weights_from_disk", {"model_path": model, "flush_cache": True})
+    engine.timed_update("/update_weights_from_disk", {"model_path": unnamed_copy(model, work), "flush_cache": True})
     endpoint, plain = [], []
     for _ in range(reps):
         engine.pull(0)
@@ -279,7 +296,7 @@ def run(args, work: str) -> str:
         for in_process in ([True, False] if args.in_process_too else [False]):
             key = "in_process" if in_process else "helper"
             with Engine(work, model, source, tp, in_process=in_process, log_dir=log_dir, device=args.device) as engine:
-                row = {"start_s": engine.start_s, "pull": measure_pull(engine, model, args.reps)}
+                row = {"start_s": engine.start_s, "pull": measure_pull(engine, model, args.reps, work)}
                 print(f"tp{tp} {key} pull:", {k: [round(x, 2) for x in v] for k, v in row["pull"].items()}, flush=True)
                 if not in_process and not args.skip_pause and (args.pause_tp is None or tp in args.pause_tp):
                     live = engine.has_live_apply() and not args.no_live
