@@ -102,13 +102,11 @@ class RankWrites:
         restore_fault = fault_file(self.rank, "live-restore-fault-")
 
         def before_write(k: int, param: str) -> None:
-            if fault and k == len(staged.patches) // 2 and os.path.exists(fault):
-                os.unlink(fault)
+            if k == len(staged.patches) // 2 and _fires(fault):
                 raise InjectedFault(f"injected fault on {self.rank} while writing {param} (patch {k} of {len(staged.patches)})")
 
         def before_restore(k: int, param: str) -> None:
-            if restore_fault and k == len(staged.patches) // 2 and os.path.exists(restore_fault):
-                os.unlink(restore_fault)
+            if k == len(staged.patches) // 2 and _fires(restore_fault):
                 raise InjectedFault(f"injected fault on {self.rank} while restoring {param}")
 
         txn.before_restore = before_restore

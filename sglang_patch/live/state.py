@@ -95,7 +95,6 @@ class LiveApplyState:
                                  pause_costs=self.pause_costs, check=self._check, derivations=self._derivations)
         self._voted: Optional[StagedUpdate] = None
         self._txn: Optional[RankTxn] = None
-        self._phase: dict[str, float] = {}  # seconds into the last update call, per step (logged)
 
     # --- what the other parts read ---------------------------------------------------------------
 
@@ -244,9 +243,7 @@ class LiveApplyState:
         if phase in (tx.APPLY, tx.RELOAD):  # from the vote to the next phase: what either mode pays
             self.pause_costs.record_round_trip(start - txn.start)
         if phase == tx.APPLY:
-            report = self.writes.apply(self._voted, txn)  # what this rank voted on, even if a pull replaced it since
-            self._phase["scattered"] = time.perf_counter() - txn.start
-            return report
+            return self.writes.apply(self._voted, txn)  # what this rank voted on, even if a pull replaced it since
         if phase == tx.COMMIT:
             committed = txn.staged is not None and txn.undo is not None
             report = self.writes.commit(request, txn)
