@@ -368,26 +368,31 @@ def helper_pids(seq: Sequence) -> list:
 def kill_helpers(seq: Sequence) -> list:
     import signal
 
-    import psutil
-
     pids = helper_pids(seq)
     for pid in pids:
         try:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
-    # SIGKILL lands when the kernel next runs the process: until it is a zombie, the engine's
-    # liveness check (poll) still sees it alive, and a pull sent to it now is a death mid-pull.
+    # SIGKILL lands when the kernel next runs the process: until its parent can reap it, the
+    # engine's liveness check (poll) still sees it alive, and a pull sent to it now is a death
+    # mid-pull. A killed leader shows as a zombie while its other threads still exit (one may
+    # sit in an fsync of a deferred flush), and waitpid waits for them: so wait until the zombie
+    # is alone in its thread group.
     deadline = time.monotonic() + 30
     for pid in pids:
-        while time.monotonic() < deadline:
-            try:
-                if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
-                    break
-            except psutil.NoSuchProcess:
-                break
+        while time.monotonic() < deadline and not _reapable(pid):
             time.sleep(0.02)
     return pids
+
+
+def _reapable(pid: int) -> bool:
+    import psutil
+
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE and len(os.listdir(f"/proc/{pid}/task")) <= 1
+    except (psutil.NoSuchProcess, FileNotFoundError):
+        return True
 
 
 def step_kill_helper(seq: Sequence) -> None:

@@ -136,6 +136,38 @@ def test_held_version_reads_the_marker_then_a_live_verified_note(tmp_path):
     assert held_version(local) is None  # the pull that wrote it is gone: its pages may be torn
 
 
+def test_held_version_sees_a_deferred_flush_that_finishes_between_its_reads(tmp_path, monkeypatch):
+    """The flush writes the marker, then removes its note: a reader that found no marker, then no
+    note, must look at the marker again rather than call a verified checkpoint unverified. The
+    race is forced here by finishing the flush inside the reader's first marker read."""
+    from weightsync.codecs import positions
+
+    _, _, local, _ = _chain(tmp_path, ["xor"])
+    marker = os.path.join(local, ".weight_sync", "state.json")
+    note = os.path.join(local, ".weight_sync", "verified.json")
+    with open(marker, "rb") as f:
+        marker_bytes = f.read()
+    os.unlink(marker)
+    with open(note, "w") as f:
+        json.dump({"version": format_version(1), "source_dir": "x", "pid": os.getpid()}, f)
+    real = positions.read_applied_state
+    calls = []
+
+    def read_then_finish_the_flush(path):
+        state = real(path)
+        if not calls:  # the flush finishes right after the reader's first look
+            with open(marker, "wb") as f:
+                f.write(marker_bytes)
+            os.unlink(note)
+        calls.append(state)
+        return state
+
+    monkeypatch.setattr(positions, "read_applied_state", read_then_finish_the_flush)
+    held = held_version(local)
+    assert calls[0] is None  # the first look found no marker
+    assert held is not None and (held.version, held.how) == (1, "marker")
+
+
 def test_held_version_names_the_run_and_seed_the_marker_or_note_records(tmp_path):
     from weightsync.identity import seed_fingerprint
     from weightsync.manifest import read_run_id

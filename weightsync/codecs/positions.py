@@ -310,13 +310,30 @@ def held_version(local_checkpoint_dir: str) -> HeldVersion | None:
     The note exists while a pull with deferred durability flushes the verified pages (the bytes
     are final; only the marker is not written yet). None: unknown (no marker, torn state).
     """
+    held = _marked_version(local_checkpoint_dir)
+    if held is not None:
+        return held
+    noted = _noted_version(local_checkpoint_dir)
+    if noted is not None:
+        return noted
+    # A deferred flush writes the marker before it removes its note: a flush that finished between
+    # our two reads left the marker, not nothing (without this second look the reader would call a
+    # verified checkpoint unverified).
+    return _marked_version(local_checkpoint_dir)
+
+
+def _marked_version(local_checkpoint_dir: str) -> HeldVersion | None:
     state = read_applied_state(state_path(local_checkpoint_dir))
-    if state is not None:
-        try:
-            version = parse_version_number(state.version, "version", state_path(local_checkpoint_dir))
-        except Exception:
-            return None
-        return HeldVersion(version, state.source_dir, "marker", state.run, state.seed)
+    if state is None:
+        return None
+    try:
+        version = parse_version_number(state.version, "version", state_path(local_checkpoint_dir))
+    except Exception:
+        return None
+    return HeldVersion(version, state.source_dir, "marker", state.run, state.seed)
+
+
+def _noted_version(local_checkpoint_dir: str) -> HeldVersion | None:
     try:
         with open(verified_path(local_checkpoint_dir), "rb") as f:
             note = json.loads(f.read(1 << 12))
@@ -327,9 +344,7 @@ def held_version(local_checkpoint_dir: str) -> HeldVersion | None:
         run, seed = note.get("run"), note.get("seed")
         return HeldVersion(version, note.get("source_dir"), "verified note",
                            run if isinstance(run, str) else None, seed if isinstance(seed, str) else None)
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
-    except Exception:
+    except Exception:  # missing, torn or foreign: no claim
         return None
 
 
