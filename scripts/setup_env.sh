@@ -82,13 +82,13 @@ build_sglang0516_venv() {
   echo "[setup] done: $VENV_0516 in $((SECONDS - start))s"
 }
 
-# The core's one compiled part (sparse-v2 bitstream 3's range coder), built in place on every run:
-# setuptools rebuilds it only when weightsync/codecs/_sparse2_rc.c is newer, so an existing venv picks up
-# a changed coder. Both venvs run the same CPython 3.11, so one build serves both.
+# The two compiled parts (setup.py: sparse-v2 bitstream 3's range coder, live apply's host scatter),
+# built in place on every run: setuptools rebuilds one only when its .c is newer, so an existing venv
+# picks up a change. Both venvs run the same CPython 3.11, so one build serves both.
 build_coder() {
-  echo "[setup] the compiled range coder (weightsync/codecs/_sparse2_rc.c)"
+  echo "[setup] the compiled parts (weightsync/codecs/_sparse2_rc.c, sglang_patch/live/_host_scatter.c)"
   "$VENV/bin/python" setup.py --quiet build_ext --inplace
-  "$VENV/bin/python" -c "import weightsync.codecs._sparse2_rc"
+  "$VENV/bin/python" -c "import weightsync.codecs._sparse2_rc, sglang_patch.live._host_scatter"
 }
 
 build_main_venv

@@ -139,3 +139,26 @@ class NewTensors(TorchDispatchMode):
             if isinstance(t, torch.Tensor) and storage_of(t) not in inputs:
                 self.created.append(f"{func}: {tuple(t.shape)} {t.dtype} on {t.device}")
         return out
+
+
+def stage_one_position_twice(staged, victim, first=1):
+    """The fault the read-back is there for, made for real: entry ``first + 1`` of ``victim``'s
+    patch names entry ``first``'s position with another value, so entry ``first``'s write is
+    overwritten and does not hold what was staged for it. Returns (position, the two values)."""
+    k, p = next((k, p) for k, p in enumerate(staged.patches) if p.param == victim)
+    index, values, old = p.index.clone(), p.values.clone(), p.old.clone()
+    index[first + 1], old[first + 1] = index[first], old[first]
+    values[first + 1] = -values[first] - 1
+    a, b = float(values[first]), float(values[first + 1])
+    assert a != b
+    staged.patches[k] = p._replace(index=index, values=values, old=old)
+    return int(index[first]), {a, b}
+
+
+def assert_names_the_position(message, position, values):
+    """The message names ``position`` and the two values staged for it (whichever write won)."""
+    import re
+
+    found = re.search(r"first at flat position (\d+): expected (\S+), found (\S+)$", message)
+    assert found and int(found[1]) == position, message
+    assert {float(found[2]), float(found[3])} == values, message

@@ -58,11 +58,13 @@ def _compiler() -> str | None:
 
 
 def build_with_ubsan(out_dir: str, source: str = SOURCE) -> str | None:
-    """The coder built with UBSan into ``out_dir``; None when this machine cannot build it."""
+    """The extension ``source`` (the coder by default) built with UBSan into ``out_dir``, named
+    after the source file; None when this machine cannot build it."""
     cc = _compiler()
     if cc is None:
         return None
-    target = os.path.join(out_dir, "_sparse2_rc" + sysconfig.get_config_var("EXT_SUFFIX"))
+    name = os.path.splitext(os.path.basename(source))[0]
+    target = os.path.join(out_dir, name + sysconfig.get_config_var("EXT_SUFFIX"))
     cmd = [cc, "-shared", "-fPIC", "-O1", "-g", "-fno-omit-frame-pointer",
            "-fsanitize=alignment,undefined", "-fno-sanitize-recover=all",
            "-I", sysconfig.get_paths()["include"], source, "-o", target]  # fmt: skip
@@ -70,7 +72,7 @@ def build_with_ubsan(out_dir: str, source: str = SOURCE) -> str | None:
     if built.returncode != 0:
         if "sanitize" in built.stderr or "ubsan" in built.stderr:
             return None  # a compiler without UBSan
-        raise AssertionError(f"the coder does not build: {built.stderr[-3000:]}")
+        raise AssertionError(f"{name} does not build: {built.stderr[-3000:]}")
     return target
 
 

@@ -138,29 +138,19 @@ def test_the_sample_is_read_at_staging_and_the_commit_reads_no_checkpoint_file(s
     assert not fields["reloaded_after_check"]
 
 
-def test_a_write_that_did_not_land_fails_the_apply_the_rank_restores_and_the_reply_names_the_element(served,
-                                                                                                        monkeypatch):
-    from sglang_patch.live.patch import ParamPatch
+def test_a_write_that_did_not_land_fails_the_apply_the_rank_restores_and_the_reply_names_the_element(served):
+    from live_support import assert_names_the_position, stage_one_position_twice
 
     state, model = _staged_state(served)
     patch = max(state.weights.staged.patches, key=lambda p: int(p.index.numel()))
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
-    real_write = ParamPatch.write_new
-
-    def miss_the_last_position(self, start=0, stop=None):
-        real_write(self, start, stop)
-        last = int(self.index.numel()) - 1
-        if self.param == patch.param and (stop or last + 1) > last:
-            with torch.no_grad():
-                self.flat[int(self.index[last])] = self.old[last]
-
-    monkeypatch.setattr(ParamPatch, "write_new", miss_the_last_position)
+    position, values = stage_one_position_twice(state.weights.staged, patch.param, first=int(patch.index.numel()) - 2)
     vote = state._run_phase(_request(served, tx.VOTE), tx.VOTE, 0.0)
     assert vote.live, vote
     applied = state._run_phase(_request(served, tx.APPLY), tx.APPLY, 0.0)
     assert not applied.success
     assert applied.message.startswith(f"WriteNotLanded: {patch.param}: 1 of "), applied.message
-    assert f"flat position {int(patch.index[-1])}: expected " in applied.message, applied.message
+    assert_names_the_position(applied.message, position, values)
     after = dict(model.named_parameters())
     assert all(torch.equal(before[n].view(-1).view(torch.int16 if before[n].element_size() == 2 else torch.int32),
                            after[n].detach().view(-1).view(torch.int16 if before[n].element_size() == 2 else torch.int32))

@@ -11,7 +11,7 @@ from sglang_patch.live import results as lr
 from sglang_patch.live.coordinate_map import Placement, TensorSpec, build_coordinate_map, prove_map
 from sglang_patch.live.patch import StagedUpdate, StagingRefused, positions_through, scatter_with_undo, stage_update
 
-from live_support import TensorReader, changed_positions
+from live_support import TensorReader, assert_names_the_position, changed_positions, stage_one_position_twice
 
 
 class TwoShards(torch.nn.Module):
@@ -307,20 +307,50 @@ def _bits(model):
     return {n: p.detach().view(torch.int16).clone() for n, p in model.named_parameters()}
 
 
+@pytest.fixture(params=["compiled", "numpy"])
+def host_path(request, monkeypatch):
+    """The pause's host writes: the compiled loop (``live.host_scatter``), or numpy and torch
+    where the extension was not built."""
+    from sglang_patch.live import host_scatter
+
+    if request.param == "numpy":
+        monkeypatch.setattr(host_scatter, "_compiled", None)
+    elif host_scatter.compiled() is None:
+        pytest.fail("sglang_patch.live._host_scatter is not built (scripts/setup_env.sh builds it)")
+    return request.param
+
+
 @pytest.mark.parametrize("device_copies", [None, True], ids=["host-writes", "device-path"])
-def test_a_correct_scatter_reads_back_and_verifies_every_element_it_wrote(device_copies):
-    _, staged = _three_patches(device_copies)
+def test_a_correct_scatter_reads_back_and_verifies_every_element_it_wrote(device_copies, host_path):
+    model, staged = _three_patches(device_copies)
     undo, written = scatter_with_undo(staged)
     assert undo.read_back is not None and undo.read_back.elements == written == staged.elements > 0
+    v1 = _bits(model)
+    for p in staged.patches:
+        assert torch.equal(v1[p.param].view(-1)[p.index], p.values.view(torch.int16))
 
 
 @pytest.mark.parametrize("victim", ["p0", "p1"], ids=["sparse-write", "dense-write"])  # a, b
-@pytest.mark.parametrize("device_copies", [None, True], ids=["host-writes", "device-path"])
-def test_a_write_that_did_not_land_fails_the_scatter_names_the_element_and_the_rank_restores(monkeypatch, device_copies,
-                                                                                             victim):
+def test_a_host_write_that_did_not_land_fails_the_scatter_names_the_element_and_the_rank_restores(victim, host_path):
+    from sglang_patch.live.patch import WriteNotLanded
+
+    model, staged = _three_patches(None)
+    before = _bits(model)
+    position, values = stage_one_position_twice(staged, victim)
+    with pytest.raises(WriteNotLanded) as err:
+        scatter_with_undo(staged)
+    assert str(err.value).startswith(f"{victim}: 1 of "), str(err.value)
+    assert_names_the_position(str(err.value), position, values)
+    after = _bits(model)
+    assert all(torch.equal(before[n], after[n]) for n in before)  # restored from the undo log
+
+
+@pytest.mark.parametrize("victim", ["p0", "p1"], ids=["sparse-write", "dense-write"])  # a, b
+def test_a_device_write_that_did_not_land_fails_the_scatter_names_the_element_and_the_rank_restores(monkeypatch,
+                                                                                                    victim):
     from sglang_patch.live.patch import ParamPatch, WriteNotLanded
 
-    model, staged = _three_patches(device_copies)
+    model, staged = _three_patches(True)
     before = _bits(model)
     patch = next(p for p in staged.patches if p.param == victim)
     skipped = int(patch.index[1])
@@ -328,9 +358,9 @@ def test_a_write_that_did_not_land_fails_the_scatter_names_the_element_and_the_r
     assert old != new
     real_write = ParamPatch.write_new
 
-    def write_all_but_one(self, start=0, stop=None):  # the write of one patch misses its second position
+    def write_all_but_one(self, start=0, stop=None):  # a device write that misses one position
         real_write(self, start, stop)
-        if self.param == victim and start <= 1 < (stop or self.index.numel()):
+        if self.param == victim:
             self.flat[skipped] = self.old[1]
 
     monkeypatch.setattr(ParamPatch, "write_new", write_all_but_one)
@@ -344,30 +374,53 @@ def test_a_write_that_did_not_land_fails_the_scatter_names_the_element_and_the_r
 
 
 @pytest.mark.parametrize("victim", ["p0", "p1"], ids=["sparse-write", "dense-write"])
-def test_host_patches_are_written_and_read_back_chunk_by_chunk_and_a_missed_chunk_element_is_named(monkeypatch, victim):
-    from sglang_patch.live import patch as patch_module
-    from sglang_patch.live.patch import ParamPatch, WriteNotLanded
+def test_host_patches_are_written_and_read_back_block_by_block_and_a_missed_element_is_named(monkeypatch, victim,
+                                                                                              host_path):
+    from sglang_patch.live import host_scatter, patch as patch_module
+    from sglang_patch.live.patch import WriteNotLanded
 
     monkeypatch.setattr(patch_module, "READ_BACK_CHUNK", 3)
     monkeypatch.setattr(patch_module, "DENSE_READ_BACK_CHUNK", 3)
+    monkeypatch.setattr(host_scatter, "BLOCK", 3)
     model, staged = _three_patches(None)
     undo, written = scatter_with_undo(staged)
     assert undo.read_back.elements == written == staged.elements
-    undo.restore()
+    assert undo.restore().restored
     before = _bits(model)
-    patch = next(p for p in staged.patches if p.param == victim)
-    missed = 4  # in the second chunk
-    real_write = ParamPatch.write_new
-
-    def write_missing_one(self, start=0, stop=None):
-        real_write(self, start, stop)
-        if self.param == victim and start <= missed < stop:
-            self.flat[int(self.index[missed])] = self.old[missed]
-
-    monkeypatch.setattr(ParamPatch, "write_new", write_missing_one)
+    position, values = stage_one_position_twice(staged, victim, first=4)  # entries 4 and 5: the second block
     with pytest.raises(WriteNotLanded) as err:
         scatter_with_undo(staged)
-    assert f"{victim}: 1 of positions 3-5 of {patch.index.numel()} written element(s)" in str(err.value)
-    assert f"first at flat position {int(patch.index[missed])}:" in str(err.value)
+    n = int(next(p for p in staged.patches if p.param == victim).index.numel())
+    assert f"{victim}: 1 of positions 3-5 of {n} written element(s)" in str(err.value), str(err.value)
+    assert_names_the_position(str(err.value), position, values)
     after = _bits(model)
     assert all(torch.equal(before[n], after[n]) for n in before)
+
+
+def test_the_compiled_scatter_writes_exactly_its_positions_at_every_width_and_refuses_one_out_of_range():
+    from sglang_patch.live import host_scatter
+
+    if host_scatter.compiled() is None:
+        pytest.fail("sglang_patch.live._host_scatter is not built (scripts/setup_env.sh builds it)")
+    rng = np.random.default_rng(11)
+    for dtype in (torch.uint8, torch.bfloat16, torch.float16, torch.float32, torch.float64, torch.int64):
+        flat = torch.from_numpy(rng.integers(0, 255, 5000 * 8, dtype=np.uint8)).view(dtype)
+        index = torch.from_numpy(np.sort(rng.choice(flat.numel(), 700, replace=False)).astype(np.int64))
+        values = torch.from_numpy(rng.integers(0, 255, 700 * flat.element_size(), dtype=np.uint8)).view(dtype)
+        expected = flat.clone()
+        expected.view(torch.uint8).view(-1, flat.element_size())[index] = values.view(torch.uint8).view(-1, flat.element_size())
+        got = flat.clone()
+        host_scatter.scatter(got, index, values, 0, 350)
+        result = host_scatter.scatter_and_read_back(got, index, values, 350)
+        assert result.first_differing == -1 and result.read_back_s > 0
+        assert torch.equal(got.view(torch.uint8), expected.view(torch.uint8)), dtype
+    out_of_range = index.clone()
+    out_of_range[5] = flat.numel()
+    untouched = flat.clone()
+    with pytest.raises(IndexError, match=f"position {flat.numel()} \\(entry 5\\) is outside the destination's "
+                                         f"{flat.numel()} elements"):
+        host_scatter.scatter_and_read_back(untouched, out_of_range, values)
+    with pytest.raises(ValueError, match="8-byte values into a parameter of 2-byte elements"):
+        host_scatter.scatter(torch.zeros(10, dtype=torch.bfloat16), index[:1], values[:1])
+    with pytest.raises(ValueError, match="must be a contiguous CPU tensor"):
+        host_scatter.scatter(torch.zeros(10, 2, dtype=torch.int64).t(), index[:1], values[:1])

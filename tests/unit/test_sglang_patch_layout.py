@@ -47,7 +47,8 @@ def _imports_of(path: pathlib.Path) -> set[str]:
 
 def _exists(module: str) -> bool:
     rel = pathlib.Path(*module.split(".")[1:])
-    return (ROOT / rel).with_suffix(".py").exists() or (ROOT / rel / "__init__.py").exists()
+    # a compiled module counts by its C source (the built .so may be absent)
+    return any((ROOT / rel).with_suffix(s).exists() for s in (".py", ".c")) or (ROOT / rel / "__init__.py").exists()
 
 
 def _graph() -> dict[str, set[str]]:
