@@ -59,6 +59,7 @@ import torch
 
 from .coordinate_map import CheckpointReader, CoordinateMap, as_int_bits
 from .results import RankCheck
+from .stage import StagingRefused
 
 SAMPLE_PER_TENSOR = 4096  # elements drawn per checkpoint tensor and update
 # checkpoint tensors sampled per update, drawn afresh each time (a model's few hundred tensors are
@@ -159,12 +160,18 @@ class _Group:
 
 @dataclass
 class PreparedSample:
-    """Expected values of one update's sample, ready to compare with the live weights."""
+    """Expected values of one update's sample, ready to compare with the live weights.
+
+    Prepared for a live apply, the sample is split by the update's positions: ``groups`` holds
+    the elements the update writes (compared after its scatter, in the pause), ``unwritten`` the
+    rest (compared before the pause, at staging: ``compare_unwritten``)."""
 
     groups: list[_Group] = field(default_factory=list)
     checked: int = 0  # parameters the sample could reach
     unchecked: int = 0
     read_s: float = 0.0  # drawing and reading it (at staging for a live apply)
+    unwritten: list[_Group] = field(default_factory=list)
+    before_pause: Optional[_Tally] = None  # ``unwritten`` compared at staging
 
     @property
     def params(self) -> list[_ParamSample]:
@@ -175,25 +182,34 @@ class PreparedSample:
         return sum(int(g.expected.numel()) for g in self.groups)
 
     def compare(self, params: Optional[Mapping[str, torch.Tensor]] = None) -> _Tally:
-        """Gather every sampled element from the live weights (``params``: the engine's
-        parameters now; None: the views taken when prepared) and compare bit for bit: one gather
-        per parameter, one compare per device and element width (one synchronisation on a
-        device); per parameter only after a mismatch, for the detail."""
-        start = time.perf_counter()
-        tally = _Tally()
-        for g in self.groups:
-            for s in g.members:
-                torch.index_select(_storage_bits(params, s.param, s.flat), 0, s.index, out=s.got)
-        for g in self.groups:
-            if _equal(g.got, g.expected):
-                tally.compared += int(g.got.numel())
-                continue
-            for s in g.members:
-                on_host = s.got.device.type == "cpu"
-                tally.add(s.source_of, s.expected if on_host else s.expected.cpu(), s.got if on_host else s.got.cpu(),
-                          s.index, s.dtype)
-        tally.seconds = time.perf_counter() - start
-        return tally
+        """Gather every sampled element of ``groups`` from the live weights (``params``: the
+        engine's parameters now; None: the views taken when prepared) and compare bit for bit:
+        one gather per parameter, one compare per device and element width (one synchronisation
+        on a device); per parameter only after a mismatch, for the detail."""
+        return _compare(self.groups, params)
+
+    def compare_unwritten(self, params: Optional[Mapping[str, torch.Tensor]] = None) -> _Tally:
+        """``compare`` of the elements the update does not write; kept as ``before_pause``."""
+        self.before_pause = _compare(self.unwritten, params)
+        return self.before_pause
+
+
+def _compare(groups: list[_Group], params: Optional[Mapping[str, torch.Tensor]]) -> _Tally:
+    start = time.perf_counter()
+    tally = _Tally()
+    for g in groups:
+        for s in g.members:
+            torch.index_select(_storage_bits(params, s.param, s.flat), 0, s.index, out=s.got)
+    for g in groups:
+        if _equal(g.got, g.expected):
+            tally.compared += int(g.got.numel())
+            continue
+        for s in g.members:
+            on_host = s.got.device.type == "cpu"
+            tally.add(s.source_of, s.expected if on_host else s.expected.cpu(), s.got if on_host else s.got.cpu(),
+                      s.index, s.dtype)
+    tally.seconds = time.perf_counter() - start
+    return tally
 
 
 def _grouped(members: list[tuple[str, torch.dtype, torch.Tensor, torch.Tensor, torch.Tensor, list]]) -> list[_Group]:
@@ -240,14 +256,16 @@ def _draw(cmap: CoordinateMap, checked: set[str], rng: np.random.Generator, per_
 def prepare_sample_steps(
     cmap: CoordinateMap, params: Mapping[str, torch.Tensor], read_values: Callable[[str, np.ndarray], torch.Tensor],
     seed: list[int], per_tensor: int = SAMPLE_PER_TENSOR, max_tensors: Optional[int] = None,
-    checked: Optional[set[str]] = None,
+    checked: Optional[set[str]] = None, written: Optional[Mapping[str, np.ndarray]] = None,
 ) -> Generator[None, None, PreparedSample]:
     """Draw up to ``per_tensor`` random elements of each of up to ``max_tensors`` random
     checkpoint tensors' boxes (into checkable parameters) and rebuild the values the parameter
     elements they land on must hold; one step per tensor (``loop_slices``).
 
     ``read_values(tensor, flat positions)``: those checkpoint elements, in the checkpoint's dtype.
-    ``checked``: ``checkable_params``'s first set when the caller has it already (not rebuilt)."""
+    ``checked``: ``checkable_params``'s first set when the caller has it already (not rebuilt).
+    ``written``: per parameter, the flat positions a live update writes: the sample's elements
+    there go to ``groups``, the others to ``unwritten`` (None: every element to ``groups``)."""
     names = list(params)
     if checked is None:
         checked, unchecked = checkable_params(cmap, names)
@@ -278,19 +296,38 @@ def prepare_sample_steps(
         spent += time.perf_counter() - t0
         yield
         t0 = time.perf_counter()
-    members = []
+    members, unwritten = [], []
     for param in sorted(parts):
         live = params[param].detach()
         runs, end = [], 0
         for tensor, dst, _ in parts[param]:
             end += dst.size
             runs.append((end, tensor))
-        index = torch.from_numpy(np.concatenate([dst for _, dst, _ in parts[param]]))
-        members.append((param, live.dtype, as_int_bits(live.reshape(-1)), index,
-                        torch.cat([e for _, _, e in parts[param]]), runs))
-    sample = PreparedSample(_grouped(members), checked=len(checked), unchecked=len(unchecked))
+        positions = np.concatenate([dst for _, dst, _ in parts[param]])
+        member = (param, live.dtype, as_int_bits(live.reshape(-1)), torch.from_numpy(positions),
+                  torch.cat([e for _, _, e in parts[param]]), runs)
+        if written is None:
+            members.append(member)
+            continue
+        hit = np.isin(positions, written[param]) if param in written else np.zeros(positions.size, dtype=np.bool_)
+        for mask, into in ((hit, members), (~hit, unwritten)):
+            if mask.any():
+                keep = torch.from_numpy(mask)
+                into.append((param, member[1], member[2], member[3][keep], member[4][keep], _masked_runs(runs, mask)))
+    sample = PreparedSample(_grouped(members), checked=len(checked), unchecked=len(unchecked),
+                            unwritten=_grouped(unwritten))
     sample.read_s = spent + time.perf_counter() - t0
     return sample
+
+
+def _masked_runs(runs: list, mask: np.ndarray) -> list:
+    """``runs`` (end, tensor) of a member's positions, for the positions ``mask`` keeps."""
+    out, start, kept = [], 0, 0
+    for end, tensor in runs:
+        kept += int(mask[start:end].sum())
+        out.append((kept, tensor))
+        start = end
+    return out
 
 
 def check_sample(
@@ -404,7 +441,7 @@ def check_update(
         scattered.first = scattered.first or derived.first
     if prepared is not None:
         return _result(rank, scattered, prepared.compare(params or None), prepared.checked, prepared.unchecked,
-                       start, "", prepared_s=prepared.read_s)
+                       start, "", prepared_s=prepared.read_s, before_pause=prepared.before_pause)
     if cmap is None or not cmap.proven:
         why = "no proven coordinate map: the checkpoint sample was not drawn"
         return _result(rank, scattered, None, 0, len(params), start, why)
@@ -421,8 +458,9 @@ def check_update(
 
 
 def _result(rank: str, scattered: _Tally, sample: Optional[_Tally], checked: int, unchecked: int, start: float,
-            why: str, prepared_s: float = 0.0) -> RankCheck:
-    sampled = sample.compared if sample else 0
+            why: str, prepared_s: float = 0.0, before_pause: Optional[_Tally] = None) -> RankCheck:
+    before = before_pause.compared if before_pause else 0  # staging refuses on any mismatch there
+    sampled = (sample.compared if sample else 0) + before
     mismatches = scattered.mismatches + (sample.mismatches if sample else 0)
     first = scattered.first or (sample.first if sample else None)
     check_s = time.perf_counter() - start
@@ -432,7 +470,8 @@ def _result(rank: str, scattered: _Tally, sample: Optional[_Tally], checked: int
         sampled_elements=sampled, scattered_elements=scattered.compared, checked_params=checked,
         not_checkable_params=unchecked, check_s=check_s, scattered_check_s=scattered.seconds,
         sample_check_s=check_s - scattered.seconds, sample_prepared_s=prepared_s,
-        sample_read_in_pause=bool(sample) and sampled > 0 and not prepared_s, detail=first or why,
+        sample_read_in_pause=sampled > 0 and not prepared_s, detail=first or why,
+        sampled_before_pause=before, sample_before_pause_s=before_pause.seconds if before_pause else 0.0,
     )
 
 
@@ -539,12 +578,17 @@ class UpdateChecker:
                 reader = self.readers.reader(local_dir)
                 sample = yield from prepare_sample_steps(
                     cmap, state.params(), values_through(reader.tensor),
-                    sample_seed(staged.to_version, next(_counter), state.rank), per_tensor, max_tensors)
+                    sample_seed(staged.to_version, next(_counter), state.rank), per_tensor, max_tensors,
+                    written=_written_positions(staged.patches))
                 if not dir_holds_target():  # bytes of another version may have been read
                     sample, self.prepare_reason = None, "the local checkpoint changed while the sample was read"
                 else:
+                    yield
+                    _refuse_unless_equal(sample.compare_unwritten(state.params()), staged)
                     self.prepare_reason = ""
             self._prepared = _Prepared(staged.to_version, local_dir, staged.patches, want, sample)
+        except StagingRefused:
+            raise
         except Exception as exc:
             self.prepare_reason = f"preparing the check failed: {type(exc).__name__}: {exc}"
 
@@ -572,6 +616,25 @@ class UpdateChecker:
                                 patches=patches, prepared=prepared.sample, started=started)
         except Exception as exc:
             return RankCheck(rank=state.rank, failed=True, detail=f"the check failed: {type(exc).__name__}: {exc}")
+
+
+def _written_positions(patches: Iterable) -> dict[str, np.ndarray]:
+    """Per parameter, the flat positions the staged patches write (host memory)."""
+    out: dict[str, list] = {}
+    for p in patches:
+        out.setdefault(p.param, []).append(p.index.numpy())
+    return {param: parts[0] if len(parts) == 1 else np.concatenate(parts) for param, parts in out.items()}
+
+
+def _refuse_unless_equal(before: _Tally, staged: Any) -> None:
+    """Where the update writes nothing, the target's bytes are the live version's: a sampled
+    element that differs there means the weights do not hold the version staging extends, so
+    patching them would not give the target. The update reloads instead."""
+    if before.mismatches:
+        raise StagingRefused(
+            f"the live weights differ from v{staged.from_version} where this update writes nothing "
+            f"({before.mismatches} of {before.compared + before.mismatches} sampled elements; {before.first}): "
+            "they do not hold the version the update extends")
 
 
 def check_after_update(state, local_dir: str, version: int, patches: Iterable = (),

@@ -24,21 +24,22 @@ try:
 except ImportError:  # built without a C compiler: live.patch's numpy path
     _compiled = None
 
-# Elements written, then read back, at a time. Measured on 100M bf16 elements (this 2-core box,
-# medians of 25): at 1% written the read-back adds 12% to the write in blocks of 256, 18% in
-# blocks of 64; at 5%, 1% (256) and none (64). Larger blocks leave the lines the read-back needs
-# out of the L1 cache.
-BLOCK = 256
-# The read-back is timed on one block in this many (a clock read per block of 256 elements would
-# cost about as much as the read-back itself) and scaled to all of them.
-TIME_EVERY = 16
+# Elements per chunk: most chunks are written and read back in one loop (each element read a few
+# entries after its write, so the read's load overlaps the writes after it), every
+# ``PROBE_EVERY``-th one (the first included) as a probe, written alone and then read back in a
+# pass of its own, both timed: what the read-back costs is then measured in every scatter (the
+# fused chunks' time against the probes' write rate, plus the probes' own read-back), not guessed.
+# Measured on 100M bf16 elements (``benchmarks/bench_read_back.py``): the read-back adds about 7% to
+# a 1% write and nothing measurable to a 5% one; numpy's, 30-50%.
+CHUNK = 4096
+PROBE_EVERY = 16
 
-__all__ = ["BLOCK", "ReadBackResult", "compiled", "scatter", "scatter_and_read_back"]
+__all__ = ["CHUNK", "ReadBackResult", "compiled", "scatter", "scatter_and_read_back"]
 
 
 class ReadBackResult(NamedTuple):
     first_differing: int  # the first entry (of the patch's positions) that read back other bits; -1: none
-    read_back_s: float  # time in the read-back loops (sampled; it includes waiting for the writes to land)
+    read_back_s: float  # what reading back cost the scatter (measured against its probes; see CHUNK)
 
 
 def compiled() -> Optional[Any]:
@@ -55,12 +56,14 @@ def scatter(flat: torch.Tensor, index: torch.Tensor, values: torch.Tensor, start
 
 def scatter_and_read_back(flat: torch.Tensor, index: torch.Tensor, values: torch.Tensor, start: int = 0,
                           stop: Optional[int] = None) -> ReadBackResult:
-    """``scatter``, each block read back and compared right after its write; stops at the first
-    block with an element that reads back other bits (the blocks before it and that one are
-    written). Needs ``compiled()``."""
+    """``scatter``, every element read back from the parameter's memory and compared bit for bit
+    with its value; stops at the first element that reads back other bits (the chunks before it
+    and that one are written). Needs ``compiled()``."""
     module, args = _args(flat, index, values, start, stop)
-    bad, read_back_ns = module.scatter_checked(*args, BLOCK, TIME_EVERY)
-    return ReadBackResult(int(bad), read_back_ns / 1e9)
+    bad, fused_ns, fused_n, plain_ns, plain_n, probe_ns = module.scatter_checked(*args, CHUNK, PROBE_EVERY)
+    # the fused chunks would have cost their elements at the probes' write rate without the read-back
+    extra_ns = max(0.0, fused_ns - plain_ns / plain_n * fused_n) if plain_n else 0.0
+    return ReadBackResult(int(bad), (probe_ns + extra_ns) / 1e9)
 
 
 def _args(flat: torch.Tensor, index: torch.Tensor, values: torch.Tensor, start: int,

@@ -448,13 +448,13 @@ class ReadBack:
         self.seconds += time.perf_counter() - t0
 
     def write_and_read_back(self, k: int, p: ParamPatch) -> None:
-        """Write host patch ``k`` and read it back block by block in one compiled loop
-        (``host_scatter``); ``seconds`` gets the loop's own timing of its read-back."""
+        """Write host patch ``k`` and read every element back in one compiled loop
+        (``host_scatter``); ``seconds`` gets what the read-back cost it, as the loop measured."""
         result = host_scatter.scatter_and_read_back(p.flat, p.index, p.values)
         self.seconds += result.read_back_s
         if result.first_differing >= 0:
-            start = result.first_differing - result.first_differing % host_scatter.BLOCK
-            stop = min(int(p.index.numel()), start + host_scatter.BLOCK)
+            start = result.first_differing - result.first_differing % host_scatter.CHUNK
+            stop = min(int(p.index.numel()), start + host_scatter.CHUNK)
             got = as_int_bits(p.flat).numpy()[p.index.numpy()[start:stop]]  # the failure path: this allocates
             raise WriteNotLanded(self._describe(p, got, as_int_bits(p.values).numpy()[start:stop], start))
         self.elements += int(p.index.numel())

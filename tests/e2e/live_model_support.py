@@ -17,7 +17,9 @@ sequence of steps:
 - ``fault``: a one-shot fault file for one rank, drawn at random (mid-scatter; or mid-restore
   after a mid-scatter fault on another rank), then pull + update;
 - ``kill_helper``: every rank's pull helper killed: mid-pull where the server has a pre-read hook
-  gate (the pull is held at the hook), else between pulls; then pull + update.
+  gate (the pull is held at the hook), else between pulls; then pull + update;
+- ``reload_fault``: another path served, then an update (which must reload) with one rank's
+  reload failing once (repeated on every rank) or twice (a failure; then the retry).
 
 The model tracks which bytes the engine must hold (a content hash of the published tensors) and
 the version it may claim. After every step: every rank's ``/weights_digest`` either equals the
@@ -29,7 +31,7 @@ The digests are blake2b of each rank's parameter bytes as sglang laid them out (
 qkv/gate_up, padded vocab, post-load transforms), so they are not computable from the checkpoint:
 a reload is the oracle.
 
-Profiles: by default 2 sequences of 9 steps (every step kind once, shuffled; about 40 s on a
+Profiles: by default 2 sequences of 10 steps (every step kind once, shuffled; about 40 s on a
 2-core box); ``WEIGHTSYNC_LIVE_MODEL_STEPS=N`` runs N steps per sequence and
 ``WEIGHTSYNC_LIVE_MODEL_SEQUENCES=M`` M sequences (``WEIGHTSYNC_LIVE_MODEL_SEED_BASE=B`` shifts
 their seeds by B, away from CI's); ``WEIGHTSYNC_LIVE_MODEL_SEED=S`` replays sequence seed S. A failure prints the seed and every step taken so far.
@@ -54,7 +56,7 @@ SEED_ENV = "WEIGHTSYNC_LIVE_MODEL_SEED"
 SEED_BASE_ENV = "WEIGHTSYNC_LIVE_MODEL_SEED_BASE"  # another set of sequences than CI's
 
 KINDS = ("pull", "update", "disk_other", "new_run", "seed_replaced", "reseed_full", "reseed_anchor", "fault",
-         "kill_helper")
+         "kill_helper", "reload_fault")
 ENCODINGS = ("xor", "overwrite", "sparse-v1")
 
 
@@ -249,10 +251,7 @@ def update(seq: Sequence, *, fault_pending: bool = False) -> None:
     seq.note(f"  update v{target}: {status} mode={body.get('mode')} rolled_back={body.get('rolled_back')} "
              f"scattered={body.get('elements_scattered')} reason={body.get('reason') or body.get('message')!r}"[:400])
     if status == 200:
-        assert body.get("success") is True and body.get("weight_version") == target, body
-        assert holds is not None and holds[0] == seq.run.number, f"a success for v{target} the local dir does not hold"
-        tensors = seq.run.feed.expected[target]
-        seq.served = Served(remember(seq, tensors), target, f"run {seq.run.number} v{target}")
+        served_after_success(seq, body, target)
         return
     expected_failure = (fault_pending and status == 500) or (holds is None and status == 400)
     assert expected_failure, f"update v{target} failed unexpectedly: {status} {body}"
@@ -262,6 +261,13 @@ def update(seq: Sequence, *, fault_pending: bool = False) -> None:
     if holds is not None and holds[0] == seq.run.number:
         seq.alternative = Served(remember(seq, seq.run.feed.expected[target]), target,
                                  f"run {seq.run.number} v{target} (reloaded after a failed update)")
+
+
+def served_after_success(seq: Sequence, body: dict, target: int) -> None:
+    holds = seq.local_holds
+    assert body.get("success") is True and body.get("weight_version") == target, body
+    assert holds is not None and holds[0] == seq.run.number, f"a success for v{target} the local dir does not hold"
+    seq.served = Served(remember(seq, seq.run.feed.expected[target]), target, f"run {seq.run.number} v{target}")
 
 
 # --- the steps ----------------------------------------------------------------------------------
@@ -352,6 +358,34 @@ def step_fault(seq: Sequence) -> None:
     seq.note(f"  fault files not consumed (no scatter reached them): {left}")
 
 
+def step_reload_fault(seq: Sequence) -> None:
+    """An update that must reload (the engine serves another path first), and one rank's reload
+    fails: once (repeated on every rank: a success that says so) or twice (a failure that says
+    the ranks differ; the retry brings every rank to the target)."""
+    step_disk_other(seq)
+    if seq.local_holds is None or seq.local_holds[0] != seq.run.number:
+        pull(seq, seq.run.top)
+    target = seq.local_holds[1]
+    rank, times = seq.rng.choice(seq.ranks), seq.rng.choice([1, 2])
+    fault = seq.faults / ("live-reload-fault-" + rank.replace("/", "_"))
+    fault.write_text(str(times))
+    try:
+        status, body = post(seq, "/update_weights_from_pulled", {"local_checkpoint_dir": seq.local,
+                                                                 "target_version": target})
+    finally:
+        fault.unlink(missing_ok=True)
+    seq.note(f"  update v{target} with {rank}'s reload failing {times}x: {status} mode={body.get('mode')} "
+             f"reason={body.get('reason') or body.get('message')!r}"[:400])
+    if times == 1:
+        assert status == 200 and body.get("mode") == "reload", body
+        assert f"the reload failed on some rank ({rank}: injected reload fault" in body.get("reason", ""), body
+        served_after_success(seq, body, target)
+        return
+    assert status == 500 and body.get("success") is False, body
+    assert "failed twice" in body.get("message", "") and "retry" in body.get("message", ""), body
+    update(seq)  # the retry
+
+
 def helper_pids(seq: Sequence) -> list:
     import psutil
 
@@ -432,6 +466,7 @@ STEPS: dict[str, Callable[[Sequence], None]] = {
     "reseed_anchor": lambda seq: step_reseed(seq, "anchor"),
     "fault": step_fault,
     "kill_helper": step_kill_helper,
+    "reload_fault": step_reload_fault,
 }
 
 

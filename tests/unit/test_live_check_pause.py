@@ -46,7 +46,6 @@ def _staged_state(served):
     """A proven rank serving v1 with v2 pulled and staged (its loop driven by another thread)."""
     from sglang_patch.live.coordinate_map import CheckpointReader
     from sglang_patch.live.identity import LiveVersion
-    from sglang_patch.live.stage import stage_job
     from weightsync.codecs.positions import held_version
 
     _pull_v1(served)
@@ -58,6 +57,15 @@ def _staged_state(served):
     state.weights.live = LiveVersion(1, os.path.realpath(served.feed.source_dir), "test: serving v1", held.run, held.seed)
     state.scheduler.weight_updater = _Updater()
     state.allowed_roots = (served.root,)
+    _stage(state, served)
+    assert state.weights.staged is not None, state.weights.stage_reason
+    return state, model
+
+
+def _stage(state, served):
+    """Stage v2 on ``state``, its scheduler loop driven by another thread meanwhile."""
+    from sglang_patch.live.stage import stage_job
+
     stop = threading.Event()
 
     def scheduler_loop():
@@ -73,8 +81,6 @@ def _staged_state(served):
     finally:
         stop.set()
         loop.join(timeout=30)
-    assert state.weights.staged is not None, state.weights.stage_reason
-    return state, model
 
 
 def _request(served, phase):
@@ -198,17 +204,55 @@ def test_a_check_that_raises_verifies_nothing_and_makes_the_engine_reload(served
     assert fields["reloaded_after_check"] and [c.rank for c in fields["failed_checks"]] == [report.check.rank]
 
 
-def test_a_wrong_sampled_element_the_update_did_not_write_makes_the_engine_reload(served):
+def _nudge(param: torch.Tensor, position: int) -> None:
+    with torch.no_grad():
+        flat = param.view(-1)
+        flat[position] = torch.nextafter(flat[position], torch.tensor(float("inf"), dtype=flat.dtype))
+
+
+def test_the_sampled_elements_the_update_does_not_write_are_compared_at_staging_not_in_the_pause(served):
+    state, _ = _staged_state(served)
+    prepared = state.checker._prepared.sample
+    assert prepared is not None, state.checker.prepare_reason
+    written = {(p.param, int(i)) for p in state.weights.staged.patches for i in p.index.tolist()}
+    assert all((s.param, int(i)) in written for s in prepared.params for i in s.index.tolist())
+    unwritten = [(s.param, int(i)) for g in prepared.unwritten for s in g.members for i in s.index.tolist()]
+    assert unwritten and not any(u in written for u in unwritten)
+    assert prepared.before_pause.compared == len(unwritten) and prepared.before_pause.mismatches == 0
+    _vote_and_apply(state, served)
+    check = _commit(state, served).check
+    assert check.mismatches == 0, check.detail
+    assert check.sampled_before_pause == len(unwritten) and check.sample_before_pause_s > 0
+    assert check.sampled_elements == len(unwritten) + prepared.elements
+
+
+def test_a_wrong_element_where_the_update_writes_nothing_refuses_staging_so_the_update_reloads(served, monkeypatch):
+    """Where v1 -> v2 writes nothing, v2's bytes are v1's: a live weight that differs there means
+    the engine does not hold v1, and patching it would not give v2."""
+    from sglang_patch.live import check as live_check
+
+    monkeypatch.setenv(live_check.SAMPLE_ENV, "100000000,100000")  # every element of every tensor
+    state, model = _staged_state(served)
+    written = {(p.param, int(i)) for p in state.weights.staged.patches for i in p.index.tolist()}
+    [member] = [s for g in state.checker._prepared.sample.unwritten for s in g.members][:1]
+    position = next(int(i) for i in member.index.tolist() if (member.param, int(i)) not in written)
+    _nudge(dict(model.named_parameters())[member.param], position)
+    _stage(state, served)
+    assert state.weights.staged is None
+    reason = state.weights.stage_reason
+    assert "the live weights differ from v1 where this update writes nothing (1 of " in reason, reason
+    assert f"{member.param} (from " in reason and f"element {position} holds" in reason, reason
+    vote = state._run_phase(_request(served, tx.VOTE), tx.VOTE, 0.0)
+    assert not vote.live and "the live weights differ from v1" in vote.reason, vote
+
+
+def test_a_wrong_sampled_element_the_update_wrote_makes_the_engine_reload(served):
     state, model = _staged_state(served)
     _vote_and_apply(state, served)
     prepared = state.checker._prepared.sample
-    assert prepared is not None, state.checker.prepare_reason
-    written = {(p.param, int(i)) for p in state._voted.patches for i in p.index.tolist()}
-    params = dict(model.named_parameters())
-    target = next((s.param, int(i)) for s in prepared.params for i in s.index.tolist() if (s.param, int(i)) not in written)
-    with torch.no_grad():
-        flat = params[target[0]].view(-1)
-        flat[target[1]] = torch.nextafter(flat[target[1]], torch.tensor(float("inf"), dtype=flat.dtype))
+    assert prepared is not None and prepared.elements > 0, state.checker.prepare_reason
+    target = next((s.param, int(s.index[0])) for s in prepared.params)
+    _nudge(dict(model.named_parameters())[target[0]], target[1])  # after the scatter's read-back
     report = _commit(state, served)
     assert report.check.mismatches == 1 and "(from " in report.check.detail and f"element {target[1]}" in report.check.detail
     assert lr.check_mismatches([report])

@@ -1,6 +1,6 @@
 """Live apply's compiled host scatter (``sglang_patch/live/_host_scatter.c``) under
 UndefinedBehaviorSanitizer: built with ``-fsanitize=alignment,undefined`` into a temporary dir
-and driven in a child process over every element width, block sizes that do and do not divide
+and driven in a child process over every element width, chunk sizes that do and do not divide
 the patch, a position staged twice (a read-back mismatch) and a position out of range. Any
 undefined behaviour UBSan sees aborts the child. A few seconds; skipped only where no C compiler
 with UBSan exists.
@@ -29,27 +29,33 @@ for dtype in (np.uint8, np.uint16, np.uint32, np.uint64):
     dst = rng.integers(0, 200, 5000).astype(dtype)
     index = np.sort(rng.choice(dst.size, 900, replace=False)).astype(np.int64)
     src = rng.integers(0, 200, 900).astype(dtype)
-    for block in (1, 7, 256, 900, 5000):
+    for chunk in (1, 7, 31, 33, 256, 900, 5000):  # shorter and longer than the loop's lag of 32
         d = dst.copy()
-        bad, ns = hs.scatter_checked(d.ctypes.data, d.size, index.ctypes.data, src.ctypes.data, 0, 900, d.itemsize, block, 3)
-        assert bad == -1 and ns >= 0 and np.array_equal(d[index], src), (dtype, block)
+        bad, *times = hs.scatter_checked(d.ctypes.data, d.size, index.ctypes.data, src.ctypes.data, 0, 900, d.itemsize, chunk, 3)
+        assert bad == -1 and min(times) >= 0 and np.array_equal(d[index], src), (dtype, chunk)
+        assert hs.first_differing(d.ctypes.data, d.size, index.ctypes.data, src.ctypes.data, 0, 900, d.itemsize) == -1
     twice = index.copy(); twice[501] = twice[500]
     other = src.copy(); other[501] = other[500] + 1
-    d = dst.copy()
-    bad, _ = hs.scatter_checked(d.ctypes.data, d.size, twice.ctypes.data, other.ctypes.data, 0, 900, d.itemsize, 256, 1)
-    assert bad == 500, bad
+    for chunk, probe_every in ((256, 1), (256, 100), (40, 100)):  # a probe chunk; a fused one
+        d = dst.copy()
+        bad, *_ = hs.scatter_checked(d.ctypes.data, d.size, twice.ctypes.data, other.ctypes.data, 0, 900, d.itemsize, chunk, probe_every)
+        assert bad == 500, (chunk, probe_every, bad)
+    assert hs.first_differing(d.ctypes.data, d.size, index.ctypes.data, src.ctypes.data, 0, 900, d.itemsize) == 500
     out = index.copy(); out[10] = dst.size
-    try:
-        hs.scatter(dst.ctypes.data, dst.size, out.ctypes.data, src.ctypes.data, 0, 900, dst.itemsize)
-    except IndexError:
-        pass
-    else:
-        raise AssertionError("an out-of-range position was written")
+    for call in (lambda: hs.scatter(dst.ctypes.data, dst.size, out.ctypes.data, src.ctypes.data, 0, 900, dst.itemsize),
+                 lambda: hs.scatter_checked(dst.ctypes.data, dst.size, out.ctypes.data, src.ctypes.data, 0, 900, dst.itemsize, 256, 1),
+                 lambda: hs.scatter_checked(dst.ctypes.data, dst.size, out.ctypes.data, src.ctypes.data, 0, 900, dst.itemsize, 8, 100)):
+        try:
+            call()
+        except IndexError:
+            pass
+        else:
+            raise AssertionError("an out-of-range position was written")
 print("scatters ok")
 """
 
 
-def test_the_host_scatter_has_no_undefined_behaviour_at_any_width_block_or_fault(tmp_path):
+def test_the_host_scatter_has_no_undefined_behaviour_at_any_width_chunk_or_fault(tmp_path):
     if build_with_ubsan(str(tmp_path), SOURCE) is None:
         pytest.skip("no C compiler with UBSan here")
     env = dict(os.environ, UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1")

@@ -381,7 +381,7 @@ def test_host_patches_are_written_and_read_back_block_by_block_and_a_missed_elem
 
     monkeypatch.setattr(patch_module, "READ_BACK_CHUNK", 3)
     monkeypatch.setattr(patch_module, "DENSE_READ_BACK_CHUNK", 3)
-    monkeypatch.setattr(host_scatter, "BLOCK", 3)
+    monkeypatch.setattr(host_scatter, "CHUNK", 3)
     model, staged = _three_patches(None)
     undo, written = scatter_with_undo(staged)
     assert undo.read_back.elements == written == staged.elements
@@ -424,3 +424,28 @@ def test_the_compiled_scatter_writes_exactly_its_positions_at_every_width_and_re
         host_scatter.scatter(torch.zeros(10, dtype=torch.bfloat16), index[:1], values[:1])
     with pytest.raises(ValueError, match="must be a contiguous CPU tensor"):
         host_scatter.scatter(torch.zeros(10, 2, dtype=torch.int64).t(), index[:1], values[:1])
+
+
+@pytest.mark.parametrize("first", [0, 100, 300, 698], ids=["probe-chunk-start", "probe-chunk", "fused-chunk",
+                                                         "last-partial-chunk"])
+def test_the_compiled_read_back_finds_a_position_staged_twice_wherever_it_falls(monkeypatch, first):
+    """Chunks of 256 over 700 positions, the first a probe (written, then read back in a pass of
+    its own), the others written and read back in one loop: a write that overwrites the one just
+    before it is found at the entry whose value was lost, in either kind of chunk."""
+    from sglang_patch.live import host_scatter
+
+    if host_scatter.compiled() is None:
+        pytest.fail("sglang_patch.live._host_scatter is not built (scripts/setup_env.sh builds it)")
+    monkeypatch.setattr(host_scatter, "CHUNK", 256)
+    rng = np.random.default_rng(first)
+    flat = torch.from_numpy(rng.integers(-999, 999, 5000, dtype=np.int16))
+    index = torch.from_numpy(np.sort(rng.choice(5000, 700, replace=False)).astype(np.int64))
+    values = torch.from_numpy(rng.integers(1000, 2000, 700, dtype=np.int16))
+    index[first + 1] = index[first]
+    values[first + 1] = -values[first]
+    result = host_scatter.scatter_and_read_back(flat, index, values)
+    assert result.first_differing == first
+    clean = torch.from_numpy(np.sort(rng.choice(5000, 700, replace=False)).astype(np.int64))
+    result = host_scatter.scatter_and_read_back(flat, clean, values)
+    assert result.first_differing == -1 and result.read_back_s > 0
+    assert torch.equal(flat[clean], values)

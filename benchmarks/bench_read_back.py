@@ -1,0 +1,137 @@
+"""Benchmark: what reading back every written element costs the live pause on the CPU.
+
+    .venv/bin/python benchmarks/bench_read_back.py            # ~1 min on a 2-core box
+    .venv/bin/python benchmarks/bench_read_back.py --elements 20000000 --reps 9
+
+The pause writes each patch into its parameter and reads every written element back to compare
+it with the staged value (issue 19). This times, on one bf16 parameter of ``--elements`` elements
+and sorted random positions at each density, in turns (one rep of each variant per round):
+
+- ``write``: the compiled loop's write alone (``_host_scatter.scatter``): the baseline;
+- ``write + read-back``: the compiled loop the pause runs (``scatter_and_read_back``: block by
+  block, each block read back while in cache);
+- ``numpy write`` and ``numpy write + read-back``: the path without the extension (numpy's fancy
+  assignment, then a gather, a compare and a scan per chunk of ``READ_BACK_CHUNK``).
+
+It prints medians, each against the compiled write, and the read-back's own cost (the
+difference against its write), with the compiled loop's self-timed read-back (what the reply
+reports as ``written_read_back_s``) beside it. With ``--append`` it appends the table to
+benchmarks/RESULTS.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import platform
+import statistics
+import sys
+import time
+
+import numpy as np
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from sglang_patch.live import host_scatter  # noqa: E402
+from sglang_patch.live.patch import READ_BACK_CHUNK  # noqa: E402
+
+
+def numpy_write(flat_bits: np.ndarray, index: np.ndarray, values: np.ndarray, check: bool) -> None:
+    got = np.empty(min(READ_BACK_CHUNK, index.size), dtype=flat_bits.dtype)
+    differs = np.empty(got.size, dtype=np.bool_)
+    for a in range(0, index.size, READ_BACK_CHUNK):
+        b = min(index.size, a + READ_BACK_CHUNK)
+        flat_bits[index[a:b]] = values[a:b]
+        if check:
+            np.take(flat_bits, index[a:b], out=got[: b - a], mode="clip")
+            np.not_equal(got[: b - a], values[a:b], out=differs[: b - a])
+            if differs[: b - a].any():
+                raise AssertionError("a write did not land")
+
+
+def measure(elements: int, density: float, reps: int, rng: np.random.Generator) -> dict:
+    flat = torch.zeros(elements, dtype=torch.bfloat16)
+    flat_bits = flat.view(torch.int16).numpy()
+    flat_bits[:] = rng.integers(-30000, 30000, elements, dtype=np.int16)  # touch every page first
+    n = int(elements * density)
+    index = torch.from_numpy(np.sort(rng.choice(elements, n, replace=False)).astype(np.int64))
+    values = torch.from_numpy(rng.integers(-30000, 30000, n, dtype=np.int16)).view(torch.bfloat16)
+    idx_np, val_np = index.numpy(), values.view(torch.int16).numpy()
+    self_timed: list[float] = []
+
+    def checked() -> None:
+        result = host_scatter.scatter_and_read_back(flat, index, values)
+        assert result.first_differing == -1
+        self_timed.append(result.read_back_s)
+
+    variants = {
+        "write": lambda: host_scatter.scatter(flat, index, values),
+        "write + read-back": checked,
+        "numpy write": lambda: numpy_write(flat_bits, idx_np, val_np, False),
+        "numpy write + read-back": lambda: numpy_write(flat_bits, idx_np, val_np, True),
+    }
+    times: dict[str, list[float]] = {k: [] for k in variants}
+    for _ in range(reps):
+        for name, run in variants.items():
+            t0 = time.perf_counter()
+            run()
+            times[name].append(time.perf_counter() - t0)
+    out = {name: statistics.median(ts) for name, ts in times.items()}
+    out["self_timed"] = statistics.median(self_timed)
+    out["n"] = n
+    return out
+
+
+def report(rows: dict, elements: int, reps: int) -> str:
+    lines = [
+        f"### Read-back of the written elements, CPU ({datetime.date.today()}, {platform.node()}, "
+        f"{os.cpu_count()} cores)",
+        "",
+        f"One bf16 parameter of {elements:,} elements, sorted random positions; medians of {reps} rounds "
+        "(`benchmarks/bench_read_back.py`). Ratios against the compiled write alone.",
+        "",
+        "| changed | elements | write | write + read-back | read-back's cost | self-timed read-back "
+        "| numpy write | numpy write + read-back | numpy read-back's cost |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for density, r in rows.items():
+        base = r["write"]
+        lines.append(
+            f"| {density:.1%} | {r['n']:,} | {base * 1e3:.2f} ms | {r['write + read-back'] * 1e3:.2f} ms "
+            f"({r['write + read-back'] / base:.2f}x) | {(r['write + read-back'] - base) / base:+.2f}x "
+            f"| {r['self_timed'] * 1e3:.2f} ms ({r['self_timed'] / base:.2f}x) "
+            f"| {r['numpy write'] * 1e3:.2f} ms ({r['numpy write'] / base:.2f}x) "
+            f"| {r['numpy write + read-back'] * 1e3:.2f} ms ({r['numpy write + read-back'] / base:.2f}x) "
+            f"| {(r['numpy write + read-back'] - r['numpy write']) / r['numpy write']:+.2f}x |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--elements", type=int, default=100_000_000)
+    ap.add_argument("--densities", default="0.001,0.01,0.05")
+    ap.add_argument("--reps", type=int, default=15)
+    ap.add_argument("--append", action="store_true", help="append the table to benchmarks/RESULTS.md")
+    args = ap.parse_args()
+    if host_scatter.compiled() is None:
+        print("sglang_patch.live._host_scatter is not built: run scripts/setup_env.sh", file=sys.stderr)
+        return 2
+    torch.set_num_threads(1)  # as in the pause
+    rng = np.random.default_rng(0)
+    rows = {}
+    for density in (float(d) for d in args.densities.split(",")):
+        print(f"[bench_read_back] {density:.1%} of {args.elements:,} elements, {args.reps} rounds ...", flush=True)
+        rows[density] = measure(args.elements, density, args.reps, rng)
+    text = report(rows, args.elements, args.reps)
+    print(text)
+    if args.append:
+        with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "RESULTS.md"), "a") as f:
+            f.write("\n" + text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
