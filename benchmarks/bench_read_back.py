@@ -8,14 +8,14 @@ it with the staged value (issue 19). This times, on one bf16 parameter of ``--el
 and sorted random positions at each density, in turns (one rep of each variant per round):
 
 - ``write``: the compiled loop's write alone (``_host_scatter.scatter``): the baseline;
-- ``write + read-back``: the compiled loop the pause runs (``scatter_and_read_back``: block by
-  block, each block read back while in cache);
+- ``write + read-back``: the compiled loop the pause runs (``scatter_and_read_back``: each
+  element read back a few entries after its write, in the same loop);
 - ``numpy write`` and ``numpy write + read-back``: the path without the extension (numpy's fancy
   assignment, then a gather, a compare and a scan per chunk of ``READ_BACK_CHUNK``).
 
 It prints medians, each against the compiled write, and the read-back's own cost (the
-difference against its write), with the compiled loop's self-timed read-back (what the reply
-reports as ``written_read_back_s``) beside it. With ``--append`` it appends the table to
+difference against its write), with the loop's own estimate beside it (its probe chunks' timed
+read-back, scaled: what the reply reports as ``written_read_back_s``). With ``--append`` it appends the table to
 benchmarks/RESULTS.md.
 """
 
@@ -92,7 +92,7 @@ def report(rows: dict, elements: int, reps: int) -> str:
         f"One bf16 parameter of {elements:,} elements, sorted random positions; medians of {reps} rounds "
         "(`benchmarks/bench_read_back.py`). Ratios against the compiled write alone.",
         "",
-        "| changed | elements | write | write + read-back | read-back's cost | self-timed read-back "
+        "| changed | elements | write | write + read-back | read-back's cost | the loop's own estimate "
         "| numpy write | numpy write + read-back | numpy read-back's cost |",
         "|---|---|---|---|---|---|---|---|---|",
     ]

@@ -40,8 +40,8 @@ The expected value is rebuilt as the proof does: the checkpoint element through 
 box, cast to the parameter's dtype by ``copy_`` (what the loader's copy does), compared bit for
 bit. State derived from a parameter (MLA's ``w_kc``/``w_vc``, ``live.derived``) is no parameter:
 ``DERIVED_LAYERS_PER_CHECK`` layers drawn afresh (among those a live apply re-derived, or among all
-after a reload) are compared whole with the split of their live ``kv_b_proj``, inside the pause
-(temporaries of one layer: not yet prepared at staging). No sglang here.
+after a reload) are compared whole with the split of their live ``kv_b_proj``, inside the pause,
+into a scratch made at the proof (``derived.CompareScratch``). No sglang here.
 """
 
 from __future__ import annotations
@@ -59,7 +59,6 @@ import torch
 
 from .coordinate_map import CheckpointReader, CoordinateMap, as_int_bits
 from .results import RankCheck
-from .stage import StagingRefused
 
 SAMPLE_PER_TENSOR = 4096  # elements drawn per checkpoint tensor and update
 # checkpoint tensors sampled per update, drawn afresh each time (a model's few hundred tensors are
@@ -162,16 +161,15 @@ class _Group:
 class PreparedSample:
     """Expected values of one update's sample, ready to compare with the live weights.
 
-    Prepared for a live apply, the sample is split by the update's positions: ``groups`` holds
-    the elements the update writes (compared after its scatter, in the pause), ``unwritten`` the
-    rest (compared before the pause, at staging: ``compare_unwritten``)."""
+    Prepared for a live apply, ``settle_before_pause`` compares it with the live weights at
+    staging: the elements that already hold the target's bytes are verified there
+    (``before_pause``), and ``groups`` keeps only the others, for the pause."""
 
     groups: list[_Group] = field(default_factory=list)
     checked: int = 0  # parameters the sample could reach
     unchecked: int = 0
     read_s: float = 0.0  # drawing and reading it (at staging for a live apply)
-    unwritten: list[_Group] = field(default_factory=list)
-    before_pause: Optional[_Tally] = None  # ``unwritten`` compared at staging
+    before_pause: Optional[_Tally] = None  # what ``settle_before_pause`` verified
 
     @property
     def params(self) -> list[_ParamSample]:
@@ -188,10 +186,28 @@ class PreparedSample:
         on a device); per parameter only after a mismatch, for the detail."""
         return _compare(self.groups, params)
 
-    def compare_unwritten(self, params: Optional[Mapping[str, torch.Tensor]] = None) -> _Tally:
-        """``compare`` of the elements the update does not write; kept as ``before_pause``."""
-        self.before_pause = _compare(self.unwritten, params)
-        return self.before_pause
+    def settle_before_pause(self, params: Optional[Mapping[str, torch.Tensor]] = None) -> _Tally:
+        """At staging, while serving: compare every sampled element with the live weights now.
+        Those that hold the target's bytes already are verified (kept as ``before_pause``):
+        nothing changes the weights between here and the pause without voiding the staging (the
+        weights' generation), and the scatter reads back each element it writes. ``groups``
+        keeps the others, which the update must write: the pause compares them after its scatter."""
+        start = time.perf_counter()
+        tally, pending = _Tally(), []
+        for g in self.groups:
+            for s in g.members:
+                torch.index_select(_storage_bits(params, s.param, s.flat), 0, s.index, out=s.got)
+                differ = torch.ne(s.got, s.expected)
+                left = int(torch.count_nonzero(differ))
+                tally.compared += int(s.index.numel()) - left
+                if left:
+                    mask = differ.cpu().numpy()
+                    pending.append((s.param, s.dtype, s.flat, s.index[differ], s.expected[differ],
+                                    _masked_runs(s.runs, mask)))
+        self.groups = _grouped(pending)
+        tally.seconds = time.perf_counter() - start
+        self.before_pause = tally
+        return tally
 
 
 def _compare(groups: list[_Group], params: Optional[Mapping[str, torch.Tensor]]) -> _Tally:
@@ -256,16 +272,14 @@ def _draw(cmap: CoordinateMap, checked: set[str], rng: np.random.Generator, per_
 def prepare_sample_steps(
     cmap: CoordinateMap, params: Mapping[str, torch.Tensor], read_values: Callable[[str, np.ndarray], torch.Tensor],
     seed: list[int], per_tensor: int = SAMPLE_PER_TENSOR, max_tensors: Optional[int] = None,
-    checked: Optional[set[str]] = None, written: Optional[Mapping[str, np.ndarray]] = None,
+    checked: Optional[set[str]] = None,
 ) -> Generator[None, None, PreparedSample]:
     """Draw up to ``per_tensor`` random elements of each of up to ``max_tensors`` random
     checkpoint tensors' boxes (into checkable parameters) and rebuild the values the parameter
     elements they land on must hold; one step per tensor (``loop_slices``).
 
     ``read_values(tensor, flat positions)``: those checkpoint elements, in the checkpoint's dtype.
-    ``checked``: ``checkable_params``'s first set when the caller has it already (not rebuilt).
-    ``written``: per parameter, the flat positions a live update writes: the sample's elements
-    there go to ``groups``, the others to ``unwritten`` (None: every element to ``groups``)."""
+    ``checked``: ``checkable_params``'s first set when the caller has it already (not rebuilt)."""
     names = list(params)
     if checked is None:
         checked, unchecked = checkable_params(cmap, names)
@@ -296,26 +310,17 @@ def prepare_sample_steps(
         spent += time.perf_counter() - t0
         yield
         t0 = time.perf_counter()
-    members, unwritten = [], []
+    members = []
     for param in sorted(parts):
         live = params[param].detach()
         runs, end = [], 0
         for tensor, dst, _ in parts[param]:
             end += dst.size
             runs.append((end, tensor))
-        positions = np.concatenate([dst for _, dst, _ in parts[param]])
-        member = (param, live.dtype, as_int_bits(live.reshape(-1)), torch.from_numpy(positions),
-                  torch.cat([e for _, _, e in parts[param]]), runs)
-        if written is None:
-            members.append(member)
-            continue
-        hit = np.isin(positions, written[param]) if param in written else np.zeros(positions.size, dtype=np.bool_)
-        for mask, into in ((hit, members), (~hit, unwritten)):
-            if mask.any():
-                keep = torch.from_numpy(mask)
-                into.append((param, member[1], member[2], member[3][keep], member[4][keep], _masked_runs(runs, mask)))
-    sample = PreparedSample(_grouped(members), checked=len(checked), unchecked=len(unchecked),
-                            unwritten=_grouped(unwritten))
+        index = torch.from_numpy(np.concatenate([dst for _, dst, _ in parts[param]]))
+        members.append((param, live.dtype, as_int_bits(live.reshape(-1)), index,
+                        torch.cat([e for _, _, e in parts[param]]), runs))
+    sample = PreparedSample(_grouped(members), checked=len(checked), unchecked=len(unchecked))
     sample.read_s = spent + time.perf_counter() - t0
     return sample
 
@@ -459,7 +464,7 @@ def check_update(
 
 def _result(rank: str, scattered: _Tally, sample: Optional[_Tally], checked: int, unchecked: int, start: float,
             why: str, prepared_s: float = 0.0, before_pause: Optional[_Tally] = None) -> RankCheck:
-    before = before_pause.compared if before_pause else 0  # staging refuses on any mismatch there
+    before = before_pause.compared if before_pause else 0  # equal there (the rest waits for the pause)
     sampled = (sample.compared if sample else 0) + before
     mismatches = scattered.mismatches + (sample.mismatches if sample else 0)
     first = scattered.first or (sample.first if sample else None)
@@ -578,17 +583,14 @@ class UpdateChecker:
                 reader = self.readers.reader(local_dir)
                 sample = yield from prepare_sample_steps(
                     cmap, state.params(), values_through(reader.tensor),
-                    sample_seed(staged.to_version, next(_counter), state.rank), per_tensor, max_tensors,
-                    written=_written_positions(staged.patches))
+                    sample_seed(staged.to_version, next(_counter), state.rank), per_tensor, max_tensors)
                 if not dir_holds_target():  # bytes of another version may have been read
                     sample, self.prepare_reason = None, "the local checkpoint changed while the sample was read"
                 else:
                     yield
-                    _refuse_unless_equal(sample.compare_unwritten(state.params()), staged)
+                    sample.settle_before_pause(state.params())
                     self.prepare_reason = ""
             self._prepared = _Prepared(staged.to_version, local_dir, staged.patches, want, sample)
-        except StagingRefused:
-            raise
         except Exception as exc:
             self.prepare_reason = f"preparing the check failed: {type(exc).__name__}: {exc}"
 
@@ -616,25 +618,6 @@ class UpdateChecker:
                                 patches=patches, prepared=prepared.sample, started=started)
         except Exception as exc:
             return RankCheck(rank=state.rank, failed=True, detail=f"the check failed: {type(exc).__name__}: {exc}")
-
-
-def _written_positions(patches: Iterable) -> dict[str, np.ndarray]:
-    """Per parameter, the flat positions the staged patches write (host memory)."""
-    out: dict[str, list] = {}
-    for p in patches:
-        out.setdefault(p.param, []).append(p.index.numpy())
-    return {param: parts[0] if len(parts) == 1 else np.concatenate(parts) for param, parts in out.items()}
-
-
-def _refuse_unless_equal(before: _Tally, staged: Any) -> None:
-    """Where the update writes nothing, the target's bytes are the live version's: a sampled
-    element that differs there means the weights do not hold the version staging extends, so
-    patching them would not give the target. The update reloads instead."""
-    if before.mismatches:
-        raise StagingRefused(
-            f"the live weights differ from v{staged.from_version} where this update writes nothing "
-            f"({before.mismatches} of {before.compared + before.mismatches} sampled elements; {before.first}): "
-            "they do not hold the version the update extends")
 
 
 def check_after_update(state, local_dir: str, version: int, patches: Iterable = (),

@@ -148,11 +148,39 @@ class MlaDerivation:
         self.w_vc.copy_(self.src_vc)
 
     def mismatches(self) -> tuple[int, int]:
-        """``(elements that differ from a re-derivation, elements compared)``, bit for bit."""
+        """``(elements that differ from a re-derivation, elements compared)``, bit for bit; into
+        the shared ``scratch`` once the proof made it (the pause's check allocates nothing)."""
         differ = 0
         for got, want in ((self.w_kc, self.src_kc), (self.w_vc, self.src_vc)):
-            differ += int(torch.count_nonzero(as_int_bits(got) != as_int_bits(want)))
+            if self.scratch is not None:
+                differ += self.scratch.differing(got, want)
+            else:
+                differ += int(torch.count_nonzero(as_int_bits(got) != as_int_bits(want)))
         return differ, self.w_kc.numel() + self.w_vc.numel()
+
+    scratch: Optional["CompareScratch"] = None
+
+
+class CompareScratch:
+    """What comparing a derived tensor with its re-derivation writes into, made once at the proof
+    and shared by every layer: per device one bool per element of the largest derived tensor and
+    one count (a GLM-4.7-Flash layer's w_kc is 4.6M elements: 4.6 MB, not one buffer per layer)."""
+
+    def __init__(self, tensors: Iterable[torch.Tensor]) -> None:
+        sizes: dict[torch.device, int] = {}
+        for t in tensors:
+            sizes[t.device] = max(sizes.get(t.device, 0), t.numel())
+        # zeros, not empty: written now, so the pause takes no first-touch page faults on them
+        self.differs = {d: torch.zeros(n, dtype=torch.bool, device=d) for d, n in sizes.items()}
+        self.counts = {d: torch.zeros((), dtype=torch.int64, device=d) for d in sizes}
+
+    def differing(self, got: torch.Tensor, want: torch.Tensor) -> int:
+        """Elements of ``got`` whose bits differ from ``want``'s (same shape and device)."""
+        differs = self.differs[got.device][:got.numel()].view(got.shape)
+        torch.ne(as_int_bits(got), as_int_bits(want), out=differs)
+        count = self.counts[got.device]
+        torch.sum(differs.view(-1), 0, out=count)
+        return int(count)
 
 
 def prove_steps(model: torch.nn.Module, derived_params: Mapping[str, str],
@@ -176,6 +204,10 @@ def prove_steps(model: torch.nn.Module, derived_params: Mapping[str, str],
         if why is not None:
             out[name] = f"w_kc/w_vc are derived from it after loading and the rule is not proven: {why}"
         yield
+    bound = [d for d in out.values() if isinstance(d, MlaDerivation)]
+    scratch = CompareScratch(t for d in bound for t in (d.w_kc, d.w_vc))
+    for d in bound:
+        d.scratch = scratch
     return out
 
 

@@ -24,13 +24,14 @@ try:
 except ImportError:  # built without a C compiler: live.patch's numpy path
     _compiled = None
 
-# Elements per chunk: most chunks are written and read back in one loop (each element read a few
-# entries after its write, so the read's load overlaps the writes after it), every
-# ``PROBE_EVERY``-th one (the first included) as a probe, written alone and then read back in a
-# pass of its own, both timed: what the read-back costs is then measured in every scatter (the
-# fused chunks' time against the probes' write rate, plus the probes' own read-back), not guessed.
-# Measured on 100M bf16 elements (``benchmarks/bench_read_back.py``): the read-back adds about 7% to
-# a 1% write and nothing measurable to a 5% one; numpy's, 30-50%.
+# Elements per chunk. Each element is read back a few entries after its write, in the same loop
+# (the read's load overlaps the writes after it: a read right after its own store waits for it,
+# a pass after a block is another pass). Every ``PROBE_EVERY``-th chunk (the first included) is
+# read back once more, in a timed pass of its own: the read-back's cost per element, with the
+# lines in cache, measured in every scatter and scaled to the patch (a clock read per element, or
+# per small block, would cost as much as the read). Measured on 100M bf16 elements
+# (``benchmarks/bench_read_back.py``): the read-back adds about 7% to a 1% write and nothing
+# measurable to a 5% one; numpy's, 30-50%.
 CHUNK = 4096
 PROBE_EVERY = 16
 
@@ -39,7 +40,7 @@ __all__ = ["CHUNK", "ReadBackResult", "compiled", "scatter", "scatter_and_read_b
 
 class ReadBackResult(NamedTuple):
     first_differing: int  # the first entry (of the patch's positions) that read back other bits; -1: none
-    read_back_s: float  # what reading back cost the scatter (measured against its probes; see CHUNK)
+    read_back_s: float  # what reading back cost the scatter (its probes' rate, scaled: see CHUNK)
 
 
 def compiled() -> Optional[Any]:
@@ -60,10 +61,9 @@ def scatter_and_read_back(flat: torch.Tensor, index: torch.Tensor, values: torch
     with its value; stops at the first element that reads back other bits (the chunks before it
     and that one are written). Needs ``compiled()``."""
     module, args = _args(flat, index, values, start, stop)
-    bad, fused_ns, fused_n, plain_ns, plain_n, probe_ns = module.scatter_checked(*args, CHUNK, PROBE_EVERY)
-    # the fused chunks would have cost their elements at the probes' write rate without the read-back
-    extra_ns = max(0.0, fused_ns - plain_ns / plain_n * fused_n) if plain_n else 0.0
-    return ReadBackResult(int(bad), (probe_ns + extra_ns) / 1e9)
+    bad, probe_ns, probe_n = module.scatter_checked(*args, CHUNK, PROBE_EVERY)
+    n = args[5] - args[4]
+    return ReadBackResult(int(bad), probe_ns / probe_n * n / 1e9 if probe_n else 0.0)
 
 
 def _args(flat: torch.Tensor, index: torch.Tensor, values: torch.Tensor, start: int,

@@ -453,8 +453,10 @@ class ReadBack:
         result = host_scatter.scatter_and_read_back(p.flat, p.index, p.values)
         self.seconds += result.read_back_s
         if result.first_differing >= 0:
+            # the loop read back its chunk in order up to the first element that differed (and
+            # stopped there): describe that stretch
+            stop = result.first_differing + 1
             start = result.first_differing - result.first_differing % host_scatter.CHUNK
-            stop = min(int(p.index.numel()), start + host_scatter.CHUNK)
             got = as_int_bits(p.flat).numpy()[p.index.numpy()[start:stop]]  # the failure path: this allocates
             raise WriteNotLanded(self._describe(p, got, as_int_bits(p.values).numpy()[start:stop], start))
         self.elements += int(p.index.numel())

@@ -151,9 +151,9 @@ class RankCheck(msgspec.Struct, frozen=True, kw_only=True):
     sample_check_s: float = 0.0  # of check_s, the sample (a compare only when prepared at staging)
     sample_prepared_s: float = 0.0  # reading the sample's expected values at staging, while serving
     sample_read_in_pause: bool = False  # no sample was prepared at staging: the pause read the checkpoint
-    # of sampled_elements, those a live apply does not write, compared at staging while serving (the
-    # weights cannot change between then and the pause without voiding the staging); the pause
-    # compares only the sampled elements it writes
+    # of sampled_elements, those that held the target's bytes already at a live apply's staging,
+    # verified there while serving (the weights cannot change between then and the pause without
+    # voiding the staging, and the scatter reads back what it writes); the pause compares the rest
     sampled_before_pause: int = 0
     sample_before_pause_s: float = 0.0
     detail: str = ""  # the first mismatch, or why nothing was checked

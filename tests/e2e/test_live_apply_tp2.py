@@ -136,6 +136,8 @@ def assert_checked_from_the_live_weights_on_every_rank(body) -> None:
         assert c["not_checkable_params"] == 1, (rank, c)  # the nudged parameter is reload-only
         if body["mode"] == "live":  # read at staging, while serving: the pause only compares
             assert not c["sample_read_in_pause"] and c["sample_prepared_s"] > 0, (rank, c)
+            # the sampled elements the update does not write: compared at staging too
+            assert 0 < c["sampled_before_pause"] <= c["sampled_elements"] and c["sample_before_pause_s"] > 0, (rank, c)
             # every written element read back in the scatter itself
             assert c["scattered_elements"] > 0 and c["written_read_back_s"] > 0, (rank, c)
     assert body["mismatches"] == 0 and body["verified_elements"] > 0 and not body["reloaded_after_check"], body
@@ -144,8 +146,9 @@ def assert_checked_from_the_live_weights_on_every_rank(body) -> None:
           f"({cost / body['pause_s']:.3f}x; {body['verified_elements']} elements on {len(checks)} ranks); per rank: "
           + "; ".join(f"{r} written: read back in the scatter {c['written_read_back_s'] * 1e3:.2f} ms, storages at "
                       f"commit {c['scattered_check_s'] * 1e3:.2f} ms ({c['scattered_elements']}), sample "
-                      f"{c['sample_check_s'] * 1e3:.2f} ms ({c['sampled_elements']}), prepared at staging "
-                      f"{c['sample_prepared_s'] * 1e3:.1f} ms" for r, c in sorted(checks.items())))
+                      f"{c['sample_check_s'] * 1e3:.2f} ms ({c['sampled_elements'] - c['sampled_before_pause']} of "
+                      f"{c['sampled_elements']}; the rest compared at staging in {c['sample_before_pause_s'] * 1e3:.2f} "
+                      f"ms), read at staging {c['sample_prepared_s'] * 1e3:.1f} ms" for r, c in sorted(checks.items())))
 
 
 @pytest.mark.parametrize("version,encoding", [(1, "xor"), (2, "overwrite"), (3, "sparse-v1")])

@@ -210,40 +210,41 @@ def _nudge(param: torch.Tensor, position: int) -> None:
         flat[position] = torch.nextafter(flat[position], torch.tensor(float("inf"), dtype=flat.dtype))
 
 
-def test_the_sampled_elements_the_update_does_not_write_are_compared_at_staging_not_in_the_pause(served):
+def test_the_sampled_elements_already_at_the_target_are_verified_at_staging_and_the_pause_compares_the_rest(served):
     state, _ = _staged_state(served)
     prepared = state.checker._prepared.sample
     assert prepared is not None, state.checker.prepare_reason
     written = {(p.param, int(i)) for p in state.weights.staged.patches for i in p.index.tolist()}
-    assert all((s.param, int(i)) in written for s in prepared.params for i in s.index.tolist())
-    unwritten = [(s.param, int(i)) for g in prepared.unwritten for s in g.members for i in s.index.tolist()]
-    assert unwritten and not any(u in written for u in unwritten)
-    assert prepared.before_pause.compared == len(unwritten) and prepared.before_pause.mismatches == 0
+    for_the_pause = [(s.param, int(i)) for s in prepared.params for i in s.index.tolist()]
+    assert for_the_pause and all(e in written for e in for_the_pause)  # only what v1 -> v2 changes
+    before = prepared.before_pause
+    assert before.compared > 10 * len(for_the_pause) and before.mismatches == 0
     _vote_and_apply(state, served)
     check = _commit(state, served).check
     assert check.mismatches == 0, check.detail
-    assert check.sampled_before_pause == len(unwritten) and check.sample_before_pause_s > 0
-    assert check.sampled_elements == len(unwritten) + prepared.elements
+    assert check.sampled_before_pause == before.compared and check.sample_before_pause_s > 0
+    assert check.sampled_elements == before.compared + len(for_the_pause)
 
 
-def test_a_wrong_element_where_the_update_writes_nothing_refuses_staging_so_the_update_reloads(served, monkeypatch):
-    """Where v1 -> v2 writes nothing, v2's bytes are v1's: a live weight that differs there means
-    the engine does not hold v1, and patching it would not give v2."""
+def test_a_wrong_element_where_the_update_writes_nothing_is_found_after_the_scatter_and_the_engine_reloads(
+        served, monkeypatch):
+    """Where v1 -> v2 writes nothing, v2's bytes are v1's: a live weight that differs there is
+    not verified at staging, and after the scatter it is still wrong."""
     from sglang_patch.live import check as live_check
 
     monkeypatch.setenv(live_check.SAMPLE_ENV, "100000000,100000")  # every element of every tensor
     state, model = _staged_state(served)
     written = {(p.param, int(i)) for p in state.weights.staged.patches for i in p.index.tolist()}
-    [member] = [s for g in state.checker._prepared.sample.unwritten for s in g.members][:1]
-    position = next(int(i) for i in member.index.tolist() if (member.param, int(i)) not in written)
-    _nudge(dict(model.named_parameters())[member.param], position)
-    _stage(state, served)
-    assert state.weights.staged is None
-    reason = state.weights.stage_reason
-    assert "the live weights differ from v1 where this update writes nothing (1 of " in reason, reason
-    assert f"{member.param} (from " in reason and f"element {position} holds" in reason, reason
-    vote = state._run_phase(_request(served, tx.VOTE), tx.VOTE, 0.0)
-    assert not vote.live and "the live weights differ from v1" in vote.reason, vote
+    param = state.weights.staged.patches[0].param
+    position = next(i for i in range(dict(model.named_parameters())[param].numel()) if (param, i) not in written)
+    _nudge(dict(model.named_parameters())[param], position)
+    _stage(state, served)  # staged again over the wrong element
+    prepared = state.checker._prepared.sample
+    assert (param, position) in {(s.param, int(i)) for s in prepared.params for i in s.index.tolist()}
+    _vote_and_apply(state, served)
+    report = _commit(state, served)
+    assert report.check.mismatches == 1 and f"element {position} holds" in report.check.detail, report.check.detail
+    assert lr.check_mismatches([report])  # what makes the coordinator send every rank the reload
 
 
 def test_a_wrong_sampled_element_the_update_wrote_makes_the_engine_reload(served):

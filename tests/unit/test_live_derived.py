@@ -155,10 +155,17 @@ def test_the_per_update_check_compares_a_bounded_fresh_draw_of_the_re_derived_la
     assert tally.mismatches == 3 and "l0.w_kc/w_vc" in tally.first
 
 
-def test_the_pause_re_derives_and_restores_w_kc_w_vc_without_making_a_tensor():
-    model, _, _, staged, writes = _setup()
+def test_the_pause_re_derives_checks_and_restores_w_kc_w_vc_without_making_a_tensor():
+    from sglang_patch.live.check import check_derived
+
+    model, cmap, _, staged, writes = _setup()
     txn = RankTxn("t", 0.0)
     with NewTensors() as pause:
         assert writes.apply(staged, txn).success and txn.derived == 1
+        tally = check_derived(cmap.derivations, staged.patches, [0])  # into the proof's scratch
         assert writes.rollback(txn, "another rank failed").rolled_back
     assert pause.created == [], pause.created  # copy_ from views made at the proof, into the old storage
+    assert tally.compared == HEADS * (NOPE + V) * RANK and tally.mismatches == 0
+    model.w_vc[1, 2, 1] += 1  # a stale derived element: counted through the same scratch
+    tally = check_derived(cmap.derivations, staged.patches, [0])
+    assert tally.mismatches == 1 and "w_kc/w_vc: 1 element(s) differ" in tally.first

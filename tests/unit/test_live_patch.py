@@ -391,7 +391,8 @@ def test_host_patches_are_written_and_read_back_block_by_block_and_a_missed_elem
     with pytest.raises(WriteNotLanded) as err:
         scatter_with_undo(staged)
     n = int(next(p for p in staged.patches if p.param == victim).index.numel())
-    assert f"{victim}: 1 of positions 3-5 of {n} written element(s)" in str(err.value), str(err.value)
+    stretch = "3-4" if host_path == "compiled" else "3-5"  # the compiled loop stops at the element
+    assert f"{victim}: 1 of positions {stretch} of {n} written element(s)" in str(err.value), str(err.value)
     assert_names_the_position(str(err.value), position, values)
     after = _bits(model)
     assert all(torch.equal(before[n], after[n]) for n in before)
