@@ -14,8 +14,9 @@ and sorted random positions at each density, in turns (one rep of each variant p
   assignment, then a gather, a compare and a scan per chunk of ``READ_BACK_CHUNK``).
 
 It prints medians, each against the compiled write, and the read-back's own cost (the
-difference against its write), with the loop's own estimate beside it (its probe chunks' timed
-read-back, scaled: what the reply reports as ``written_read_back_s``). With ``--append`` it appends the table to
+difference against its write), with the loop's own estimate beside it (``ScatterTimings``: its
+fused chunks against its probe chunks' write rate, plus the probes' own read-back: what the reply
+reports as ``written_read_back_s``). With ``--append`` it appends the table to
 benchmarks/RESULTS.md.
 """
 
@@ -64,7 +65,7 @@ def measure(elements: int, density: float, reps: int, rng: np.random.Generator) 
     def checked() -> None:
         result = host_scatter.scatter_and_read_back(flat, index, values)
         assert result.first_differing == -1
-        self_timed.append(result.read_back_s)
+        self_timed.append(result.timings.read_back_s)
 
     variants = {
         "write": lambda: host_scatter.scatter(flat, index, values),

@@ -187,45 +187,54 @@ static PyObject *first_differing(PyObject *self, PyObject *args) {
 
 PyDoc_STRVAR(scatter_checked_doc,
 "scatter_checked(dst, numel, index, src, start, stop, width, chunk, probe_every)\n"
-"    -> (first_differing, probe_read_ns, probe_elements)\n\n"
-"scatter, every element read back from the destination a few entries after its write in the\n"
-"same loop and compared bit for bit with src, chunk by chunk. The first chunk and every\n"
-"probe_every-th one after are probes: once written and read back like the others, they are\n"
-"read back once more in a timed pass of their own, so the caller can tell what reading back\n"
-"costs per element with the lines in cache, without timing inside the loop. first_differing:\n"
-"the first entry whose element reads back other bits, or -1 (it stops there). IndexError as\n"
-"scatter.");
+"    -> (first_differing, fused_ns, fused_elements, plain_ns, plain_elements, probe_check_ns)\n\n"
+"scatter, every element read back from the destination and compared bit for bit with src, chunk\n"
+"by chunk. Most chunks are written and read back in one loop (each element read a few entries\n"
+"after its write). The first chunk and every probe_every-th one after are probes: written alone,\n"
+"then read back in a pass of their own, each part timed, so the caller can tell what the\n"
+"read-back costs (the fused chunks' time against the probes' write rate, plus the probes' own\n"
+"read-back). first_differing: the first entry whose element reads back other bits, or -1 (it\n"
+"stops there). IndexError as scatter.");
 
 static PyObject *scatter_checked(PyObject *self, PyObject *args) {
     Job job;
     Py_ssize_t chunk, probe_every;
     if (parse_job(args, &job, &chunk, &probe_every) < 0)
         return NULL;
+    range_fn write = scatter_of(job.width);
     check_fn check = differing_of(job.width);
     fused_fn both = fused_of(job.width);
-    Py_ssize_t bad = -1, oob = -1, probe_n = 0;
-    double probe_ns = 0.0;
+    Py_ssize_t bad = -1, oob = -1, fused_n = 0, plain_n = 0;
+    double fused_ns = 0.0, plain_ns = 0.0, probe_ns = 0.0;
     Py_BEGIN_ALLOW_THREADS
     Py_ssize_t c = 0;
     for (Py_ssize_t a = job.start; a < job.stop; c++) {
         Py_ssize_t b = a + chunk < job.stop ? a + chunk : job.stop;
-        bad = both(job.dst, job.numel, job.index, job.src, a, b, &oob);
-        if (oob >= 0 || bad >= 0)
-            break;
+        double t0 = now_ns();
         if (c % probe_every == 0) {
-            double t0 = now_ns();
+            oob = write(job.dst, job.numel, job.index, job.src, a, b);
+            double t1 = now_ns();
+            if (oob >= 0)
+                break;
             bad = check(job.dst, job.numel, job.index, job.src, a, b);
-            probe_ns += now_ns() - t0;
-            probe_n += b - a;
-            if (bad >= 0)
+            plain_ns += t1 - t0;
+            probe_ns += now_ns() - t1;
+            plain_n += b - a;
+        } else {
+            bad = both(job.dst, job.numel, job.index, job.src, a, b, &oob);
+            fused_ns += now_ns() - t0;
+            fused_n += b - a;
+            if (oob >= 0)
                 break;
         }
+        if (bad >= 0)
+            break;
         a = b;
     }
     Py_END_ALLOW_THREADS
     if (oob >= 0)
         return out_of_range(&job, oob);
-    return Py_BuildValue("ndn", bad, probe_ns, probe_n);
+    return Py_BuildValue("ndndnd", bad, fused_ns, fused_n, plain_ns, plain_n, probe_ns);
 }
 
 static PyMethodDef methods[] = {

@@ -24,23 +24,46 @@ try:
 except ImportError:  # built without a C compiler: live.patch's numpy path
     _compiled = None
 
-# Elements per chunk. Each element is read back a few entries after its write, in the same loop
-# (the read's load overlaps the writes after it: a read right after its own store waits for it,
-# a pass after a block is another pass). Every ``PROBE_EVERY``-th chunk (the first included) is
-# read back once more, in a timed pass of its own: the read-back's cost per element, with the
-# lines in cache, measured in every scatter and scaled to the patch (a clock read per element, or
-# per small block, would cost as much as the read). Measured on 100M bf16 elements
-# (``benchmarks/bench_read_back.py``): the read-back adds about 7% to a 1% write and nothing
-# measurable to a 5% one; numpy's, 30-50%.
+# Elements per chunk: most chunks are written and read back in one loop (each element read a few
+# entries after its write, so the read's load overlaps the writes after it), every
+# ``PROBE_EVERY``-th one (the first included) as a probe, written alone and then read back in a
+# pass of its own, both timed: what the read-back costs is then measured in every scatter (the
+# fused chunks' time against the probes' write rate, plus the probes' own read-back), not guessed.
+# Measured on 100M bf16 elements (``benchmarks/bench_read_back.py``): the read-back adds about 7% to
+# a 1% write and nothing measurable to a 5% one; numpy's, 30-50%.
 CHUNK = 4096
 PROBE_EVERY = 16
 
-__all__ = ["CHUNK", "ReadBackResult", "compiled", "scatter", "scatter_and_read_back"]
+__all__ = ["CHUNK", "ReadBackResult", "ScatterTimings", "compiled", "scatter", "scatter_and_read_back"]
+
+
+class ScatterTimings(NamedTuple):
+    """What one compiled scatter timed: its fused chunks (written and read back in one loop) and
+    its probe chunks (written alone, then read back in a pass of their own). Summed over a
+    scatter's patches, ``read_back_s`` tells what its read-back cost."""
+
+    fused_ns: float = 0.0
+    fused_elements: int = 0
+    plain_ns: float = 0.0
+    plain_elements: int = 0
+    probe_read_ns: float = 0.0
+
+    def __add__(self, other: "ScatterTimings") -> "ScatterTimings":  # type: ignore[override]
+        return ScatterTimings(*(a + b for a, b in zip(self, other)))
+
+    @property
+    def read_back_s(self) -> float:
+        """The probes' own read-back, plus what the fused chunks took beyond the probes' write
+        rate (what they would have cost without reading back); never below the probes' part."""
+        extra = 0.0
+        if self.plain_elements:
+            extra = max(0.0, self.fused_ns - self.plain_ns / self.plain_elements * self.fused_elements)
+        return (self.probe_read_ns + extra) / 1e9
 
 
 class ReadBackResult(NamedTuple):
     first_differing: int  # the first entry (of the patch's positions) that read back other bits; -1: none
-    read_back_s: float  # what reading back cost the scatter (its probes' rate, scaled: see CHUNK)
+    timings: ScatterTimings
 
 
 def compiled() -> Optional[Any]:
@@ -61,9 +84,8 @@ def scatter_and_read_back(flat: torch.Tensor, index: torch.Tensor, values: torch
     with its value; stops at the first element that reads back other bits (the chunks before it
     and that one are written). Needs ``compiled()``."""
     module, args = _args(flat, index, values, start, stop)
-    bad, probe_ns, probe_n = module.scatter_checked(*args, CHUNK, PROBE_EVERY)
-    n = args[5] - args[4]
-    return ReadBackResult(int(bad), probe_ns / probe_n * n / 1e9 if probe_n else 0.0)
+    bad, *timings = module.scatter_checked(*args, CHUNK, PROBE_EVERY)
+    return ReadBackResult(int(bad), ScatterTimings(*timings))
 
 
 def _args(flat: torch.Tensor, index: torch.Tensor, values: torch.Tensor, start: int,
