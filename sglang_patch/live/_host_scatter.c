@@ -1,5 +1,5 @@
-/* Live apply's host writes, compiled: the pause's scatter into a CPU parameter, its read-back,
- * and the sample's compare (sglang_patch/live/host_scatter.py is the Python side).
+/* Live apply's host writes, compiled: the pause's scatter into a CPU parameter and its read-back
+ * (sglang_patch/live/host_scatter.py is the Python side).
  *
  * Why compiled: the pause writes a few million scattered elements, each a cache miss, and then
  * reads every one back to compare it with the staged value. Through numpy the read-back is a
@@ -168,23 +168,6 @@ static PyObject *scatter(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
-PyDoc_STRVAR(first_differing_doc,
-"first_differing(dst, numel, index, src, start, stop, width) -> int\n\n"
-"The first i in start..stop whose element dst[index[i]] holds other bits than src[i] (or\n"
-"whose position is out of range), read from the destination's memory; -1 when none does.");
-
-static PyObject *first_differing(PyObject *self, PyObject *args) {
-    Job job;
-    if (parse_job(args, &job, NULL, NULL) < 0)
-        return NULL;
-    Py_ssize_t bad;
-    check_fn check = differing_of(job.width);
-    Py_BEGIN_ALLOW_THREADS
-    bad = check(job.dst, job.numel, job.index, job.src, job.start, job.stop);
-    Py_END_ALLOW_THREADS
-    return PyLong_FromSsize_t(bad);
-}
-
 PyDoc_STRVAR(scatter_checked_doc,
 "scatter_checked(dst, numel, index, src, start, stop, width, chunk, probe_every)\n"
 "    -> (first_differing, fused_ns, fused_elements, plain_ns, plain_elements, probe_check_ns)\n\n"
@@ -240,12 +223,11 @@ static PyObject *scatter_checked(PyObject *self, PyObject *args) {
 static PyMethodDef methods[] = {
     {"scatter", scatter, METH_VARARGS, scatter_doc},
     {"scatter_checked", scatter_checked, METH_VARARGS, scatter_checked_doc},
-    {"first_differing", first_differing, METH_VARARGS, first_differing_doc},
     {NULL, NULL, 0, NULL},
 };
 
 static struct PyModuleDef module = {
-    PyModuleDef_HEAD_INIT, "_host_scatter", "Live apply's compiled host scatter, read-back and compare.", -1, methods,
+    PyModuleDef_HEAD_INIT, "_host_scatter", "Live apply's compiled host scatter and read-back.", -1, methods,
 };
 
 PyMODINIT_FUNC PyInit__host_scatter(void) { return PyModule_Create(&module); }
