@@ -195,7 +195,8 @@ def test_a_reload_that_fails_in_one_dp_group_is_repeated_on_both_and_a_second_fa
 def test_every_step_of_a_random_sequence_leaves_both_dp_groups_equal_to_a_reload_of_the_claimed_version(env):
     """Issue 19's model-based differential test on this server (tests/e2e/live_model_support.py):
     pulls, live applies, reloads of another path, new runs, a replaced seed dir, reseeds, faults
-    on either DP group mid-scatter and killed pull helpers (between pulls: no pre-read hook here)."""
+    on either DP group mid-scatter, killed pull helpers (between pulls: no pre-read hook here) and
+    a reload that fails on one DP group once or twice."""
     from tests.e2e.live_model_support import run_model_sequences
 
     ran = run_model_sequences(env.server, root=env.root / "live_model", seed_dir=env.model, local=env.local,

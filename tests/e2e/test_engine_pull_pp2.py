@@ -202,7 +202,8 @@ def test_a_fault_on_stage_1_rolls_both_stages_back_and_the_retry_commits_on_both
 def test_every_step_of_a_random_sequence_leaves_both_stages_equal_to_a_reload_of_the_claimed_version(env):
     """Issue 19's model-based differential test on this server (tests/e2e/live_model_support.py):
     pulls, live applies, reloads of another path, new runs, a replaced seed dir, reseeds, faults
-    on either stage mid-scatter and killed pull helpers (held at the pre-read hook's gate)."""
+    on either stage mid-scatter, killed pull helpers (held at the pre-read hook's gate) and a
+    reload that fails on one stage once or twice."""
     from pathlib import Path
 
     from tests.e2e.live_model_support import run_model_sequences
