@@ -32,6 +32,7 @@ test-fast: setup-main
 bench: setup-main
 	$(PY) benchmarks/bench_sync.py
 	$(PY) benchmarks/bench_engine.py
+	$(PY) benchmarks/bench_read_back.py --append
 
 clean:
 	rm -rf .venv .venv-sglang0516 .pytest_cache .hypothesis
