@@ -26,7 +26,7 @@ Metrics (glossary of docs/FORMAT.md):
 | ``weightsync_update_checks_total`` | counter | ``outcome`` | ranks' checks of the live weights after a ``/update_weights_from_pulled`` (``live.check``): ``ok``, ``mismatch``, or ``unchecked`` (no sample drawn: the detail says why) |
 | ``weightsync_update_check_mismatches_total`` | counter | | parameter elements those checks found different from the published bytes |
 | ``weightsync_update_check_reloads_total`` | counter | | live applies whose check found a mismatch, after which every rank reloaded |
-| ``weightsync_update_check_seconds`` | histogram | ``part`` | what each rank's check cost inside the pause: ``written`` (every element a live apply wrote, read back in the scatter, and the storages' check at commit) and ``sample`` (its checkpoint sample) |
+| ``weightsync_update_check_seconds`` | histogram | ``part`` | what each rank's check cost: inside the pause, ``written`` (every element a live apply wrote, read back in the scatter, and the storages' check at commit) and ``sample`` (its checkpoint sample); at a live apply's staging, while serving, ``sample_at_staging`` (the sampled elements already at the target's bytes) |
 """
 
 from __future__ import annotations
@@ -91,7 +91,7 @@ class _Metrics:
         )
         self.update_check_seconds = Histogram(
             "weightsync_update_check_seconds",
-            "What each rank's check after an update cost inside the pause, by part (written, sample).",
+            "What each rank's check after an update cost, by part (written, sample: in the pause; sample_at_staging: while serving).",
             ["part"], buckets=CHECK_SECONDS_BUCKETS,
         )  # fmt: skip
         self.live_version.set(0)
@@ -207,6 +207,9 @@ def _record_checks(reply: Mapping[str, Any]) -> None:
                 float(_field(check, "written_read_back_s", 0.0) or 0.0) + float(_field(check, "scattered_check_s", 0.0) or 0.0))
         if int(_field(check, "sampled_elements", 0) or 0):
             metrics.update_check_seconds.labels("sample").observe(float(_field(check, "sample_check_s", 0.0) or 0.0))
+        if int(_field(check, "sampled_before_pause", 0) or 0):  # outside the pause
+            metrics.update_check_seconds.labels("sample_at_staging").observe(
+                float(_field(check, "sample_before_pause_s", 0.0) or 0.0))
     if reply.get("reloaded_after_check"):
         metrics.update_check_reloads.inc()
 

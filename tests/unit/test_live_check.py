@@ -265,7 +265,7 @@ import json
 from sglang_patch import metrics
 
 ok = {"rank": "dp0/tp0", "verified_elements": 10, "sampled_elements": 8, "scattered_elements": 2,
-      "scattered_check_s": 0.002, "sample_check_s": 0.0007}
+      "scattered_check_s": 0.002, "sample_check_s": 0.0007, "sampled_before_pause": 6, "sample_before_pause_s": 0.004}
 bad = {"rank": "dp0/tp1", "verified_elements": 7, "mismatches": 3, "sampled_elements": 10, "sample_check_s": 0.03}
 unchecked = {"rank": "dp0/tp1", "detail": "the local checkpoint changed during the check"}
 metrics.observe_update_from_pulled({"success": True, "mode": "live", "pause_s": 0.1, "weight_version": 2,
@@ -306,6 +306,9 @@ def test_metrics_count_each_ranks_check_its_mismatches_and_the_reloads_they_caus
     assert got["weightsync_update_check_seconds_count[('part', 'sample')]"] == 4
     assert got["weightsync_update_check_seconds_sum[('part', 'written')]"] == pytest.approx(0.006)
     assert got["weightsync_update_check_seconds_bucket[('le', '0.001'), ('part', 'sample')]"] == 3
+    # and, outside the pause, the sample's compare at a live apply's staging
+    assert got["weightsync_update_check_seconds_count[('part', 'sample_at_staging')]"] == 3
+    assert got["weightsync_update_check_seconds_sum[('part', 'sample_at_staging')]"] == pytest.approx(0.012)
 
 
 def test_the_sample_reaches_at_most_the_tensor_budget_per_update_and_other_tensors_the_next_time():
