@@ -25,7 +25,7 @@ import xxhash
 import zstandard
 
 from weightsync.fsio import write_file
-from weightsync.safetensors_io import iter_file_chunks, read_header
+from weightsync.format.safetensors_io import iter_file_chunks, read_header
 
 BLOCK = 2 << 20
 

@@ -58,7 +58,7 @@ def plain_child(argv: list[str]) -> None:
     interval), as sglang's scheduler loop does around the in-process pull."""
     local, seed, source, target, busy, switch_s = argv[0], argv[1], argv[2], int(argv[3]), argv[4] == "1", float(argv[5])
     import weightsync
-    from weightsync.pull import wait_until_durable
+    from weightsync.puller.pull import wait_until_durable
 
     # Warm, as the engine's long-lived pull helper is: one pull of the target first, so the
     # timed one does not pay this fresh process's first touch of its buffers.

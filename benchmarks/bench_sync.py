@@ -48,9 +48,9 @@ import baseline_upstream as base  # noqa: E402
 from bench_data import DEFAULT_STEPS, PRESETS, RLStream  # noqa: E402
 from weightsync import Publisher, RawTensor, pull  # noqa: E402
 from weightsync.codecs import sparse_v2 as codec_sparse2  # noqa: E402
-from weightsync.codecs.encoding_choice import Cost, EncodingChooser  # noqa: E402
+from weightsync.publisher.encoding_choice import Cost, EncodingChooser  # noqa: E402
 from weightsync.fsio import write_file  # noqa: E402
-from weightsync.safetensors_io import iter_file_chunks  # noqa: E402
+from weightsync.format.safetensors_io import iter_file_chunks  # noqa: E402
 
 ENCODINGS = ("sparse-v1", "sparse-v2", "xor")
 AUTO_LINKS = (1e6, 100e6)  # bytes/s per puller the report says encoding "auto" chooses at

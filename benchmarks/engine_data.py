@@ -24,7 +24,7 @@ sys.path.insert(0, os.path.dirname(HERE))
 from bench_data import Shape, qwen3_tensors  # noqa: E402
 from weightsync import Publisher, RawTensor  # noqa: E402
 from weightsync.fsio import write_file  # noqa: E402
-from weightsync.safetensors_io import iter_file_chunks  # noqa: E402
+from weightsync.format.safetensors_io import iter_file_chunks  # noqa: E402
 
 ENGINE_PRESETS = {
     # the shape: ~650M elements (1.3 GB of bf16), 223 tensors, tied embeddings

@@ -441,7 +441,7 @@ def write_checkpoint(model_dir: str, tensors: dict, shape) -> None:
 
 
 def checkpoint_files(directory: str) -> list[str]:
-    from weightsync.manifest import checkpoint_weight_files
+    from weightsync.format.manifest import checkpoint_weight_files
 
     return [os.path.join(directory, f) for f in checkpoint_weight_files(directory)]
 

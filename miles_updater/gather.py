@@ -30,8 +30,8 @@ import torch
 import torch.distributed as dist
 
 from weightsync import RawTensor
-from weightsync.layout import INDEX_NAME, SINGLE_FILE_NAME
-from weightsync.safetensors_io import local_tensor_table
+from weightsync.format.layout import INDEX_NAME, SINGLE_FILE_NAME
+from weightsync.format.safetensors_io import local_tensor_table
 
 from .hf_mapping import AttentionLayout, MappingError, expert_local_index, is_expert_param, to_hf, to_hf_names
 

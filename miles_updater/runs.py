@@ -29,8 +29,8 @@ import shutil
 
 import msgspec
 
-from weightsync.layout import index_path, list_versions, version_dir
-from weightsync.manifest import is_committed
+from weightsync.format.layout import index_path, list_versions, version_dir
+from weightsync.format.manifest import is_committed
 
 log = logging.getLogger(__name__)
 

@@ -41,7 +41,7 @@ import torch
 
 from weightsync import DEFAULT_ENCODING, Publisher, RawTensor
 from weightsync.errors import WeightSyncError
-from weightsync.layout import version_dir
+from weightsync.format.layout import version_dir
 
 from .engine_sync import APPLY_AUTO, EngineSync, SyncMetrics, as_engine_group
 from .engines import SGLangEngineClient

@@ -9,7 +9,7 @@ Role: runs in every trainer rank (a miles/slime Megatron actor). Each sync:
    shards; the all-gather of their manifests is the barrier), *commit* (rank 0 writes the index).
    With ``--update-weight-delta-encoding auto`` a *sample* step comes first: each source rank
    encodes a sample of its tensors both ways, and the all-gather of the samples gives every
-   source rank the same sum, hence the same encoding (``weightsync.codecs.encoding_choice``);
+   source rank the same sum, hence the same encoding (``weightsync.publisher.encoding_choice``);
 3. on rank 0 only, the engines (``engine_sync.EngineSync``): post-write hook -> ``pull_weights(v)``
    everywhere while they generate -> pause -> live apply or reload -> continue. The other ranks
    wait for it on a gloo group of their own whose timeout outlives the engine phase
@@ -46,8 +46,8 @@ import msgspec
 import torch.distributed as dist
 
 from weightsync import Publisher
-from weightsync.codecs.encoding_choice import AUTO, merge_samples
-from weightsync.layout import version_dir
+from weightsync.publisher.encoding_choice import AUTO, merge_samples
+from weightsync.format.layout import version_dir
 
 from .args import DiskDeltaConfig, check_engine_wait
 from .engine_sync import EngineSync, SyncMetrics, as_engine_group

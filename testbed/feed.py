@@ -51,7 +51,7 @@ class VersionFeed:
         return result
 
     def version_dir(self, version: int) -> str:
-        from weightsync.layout import version_dir
+        from weightsync.format.layout import version_dir
 
         return version_dir(self.source_dir, version)
 

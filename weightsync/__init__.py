@@ -7,10 +7,10 @@ or ray; the engine side (``sglang_patch``) and the trainer side (``miles_updater
 
 from . import errors
 from .codecs import supported_encodings
-from .checksum import supported_checksums
-from .plan import PullPlan, plan_pull
-from .publish import DEFAULT_ENCODING, Publisher, PublishResult, RawTensor, read_checkpoint_tensors
-from .pull import PullResult, applied_version, pull, wait_until_durable
+from .format.checksum import supported_checksums
+from .publisher.publish import DEFAULT_ENCODING, Publisher, PublishResult, RawTensor, read_checkpoint_tensors
+from .puller.plan import PullPlan, plan_pull
+from .puller.pull import PullResult, applied_version, pull, wait_until_durable
 
 __all__ = [
     "errors",

@@ -23,8 +23,8 @@ from typing import Sequence
 import msgspec
 
 from . import errors
-from .checksum import DEFAULT_CHECKSUM, supported_checksums
 from .codecs import supported_encodings
+from .format.checksum import DEFAULT_CHECKSUM, supported_checksums
 
 EXIT_CODES = [
     (errors.HostResourceError, 7),
@@ -105,7 +105,7 @@ def _emit(args, obj, table: str) -> None:
 
 
 def cmd_publish(args) -> int:
-    from .publish import Publisher, read_checkpoint_tensors
+    from .publisher.publish import Publisher, read_checkpoint_tensors
 
     pub = Publisher(
         args.source_dir, encoding=args.encoding, checksum=args.checksum, template_dir=args.template_dir or args.checkpoint,
@@ -138,7 +138,7 @@ def cmd_publish(args) -> int:
 
 
 def cmd_pull(args) -> int:
-    from .pull import pull
+    from .puller.pull import pull
 
     result = pull(
         args.local_dir, args.seed_dir, args.source_dir, args.version, args.hook,
@@ -199,7 +199,7 @@ def cmd_verify(args) -> int:
 
 
 def cmd_prune(args) -> int:
-    from .prune import prune_versions
+    from .publisher.prune import prune_versions
 
     pruned = prune_versions(args.source_dir, keep=args.keep, dry_run=args.dry_run)
     verb = "would delete" if args.dry_run else "deleted"
@@ -267,7 +267,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     if getattr(args, "encoding", "") is None:
-        from .publish import DEFAULT_ENCODING
+        from .publisher.publish import DEFAULT_ENCODING
 
         args.encoding = DEFAULT_ENCODING
     try:

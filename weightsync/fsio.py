@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 from typing import Iterable
 
-from .layout import tmp_name
+from .format.layout import tmp_name
 
 
 def fsync_dir(directory: str) -> None:

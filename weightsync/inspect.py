@@ -8,12 +8,12 @@ from typing import Callable, cast
 import msgspec
 import numpy as np
 
-from .checksum import digest
 from .codecs import DensityCodec, get_codec
 from .errors import ChainBrokenError, SourceNotReadyError, VersionMissingError, WeightSyncError
-from .layout import list_anchors, list_versions
-from .manifest import VersionIndex, check_anchor, checkpoint_weight_files, read_version_index
-from .safetensors_io import DTYPE_NBYTES, TensorEntry, local_tensor_table, read_header, read_range
+from .format.checksum import digest
+from .format.layout import list_anchors, list_versions
+from .format.manifest import VersionIndex, check_anchor, checkpoint_weight_files, read_version_index
+from .format.safetensors_io import DTYPE_NBYTES, TensorEntry, local_tensor_table, read_header, read_range
 
 
 class TensorSummary(msgspec.Struct):

@@ -62,7 +62,7 @@ SPARSE2_BITSTREAM = Knob(
     "sparse-v2: the bitstream the publisher writes: 3 (range coded, needs the compiled coder; 2 where it is "
     "missing) or 2 (magnitude classes, Rice coded, numpy only)",
 )
-# encoding="auto" (codecs/encoding_choice.py): the link a puller has, what sparse-v2 costs it, the sample
+# encoding="auto" (publisher/encoding_choice.py): the link a puller has, what sparse-v2 costs it, the sample
 LINK_BYTES_PER_S = Knob(
     "WEIGHTSYNC_LINK_BYTES_PER_S", 0,
     "encoding auto: bytes per second one puller gets from the source dir (its share of the link); 0: not declared",

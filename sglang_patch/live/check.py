@@ -557,7 +557,7 @@ class UpdateChecker:
         version read from its verified local checkpoint.
         Never raises: without a prepared sample the check reads the checkpoint inside the
         pause, as a reload's does."""
-        import weightsync.codecs.positions as positions
+        import weightsync.puller.positions as positions
 
         from .identity import key_of_held
 
@@ -625,7 +625,7 @@ def check_after_update(state, local_dir: str, version: int, patches: Iterable = 
     """The check of ``live.state.LiveApplyState`` ``state`` once it holds ``version`` (after a
     commit or a reload from ``local_dir``), the sample read now; never raises (a check that fails
     says so). ``readers``: cached headers (a fresh reader otherwise)."""
-    import weightsync.codecs.positions as positions
+    import weightsync.puller.positions as positions
 
     from .identity import key_of_held
 

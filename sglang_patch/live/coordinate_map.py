@@ -963,8 +963,8 @@ class CheckpointReader:
     """Checkpoint tensors by name from a local HF checkpoint dir (headers read once)."""
 
     def __init__(self, checkpoint_dir: str) -> None:
-        from weightsync.manifest import checkpoint_weight_files
-        from weightsync.safetensors_io import local_tensor_table
+        from weightsync.format.manifest import checkpoint_weight_files
+        from weightsync.format.safetensors_io import local_tensor_table
 
         self.checkpoint_dir = checkpoint_dir
         self.table = local_tensor_table(checkpoint_dir, checkpoint_weight_files(checkpoint_dir))

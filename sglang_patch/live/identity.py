@@ -3,7 +3,7 @@
 A version number alone does not name bytes: the core reseeds a local checkpoint for a new run
 under the same source dir path, and for a seed dir replaced in place, and both restart or repeat
 version numbers. So the live version carries what the core's applied-version marker carries
-(``weightsync.identity``): the source dir and the run that published the chain, and the
+(``weightsync.puller.identity``): the source dir and the run that published the chain, and the
 fingerprint of the seed it grew from. Version 0 is the seed itself, fingerprinted at start-up;
 any source's chain starts there, so only the seed must match at version 0 (as in
 ``identity.mismatch``).
@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple, Optional
 
-from weightsync.identity import NO_SEED
+from weightsync.puller.identity import NO_SEED
 
 
 class LiveVersion(NamedTuple):

@@ -16,8 +16,8 @@ import os
 import threading
 from typing import Any, Callable, Iterator, Optional
 
-import weightsync.codecs.positions as positions
-from weightsync.lock import shared_host_lock
+import weightsync.puller.positions as positions
+from weightsync.puller.lock import shared_host_lock
 
 from . import derived as live_derived
 from . import scope as live_scope

@@ -2,7 +2,7 @@
 
 This is the heavy half of live apply's staging, and it needs no engine: the changed element
 positions of each checkpoint tensor (decoded from the delta payloads by
-``weightsync.codecs.positions``, never by diffing tensors), mapped through the rank's proven
+``weightsync.puller.positions``, never by diffing tensors), mapped through the rank's proven
 placements to parameter positions, and the new values read at those positions from the local
 checkpoint, still in the checkpoint's dtype. It runs in the rank's pull helper process
 (``pull.process``), which has its own interpreter and CPUs: in the scheduler process every
@@ -33,7 +33,7 @@ from typing import Callable, Iterable, NamedTuple, Optional
 import msgspec
 import numpy as np
 
-from weightsync.safetensors_io import DTYPE_NBYTES
+from weightsync.format.safetensors_io import DTYPE_NBYTES
 
 # numpy cannot hold bf16: checkpoint values travel as same-width integers.
 CARRIER = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
@@ -398,7 +398,7 @@ class KeptMaps:
     next (the helper's): mapping the page-cache pages of a rank's shard, page by page as the
     values are gathered, cost 0.2-0.3 s of a 5% staging at TP=2 here, and unmapping them 0.07 s.
 
-    Sound because the pull writes the local files in place (``weightsync.apply``: through maps of
+    Sound because the pull writes the local files in place (``weightsync.puller.apply``: through maps of
     the same files), so a kept map sees exactly the bytes the pull verified; a file that is
     another file now (a new inode, or another size: a reseed, an operator's copy) is mapped
     again. Resources: one map (and its descriptor) per weight file of the last dir staged from,
@@ -470,7 +470,7 @@ def _plan_job(job: StageJob) -> _Plan:
     Raises:
         StagingRefused, PositionsUnavailableError: it cannot be patched live.
     """
-    import weightsync.codecs.positions as positions
+    import weightsync.puller.positions as positions
 
     chain, indexes = positions.plan_change_chain(job.source_dir, job.from_version, job.to_version)
     if not chain.is_deltas_only:
@@ -486,8 +486,8 @@ def _plan_job(job: StageJob) -> _Plan:
 
 
 def _local_values(job: StageJob, kept: Optional[KeptMaps] = None) -> _LocalValues:
-    from weightsync.manifest import checkpoint_weight_files
-    from weightsync.safetensors_io import local_tensor_table
+    from weightsync.format.manifest import checkpoint_weight_files
+    from weightsync.format.safetensors_io import local_tensor_table
 
     local = job.local_checkpoint_dir
     return _LocalValues(local_tensor_table(local, checkpoint_weight_files(local)),

@@ -20,7 +20,7 @@ import os
 import time
 from typing import Any, Callable, Iterator, Optional
 
-import weightsync.codecs.positions as positions
+import weightsync.puller.positions as positions
 
 from . import scope as live_scope
 from .device import PauseFence, pause_fence_for

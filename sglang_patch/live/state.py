@@ -31,7 +31,7 @@ import threading
 import time
 from typing import Any, Callable, Iterator, Optional
 
-import weightsync.codecs.positions as positions
+import weightsync.puller.positions as positions
 from weightsync.errors import InvalidRequestError, PathNotAllowedError
 
 from ..paths import ALLOWED_ROOTS_FLAG

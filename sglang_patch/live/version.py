@@ -28,8 +28,8 @@ import threading
 import time
 from typing import Callable, Optional
 
-import weightsync.codecs.positions as positions
-from weightsync.identity import seed_fingerprint as fingerprint_seed
+import weightsync.puller.positions as positions
+from weightsync.puller.identity import seed_fingerprint as fingerprint_seed
 
 from .identity import LiveVersion, ReloadWitness, from_held, reload_outcome, seed_version
 from .patch import StagedUpdate

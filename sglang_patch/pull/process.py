@@ -500,7 +500,7 @@ def helper_main(fd: int) -> int:
             pulled.add(job.local_checkpoint_dir)
         KEPT_MAPS.drop_stale()  # a reseed replaced or deleted files: their blocks go now, not at the next staging
         send_frame(sock, report)
-    from weightsync.pull import wait_until_durable
+    from weightsync.puller.pull import wait_until_durable
 
     for local in pulled:  # let a deferred flush write its marker before we go
         wait_until_durable(local)

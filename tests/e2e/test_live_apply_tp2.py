@@ -353,7 +353,7 @@ def test_a_reload_that_a_pull_overlaps_leaves_the_live_version_unknown_and_the_n
     pull writes v4; the reload must not take v4 for what it loaded."""
     import threading
 
-    from weightsync.codecs.positions import held_version
+    from weightsync.puller.positions import held_version
 
     feed = env.run_feed
     feed.publish(4, encoding="xor", names=env.others)

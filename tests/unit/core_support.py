@@ -85,8 +85,8 @@ def publish_one_sparse2_delta(root: str) -> tuple[str, str, str, str, int]:
     bitstream the knob names) of one fp32 tensor ``w``, for a test that damages the delta:
     ``(seed, source, local, v2's delta shard, the offset of w's payload in it)``."""
     from weightsync import Publisher
-    from weightsync.layout import version_dir
-    from weightsync.safetensors_io import read_header
+    from weightsync.format.layout import version_dir
+    from weightsync.format.safetensors_io import read_header
 
     rng = np.random.default_rng(7)
     seed, source, local = (os.path.join(root, n) for n in ("seed", "src", "local"))

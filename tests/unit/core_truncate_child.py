@@ -5,7 +5,7 @@ process with SIGBUS; the test asserts this child ends with a typed error instead
 
     python core_truncate_child.py library   LOCAL SEED SOURCE TARGET   # weightsync.pull
     python core_truncate_child.py cli       LOCAL SEED SOURCE TARGET   # weightsync.cli.main(["pull", ...])
-    python core_truncate_child.py positions LOCAL SEED SOURCE TARGET   # codecs.positions.iter_changed_elements
+    python core_truncate_child.py positions LOCAL SEED SOURCE TARGET   # puller.positions.iter_changed_elements
 
 Prints "ok" (exit 0), or "typed <ErrorClass>" (exit 3) for a ``WeightSyncError``; the CLI's
 own exit code and output are passed through.
@@ -44,8 +44,8 @@ def cut_before(obj, attr: str, source: str) -> None:
 
 def main(argv: list[str]) -> int:
     mode, local, seed, source, target = argv
-    import weightsync.apply as apply_mod
-    import weightsync.codecs.positions as positions
+    import weightsync.puller.apply as apply_mod
+    import weightsync.puller.positions as positions
     from weightsync import errors, pull
     from weightsync.codecs import _CODECS
 

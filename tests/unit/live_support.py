@@ -95,7 +95,7 @@ def serve_from_local(local: str, model_dir: str, live_reason: str):
     from sglang_patch.live.identity import from_held
     from sglang_patch.live.state import LiveApplyState
     from testbed.tiny_qwen3 import read_state_dict
-    from weightsync.codecs.positions import held_version
+    from weightsync.puller.positions import held_version
 
     tensors = read_state_dict(local)
     model = FlatModel(tensors)

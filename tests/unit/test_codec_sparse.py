@@ -108,7 +108,7 @@ def test_golden_vector_decodes_and_the_independent_writer_agrees():
 
 
 def test_publisher_default_encoding_is_sparse_v1():
-    from weightsync.publish import DEFAULT_ENCODING
+    from weightsync.publisher.publish import DEFAULT_ENCODING
 
     assert DEFAULT_ENCODING == "sparse-v1"
 
@@ -363,8 +363,8 @@ def test_encoder_picks_the_smallest_gap_width():
 @pytest.fixture
 def split_everything(monkeypatch):
     """Small segments and no size floor, so a test-sized tensor is cut into parts."""
-    from weightsync import apply as apply_mod
-    from weightsync import encode as encode_mod
+    from weightsync.puller import apply as apply_mod
+    from weightsync.publisher import encode as encode_mod
 
     monkeypatch.setattr(codec_sparse.CODEC, "seg_elements", 1000)
     monkeypatch.setattr(apply_mod, "SPLIT_MIN_NBYTES", 0)
@@ -392,7 +392,7 @@ def _published_chain(tmp, rng, versions: int):
 def test_a_large_tensor_split_across_workers_pulls_exactly(split_everything, fast_tmp_path, rng):
     from core_support import assert_checkpoint_is, tensor_bytes
 
-    from weightsync import apply as apply_mod
+    from weightsync.puller import apply as apply_mod
     from weightsync import pull
 
     history = _published_chain(fast_tmp_path, rng, 3)
@@ -466,8 +466,8 @@ def test_broken_sparse_payload_is_refused_at_load_before_any_seed(tmp_path):
     import os
 
     from weightsync import Publisher, errors, pull
-    from weightsync.layout import version_dir
-    from weightsync.safetensors_io import read_header
+    from weightsync.format.layout import version_dir
+    from weightsync.format.safetensors_io import read_header
 
     from core_support import write_hf_checkpoint
 

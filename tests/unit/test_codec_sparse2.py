@@ -562,8 +562,8 @@ def test_segment_table_larger_than_the_payload_is_rejected_without_looping():
 def small_segments(monkeypatch):
     """Segments of 4096 elements, free classes and no split floor: test-sized tensors get
     several classes and are cut into parts across workers."""
-    from weightsync import apply as apply_mod
-    from weightsync import encode as encode_mod  # the publisher's encode scheduling
+    from weightsync.puller import apply as apply_mod
+    from weightsync.publisher import encode as encode_mod  # the publisher's encode scheduling
 
     monkeypatch.setattr(codec_sparse2.CODEC, "seg_elements", 4096)
     monkeypatch.setattr(codec_sparse2.CODEC, "class_min_saving", 0.0)
@@ -581,8 +581,8 @@ def _float_chain(tmp, rng, versions: int, bitstream: int):
     from core_support import write_hf_checkpoint
 
     from weightsync import Publisher
-    from weightsync.layout import version_dir
-    from weightsync.safetensors_io import read_header
+    from weightsync.format.layout import version_dir
+    from weightsync.format.safetensors_io import read_header
 
     v = {"big": (0.02 * rng.standard_normal((40, 500)) * np.exp2(rng.integers(-6, 1, (40, 500)))).astype(np.float32),
          "bf": rng.integers(0, 1 << 16, (9, 1000)).astype(np.uint16),
@@ -622,7 +622,7 @@ def bitstream(request, monkeypatch):
 def test_publish_and_pull_a_sparse_v2_chain_split_across_workers(small_segments, bitstream, fast_tmp_path, rng):
     from core_support import assert_checkpoint_is, tensor_bytes
 
-    from weightsync import apply as apply_mod
+    from weightsync.puller import apply as apply_mod
     from weightsync import pull
 
     history = _float_chain(fast_tmp_path, rng, 4, bitstream)

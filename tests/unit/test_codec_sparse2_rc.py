@@ -531,8 +531,8 @@ def _publish_two(tmp, rng) -> bytes:
     from core_support import write_hf_checkpoint
 
     from weightsync import Publisher
-    from weightsync.layout import version_dir
-    from weightsync.safetensors_io import read_header
+    from weightsync.format.layout import version_dir
+    from weightsync.format.safetensors_io import read_header
 
     t0 = {"w": (0.02 * rng.standard_normal(5000)).astype(np.float32)}
     write_hf_checkpoint(str(tmp / "seed"), t0)

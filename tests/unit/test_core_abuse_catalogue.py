@@ -22,7 +22,7 @@ import pytest
 import zstandard
 
 from weightsync import Publisher, errors, pull
-from weightsync.checksum import digest
+from weightsync.format.checksum import digest
 from weightsync.codecs import OverwriteCodec
 
 from core_support import (
@@ -466,7 +466,8 @@ def test_sparse_segments_below_the_spec_minimum_are_refused_at_load(world):
 def test_shard_gone_or_replaced_between_load_and_apply_is_not_ready_and_leaves_no_marker(world, monkeypatch, how):
     """The loaded chain holds no open shard; the apply reopens each one and checks it is still
     the file it checked. (The wrapper only places the real deletion between the two steps.)"""
-    pull_mod = sys.modules["weightsync.pull"]  # (the package's ``pull`` is the function)
+    from weightsync.puller import pull as pull_mod
+
     world.publish(3, "xor")
     shard = next(os.path.join(world.vdir(3), n) for n in os.listdir(world.vdir(3)) if n.endswith(".safetensors"))
     check = pull_mod.check_against_local

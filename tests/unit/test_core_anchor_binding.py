@@ -11,7 +11,6 @@ package; the damage is done to those files on disk.
 
 from __future__ import annotations
 
-import importlib
 import json
 import os
 import shutil
@@ -22,8 +21,9 @@ import xxhash
 from weightsync import Publisher, plan_pull, pull
 from weightsync.cli import main
 from weightsync.errors import AnchorUnusableError, ChecksumMismatchError, SourceNotReadyError
-from weightsync.layout import list_anchors, list_versions
-from weightsync.prune import prune_versions
+from weightsync.format.layout import list_anchors, list_versions
+from weightsync.publisher.prune import prune_versions
+from weightsync.puller import pull as pull_mod
 
 from core_support import (
     assert_checkpoint_is,
@@ -37,7 +37,6 @@ from core_support import (
     write_hf_checkpoint,
 )
 
-pull_mod = importlib.import_module("weightsync.pull")  # the module (the package exports the function)
 INDEX = "model.safetensors.index.json"
 SIZES = {"embed": ("float32", (64, 32)), "w1": ("float32", (32, 64)), "w2": ("float32", (32, 64)), "norm": ("float32", (64,))}
 

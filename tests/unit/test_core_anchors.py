@@ -9,12 +9,12 @@ import os
 
 import pytest
 
-import weightsync.encode as encode_mod
-import weightsync.manifest as manifest_mod
-import weightsync.prune as prune_mod
+import weightsync.publisher.encode as encode_mod
+import weightsync.format.manifest as manifest_mod
+import weightsync.publisher.prune as prune_mod
 from weightsync import Publisher, plan_pull, pull
 from weightsync.codecs import get_codec
-from weightsync.layout import list_anchors, list_versions
+from weightsync.format.layout import list_anchors, list_versions
 
 from core_support import assert_checkpoint_is, mutate, random_tensors, tensor_bytes, write_hf_checkpoint
 

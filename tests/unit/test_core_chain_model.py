@@ -27,7 +27,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 from weightsync import Publisher, errors, pull, supported_encodings
-from weightsync.pull import wait_until_durable
+from weightsync.puller.pull import wait_until_durable
 
 from core_support import THOROUGH, flip_local_byte, marker_version, mutate, read_checkpoint_bytes, tensor_bytes, write_hf_checkpoint
 

@@ -15,10 +15,10 @@ import zstandard
 from hypothesis import assume, given
 from hypothesis import strategies as st
 
-from weightsync.checksum import digest, new_hasher
+from weightsync.format.checksum import digest, new_hasher
 from weightsync.codecs import OverwriteCodec, XorCodec, apply_xor_chain, count_changed, get_codec
 from weightsync.errors import PayloadBoundError
-from weightsync.safetensors_io import DTYPE_NBYTES, build_header, parse_header, read_header
+from weightsync.format.safetensors_io import DTYPE_NBYTES, build_header, parse_header, read_header
 
 UPSTREAM = ["xor", "overwrite"]
 
@@ -219,7 +219,7 @@ def test_files_we_write_are_read_by_the_safetensors_package_and_back(tmp_path_fa
     from safetensors import safe_open
 
     from weightsync.fsio import write_file
-    from weightsync.safetensors_io import iter_file_chunks
+    from weightsync.format.safetensors_io import iter_file_chunks
 
     rng = np.random.default_rng(seed)
     arrays = {}

@@ -13,10 +13,10 @@ import threading
 import numpy as np
 import pytest
 
-import weightsync.apply as apply_mod
+import weightsync.puller.apply as apply_mod
 from weightsync import Publisher, applied_version, errors, pull, wait_until_durable
-from weightsync.layout import verified_path
-from weightsync.lock import acquire_host_lock
+from weightsync.format.layout import verified_path
+from weightsync.puller.lock import acquire_host_lock
 
 from core_support import write_hf_checkpoint
 
@@ -44,7 +44,8 @@ def test_co_located_pull_of_a_verified_version_does_not_wait_for_the_flush(chain
         assert release.wait(30)
         real_fsync(paths)
 
-    pull_module = sys.modules["weightsync.pull"]  # the package's ``pull`` attribute is the function
+    from weightsync.puller import pull as pull_module
+
     monkeypatch.setattr(pull_module, "fsync_files", slow_fsync)
     first = pull(local, seed, source, 1, durability="deferred")
     assert first.durable is False and first.action == "chain"

@@ -15,7 +15,7 @@ import pytest
 import zstandard
 
 from weightsync import Publisher, pull
-from weightsync.checksum import digest
+from weightsync.format.checksum import digest
 from weightsync.codecs import get_codec
 
 from core_support import assert_checkpoint_is, marker_version, write_hf_checkpoint
@@ -100,7 +100,7 @@ def test_digest_matches_published_reference_vectors(checksum, data, hexdigest):
 
 
 def test_chunked_digest_equals_one_shot():
-    from weightsync.checksum import new_hasher
+    from weightsync.format.checksum import new_hasher
 
     data = bytes(range(256)) * 97
     for checksum in DIGESTS_OF_NEW:

@@ -12,7 +12,8 @@ import shutil
 
 import pytest
 
-from weightsync import Publisher, errors, identity, pull
+from weightsync import Publisher, errors, pull
+from weightsync.puller import identity
 
 from core_support import (
     assert_checkpoint_is, marker_version, mutate, random_tensors, tensor_bytes, tensor_location, write_hf_checkpoint,

@@ -34,6 +34,6 @@ def test_importing_every_core_module_loads_no_framework():
     assert out.returncode == 0, out.stderr
     report = json.loads(out.stdout.strip().splitlines()[-1])
     assert not report["failed"], report["failed"]
-    assert {"weightsync.pull", "weightsync.publish", "weightsync.apply", "weightsync.lock"} <= set(report["modules"])
+    assert {"weightsync.puller.pull", "weightsync.publisher.publish", "weightsync.puller.apply", "weightsync.puller.lock"} <= set(report["modules"])
     leaked = [m for m in report["top_level"] if m in FORBIDDEN]
     assert not leaked, f"importing the core loaded {leaked}"

@@ -13,7 +13,7 @@ import sys
 import textwrap
 
 from weightsync import Publisher
-from weightsync.layout import list_anchors, list_versions
+from weightsync.format.layout import list_anchors, list_versions
 
 from core_support import assert_checkpoint_is, mutate, random_tensors, tensor_bytes, write_hf_checkpoint
 

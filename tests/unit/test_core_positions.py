@@ -1,4 +1,4 @@
-"""Changed element positions of a chain, decoded from the payloads (``weightsync.codecs.positions``).
+"""Changed element positions of a chain, decoded from the payloads (``weightsync.puller.positions``).
 
 The reference is an independent numpy diff of the exact tensors each version holds; every
 encoding, element widths 1/2/4, a chain mixing encodings, a full version in the chain, and the
@@ -16,8 +16,8 @@ import pytest
 from core_support import mutate, random_tensors, write_hf_checkpoint
 from weightsync import Publisher, pull
 from weightsync.errors import PositionsUnavailableError
-from weightsync.layout import format_version
-from weightsync.codecs.positions import held_version, iter_changed_elements, plan_change_chain
+from weightsync.format.layout import format_version
+from weightsync.puller.positions import held_version, iter_changed_elements, plan_change_chain
 
 SIZES = {
     "a.weight": ("float16", (64, 48)),
@@ -76,7 +76,7 @@ def test_positions_of_a_mixed_chain_are_the_union_over_its_versions(tmp_path):
 
 
 def test_skipped_tensors_are_not_decoded_and_the_others_are_unchanged(tmp_path, monkeypatch):
-    import weightsync.codecs.positions as positions
+    import weightsync.puller.positions as positions
 
     _, source, local, versions = _chain(tmp_path, ["sparse-v1"])
     chain, indexes = plan_change_chain(source, 0, 1)
@@ -91,7 +91,7 @@ def test_skipped_tensors_are_not_decoded_and_the_others_are_unchanged(tmp_path, 
 
 def test_a_window_returns_every_change_inside_it_and_decodes_only_the_segments_it_overlaps(tmp_path, monkeypatch):
     import weightsync.codecs.sparse_v1 as codec_sparse
-    import weightsync.codecs.positions as positions
+    import weightsync.puller.positions as positions
 
     monkeypatch.setattr(codec_sparse.SparseCodec, "seg_elements", codec_sparse.MIN_SEG_ELEMENTS)
     rng = np.random.default_rng(3)
@@ -140,7 +140,7 @@ def test_held_version_sees_a_deferred_flush_that_finishes_between_its_reads(tmp_
     """The flush writes the marker, then removes its note: a reader that found no marker, then no
     note, must look at the marker again rather than call a verified checkpoint unverified. The
     race is forced here by finishing the flush inside the reader's first marker read."""
-    from weightsync.codecs import positions
+    from weightsync.puller import positions
 
     _, _, local, _ = _chain(tmp_path, ["xor"])
     marker = os.path.join(local, ".weight_sync", "state.json")
@@ -169,9 +169,9 @@ def test_held_version_sees_a_deferred_flush_that_finishes_between_its_reads(tmp_
 
 
 def test_held_version_names_the_run_and_seed_the_marker_or_note_records(tmp_path):
-    from weightsync.identity import seed_fingerprint
-    from weightsync.manifest import read_run_id
-    from weightsync.layout import run_path
+    from weightsync.puller.identity import seed_fingerprint
+    from weightsync.format.manifest import read_run_id
+    from weightsync.format.layout import run_path
 
     seed, source, local, _ = _chain(tmp_path, ["xor"])
     held = held_version(local)

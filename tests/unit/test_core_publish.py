@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from weightsync import Publisher, errors, pull
-from weightsync.layout import list_versions
+from weightsync.format.layout import list_versions
 
 from core_support import assert_checkpoint_is, marker_version, mutate, random_tensors, tensor_bytes, write_hf_checkpoint
 
@@ -280,7 +280,7 @@ def test_index_is_the_last_file_to_appear(run, monkeypatch):
 
 
 def test_failed_index_write_leaves_the_version_unpublished_and_a_commit_retry_publishes_it(run, monkeypatch):
-    import weightsync.publish as publish_mod
+    import weightsync.publisher.publish as publish_mod
 
     pub = Publisher(run.source, encoding="xor", workers=1)
     pub.seed_snapshot(run.tensors[0])
@@ -308,7 +308,7 @@ def test_failed_index_write_leaves_the_version_unpublished_and_a_commit_retry_pu
 
 def test_publish_can_be_retried_after_its_index_write_failed(run, monkeypatch):
     """Publisher's invariant: 'a failed write can be retried with the same inputs'."""
-    import weightsync.publish as publish_mod
+    import weightsync.publisher.publish as publish_mod
 
     pub = Publisher(run.source, encoding="xor", workers=1)
     pub.seed_snapshot(run.tensors[0])
@@ -325,7 +325,7 @@ def test_publish_can_be_retried_after_its_index_write_failed(run, monkeypatch):
 
 
 def test_failed_shard_write_does_not_advance_the_snapshot_and_the_retry_works(run, monkeypatch):
-    import weightsync.publish as publish_mod
+    import weightsync.publisher.publish as publish_mod
 
     pub = Publisher(run.source, encoding="overwrite", workers=1)
     pub.seed_snapshot(run.tensors[0])

@@ -17,7 +17,7 @@ import pytest
 
 from weightsync import Publisher, errors, pull
 from weightsync.cli import main
-from weightsync.codecs.encoding_choice import EncodingSample, merge_samples, pick_windows
+from weightsync.publisher.encoding_choice import EncodingSample, merge_samples, pick_windows
 
 from core_support import assert_checkpoint_is, tensor_bytes, write_hf_checkpoint
 

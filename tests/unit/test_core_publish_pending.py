@@ -15,7 +15,7 @@ import os
 
 import pytest
 
-import weightsync.publish as publish_mod
+import weightsync.publisher.publish as publish_mod
 from weightsync import Publisher, errors, pull
 
 from core_support import assert_checkpoint_is, mutate, random_tensors, tensor_bytes, write_hf_checkpoint

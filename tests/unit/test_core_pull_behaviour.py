@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from weightsync import Publisher, applied_version, errors, plan_pull, pull
-from weightsync.pull import wait_until_durable
+from weightsync.puller.pull import wait_until_durable
 
 from core_support import (
     assert_checkpoint_is,

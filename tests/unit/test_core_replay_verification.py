@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from weightsync import Publisher, errors, pull
-from weightsync.checksum import digests_begun
+from weightsync.format.checksum import digests_begun
 from weightsync.codecs import supported_encodings
 
 from core_support import assert_checkpoint_is, flip_local_byte, marker_version, mutate, random_tensors, raw_header, tensor_bytes, write_hf_checkpoint

@@ -33,9 +33,9 @@ from hypothesis import event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition, rule
 
-import weightsync.publish as publish_mod
+import weightsync.publisher.publish as publish_mod
 from weightsync import Publisher, errors, pull, supported_encodings
-from weightsync.prune import prune_versions
+from weightsync.publisher.prune import prune_versions
 
 from core_support import THOROUGH, marker_version, mutate, read_checkpoint_bytes, tensor_bytes, write_hf_checkpoint
 

@@ -45,7 +45,7 @@ def test_a_sparse_parse_keeps_a_small_fraction_of_its_tensor():
 
 
 def test_a_pull_parses_each_sparse_payload_once(fast_tmp_path, monkeypatch):
-    from weightsync import apply as apply_mod
+    from weightsync.puller import apply as apply_mod
 
     rng = np.random.default_rng(10)
     root = str(fast_tmp_path)

@@ -104,8 +104,8 @@ def test_a_shard_truncated_while_its_positions_are_read_is_a_typed_error(world):
 def test_loading_a_frame_only_delta_reads_its_frames_without_copying_a_payload(world, monkeypatch):
     """xor and overwrite payloads can be as large as their tensors: the load walks each frame
     with small preads (3 bytes a block) instead of copying the payload into memory."""
-    import weightsync.apply as apply_mod
-    from weightsync.manifest import read_version_index
+    import weightsync.puller.apply as apply_mod
+    from weightsync.format.manifest import read_version_index
 
     _, source, _, _, _ = world
     copies: list[int] = []

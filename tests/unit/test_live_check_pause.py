@@ -46,7 +46,7 @@ def _staged_state(served):
     """A proven rank serving v1 with v2 pulled and staged (its loop driven by another thread)."""
     from sglang_patch.live.coordinate_map import CheckpointReader
     from sglang_patch.live.identity import LiveVersion
-    from weightsync.codecs.positions import held_version
+    from weightsync.puller.positions import held_version
 
     _pull_v1(served)
     state, model = serve_from_local(served.local, served.model_dir, "reload (test)")
@@ -104,7 +104,7 @@ class _FileReads:
 
     def __init__(self, monkeypatch):
         from sglang_patch.live import coordinate_map
-        from weightsync import safetensors_io
+        from weightsync.format import safetensors_io
 
         self.opened: list = []
         real_open, real_header, real_tensor = builtins.open, safetensors_io.read_header, coordinate_map.tensor_from_file

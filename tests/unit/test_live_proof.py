@@ -72,7 +72,7 @@ def test_a_pull_of_the_checkpoint_a_proof_is_reading_waits_for_the_proof_to_fini
 def test_a_proof_against_a_checkpoint_rewritten_meanwhile_by_anyone_records_nothing(served):
     # a writer that ignores the host lock (an operator's copy): the proof's end check catches it
     from sglang_patch.live.coordinate_map import CheckpointReader
-    from weightsync.layout import state_path
+    from weightsync.format.layout import state_path
 
     state = served.state()
     reader = CheckpointReader(served.local)
@@ -109,7 +109,7 @@ def _staging_state(served):
     """A proven rank whose live weights are taken to be v1 while the local dir holds v2."""
     from sglang_patch.live.coordinate_map import CheckpointReader
     from sglang_patch.live.identity import LiveVersion
-    from weightsync.codecs.positions import held_version
+    from weightsync.puller.positions import held_version
 
     served.pull(served.local, served.model_dir, served.feed.source_dir, 2)
     state = served.state()

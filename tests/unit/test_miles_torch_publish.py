@@ -279,7 +279,7 @@ def _fail_index_writes(monkeypatch, version: int) -> dict:
     """ENOSPC on ``version``'s index write until ``state["on"]`` is cleared (the disk recovers)."""
     import os
 
-    import weightsync.publish as publish_mod
+    import weightsync.publisher.publish as publish_mod
 
     real, state = publish_mod.write_bytes, {"on": True, "hits": 0}
 

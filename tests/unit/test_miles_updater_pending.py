@@ -102,7 +102,7 @@ def _worker(rank: int, cfg: dict) -> None:
     import torch.distributed as dist
     import xxhash
 
-    import weightsync.publish as publish_mod
+    import weightsync.publisher.publish as publish_mod
     from miles_updater.args import DiskDeltaConfig
     from miles_updater.gather import load_hf_checkpoint
     from miles_updater.megatron_cpu import build_gpt_model, init_distributed_cpu

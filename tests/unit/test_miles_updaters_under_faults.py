@@ -39,12 +39,12 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-import weightsync.publish as publish_mod
+import weightsync.publisher.publish as publish_mod
 from miles_updater.engines import EngineCallError, EngineSyncError
 from miles_updater.gather import ST_TO_TORCH
 from miles_updater.torch_publish import TorchWeightSync
 from weightsync import pull
-from weightsync.layout import INDEX_NAME
+from weightsync.format.layout import INDEX_NAME
 
 THOROUGH = os.environ.get("WEIGHTSYNC_HYPOTHESIS_PROFILE") == "thorough"
 PUBLISH_FAULTS = ["encode", "shard write", "index write", "prune", "core hook", "engine hook"]

@@ -373,7 +373,7 @@ def test_the_pull_helper_unmaps_a_replaced_local_file_after_the_next_pull(world)
         assert puller(world.request(1)).success
         assert staged and staged[0].error is None and staged[0].elements > 0, staged
         pid = puller.helper_info().pid
-        from weightsync.manifest import checkpoint_weight_files
+        from weightsync.format.manifest import checkpoint_weight_files
 
         [name] = checkpoint_weight_files(world.local)
         path = os.path.join(world.local, name)

@@ -11,7 +11,7 @@ import threading
 import zlib
 from typing import Callable, Protocol
 
-from .errors import ChecksumUnavailableError, UnsupportedFormatError
+from ..errors import ChecksumUnavailableError, UnsupportedFormatError
 
 
 class Hasher(Protocol):

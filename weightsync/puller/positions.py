@@ -28,14 +28,14 @@ from typing import Iterator, Mapping
 import msgspec
 import numpy as np
 
-from ..apply import _open_shard, load_delta, read_payload
+from ..codecs.base import SCRATCH
+from ..codecs.zstd_frames import ExactReader, decompress_exact, frame_nbytes
 from ..errors import InvalidRequestError, LocalTensorMismatchError, PayloadBoundError, PositionsUnavailableError
+from ..format.layout import format_version, state_path, verified_path
+from ..format.manifest import VersionIndex, checkpoint_weight_files, parse_version_number, read_applied_state, read_version_index
+from ..format.safetensors_io import DTYPE_NBYTES, TensorEntry, local_tensor_table
 from ..fsio import is_pid_alive
-from ..layout import format_version, state_path, verified_path
-from ..manifest import VersionIndex, checkpoint_weight_files, parse_version_number, read_applied_state, read_version_index
-from ..safetensors_io import DTYPE_NBYTES, TensorEntry, local_tensor_table
-from .base import SCRATCH
-from .zstd_frames import ExactReader, decompress_exact, frame_nbytes
+from .apply import _open_shard, load_delta, read_payload
 
 DECODE_CHUNK_NBYTES = 8 << 20
 
@@ -226,7 +226,7 @@ def _overwrite_positions(
 
 
 def _sparse_positions(payload, nbytes: int, itemsize: int, tensor: str, window: tuple[int, int] | None = None) -> np.ndarray:
-    from .sparse_v1 import parse
+    from ..codecs.sparse_v1 import parse
 
     parsed = parse(payload, nbytes, tensor)
     wanted = np.flatnonzero(parsed.counts)
@@ -270,7 +270,7 @@ def _sparse2_positions(payload, nbytes: int, itemsize: int, tensor: str, window:
     # the positions are ranks among elements of the old version, which this host no longer
     # holds once the chain is applied. One class spans the whole segment: plain positions.
     # A range-coded segment (bitstream 3) takes every decision in the context of the old bytes.
-    from .sparse_v2 import CodedSegment, _decode_mask, parse
+    from ..codecs.sparse_v2 import CodedSegment, _decode_mask, parse
 
     parsed = parse(payload, nbytes, tensor)
     found = []

@@ -17,8 +17,8 @@ from typing import Iterable, Iterator, Mapping, Sequence
 
 import msgspec
 
-from . import knobs
-from .errors import MalformedHeaderError, ShardShrunkError
+from .. import knobs
+from ..errors import MalformedHeaderError, ShardShrunkError
 
 DTYPE_NBYTES = {
     "BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1, "F8_E4M3": 1, "F8_E8M0": 1,

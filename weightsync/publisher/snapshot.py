@@ -13,9 +13,9 @@ from typing import Mapping, NamedTuple
 import msgspec
 import numpy as np
 
-from .errors import PublishError
-from .manifest import checkpoint_weight_files
-from .safetensors_io import DTYPE_NBYTES, as_byte_view, local_tensor_table
+from ..errors import PublishError
+from ..format.manifest import checkpoint_weight_files
+from ..format.safetensors_io import DTYPE_NBYTES, as_byte_view, local_tensor_table
 
 _NP_TO_ST = {
     "bool": "BOOL", "uint8": "U8", "int8": "I8", "int16": "I16", "uint16": "U16", "float16": "F16",

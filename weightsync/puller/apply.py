@@ -34,10 +34,9 @@ from typing import Callable, Iterable, Iterator, cast
 import msgspec
 import numpy as np
 
-from . import knobs
-from .checksum import is_well_formed_digest, require_checksum, tensor_hasher
-from .codecs import ChainCodec, apply_xor_chain, get_codec
-from .errors import (
+from .. import knobs
+from ..codecs import ChainCodec, apply_xor_chain, get_codec
+from ..errors import (
     ChecksumMismatchError,
     LocalTensorMismatchError,
     MalformedHeaderError,
@@ -46,9 +45,10 @@ from .errors import (
     ShardShrunkError,
     SourceNotReadyError,
 )
-from .layout import checked_inside, checked_join
-from .manifest import VersionIndex, checkpoint_weight_files
-from .safetensors_io import DTYPE_NBYTES, RangeStream, TensorEntry, local_tensor_table, read_header, read_range
+from ..format.checksum import is_well_formed_digest, require_checksum, tensor_hasher
+from ..format.layout import checked_inside, checked_join
+from ..format.manifest import VersionIndex, checkpoint_weight_files
+from ..format.safetensors_io import DTYPE_NBYTES, RangeStream, TensorEntry, local_tensor_table, read_header, read_range
 
 log = logging.getLogger(__name__)
 

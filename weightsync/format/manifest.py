@@ -15,15 +15,16 @@ from typing import Literal
 
 import msgspec
 
-from . import knobs
-from .checksum import supported_checksums
-from .errors import (
+from .. import knobs
+from ..codecs import supported_encodings
+from ..errors import (
     CorruptArtifactError,
     IndexMissingError,
     MalformedHeaderError,
     UnsupportedFormatError,
     VersionMissingError,
 )
+from .checksum import supported_checksums
 from .layout import (
     INDEX_NAME,
     SINGLE_FILE_NAME,
@@ -180,8 +181,6 @@ def read_version_index(source_dir: str, version: int) -> VersionIndex:
         raise CorruptArtifactError(
             f"{ipath}: a delta's base_version must be version - 1 = {version - 1}, got {base}"
         )
-    from .codecs import supported_encodings  # lazy: codecs import manifest-level helpers
-
     encoding = meta["delta_encoding"]
     if encoding not in supported_encodings():
         raise UnsupportedFormatError("delta_encoding", encoding, supported_encodings())

@@ -25,19 +25,8 @@ from typing import Callable, Literal
 import msgspec
 import numpy as np
 
-from . import knobs
-from .apply import (
-    VerifyFailed,
-    _close_map,
-    _hash_in_chunks,
-    apply_chain,
-    check_against_local,
-    fsync_files,
-    load_delta,
-    local_table,
-)
-from .checksum import tensor_hasher
-from .errors import (
+from .. import knobs
+from ..errors import (
     AnchorUnusableError,
     ChainBrokenError,
     ChecksumMismatchError,
@@ -49,14 +38,25 @@ from .errors import (
     WeightSyncError,
     host_resource_error,
 )
-from .fsio import is_pid_alive, write_bytes
-from .hooks import load_callable
+from ..format.checksum import tensor_hasher
+from ..format.layout import anchor_dir_name, format_version, index_path, verified_path
+from ..format.manifest import check_anchor, read_version_index
+from ..format.safetensors_io import local_tensor_table
+from ..fsio import is_pid_alive, write_bytes
+from ..hooks import load_callable
+from .apply import (
+    VerifyFailed,
+    _close_map,
+    _hash_in_chunks,
+    apply_chain,
+    check_against_local,
+    fsync_files,
+    load_delta,
+    local_table,
+)
 from .identity import Origin, source_origin
-from .layout import anchor_dir_name, format_version, index_path, verified_path
 from .lock import HeldLock, acquire_host_lock
-from .manifest import check_anchor, read_version_index
 from .plan import PullPlan, SeedSource, check_target_version, files_nbytes, plan_pull, read_applied_version
-from .safetensors_io import local_tensor_table
 from .seed import invalidate_marker, seed_local_checkpoint, write_marker
 
 log = logging.getLogger(__name__)

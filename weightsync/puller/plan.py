@@ -25,7 +25,7 @@ from typing import Literal
 
 import msgspec
 
-from .errors import (
+from ..errors import (
     AnchorUnusableError,
     BackwardPullError,
     ChainBrokenError,
@@ -34,9 +34,8 @@ from .errors import (
     SourceNotReadyError,
     VersionMissingError,
 )
-from .identity import Origin, mismatch, source_origin
-from .layout import anchor_dir_name, checked_join, list_anchors, state_path, version_dir_name
-from .manifest import (
+from ..format.layout import anchor_dir_name, checked_join, list_anchors, state_path, version_dir_name
+from ..format.manifest import (
     VersionIndex,
     check_anchor,
     checkpoint_weight_files,
@@ -44,6 +43,7 @@ from .manifest import (
     read_applied_state,
     read_version_index,
 )
+from .identity import Origin, mismatch, source_origin
 
 log = logging.getLogger(__name__)
 

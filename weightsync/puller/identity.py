@@ -31,12 +31,12 @@ import struct
 
 import msgspec
 
-from . import knobs
-from .checksum import new_hasher
-from .errors import MalformedHeaderError
-from .layout import INDEX_NAME, SINGLE_FILE_NAME, checked_join, index_path, run_path
-from .manifest import AppliedState, checkpoint_weight_files, read_run_id
-from .safetensors_io import parse_header
+from .. import knobs
+from ..errors import MalformedHeaderError
+from ..format.checksum import new_hasher
+from ..format.layout import INDEX_NAME, SINGLE_FILE_NAME, checked_join, index_path, run_path
+from ..format.manifest import AppliedState, checkpoint_weight_files, read_run_id
+from ..format.safetensors_io import parse_header
 
 SAMPLE_NBYTES = 4096
 TENSOR_SAMPLE_NBYTES = 64

@@ -28,10 +28,10 @@ import os
 import shutil
 from collections import deque
 
-from .errors import WeightSyncError
-from .fsio import fsync_dir
-from .layout import anchor_dir, index_path, list_anchors, list_versions, version_dir
-from .manifest import check_anchor, read_version_index
+from ..errors import WeightSyncError
+from ..format.layout import anchor_dir, index_path, list_anchors, list_versions, version_dir
+from ..format.manifest import check_anchor, read_version_index
+from ..fsio import fsync_dir
 
 log = logging.getLogger(__name__)
 

@@ -11,13 +11,13 @@ import logging
 import os
 from typing import Callable
 
-from .errors import InvalidRequestError, LocalStateError, SourceNotReadyError
-from .fsio import copy_file, drop_page_cache, fsync_dir, write_bytes
+from ..errors import InvalidRequestError, LocalStateError, SourceNotReadyError
+from ..format.layout import INDEX_NAME, checked_inside, is_model_side_file, is_stale_local_file, state_path, sync_dir
+from ..format.manifest import checkpoint_weight_files, encode_applied_state
+from ..format.safetensors_io import read_header
+from ..fsio import copy_file, drop_page_cache, fsync_dir, write_bytes
 from .identity import Origin
-from .layout import INDEX_NAME, checked_inside, is_model_side_file, is_stale_local_file, state_path, sync_dir
-from .manifest import checkpoint_weight_files, encode_applied_state
 from .plan import SeedSource
-from .safetensors_io import read_header
 
 log = logging.getLogger(__name__)
 

@@ -31,15 +31,11 @@ from typing import Callable, Literal, Mapping
 import msgspec
 import numpy as np
 
-from . import knobs
-from .checksum import DEFAULT_CHECKSUM, new_hasher, supported_checksums
-from .codecs import get_codec
-from .encode import PreparedTensor, PreparedVersion, Encoder
-from .codecs.encoding_choice import AUTO, Cost, EncodingChoice, EncodingChooser, EncodingSample, check_candidates, merge_samples
-from .errors import PendingVersionError, PublishError, UnsupportedFormatError, VersionAlreadyPublishedError
-from .fsio import fsync_dir, write_bytes, write_file
-from .hooks import load_callable
-from .layout import (
+from .. import knobs
+from ..codecs import get_codec
+from ..errors import PendingVersionError, PublishError, UnsupportedFormatError, VersionAlreadyPublishedError
+from ..format.checksum import DEFAULT_CHECKSUM, new_hasher, supported_checksums
+from ..format.layout import (
     INDEX_NAME,
     anchor_dir,
     delta_shard_name,
@@ -48,7 +44,7 @@ from .layout import (
     run_path,
     version_dir,
 )
-from .manifest import (
+from ..format.manifest import (
     ANCHOR_COMMIT_KEY,
     build_anchor_index,
     build_delta_index,
@@ -58,8 +54,12 @@ from .manifest import (
     anchor_commit_of,
     read_run_id,
 )
+from ..format.safetensors_io import iter_file_chunks
+from ..fsio import fsync_dir, write_bytes, write_file
+from ..hooks import load_callable
+from .encode import PreparedTensor, PreparedVersion, Encoder
+from .encoding_choice import AUTO, Cost, EncodingChoice, EncodingChooser, EncodingSample, check_candidates, merge_samples
 from .prune import Retention
-from .safetensors_io import iter_file_chunks
 from .snapshot import RawTensor, Snapshot, as_raw, read_checkpoint_tensors
 
 log = logging.getLogger(__name__)

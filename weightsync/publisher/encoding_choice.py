@@ -41,11 +41,11 @@ from typing import Iterable
 import msgspec
 
 from .. import knobs
+from ..codecs import get_codec, sparse_v2
+from ..codecs.sparse_v1 import _width
 from ..errors import InvalidKnobError
-from ..safetensors_io import DTYPE_NBYTES
-from ..snapshot import EncodeJob
-from . import get_codec, sparse_v2
-from .sparse_v1 import _width
+from ..format.safetensors_io import DTYPE_NBYTES
+from .snapshot import EncodeJob
 
 AUTO = "auto"
 CANDIDATES = ("sparse-v1", "sparse-v2")

@@ -28,7 +28,7 @@ from __future__ import annotations
 import os
 import re
 
-from .errors import UnsafeNameError
+from ..errors import UnsafeNameError
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_FILE_NAME = "model.safetensors"

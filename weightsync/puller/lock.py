@@ -15,9 +15,9 @@ import os
 import time
 from typing import Callable, Iterator
 
-from . import knobs
-from .errors import LockTimeoutError
-from .layout import lock_path, sync_dir
+from .. import knobs
+from ..errors import LockTimeoutError
+from ..format.layout import lock_path, sync_dir
 
 log = logging.getLogger(__name__)
 

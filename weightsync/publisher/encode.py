@@ -16,9 +16,9 @@ from typing import cast
 import msgspec
 import numpy as np
 
-from .checksum import new_hasher
-from .codecs import Codec, SegmentedCodec, get_codec
-from .safetensors_io import DTYPE_NBYTES
+from ..codecs import Codec, SegmentedCodec, get_codec
+from ..format.checksum import new_hasher
+from ..format.safetensors_io import DTYPE_NBYTES
 from .snapshot import EncodeJob
 
 SPLIT_MIN_NBYTES = 64 << 20  # smallest tensor a sparse-v1 publish may encode on several workers
