@@ -1,5 +1,5 @@
 """The two compiled parts: the core's sparse-v2 bitstream 3 range coder (weightsync/codecs/_sparse2_rc.c)
-and live apply's host scatter and read-back (sglang_patch/live/_host_scatter.c).
+and live apply's host scatter and read-back (sglang_patch/live/scatter/_host_scatter.c).
 
 Everything else is in pyproject.toml. Both extensions are optional: an install without a C
 compiler still reads and writes every other encoding, and sparse-v2 bitstream 2
@@ -13,7 +13,7 @@ setup(
             "weightsync.codecs._sparse2_rc", ["weightsync/codecs/_sparse2_rc.c"], extra_compile_args=["-O2"], optional=True
         ),
         Extension(
-            "sglang_patch.live._host_scatter", ["sglang_patch/live/_host_scatter.c"], extra_compile_args=["-O2"],
+            "sglang_patch.live.scatter._host_scatter", ["sglang_patch/live/scatter/_host_scatter.c"], extra_compile_args=["-O2"],
             optional=True,
         ),
     ]

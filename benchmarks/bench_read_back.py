@@ -35,8 +35,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from sglang_patch.live import host_scatter  # noqa: E402
-from sglang_patch.live.patch import READ_BACK_CHUNK  # noqa: E402
+from sglang_patch.live.scatter import host_scatter  # noqa: E402
+from sglang_patch.live.scatter.patch import READ_BACK_CHUNK  # noqa: E402
 
 
 def numpy_write(flat_bits: np.ndarray, index: np.ndarray, values: np.ndarray, check: bool) -> None:
@@ -118,7 +118,7 @@ def main() -> int:
     ap.add_argument("--append", action="store_true", help="append the table to benchmarks/RESULTS.md")
     args = ap.parse_args()
     if host_scatter.compiled() is None:
-        print("sglang_patch.live._host_scatter is not built: run scripts/setup_env.sh", file=sys.stderr)
+        print("sglang_patch.live.scatter._host_scatter is not built: run scripts/setup_env.sh", file=sys.stderr)
         return 2
     torch.set_num_threads(1)  # as in the pause
     rng = np.random.default_rng(0)

@@ -329,7 +329,7 @@ def pinned_host_blocks() -> dict:
 
 
 def fence_ordering(staged: Any, device: str, sleep_ms: float = 50.0) -> dict:
-    """The real CUDA fence (``sglang_patch.live.device.CudaFence``) with a side stream standing
+    """The real CUDA fence (``sglang_patch.live.scatter.device.CudaFence``) with a side stream standing
     in for sglang's forward stream: a 'forward' queued there before the pause (a sleep, then a
     read of an element the update writes) must read the old value (the writes waited for it on
     the device), a read queued there after the pause the new one (it waited for the writes'
@@ -337,8 +337,8 @@ def fence_ordering(staged: Any, device: str, sleep_ms: float = 50.0) -> dict:
     device did). Leaves the parameters as they were (restored)."""
     import torch
 
-    from sglang_patch.live.device import CudaFence
-    from sglang_patch.live.patch import scatter_with_undo
+    from sglang_patch.live.scatter.device import CudaFence
+    from sglang_patch.live.scatter.patch import scatter_with_undo
 
     p = max(staged.patches, key=lambda q: q.index.numel())
     k = int(p.index[0])
@@ -452,7 +452,7 @@ def per_update_check(args: Any, cmap: Any, params: dict, local: str, version: in
     the staged value; then again with one planted wrong element, which it must find."""
     import torch
 
-    from sglang_patch.live.coordinate_map import CheckpointReader
+    from sglang_patch.live.mapping.coordinate_map import CheckpointReader
     from sglang_patch.live.check import SAMPLE_PER_TENSOR, SAMPLE_TENSORS_PER_UPDATE, check_update
 
     read = CheckpointReader(local).tensor
@@ -481,7 +481,7 @@ def per_update_check(args: Any, cmap: Any, params: dict, local: str, version: in
 
 def differing_params(a: dict, b: dict) -> list[str]:
     """Names whose bytes differ (compared on the device, as integers: NaN and -0.0 count)."""
-    from sglang_patch.live.coordinate_map import as_int_bits
+    from sglang_patch.live.mapping.coordinate_map import as_int_bits
 
     return sorted(n for n in a if not bool((as_int_bits(a[n]) == as_int_bits(b[n])).all()))
 
@@ -515,10 +515,10 @@ def cmd_engine(args) -> int:
         from transformers import Qwen3Config
 
         from engine_data import config_json
-        from sglang_patch.live.coordinate_map import CheckpointReader, build_coordinate_map, prove_map
-        from sglang_patch.live.patch import StagedUpdate, finish_staging, reload_only_reasons, scatter_with_undo
-        from sglang_patch.live.stage import StageJob, stage_job
-        from sglang_patch.live.device import pause_fence_for
+        from sglang_patch.live.mapping.coordinate_map import CheckpointReader, build_coordinate_map, prove_map
+        from sglang_patch.live.scatter.patch import StagedUpdate, finish_staging, reload_only_reasons, scatter_with_undo
+        from sglang_patch.live.mapping.stage import StageJob, stage_job
+        from sglang_patch.live.scatter.device import pause_fence_for
         from weightsync import Publisher, RawTensor, pull
 
         cfg = Qwen3Config(**{k: v for k, v in config_json(shape, 0).items() if k not in ("architectures",)})
@@ -697,7 +697,7 @@ def profile_scatter(staged, undo) -> str:
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    from sglang_patch.live.patch import scatter_with_undo
+    from sglang_patch.live.scatter.patch import scatter_with_undo
 
     cuda = any(p.flat.device.type == "cuda" for p in staged.patches)
     sync = torch.cuda.synchronize if cuda else (lambda: None)
@@ -759,7 +759,7 @@ def device_diff_bytes(device: str, model_dir: str | None, preset: str) -> dict:
 
     from bench_data import PRESETS
     from miles_updater.torch_publish import StateDictStager
-    from sglang_patch.live.coordinate_map import CheckpointReader
+    from sglang_patch.live.mapping.coordinate_map import CheckpointReader
 
     shape = PRESETS[ENGINE_PRESETS[preset]]
     own = None

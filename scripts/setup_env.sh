@@ -86,9 +86,9 @@ build_sglang0516_venv() {
 # built in place on every run: setuptools rebuilds one only when its .c is newer, so an existing venv
 # picks up a change. Both venvs run the same CPython 3.11, so one build serves both.
 build_coder() {
-  echo "[setup] the compiled parts (weightsync/codecs/_sparse2_rc.c, sglang_patch/live/_host_scatter.c)"
+  echo "[setup] the compiled parts (weightsync/codecs/_sparse2_rc.c, sglang_patch/live/scatter/_host_scatter.c)"
   "$VENV/bin/python" setup.py --quiet build_ext --inplace
-  "$VENV/bin/python" -c "import weightsync.codecs._sparse2_rc, sglang_patch.live._host_scatter"
+  "$VENV/bin/python" -c "import weightsync.codecs._sparse2_rc, sglang_patch.live.scatter._host_scatter"
 }
 
 build_main_venv

@@ -5,7 +5,7 @@ nothing is committed until every rank of every stage and DP group applied (``tra
 ``commit`` takes the new version, flushes the cache (on every rank at once) and checks the live
 weights (``check``). ``rollback`` writes the undo log back and checks it; a rank that cannot
 prove its restore holds an unknown version, and the coordinator makes every rank ``reload``.
-State a loader derives from a written parameter (MLA's ``w_kc``/``w_vc``, ``live.derived``) is
+State a loader derives from a written parameter (MLA's ``w_kc``/``w_vc``, ``live.mapping.derived``) is
 re-derived right after the scatter and again after a restore, from the parameter as it then is.
 
 Test-only switch (environment, read by the scheduler processes): ``WEIGHTSYNC_TEST_FAULT_DIR``:
@@ -24,9 +24,9 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Mapping, Optional
 
 from .. import compat
-from . import derived as live_derived
 from . import results as lr
-from .patch import RestoreFailed, RestoreResult, StagedUpdate, UndoLog, scatter_with_undo
+from .mapping import derived as live_derived
+from .scatter.patch import RestoreFailed, RestoreResult, StagedUpdate, UndoLog, scatter_with_undo
 from .version import LiveWeights
 
 log = logging.getLogger(__name__)
@@ -72,7 +72,7 @@ class RankTxn:
     written: int = 0
     scatter_s: float = 0.0
     restore_failure: Optional[str] = None  # why this rank is not restored (it must reload)
-    derived: int = 0  # layers whose derived state (live.derived) the apply re-derived
+    derived: int = 0  # layers whose derived state (live.mapping.derived) the apply re-derived
     before_restore: Optional[Callable[[int, str], None]] = None
 
 

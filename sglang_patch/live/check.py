@@ -2,7 +2,7 @@
 compares a fresh random sample of its mapped parameter elements with the local checkpoint's
 bytes of the version it now claims; after a live apply, that every storage it wrote is still
 the one the engine reads (each written element was read back and compared with the staged
-value inside the scatter itself: ``live.patch.ReadBack``).
+value inside the scatter itself: ``live.scatter.patch.ReadBack``).
 
 Why a sample and not the whole model: the start-up proof already showed that each proven
 parameter is a plain copy of its boxes; what can still go wrong later is a write that landed
@@ -38,7 +38,7 @@ Only proven parameters are sampled: a reload-only or unproven parameter, or one 
 element lands on, has no expected value the map can rebuild (``not_checkable_params``).
 The expected value is rebuilt as the proof does: the checkpoint element through the placement's
 box, cast to the parameter's dtype by ``copy_`` (what the loader's copy does), compared bit for
-bit. State derived from a parameter (MLA's ``w_kc``/``w_vc``, ``live.derived``) is no parameter:
+bit. State derived from a parameter (MLA's ``w_kc``/``w_vc``, ``live.mapping.derived``) is no parameter:
 ``DERIVED_LAYERS_PER_CHECK`` layers drawn afresh (among those a live apply re-derived, or among all
 after a reload) are compared whole with the split of their live ``kv_b_proj``, inside the pause,
 into a scratch made at the proof (``derived.CompareScratch``). No sglang here.
@@ -57,7 +57,7 @@ from typing import Any, Callable, Generator, Iterable, Iterator, Mapping, NamedT
 import numpy as np
 import torch
 
-from .coordinate_map import CheckpointReader, CoordinateMap, as_int_bits
+from .mapping.coordinate_map import CheckpointReader, CoordinateMap, as_int_bits
 from .results import RankCheck
 
 SAMPLE_PER_TENSOR = 4096  # elements drawn per checkpoint tensor and update
@@ -77,7 +77,7 @@ class _Tally:
     mismatches: int = 0
     first: Optional[str] = None
     seconds: float = 0.0
-    derived_compared: int = 0  # elements of derived state (live.derived) compared
+    derived_compared: int = 0  # elements of derived state (live.mapping.derived) compared
 
     def add(self, where: Callable[[int], str], expected: torch.Tensor, got: torch.Tensor,
             positions: torch.Tensor, dtype: torch.dtype) -> None:
@@ -366,9 +366,9 @@ def values_through(read_tensor: Callable[[str], torch.Tensor]) -> Callable[[str,
 
 def check_scattered(patches: Iterable, tally: Optional[_Tally] = None,
                     params: Optional[Mapping[str, torch.Tensor]] = None) -> _Tally:
-    """That every element a live apply wrote (``live.patch.ParamPatch``) is in a storage the
+    """That every element a live apply wrote (``live.scatter.patch.ParamPatch``) is in a storage the
     engine reads. Reads no element: the scatter read each patch back right after writing it and
-    compared it bit for bit with the staged values (``live.patch.ReadBack``; a commit follows
+    compared it bit for bit with the staged values (``live.scatter.patch.ReadBack``; a commit follows
     only a scatter whose check held), while its lines were still in cache. What can change
     between that read and the commit without a write the sample could catch is the engine
     reading another storage: each patched parameter's current storage (``params``: the engine's
@@ -398,9 +398,9 @@ def check_scattered(patches: Iterable, tally: Optional[_Tally] = None,
 
 def check_derived(derivations: Mapping, patches: list, seed: list[int], tally: Optional[_Tally] = None,
                   layers: int = DERIVED_LAYERS_PER_CHECK) -> _Tally:
-    """The derived state (``live.derived``) of ``layers`` layers drawn from ``seed`` among those
+    """The derived state (``live.mapping.derived``) of ``layers`` layers drawn from ``seed`` among those
     ``patches`` wrote (after a reload, no patches: among all), against a re-derivation."""
-    from .derived import check as check_rules
+    from .mapping.derived import check as check_rules
 
     tally = tally or _Tally()
     names = sorted({p.param for p in patches} & set(derivations)) if patches else sorted(derivations)

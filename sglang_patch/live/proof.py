@@ -19,11 +19,11 @@ from typing import Any, Callable, Iterator, Optional
 import weightsync.puller.positions as positions
 from weightsync.puller.lock import shared_host_lock
 
-from . import derived as live_derived
-from . import scope as live_scope
-from .coordinate_map import CheckpointReader, CoordinateMap, MapNotLearnable, ProofAttempts, build_coordinate_map, prove_map_steps
 from .identity import LiveVersion, key_of_held
 from .loop_slices import LoopWorkTimeout
+from .mapping import derived as live_derived
+from .mapping import scope as live_scope
+from .mapping.coordinate_map import CheckpointReader, CoordinateMap, MapNotLearnable, ProofAttempts, build_coordinate_map, prove_map_steps
 from .version import LiveWeights
 
 log = logging.getLogger(__name__)
@@ -48,7 +48,7 @@ class MapProof:
         self.scope = scope  # the allow-list and engine-wide reasons to reload (None: a bare model in a test)
         self.cmap: Optional[CoordinateMap] = None
         self.map_error: Optional[str] = None
-        self.scope_reason: Optional[str] = None  # why this engine reloads on every update (live.scope)
+        self.scope_reason: Optional[str] = None  # why this engine reloads on every update (live.mapping.scope)
         self.attempts = ProofAttempts()  # proofs after reloads: one at a time, one per identity
         self.thread: Optional[threading.Thread] = None
 

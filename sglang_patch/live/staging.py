@@ -22,13 +22,13 @@ from typing import Any, Callable, Iterator, Optional
 
 import weightsync.puller.positions as positions
 
-from . import scope as live_scope
-from .device import PauseFence, pause_fence_for
 from .identity import LiveVersion, from_held, why_not_base
 from .loop_slices import LoopSlices, LoopWorkTimeout
-from .patch import StagedUpdate, StagingRefused, finish_staging_steps, reload_only_reasons, undo_log_steps
+from .mapping import scope as live_scope
+from .mapping.stage import Patch, StageJob, StageReply
 from .proof import MapProof, RunSteps
-from .stage import Patch, StageJob, StageReply
+from .scatter.device import PauseFence, pause_fence_for
+from .scatter.patch import StagedUpdate, StagingRefused, finish_staging_steps, reload_only_reasons, undo_log_steps
 from .version import LiveWeights
 
 log = logging.getLogger(__name__)

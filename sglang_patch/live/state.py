@@ -37,15 +37,15 @@ from weightsync.errors import InvalidRequestError, PathNotAllowedError
 from ..paths import ALLOWED_ROOTS_FLAG
 from . import check as live_check
 from . import results as lr
-from . import scope as live_scope
 from . import transaction as tx
 from .apply import RankTxn, RankWrites
-from .coordinate_map import CoordinateMap
-from .device import pause_fence_for
 from .identity import LiveVersion, is_serving, key_of_held
 from .loop_slices import LoopSlices, drain
-from .patch import StagedUpdate, one_intra_op_thread
+from .mapping import scope as live_scope
+from .mapping.coordinate_map import CoordinateMap
 from .proof import MapProof
+from .scatter.device import pause_fence_for
+from .scatter.patch import StagedUpdate, one_intra_op_thread
 from .staging import Stager, Staging
 from .version import LiveWeights
 

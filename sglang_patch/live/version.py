@@ -32,7 +32,7 @@ import weightsync.puller.positions as positions
 from weightsync.puller.identity import seed_fingerprint as fingerprint_seed
 
 from .identity import LiveVersion, ReloadWitness, from_held, reload_outcome, seed_version
-from .patch import StagedUpdate
+from .scatter.patch import StagedUpdate
 
 log = logging.getLogger(__name__)
 

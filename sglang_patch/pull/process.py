@@ -17,7 +17,7 @@ The helper (one per scheduler rank, long-lived, serves one pull at a time):
 - speaks length-prefixed msgpack frames over a socketpair: ``HelperConfig`` -> ``HelperReady``,
   then per pull ``PullJob`` -> ``RankPullReport`` (the same ``RankPuller`` runs inside), and,
   after a pull, live apply's ``StageJob`` -> ``StageReply`` plus the staged arrays as a memfd
-  passed with ``SCM_RIGHTS`` (``live.stage``: the heavy half of staging, off the scheduler's GIL);
+  passed with ``SCM_RIGHTS`` (``live.mapping.stage``: the heavy half of staging, off the scheduler's GIL);
 - keeps running after it replies, so the core's deferred flush (fsync, marker, lock release)
   finishes in it, and exits when its scheduler goes away (EOF on the socket, or a new parent pid).
 
@@ -48,11 +48,11 @@ import msgspec
 
 from weightsync.errors import PullWorkerDiedError
 
-from . import results
-from ..live.stage import (KEPT_MAPS, Patch, SpareFile, StageJob, StagePositions, StageReply, read_shared, stage_job,
+from ..live.mapping.stage import (KEPT_MAPS, Patch, SpareFile, StageJob, StagePositions, StageReply, read_shared, stage_job,
                           stage_job_shared)
-from .rank import RankPuller
+from . import results
 from .options import PullWeightsOptions
+from .rank import RankPuller
 
 log = logging.getLogger(__name__)
 

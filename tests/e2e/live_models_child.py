@@ -2,7 +2,7 @@
 one-rank gloo group (``init_one_rank``), each mapped on a storage-free copy, proven, patched and
 compared bit for bit with a reload; plus the cases live apply must refuse (a one-element parameter
 loaded through ``.item()``, an MLA layer whose derived ``w_kc``/``w_vc`` the rule of
-``live.derived`` cannot prove, sglang's own refusal of online updates, a class off the allow-list).
+``live.mapping.derived`` cannot prove, sglang's own refusal of online updates, a class off the allow-list).
 The MLA classes (DeepSeek-V2/V3, GLM-4 MoE Lite) are allow-listed: their ``w_kc``/``w_vc`` are
 re-derived live and compared with a reload too, after an apply and after a rollback.
 ``benchmarks/gpu_check.py`` imports its one-rank setup from here. The MoE classes run only in process: sglang cannot serve an MoE on this CPU (its
@@ -83,7 +83,7 @@ def init_one_rank(port: int) -> None:
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
-    from sglang_patch.live.coordinate_map import as_int_bits
+    from sglang_patch.live.mapping.coordinate_map import as_int_bits
 
     return as_int_bits(t.detach())
 
@@ -114,14 +114,14 @@ def _differ(a: dict, b: dict) -> list:
 
 def patch_like_a_reload(model: torch.nn.Module, v0: dict, *, seed: int = 1, before_proof=None) -> dict:
     """Map ``model`` (sglang's class), prove it after a real load of ``v0``, patch a few elements of
-    every mapped tensor live (re-deriving what ``live.derived`` covers), roll that back and apply it
+    every mapped tensor live (re-deriving what ``live.mapping.derived`` covers), roll that back and apply it
     again, and compare with a real load of the new version. ``before_proof(model)``: a test's
     change to the loaded model before the proof."""
-    from sglang_patch.live import derived
+    from sglang_patch.live.mapping import derived
     from sglang_patch.live.check import check_update
-    from sglang_patch.live.coordinate_map import TensorSpec, build_coordinate_map, prove_map
-    from sglang_patch.live.patch import StagedUpdate, StagingRefused, scatter_with_undo, stage_update
-    from sglang_patch.live.scope import why_engine_reload_only
+    from sglang_patch.live.mapping.coordinate_map import TensorSpec, build_coordinate_map, prove_map
+    from sglang_patch.live.scatter.patch import StagedUpdate, StagingRefused, scatter_with_undo, stage_update
+    from sglang_patch.live.mapping.scope import why_engine_reload_only
 
     specs = [TensorSpec(n, tuple(t.shape), "BF16") for n, t in v0.items()]
     params = {n: p.data for n, p in model.named_parameters()}
@@ -280,7 +280,7 @@ def scalar_parameter() -> dict:
     as mllama's cross-attention gates and FP8 KV ``k_scale``/``v_scale`` are)."""
     from sglang.srt.model_loader.weight_utils import default_weight_loader
 
-    from sglang_patch.live.coordinate_map import TensorSpec, build_coordinate_map, prove_map
+    from sglang_patch.live.mapping.coordinate_map import TensorSpec, build_coordinate_map, prove_map
 
     class Gated(torch.nn.Module):
         def __init__(self) -> None:
@@ -376,7 +376,7 @@ def sglang_refusal() -> dict:
     from transformers import Qwen3Config
 
     from sglang.srt.models.qwen3 import Qwen3ForCausalLM
-    from sglang_patch.live.scope import why_engine_reload_only
+    from sglang_patch.live.mapping.scope import why_engine_reload_only
 
     try:
         from sglang.srt.model_executor.model_runner_components.weight_updater import (
@@ -399,7 +399,7 @@ def sglang_refusal() -> dict:
 
 def off_the_list() -> dict:
     from sglang.srt.models.llama import Phi3ForCausalLM
-    from sglang_patch.live.scope import why_engine_reload_only
+    from sglang_patch.live.mapping.scope import why_engine_reload_only
 
     return {"why": why_engine_reload_only(object.__new__(Phi3ForCausalLM))}
 

@@ -90,7 +90,7 @@ class FlatModel(torch.nn.Module):
 def serve_from_local(local: str, model_dir: str, live_reason: str):
     """One rank's ``LiveApplyState`` whose engine (a ``FlatModel``) reloaded from ``local`` at the
     version it holds; its map built, not proven. -> (state, model)"""
-    from sglang_patch.live.coordinate_map import CheckpointReader, build_coordinate_map
+    from sglang_patch.live.mapping.coordinate_map import CheckpointReader, build_coordinate_map
     from sglang_patch.pull.coordinator import SingleRankGroup
     from sglang_patch.live.identity import from_held
     from sglang_patch.live.state import LiveApplyState

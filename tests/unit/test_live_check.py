@@ -17,9 +17,9 @@ import torch
 
 from sglang_patch.live import results as lr
 from sglang_patch.live import transaction as tx
-from sglang_patch.live.coordinate_map import TensorSpec, build_coordinate_map, prove_map
+from sglang_patch.live.mapping.coordinate_map import TensorSpec, build_coordinate_map, prove_map
 from sglang_patch.live.check import check_sample, check_update, sample_seed
-from sglang_patch.live.patch import StagedUpdate, scatter_with_undo, stage_update
+from sglang_patch.live.scatter.patch import StagedUpdate, scatter_with_undo, stage_update
 
 from live_support import TensorReader, changed_positions, serve_from_local
 
@@ -229,7 +229,7 @@ def pulled(tmp_path_factory):
 
 
 def _state(pulled):
-    from sglang_patch.live.coordinate_map import CheckpointReader
+    from sglang_patch.live.mapping.coordinate_map import CheckpointReader
 
     state, model = serve_from_local(pulled.local, pulled.model_dir, "reload")
     state.proof.prove(CheckpointReader(pulled.local), state.live, checkpoint_dir=pulled.local)

@@ -44,7 +44,7 @@ def _pull_v1(served):
 
 def _staged_state(served):
     """A proven rank serving v1 with v2 pulled and staged (its loop driven by another thread)."""
-    from sglang_patch.live.coordinate_map import CheckpointReader
+    from sglang_patch.live.mapping.coordinate_map import CheckpointReader
     from sglang_patch.live.identity import LiveVersion
     from weightsync.puller.positions import held_version
 
@@ -64,7 +64,7 @@ def _staged_state(served):
 
 def _stage(state, served):
     """Stage v2 on ``state``, its scheduler loop driven by another thread meanwhile."""
-    from sglang_patch.live.stage import stage_job
+    from sglang_patch.live.mapping.stage import stage_job
 
     stop = threading.Event()
 
@@ -103,7 +103,7 @@ class _FileReads:
     """Counts every file the process opens and every checkpoint header or tensor read."""
 
     def __init__(self, monkeypatch):
-        from sglang_patch.live import coordinate_map
+        from sglang_patch.live.mapping import coordinate_map
         from weightsync.format import safetensors_io
 
         self.opened: list = []
@@ -271,7 +271,7 @@ def test_a_sample_prepared_for_another_staging_is_not_used_and_the_pause_reads_i
 
 
 def test_reloads_reuse_the_checkpoint_headers_until_a_file_of_the_checkpoint_changes(served):
-    from sglang_patch.live.coordinate_map import CheckpointReader
+    from sglang_patch.live.mapping.coordinate_map import CheckpointReader
 
     _pull_v1(served)
     state, _ = serve_from_local(served.local, served.model_dir, "reload (test)")

@@ -1,4 +1,4 @@
-"""The coordinate map learnt from a model's own ``load_weights`` (``sglang_patch.live.coordinate_map``).
+"""The coordinate map learnt from a model's own ``load_weights`` (``sglang_patch.live.mapping.coordinate_map``).
 
 A torch-only model whose loaders do what sglang's do (TP narrowing, fused qkv and gate_up
 shards, a padded vocab with a constant fill, tied embeddings, stacked MoE experts copied
@@ -16,7 +16,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sglang_patch.live.coordinate_map import TensorSpec, build_coordinate_map, prove_map
+from sglang_patch.live.mapping.coordinate_map import TensorSpec, build_coordinate_map, prove_map
 
 TP_SIZE, TP_RANK = 2, 1
 VOCAB, PADDED, HIDDEN, HEADS_Q, HEADS_KV, HEAD_DIM, INTER, EXPERTS = 10, 12, 8, 4, 2, 2, 6, 3
@@ -166,8 +166,8 @@ def test_a_proof_voided_by_a_concurrent_weight_update_records_nothing():
 
 @pytest.mark.parametrize("step", [1, 5, 1 << 20])
 def test_a_proof_in_small_steps_reaches_the_same_verdicts_as_one_in_a_single_step(monkeypatch, step):
-    from sglang_patch.live import coordinate_map
-    from sglang_patch.live.coordinate_map import prove_map_steps
+    from sglang_patch.live.mapping import coordinate_map
+    from sglang_patch.live.mapping.coordinate_map import prove_map_steps
 
     monkeypatch.setattr(coordinate_map, "PROOF_STEP_ELEMENTS", step)
     ckpt = _checkpoint()
@@ -341,7 +341,7 @@ def test_a_write_that_reaches_the_serving_model_anyway_is_not_executed_and_makes
 
 
 def test_a_loader_that_branches_on_a_parameters_value_leaves_no_map():
-    from sglang_patch.live.coordinate_map import MapNotLearnable
+    from sglang_patch.live.mapping.coordinate_map import MapNotLearnable
 
     def load(model, params, name, w):
         if bool(params["w"].data.sum() == 0):  # needs data a storage-free copy does not have
@@ -369,7 +369,7 @@ def test_two_checkpoint_elements_on_one_parameter_element_fail_the_proof():
 def test_the_proof_never_holds_more_than_one_step_of_host_memory(monkeypatch):
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from sglang_patch.live import coordinate_map
+    from sglang_patch.live.mapping import coordinate_map
 
     step = 64
     monkeypatch.setattr(coordinate_map, "PROOF_STEP_ELEMENTS", step)
@@ -400,7 +400,7 @@ def test_the_proof_never_holds_more_than_one_step_of_host_memory(monkeypatch):
 
 
 def test_a_proof_after_reloads_runs_once_per_checkpoint_identity_and_one_at_a_time():
-    from sglang_patch.live.coordinate_map import ProofAttempts
+    from sglang_patch.live.mapping.coordinate_map import ProofAttempts
 
     attempts = ProofAttempts()
     assert attempts.begin(("/local", (1, "src", "run", "seed"))) is None
@@ -429,7 +429,7 @@ def _allowed_class(qualified: str):
 def test_an_engine_with_a_draft_model_moving_experts_or_shared_weights_reloads_with_the_reason(args, words):
     from types import SimpleNamespace
 
-    from sglang_patch.live.scope import why_engine_reload_only
+    from sglang_patch.live.mapping.scope import why_engine_reload_only
 
     model = _allowed_class("sglang.srt.models.qwen3.Qwen3ForCausalLM")
     why = why_engine_reload_only(model, SimpleNamespace(**args), SimpleNamespace(draft_worker=None))
@@ -437,7 +437,7 @@ def test_an_engine_with_a_draft_model_moving_experts_or_shared_weights_reloads_w
 
 
 def test_a_class_off_the_allow_list_reloads_naming_the_class_and_a_subclass_is_not_enough():
-    from sglang_patch.live.scope import ALLOW_LIST, why_engine_reload_only, why_not_allowed
+    from sglang_patch.live.mapping.scope import ALLOW_LIST, why_engine_reload_only, why_not_allowed
 
     assert "sglang.srt.models.qwen3_moe.Qwen3MoeForCausalLM" in ALLOW_LIST
     why = why_engine_reload_only(ToyModel())
@@ -466,7 +466,7 @@ def _engine_state(tmp_path, model, scope=None):
 def test_an_engine_off_the_allow_list_builds_no_map_and_every_update_reloads_saying_why(tmp_path):
     from types import SimpleNamespace
 
-    from sglang_patch.live.scope import EngineScope
+    from sglang_patch.live.mapping.scope import EngineScope
 
     state = _engine_state(tmp_path, ToyModel(), EngineScope(SimpleNamespace(), SimpleNamespace(draft_worker=None)))
     state.proof.build_and_prove()

@@ -1,4 +1,4 @@
-"""MLA's ``w_kc``/``w_vc`` re-derived live from ``kv_b_proj`` (``sglang_patch.live.derived``) by one
+"""MLA's ``w_kc``/``w_vc`` re-derived live from ``kv_b_proj`` (``sglang_patch.live.mapping.derived``) by one
 rank's writes (``live.apply.RankWrites``): after the scatter, again after a rollback (no undo log of
 their own: the split of the restored source is exact), never when the rule went stale, and a
 derivation that fails restores the rank. A torch-only attention module laid out as sglang's
@@ -12,10 +12,10 @@ import torch
 
 from sglang_patch.live import results as lr
 from sglang_patch.live.apply import RankTxn, RankWrites
-from sglang_patch.live.coordinate_map import TensorSpec, build_coordinate_map, prove_map
-from sglang_patch.live.derived import MlaDerivation, prove_steps
+from sglang_patch.live.mapping.coordinate_map import TensorSpec, build_coordinate_map, prove_map
+from sglang_patch.live.mapping.derived import MlaDerivation, prove_steps
 from sglang_patch.live.loop_slices import drain
-from sglang_patch.live.patch import StagedUpdate, stage_update
+from sglang_patch.live.scatter.patch import StagedUpdate, stage_update
 from sglang_patch.live.version import LiveWeights
 
 from live_support import NewTensors, TensorReader, changed_positions
@@ -137,7 +137,7 @@ class _Counted:
 
 def test_the_per_update_check_compares_a_bounded_fresh_draw_of_the_re_derived_layers_and_counts_a_stale_one():
     from sglang_patch.live.check import DERIVED_LAYERS_PER_CHECK, check_derived
-    from sglang_patch.live.patch import ParamPatch
+    from sglang_patch.live.scatter.patch import ParamPatch
 
     rules = {f"l{k}.kv_b_proj.weight": _Counted(f"l{k}") for k in range(10)}
     patches = [ParamPatch(n, None, None, None, None) for n in list(rules)[:8]]  # 8 layers re-derived

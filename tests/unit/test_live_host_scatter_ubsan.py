@@ -1,4 +1,4 @@
-"""Live apply's compiled host scatter (``sglang_patch/live/_host_scatter.c``) under
+"""Live apply's compiled host scatter (``sglang_patch/live/scatter/_host_scatter.c``) under
 UndefinedBehaviorSanitizer: built with ``-fsanitize=alignment,undefined`` into a temporary dir
 and driven in a child process over every element width, chunk sizes that do and do not divide
 the patch, a position staged twice (a read-back mismatch) and a position out of range. Any
@@ -17,7 +17,7 @@ import pytest
 from test_codec_sparse2_ubsan import build_with_ubsan
 
 SOURCE = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
-                      "sglang_patch", "live", "_host_scatter.c")  # fmt: skip
+                      "sglang_patch", "live", "scatter", "_host_scatter.c")  # fmt: skip
 
 CHILD = r"""
 import sys

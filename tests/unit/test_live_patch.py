@@ -1,4 +1,4 @@
-"""Staging, scatter and undo of a live update (``sglang_patch.live.patch``), and how the ranks'
+"""Staging, scatter and undo of a live update (``sglang_patch.live.scatter.patch``), and how the ranks'
 outcomes become one reply (``sglang_patch.live.results``). Torch only, no sglang."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from sglang_patch.live import results as lr
-from sglang_patch.live.coordinate_map import Placement, TensorSpec, build_coordinate_map, prove_map
-from sglang_patch.live.patch import StagedUpdate, StagingRefused, positions_through, scatter_with_undo, stage_update
+from sglang_patch.live.mapping.coordinate_map import Placement, TensorSpec, build_coordinate_map, prove_map
+from sglang_patch.live.scatter.patch import StagedUpdate, StagingRefused, positions_through, scatter_with_undo, stage_update
 
 from live_support import TensorReader, assert_names_the_position, changed_positions, stage_one_position_twice
 
@@ -148,7 +148,7 @@ def test_a_rolled_back_reply_is_a_failure_that_says_every_rank_was_restored():
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16])
 @pytest.mark.parametrize("density", [0.001, 0.5])  # below and above SPARSE_WRITE_DENSITY: both write paths
 def test_a_patch_writes_exactly_its_positions_in_place_and_restores_them(dtype, density):
-    from sglang_patch.live.patch import SPARSE_WRITE_DENSITY, ParamPatch
+    from sglang_patch.live.scatter.patch import SPARSE_WRITE_DENSITY, ParamPatch
 
     g = torch.Generator().manual_seed(1)
     param = torch.randn(20_000, generator=g).to(dtype)
@@ -168,8 +168,8 @@ def test_a_patch_writes_exactly_its_positions_in_place_and_restores_them(dtype, 
 
 
 def test_staging_in_steps_bounds_each_step_and_ends_where_staging_at_once_does():
-    from sglang_patch.live import patch as live_patch
-    from sglang_patch.live.stage import Patch
+    from sglang_patch.live.scatter import patch as live_patch
+    from sglang_patch.live.mapping.stage import Patch
 
     flat = torch.arange(10_000, dtype=torch.float32)
     index = np.arange(0, 10_000, 3, dtype=np.int64)
@@ -191,7 +191,7 @@ def test_staging_in_steps_bounds_each_step_and_ends_where_staging_at_once_does()
 
 
 def test_a_ranks_source_window_spans_exactly_the_elements_its_boxes_read():
-    from sglang_patch.live.stage import source_windows
+    from sglang_patch.live.mapping.stage import source_windows
 
     rows_4_to_7 = Placement("w", "fused", (4, 3), 12, (3, 1), 0, (3, 1))  # of an (8, 3) tensor
     transposed = Placement("b", "fused", (2, 3), 0, (1, 2), 12, (3, 1))  # all of a (3, 2) tensor
@@ -206,7 +206,7 @@ def test_a_ranks_source_window_spans_exactly_the_elements_its_boxes_read():
 
 def _three_patches_written():
     """Three parameters a scatter wrote; returns the patches and each parameter's old values."""
-    from sglang_patch.live.patch import ParamPatch
+    from sglang_patch.live.scatter.patch import ParamPatch
 
     g = torch.Generator().manual_seed(3)
     patches, olds = [], []
@@ -230,7 +230,7 @@ def _out_of_memory_on(name):
 
 
 def test_a_restore_whose_one_write_fails_still_restores_the_others_and_reports_not_restored():
-    from sglang_patch.live.patch import UndoLog
+    from sglang_patch.live.scatter.patch import UndoLog
 
     patches, olds = _three_patches_written()
     result = UndoLog(patches).restore(before_write=_out_of_memory_on("p1"))  # never raises
@@ -242,7 +242,7 @@ def test_a_restore_whose_one_write_fails_still_restores_the_others_and_reports_n
 
 
 def test_a_restore_checks_every_patch_against_the_undo_log_and_reports_a_write_that_did_not_hold():
-    from sglang_patch.live.patch import UndoLog
+    from sglang_patch.live.scatter.patch import UndoLog
 
     patches, olds = _three_patches_written()
 
@@ -257,7 +257,7 @@ def test_a_restore_checks_every_patch_against_the_undo_log_and_reports_a_write_t
 
 
 def test_a_restore_that_holds_reports_restored_and_a_scatter_whose_restore_fails_says_so():
-    from sglang_patch.live.patch import RestoreBuffers, RestoreFailed, UndoLog
+    from sglang_patch.live.scatter.patch import RestoreBuffers, RestoreFailed, UndoLog
 
     patches, olds = _three_patches_written()
     assert UndoLog(patches).restore() == (True, ())
@@ -309,14 +309,14 @@ def _bits(model):
 
 @pytest.fixture(params=["compiled", "numpy"])
 def host_path(request, monkeypatch):
-    """The pause's host writes: the compiled loop (``live.host_scatter``), or numpy and torch
+    """The pause's host writes: the compiled loop (``live.scatter.host_scatter``), or numpy and torch
     where the extension was not built."""
-    from sglang_patch.live import host_scatter
+    from sglang_patch.live.scatter import host_scatter
 
     if request.param == "numpy":
         monkeypatch.setattr(host_scatter, "_compiled", None)
     elif host_scatter.compiled() is None:
-        pytest.fail("sglang_patch.live._host_scatter is not built (scripts/setup_env.sh builds it)")
+        pytest.fail("sglang_patch.live.scatter._host_scatter is not built (scripts/setup_env.sh builds it)")
     return request.param
 
 
@@ -332,7 +332,7 @@ def test_a_correct_scatter_reads_back_and_verifies_every_element_it_wrote(device
 
 @pytest.mark.parametrize("victim", ["p0", "p1"], ids=["sparse-write", "dense-write"])  # a, b
 def test_a_host_write_that_did_not_land_fails_the_scatter_names_the_element_and_the_rank_restores(victim, host_path):
-    from sglang_patch.live.patch import WriteNotLanded
+    from sglang_patch.live.scatter.patch import WriteNotLanded
 
     model, staged = _three_patches(None)
     before = _bits(model)
@@ -348,7 +348,7 @@ def test_a_host_write_that_did_not_land_fails_the_scatter_names_the_element_and_
 @pytest.mark.parametrize("victim", ["p0", "p1"], ids=["sparse-write", "dense-write"])  # a, b
 def test_a_device_write_that_did_not_land_fails_the_scatter_names_the_element_and_the_rank_restores(monkeypatch,
                                                                                                     victim):
-    from sglang_patch.live.patch import ParamPatch, WriteNotLanded
+    from sglang_patch.live.scatter.patch import ParamPatch, WriteNotLanded
 
     model, staged = _three_patches(True)
     before = _bits(model)
@@ -376,8 +376,8 @@ def test_a_device_write_that_did_not_land_fails_the_scatter_names_the_element_an
 @pytest.mark.parametrize("victim", ["p0", "p1"], ids=["sparse-write", "dense-write"])
 def test_host_patches_are_written_and_read_back_block_by_block_and_a_missed_element_is_named(monkeypatch, victim,
                                                                                               host_path):
-    from sglang_patch.live import host_scatter, patch as patch_module
-    from sglang_patch.live.patch import WriteNotLanded
+    from sglang_patch.live.scatter import host_scatter, patch as patch_module
+    from sglang_patch.live.scatter.patch import WriteNotLanded
 
     monkeypatch.setattr(patch_module, "READ_BACK_CHUNK", 3)
     monkeypatch.setattr(patch_module, "DENSE_READ_BACK_CHUNK", 3)
@@ -399,10 +399,10 @@ def test_host_patches_are_written_and_read_back_block_by_block_and_a_missed_elem
 
 
 def test_the_compiled_scatter_writes_exactly_its_positions_at_every_width_and_refuses_one_out_of_range():
-    from sglang_patch.live import host_scatter
+    from sglang_patch.live.scatter import host_scatter
 
     if host_scatter.compiled() is None:
-        pytest.fail("sglang_patch.live._host_scatter is not built (scripts/setup_env.sh builds it)")
+        pytest.fail("sglang_patch.live.scatter._host_scatter is not built (scripts/setup_env.sh builds it)")
     rng = np.random.default_rng(11)
     for dtype in (torch.uint8, torch.bfloat16, torch.float16, torch.float32, torch.float64, torch.int64):
         flat = torch.from_numpy(rng.integers(0, 255, 5000 * 8, dtype=np.uint8)).view(dtype)
@@ -433,10 +433,10 @@ def test_the_compiled_read_back_finds_a_position_staged_twice_wherever_it_falls(
     """Chunks of 256 over 700 positions, the first a probe (written, then read back in a pass of
     its own), the others written and read back in one loop: a write that overwrites the one just
     before it is found at the entry whose value was lost, in either kind of chunk."""
-    from sglang_patch.live import host_scatter
+    from sglang_patch.live.scatter import host_scatter
 
     if host_scatter.compiled() is None:
-        pytest.fail("sglang_patch.live._host_scatter is not built (scripts/setup_env.sh builds it)")
+        pytest.fail("sglang_patch.live.scatter._host_scatter is not built (scripts/setup_env.sh builds it)")
     monkeypatch.setattr(host_scatter, "CHUNK", 256)
     rng = np.random.default_rng(first)
     flat = torch.from_numpy(rng.integers(-999, 999, 5000, dtype=np.int16))

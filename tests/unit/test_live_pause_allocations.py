@@ -18,8 +18,8 @@ import numpy as np
 import pytest
 import torch
 
-from sglang_patch.live.coordinate_map import TensorSpec, build_coordinate_map, prove_map
-from sglang_patch.live.patch import SPARSE_WRITE_DENSITY, StagedUpdate, scatter_with_undo, stage_update
+from sglang_patch.live.mapping.coordinate_map import TensorSpec, build_coordinate_map, prove_map
+from sglang_patch.live.scatter.patch import SPARSE_WRITE_DENSITY, StagedUpdate, scatter_with_undo, stage_update
 
 from live_support import FlatModel, NewTensors, TensorReader, changed_positions, storage_of as _storage
 
@@ -144,7 +144,7 @@ def test_staging_for_a_device_pins_no_host_memory():
 
 
 def test_a_restore_whose_buffers_are_too_small_fails_that_patch_instead_of_allocating():
-    from sglang_patch.live.patch import RestoreBuffers, UndoLog
+    from sglang_patch.live.scatter.patch import RestoreBuffers, UndoLog
 
     model, cmap, v0, v1 = _engine()
     staged = _staged(model, cmap, v0, v1, device_copies=True)

@@ -1,6 +1,6 @@
 """The pause waits for the device before anything is reported (issue 19, point 10).
 
-A rank's writes are fenced (``live.device.PauseFence``): on CUDA, events order them with
+A rank's writes are fenced (``live.scatter.device.PauseFence``): on CUDA, events order them with
 sglang's forward stream and ``wait`` blocks until the last one ran, raising an asynchronous
 device error there. No device here, so the fence is the one fake: a recording fence whose
 ``wait`` can fail the way ``event.synchronize()`` does after a failed kernel. Everything else
@@ -23,7 +23,7 @@ import torch
 
 from sglang_patch.live import results as lr
 from sglang_patch.live import transaction as tx
-from sglang_patch.live.device import HostFence, pause_fence_for
+from sglang_patch.live.scatter.device import HostFence, pause_fence_for
 
 from live_support import cpu_standins_on_path, serve_from_local
 
@@ -96,8 +96,8 @@ class WeightUpdater:
 
 def _rank_with_v2_staged(chain, tmp_path, log: list, fail: int):
     """One rank serving v1, with v2 pulled and staged, its fence the recording one."""
-    from sglang_patch.live.coordinate_map import CheckpointReader
-    from sglang_patch.live.stage import stage_job
+    from sglang_patch.live.mapping.coordinate_map import CheckpointReader
+    from sglang_patch.live.mapping.stage import stage_job
 
     local = str(tmp_path / "local")
     chain.pull(local, chain.model_dir, chain.feed.source_dir, 1)

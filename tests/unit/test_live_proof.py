@@ -30,7 +30,7 @@ def served(tmp_path_factory):
 
 
 def test_a_proof_against_the_reloaded_local_checkpoint_proves_every_parameter(served):
-    from sglang_patch.live.coordinate_map import CheckpointReader
+    from sglang_patch.live.mapping.coordinate_map import CheckpointReader
 
     state = served.state()
     state.proof.prove(CheckpointReader(served.local), state.live, checkpoint_dir=served.local)
@@ -42,7 +42,7 @@ def test_a_pull_of_the_checkpoint_a_proof_is_reading_waits_for_the_proof_to_fini
     import threading
     import time
 
-    from sglang_patch.live.coordinate_map import CheckpointReader
+    from sglang_patch.live.mapping.coordinate_map import CheckpointReader
 
     state = served.state()
     reader = CheckpointReader(served.local)
@@ -71,7 +71,7 @@ def test_a_pull_of_the_checkpoint_a_proof_is_reading_waits_for_the_proof_to_fini
 
 def test_a_proof_against_a_checkpoint_rewritten_meanwhile_by_anyone_records_nothing(served):
     # a writer that ignores the host lock (an operator's copy): the proof's end check catches it
-    from sglang_patch.live.coordinate_map import CheckpointReader
+    from sglang_patch.live.mapping.coordinate_map import CheckpointReader
     from weightsync.format.layout import state_path
 
     state = served.state()
@@ -107,7 +107,7 @@ def test_a_map_built_after_a_reload_from_a_local_checkpoint_is_proven_against_th
 
 def _staging_state(served):
     """A proven rank whose live weights are taken to be v1 while the local dir holds v2."""
-    from sglang_patch.live.coordinate_map import CheckpointReader
+    from sglang_patch.live.mapping.coordinate_map import CheckpointReader
     from sglang_patch.live.identity import LiveVersion
     from weightsync.puller.positions import held_version
 
@@ -140,7 +140,7 @@ def _stage_with_a_scheduler_loop(state, served, stager) -> None:
 
 
 def test_staging_runs_its_engine_half_on_the_thread_that_drives_the_loop(served):
-    from sglang_patch.live.stage import stage_job
+    from sglang_patch.live.mapping.stage import stage_job
 
     state = _staging_state(served)
     _stage_with_a_scheduler_loop(state, served, stage_job)
@@ -156,8 +156,8 @@ def test_the_undo_log_is_taken_from_the_positions_while_the_values_are_still_bei
     meanwhile, and reads each patch's values only once the stager returned them written."""
     import numpy as np
 
-    from sglang_patch.live.patch import _as_torch
-    from sglang_patch.live.stage import stage_job
+    from sglang_patch.live.scatter.patch import _as_torch
+    from sglang_patch.live.mapping.stage import stage_job
 
     state = _staging_state(served)
     seen: dict = {}
@@ -181,7 +181,7 @@ def test_the_undo_log_is_taken_from_the_positions_while_the_values_are_still_bei
 
 
 def test_a_staging_the_helper_refuses_after_the_positions_drops_the_undo_log_it_started(served):
-    from sglang_patch.live.stage import StageReply, stage_job
+    from sglang_patch.live.mapping.stage import StageReply, stage_job
 
     state = _staging_state(served)
 
@@ -199,7 +199,7 @@ def test_staging_on_a_scheduler_loop_that_stopped_running_slices_is_refused_with
     import time
 
     from sglang_patch.live import staging
-    from sglang_patch.live.stage import stage_job
+    from sglang_patch.live.mapping.stage import stage_job
 
     state = _staging_state(served)
     monkeypatch.setattr(staging, "LOOP_STAGING_TIMEOUT_S", 0.3)
@@ -214,7 +214,7 @@ def test_staging_on_a_scheduler_loop_that_stopped_running_slices_is_refused_with
     (dict(run="another-run"), "a new run under the same source dir"),
 ])
 def test_staging_refuses_a_chain_of_another_seed_or_run_than_the_live_weights(served, change, words):
-    from sglang_patch.live.stage import stage_job
+    from sglang_patch.live.mapping.stage import stage_job
 
     state = _staging_state(served)
     state.weights.live = state.live._replace(**change)

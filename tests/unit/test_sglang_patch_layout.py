@@ -53,3 +53,21 @@ def test_live_apply_never_imports_the_pull_and_the_leaves_import_nothing_of_ours
 def test_no_module_of_the_plugin_imports_itself_back_through_a_circle():
     circle = first_circle(_graph())
     assert circle is None, "import circle: " + " -> ".join(circle or [])
+
+
+LIVE_LAYERS = {  # what each of live apply's inner packages may import of the live package
+    "mapping": {"mapping", "loop_slices"},
+    "scatter": {"scatter", "mapping", "loop_slices"},
+}
+
+
+def test_live_apply_s_mapping_and_scatter_import_nothing_of_the_transaction_check_or_state_above_them():
+    for module, imports in _graph().items():
+        parts = module.split(".")
+        if parts[:2] != ["sglang_patch", "live"] or len(parts) < 4 or parts[2] not in LIVE_LAYERS:
+            continue
+        for imported in imports:
+            ip = imported.split(".")
+            if ip[:2] != ["sglang_patch", "live"] or len(ip) < 3:
+                continue
+            assert ip[2] in LIVE_LAYERS[parts[2]], f"{module} imports {imported}: live's inner packages point one way"

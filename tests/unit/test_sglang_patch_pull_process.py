@@ -19,7 +19,7 @@ import pytest
 
 import weightsync
 from sglang_patch.pull import process as pull_process
-from sglang_patch.live.stage import Placement, StageJob, stage_job
+from sglang_patch.live.mapping.stage import Placement, StageJob, stage_job
 from sglang_patch.pull.process import HelperRankPuller
 from sglang_patch.pull.rank import RankPuller
 from sglang_patch.server_flags import PullWeightsOptions
@@ -304,7 +304,7 @@ def test_a_stagings_shared_file_is_written_again_only_once_its_last_view_is_gone
 
 
 def test_a_kept_map_of_a_local_file_sees_it_rewritten_in_place_and_remaps_a_replaced_one(fast_tmp_path):
-    from sglang_patch.live.stage import KeptMaps
+    from sglang_patch.live.mapping.stage import KeptMaps
 
     path = str(fast_tmp_path / "model.safetensors")
     with open(path, "wb") as f:
@@ -336,7 +336,7 @@ def _deleted_files_mapped(pid: int, under: str) -> list[str]:
 
 
 def test_kept_maps_of_deleted_or_replaced_files_are_dropped_at_the_next_staging(fast_tmp_path):
-    from sglang_patch.live.stage import KeptMaps
+    from sglang_patch.live.mapping.stage import KeptMaps
 
     local = fast_tmp_path / "local"
     local.mkdir()
@@ -422,7 +422,7 @@ def test_a_helper_whose_scheduler_died_mid_pull_exits_instead_of_lingering(world
 import sys, threading, time, types
 sys.path[:0] = [{ROOT!r}]
 from sglang_patch.pull import process as pull_process
-from sglang_patch.live.stage import Placement, StageJob, stage_job
+from sglang_patch.live.mapping.stage import Placement, StageJob, stage_job
 from sglang_patch.pull.rank import RankPuller
 from sglang_patch.server_flags import PullWeightsOptions
 options = PullWeightsOptions(pre_read_hook={GATE_HOOK!r}, allowed_roots=({str(world.root)!r},))

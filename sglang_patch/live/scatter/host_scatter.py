@@ -7,7 +7,7 @@ compare and a scan per chunk, about half the write's own cost on the benchmark m
 is a few percent of it (``benchmarks/bench_read_back.py``).
 
 The extension is optional (``setup.py``): without it, ``compiled()`` is None and the scatter
-writes and reads back through numpy and torch (``live.patch``), as exact and slower.
+writes and reads back through numpy and torch (``live.scatter.patch``), as exact and slower.
 
 Callers pass tensors, never pointers: every check that makes the raw loop safe is here (CPU,
 contiguous, the integer position type, the same element width on both sides, the range).
@@ -21,7 +21,7 @@ import torch
 
 try:
     from . import _host_scatter as _compiled  # type: ignore[attr-defined]
-except ImportError:  # built without a C compiler: live.patch's numpy path
+except ImportError:  # built without a C compiler: live.scatter.patch's numpy path
     _compiled = None
 
 # Elements per chunk: most chunks are written and read back in one loop (each element read a few
@@ -91,7 +91,7 @@ def scatter_and_read_back(flat: torch.Tensor, index: torch.Tensor, values: torch
 def _args(flat: torch.Tensor, index: torch.Tensor, values: torch.Tensor, start: int,
           stop: Optional[int]) -> tuple[Any, tuple]:
     if _compiled is None:
-        raise RuntimeError("the compiled host scatter (sglang_patch/live/_host_scatter.c) is not built")
+        raise RuntimeError("the compiled host scatter (sglang_patch/live/scatter/_host_scatter.c) is not built")
     n = int(index.numel())
     stop = n if stop is None else stop
     for name, t in (("parameter", flat), ("positions", index), ("values", values)):

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from .. import compat
+from ... import compat
 
 # model class (module.qualname) -> the family it serves; each has its in-process proof
 ALLOW_LIST = {
@@ -29,7 +29,7 @@ ALLOW_LIST = {
     "sglang.srt.models.qwen3_moe.Qwen3MoeForCausalLM": "Qwen3 MoE",
     "sglang.srt.models.llama.LlamaForCausalLM": "Llama",
     "sglang.srt.models.glm4_moe.Glm4MoeForCausalLM": "GLM-4 MoE",
-    # MLA: w_kc/w_vc re-derived live from an unquantized kv_b_proj (live.derived); anything else
+    # MLA: w_kc/w_vc re-derived live from an unquantized kv_b_proj (live.mapping.derived); anything else
     # in these models that the map cannot follow is reload-only, with its reason
     "sglang.srt.models.glm4_moe_lite.Glm4MoeLiteForCausalLM": "GLM-4 MoE Lite (GLM-4.7-Flash, MLA)",
     "sglang.srt.models.deepseek_v2.DeepseekV2ForCausalLM": "DeepSeek-V2 (MLA)",

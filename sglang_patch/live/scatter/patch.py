@@ -1,6 +1,6 @@
 """Finish a live update's staging while serving, scatter it during the pause, undo it exactly.
 
-Staging has two halves. The heavy one (``live.stage``: positions, mapping, new values read from
+Staging has two halves. The heavy one (``live.mapping.stage``: positions, mapping, new values read from
 the verified local checkpoint) runs in the rank's pull helper process. This module does the
 engine-side half, in the scheduler process but still while serving (``finish_staging_steps``):
 cast the new values to each parameter's dtype (what the loader's ``copy_`` does), read the
@@ -23,7 +23,7 @@ is freed with the staged update (``live.state._release_later``).
 
 The pause (``scatter_with_undo``) is then only the writes into each parameter's own storage
 (pointers unchanged, so captured CUDA graphs stay valid): ``index_copy_`` on a device, ordered
-with sglang's forward stream by events (``live.device.PauseFence``), numpy
+with sglang's forward stream by events (``live.scatter.device.PauseFence``), numpy
 fancy assignment over integer views for sparse patches on the CPU, with one intra-op thread (a multi-threaded
 ``index_copy_`` of bf16 over scattered positions is many times slower here, and the TP ranks
 already run side by side). Each patch is read back from the storage it wrote right after the
@@ -44,11 +44,11 @@ from typing import Any, Callable, Generator, Iterable, Iterator, Mapping, NamedT
 import numpy as np
 import torch
 
-from .coordinate_map import INT_OF_WIDTH, TORCH_DTYPE_OF, CheckpointReader, CoordinateMap, as_int_bits
-from .device import HostFence, PauseFence, needs_device_copies
-from .stage import Patch, StagingRefused, positions_through, stage_changes
-from .loop_slices import drain
+from ..loop_slices import drain
+from ..mapping.coordinate_map import INT_OF_WIDTH, TORCH_DTYPE_OF, CheckpointReader, CoordinateMap, as_int_bits
+from ..mapping.stage import Patch, StagingRefused, positions_through, stage_changes
 from . import host_scatter
+from .device import HostFence, PauseFence, needs_device_copies
 
 __all__ = ["ParamPatch", "ReadBack", "RestoreBuffers", "RestoreFailed", "RestoreResult", "SavedOld", "StagedUpdate", "StagingRefused", "UndoLog", "finish_staging", "positions_through",
            "scatter_with_undo", "stage_update", "undo_log_steps", "WriteNotLanded"]
@@ -126,7 +126,7 @@ class StagedUpdate:
     engine_where: str = "in this thread"  # which thread ran them (logged)
     keepalive: object = None  # what the patches' memory belongs to (the helper's shared file)
     restore_buffers: "Optional[RestoreBuffers]" = None  # a restore's scratch, made at staging
-    fence: Any = None  # orders the pause's writes with the device (live.device.PauseFence; None: the CPU's)
+    fence: Any = None  # orders the pause's writes with the device (live.scatter.device.PauseFence; None: the CPU's)
     from_key: Optional[tuple] = None  # the identity of the live version it was staged from (live.identity)
     target: Any = None  # the live version it makes (a live.identity.LiveVersion)
 
@@ -203,7 +203,7 @@ def undo_log_steps(
     positions (reads ``patch.index`` only, never ``patch.values``); returns them.
 
     ``device_copies``: whether the positions (and later the values) get their own copies on the
-    parameter's device; None: for parameters off the CPU (``live.device.needs_device_copies``).
+    parameter's device; None: for parameters off the CPU (``live.scatter.device.needs_device_copies``).
     True on CPU parameters runs the device path on the CPU (a test's way to exercise it here).
     """
     saved = []
@@ -278,7 +278,7 @@ def stage_update(
 ) -> StagedUpdate:
     """Both halves of staging in this process, for ``changes`` (``(tensor, entry, positions)``).
 
-    What the helper process does with ``live.stage.stage_job``, here from given positions and a
+    What the helper process does with ``live.mapping.stage.stage_job``, here from given positions and a
     reader of torch tensors (tests, the in-process MoE map check).
 
     Raises:

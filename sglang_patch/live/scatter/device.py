@@ -1,6 +1,6 @@
 """The one place live apply talks to the device's streams: the fence around the pause's writes.
 
-On a CUDA engine, the scheduler thread issues the pause's writes (``live.patch.
+On a CUDA engine, the scheduler thread issues the pause's writes (``live.scatter.patch.
 scatter_with_undo``, ``UndoLog.restore``) on its current stream. sglang runs the loop under
 ``StreamContext(schedule_stream)`` and the forward either on that stream or, with the overlap
 scheduler or pipeline stages, on ``model_runner.forward_stream`` (the same stream as

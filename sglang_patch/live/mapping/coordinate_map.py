@@ -21,7 +21,7 @@ The map covers exactly what it can follow; everything else is reload-only, with 
   (``.item()``: sglang's ``default_weight_loader`` fills one-element parameters that way), loaded
   into a buffer, kept as a module attribute, or read without reaching any parameter;
 - a parameter whose value the loader reads (a parameter copied from it, a tensor derived after
-  the copies), unless the read is inside ``post_load_weights`` and a rule of ``live.derived``
+  the copies), unless the read is inside ``post_load_weights`` and a rule of ``live.mapping.derived``
   re-derives that state live (MLA's ``w_kc``/``w_vc`` from an unquantized ``kv_b_proj``), proven
   against the live weights with the map.
 A checkpoint tensor the loader never looks at is "unused": a reload ignores it too.
@@ -52,8 +52,8 @@ import numpy as np
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from ..loop_slices import drain
 from .stage import CARRIER, Placement
-from .loop_slices import drain
 
 log = logging.getLogger(__name__)
 
@@ -90,7 +90,7 @@ class CoordinateMap:
     build_s: float = 0.0
     proof_s: float = 0.0
     mapped_elements: int = 0  # parameter elements the checkpoint writes on this rank
-    # parameters that post_load_weights derives other state from, under a rule (``live.derived``):
+    # parameters that post_load_weights derives other state from, under a rule (``live.mapping.derived``):
     # parameter -> the module holding that state; live only once ``derivations`` holds its proven rule
     derived_params: dict[str, str] = field(default_factory=dict)
     derivations: dict[str, Any] = field(default_factory=dict)  # parameter -> bound rule (set by the proof)
@@ -260,7 +260,7 @@ class _Recorder(TorchDispatchMode):
         super().__init__()
         self.result = result
         # inside post_load_weights (``deriving``), a read of a ``derivable[0]`` parameter is the
-        # derivation a rule repeats (``live.derived``); ``derivable[1]``: why the others cannot be
+        # derivation a rule repeats (``live.mapping.derived``); ``derivable[1]``: why the others cannot be
         self.derivable, self.not_derivable = derivable
         self.deriving = False
         self.origins: dict[int, _Origin] = {}
@@ -637,7 +637,7 @@ def build_coordinate_map(model: torch.nn.Module, specs: Iterable[TensorSpec],
     computes or swaps afterwards lands on the copy. Runs on the calling thread only (dispatch
     modes are thread-local), so generation on the scheduler thread is unaffected.
 
-    ``derivable`` (``live.derived.derivable_params``): parameters whose reads inside the model's
+    ``derivable`` (``live.mapping.derived.derivable_params``): parameters whose reads inside the model's
     ``post_load_weights`` are a derivation a rule repeats live (``derived_params``), and why the
     others' are not; without it every such read makes the parameter reload-only.
 
@@ -770,7 +770,7 @@ def prove_map_steps(
     placement (the checkpoint's values cast to the parameter's dtype, and the live block, brought
     to the host when the parameter lives on a device); nothing the size of a parameter is held.
 
-    ``prove_derived(derived_params, names)`` (``live.derived.prover``): for the proven parameters
+    ``prove_derived(derived_params, names)`` (``live.mapping.derived.prover``): for the proven parameters
     of ``cmap.derived_params``, each one's bound rule, or why it is not proven (a string). A
     derived parameter without one is reload-only.
     """

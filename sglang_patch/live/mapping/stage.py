@@ -8,7 +8,7 @@ checkpoint, still in the checkpoint's dtype. It runs in the rank's pull helper p
 (``pull.process``), which has its own interpreter and CPUs: in the scheduler process every
 numpy call would have to win the GIL back from sglang's busy-polling loop (about 5 ms each,
 thousands of calls). The scheduler then only casts the values and saves the old ones
-(``live.patch.finish_staging``), a few large torch calls per parameter.
+(``live.scatter.patch.finish_staging``), a few large torch calls per parameter.
 
 No torch and no sglang here (the helper imports only the core and numpy).
 
@@ -84,7 +84,7 @@ class PatchRef(msgspec.Struct, frozen=True):
 class StagePositions(msgspec.Struct, frozen=True, tag="positions"):
     """The helper's first answer when there are patches: every patch's positions are in the
     shared file that follows, their values not yet (``StageReply`` says when they are). The
-    scheduler saves its undo log from the positions meanwhile (``live.patch.undo_log_steps``)."""
+    scheduler saves its undo log from the positions meanwhile (``live.scatter.patch.undo_log_steps``)."""
 
     patches: list[PatchRef]
     shared_nbytes: int

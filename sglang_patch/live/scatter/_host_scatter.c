@@ -1,5 +1,5 @@
 /* Live apply's host writes, compiled: the pause's scatter into a CPU parameter and its read-back
- * (sglang_patch/live/host_scatter.py is the Python side).
+ * (sglang_patch/live/scatter/host_scatter.py is the Python side).
  *
  * Why compiled: the pause writes a few million scattered elements, each a cache miss, and then
  * reads every one back to compare it with the staged value. Through numpy the read-back is a

@@ -229,7 +229,7 @@ def why_stale(derivations: Mapping[str, MlaDerivation], patches: Iterable) -> Op
 def refresh(derivations: Mapping[str, MlaDerivation], patches: Iterable, fence: Any = None) -> int:
     """Re-derive every layer whose ``kv_b_proj`` a patch wrote (``patch.ParamPatch``); the count.
 
-    ``fence`` (``live.device.PauseFence``, the staged update's): the copies are ordered with the
+    ``fence`` (``live.scatter.device.PauseFence``, the staged update's): the copies are ordered with the
     forward's stream and waited for, as the scatter's are (an asynchronous error raises here)."""
     rules = [d for d in (derivations.get(p.param) for p in patches) if d is not None] if derivations else []
     if not rules:
