@@ -19,8 +19,8 @@ import os
 from typing import Any, Optional
 
 from . import compat, io_types, scheduler_side
-from .live import scope as live_scope
 from .live import transaction as tx
+from .live.mapping import scope as live_scope
 from .live.state import LiveApplyState, Stager
 from .scheduler_context import rank_context_of
 from .server_flags import options_of

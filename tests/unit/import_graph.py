@@ -69,3 +69,62 @@ def _exists(root: pathlib.Path, module: str) -> bool:
     rel = pathlib.Path(*module.split(".")[1:])
     # a compiled module counts by its C source (the built .so may be absent)
     return any((root / rel).with_suffix(s).exists() for s in (".py", ".c")) or (root / rel / "__init__.py").exists()
+
+
+def unresolved_imports(root: pathlib.Path) -> list[str]:
+    """Every ``from <ours> import name`` in the package at ``root`` whose module does not exist or
+    neither has a submodule nor defines ``name`` at its top level: what a moved module leaves
+    behind in a file no test imports (a scheduler-side hook, say)."""
+    found = []
+    for path in root.rglob("*.py"):
+        name = _module_name(root, path)
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.ImportFrom):
+                continue
+            if node.level:
+                base = package.split(".")
+                base = base[: len(base) - (node.level - 1)]
+                module = ".".join(base + ([node.module] if node.module else []))
+            else:
+                module = node.module or ""
+            if module.split(".")[0] != root.name:
+                continue
+            source = _source_of(root, module)
+            if source is None:
+                found.append(f"{name}:{node.lineno}: no module {module}")
+                continue
+            defined = _top_level_names(source)
+            for alias in node.names:
+                if alias.name != "*" and alias.name not in defined and not _exists(root, f"{module}.{alias.name}"):
+                    found.append(f"{name}:{node.lineno}: {module} has no {alias.name}")
+    return found
+
+
+def _source_of(root: pathlib.Path, module: str) -> Optional[pathlib.Path]:
+    rel = pathlib.Path(*module.split(".")[1:])
+    for candidate in ((root / rel).with_suffix(".py"), root / rel / "__init__.py"):
+        if candidate.exists():
+            return candidate
+    return None
+
+
+def _top_level_names(path: pathlib.Path) -> set[str]:
+    names: set[str] = set()
+    pending = list(ast.parse(path.read_text()).body)
+    while pending:
+        node = pending.pop()
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            names.update((a.asname or a.name).split(".")[0] for a in node.names)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            for target in targets:
+                names.update(n.id for n in ast.walk(target) if isinstance(n, ast.Name))
+        elif isinstance(node, (ast.If, ast.Try, ast.With)):  # definitions under a guard count
+            for field in ("body", "orelse", "finalbody", "handlers"):
+                pending.extend(getattr(node, field, []))
+        elif isinstance(node, ast.ExceptHandler):
+            pending.extend(node.body)
+    return names

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pathlib
 
 import weightsync
-from import_graph import first_circle, module_graph
+from import_graph import first_circle, module_graph, unresolved_imports
 
 ROOT = pathlib.Path(weightsync.__file__).parent
 SIDES = ("publisher", "puller")
@@ -62,3 +62,7 @@ def test_the_leaves_import_nothing_of_the_core_but_each_other():
 def test_no_module_of_the_core_imports_itself_back_through_a_circle():
     circle = first_circle(module_graph(ROOT))
     assert circle is None, "import circle: " + " -> ".join(circle or [])
+
+
+def test_every_import_of_a_core_module_names_something_that_exists():
+    assert unresolved_imports(ROOT) == []
