@@ -49,12 +49,7 @@ def _imports_of(root: pathlib.Path, path: pathlib.Path) -> set[str]:
     found: set[str] = set()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.ImportFrom):
-            if node.level:
-                base = package.split(".")
-                base = base[: len(base) - (node.level - 1)]
-                module = ".".join(base + ([node.module] if node.module else []))
-            else:
-                module = node.module or ""
+            module = _imported_module(node, package)
             if not module.startswith(root.name):
                 continue
             for alias in node.names:  # ``from . import x`` names a module; ``from .x import y`` a name
@@ -63,6 +58,15 @@ def _imports_of(root: pathlib.Path, path: pathlib.Path) -> set[str]:
         elif isinstance(node, ast.Import):
             found.update(a.name for a in node.names if a.name.split(".")[0] == root.name)
     return {m for m in found if m != name}
+
+
+def _imported_module(node: ast.ImportFrom, package: str) -> str:
+    """The absolute name of the module ``node`` imports from, seen from ``package``."""
+    if not node.level:
+        return node.module or ""
+    base = package.split(".")
+    base = base[: len(base) - (node.level - 1)]
+    return ".".join(base + ([node.module] if node.module else []))
 
 
 def _exists(root: pathlib.Path, module: str) -> bool:
@@ -82,12 +86,7 @@ def unresolved_imports(root: pathlib.Path) -> list[str]:
         for node in ast.walk(ast.parse(path.read_text())):
             if not isinstance(node, ast.ImportFrom):
                 continue
-            if node.level:
-                base = package.split(".")
-                base = base[: len(base) - (node.level - 1)]
-                module = ".".join(base + ([node.module] if node.module else []))
-            else:
-                module = node.module or ""
+            module = _imported_module(node, package)
             if module.split(".")[0] != root.name:
                 continue
             source = _source_of(root, module)
