@@ -184,7 +184,21 @@ class PreparedSample:
         engine's parameters now; None: the views taken when prepared) and compare bit for bit:
         one gather per parameter, one compare per device and element width (one synchronisation
         on a device); per parameter only after a mismatch, for the detail."""
-        return _compare(self.groups, params)
+        start = time.perf_counter()
+        tally = _Tally()
+        for g in self.groups:
+            for s in g.members:
+                torch.index_select(_storage_bits(params, s.param, s.flat), 0, s.index, out=s.got)
+        for g in self.groups:
+            if _equal(g.got, g.expected):
+                tally.compared += int(g.got.numel())
+                continue
+            for s in g.members:
+                on_host = s.got.device.type == "cpu"
+                tally.add(s.source_of, s.expected if on_host else s.expected.cpu(), s.got if on_host else s.got.cpu(),
+                          s.index, s.dtype)
+        tally.seconds = time.perf_counter() - start
+        return tally
 
     def settle_before_pause(self, params: Optional[Mapping[str, torch.Tensor]] = None) -> _Tally:
         """At staging, while serving: compare every sampled element with the live weights now.
@@ -208,24 +222,6 @@ class PreparedSample:
         tally.seconds = time.perf_counter() - start
         self.before_pause = tally
         return tally
-
-
-def _compare(groups: list[_Group], params: Optional[Mapping[str, torch.Tensor]]) -> _Tally:
-    start = time.perf_counter()
-    tally = _Tally()
-    for g in groups:
-        for s in g.members:
-            torch.index_select(_storage_bits(params, s.param, s.flat), 0, s.index, out=s.got)
-    for g in groups:
-        if _equal(g.got, g.expected):
-            tally.compared += int(g.got.numel())
-            continue
-        for s in g.members:
-            on_host = s.got.device.type == "cpu"
-            tally.add(s.source_of, s.expected if on_host else s.expected.cpu(), s.got if on_host else s.got.cpu(),
-                      s.index, s.dtype)
-    tally.seconds = time.perf_counter() - start
-    return tally
 
 
 def _grouped(members: list[tuple[str, torch.dtype, torch.Tensor, torch.Tensor, torch.Tensor, list]]) -> list[_Group]:

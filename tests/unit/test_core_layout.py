@@ -15,8 +15,8 @@ from import_graph import first_circle, module_graph, unresolved_imports
 
 ROOT = pathlib.Path(weightsync.__file__).parent
 SIDES = ("publisher", "puller")
-# what each package may import of ours, besides itself and the leaves below (a top-level module by
-# its name, a package by its own)
+# what each package may import of ours (packages and top-level modules by name), besides itself
+# and the leaves below
 MAY_IMPORT = {
     "codecs": set(),
     "format": {"codecs"},
@@ -26,9 +26,10 @@ MAY_IMPORT = {
 LEAVES = ("errors", "knobs", "hooks")
 
 
-def _package_of(module: str) -> str:
+def _part_of(module: str) -> str:
+    """The package or top-level module of the core that ``module`` is or lies in."""
     parts = module.split(".")
-    return parts[1] if len(parts) > 2 or (len(parts) == 2 and (ROOT / parts[1]).is_dir()) else "top"
+    return parts[1] if len(parts) > 1 else "weightsync"
 
 
 def test_each_feature_of_the_core_has_a_package_and_the_top_level_stays_small():
@@ -40,13 +41,11 @@ def test_each_feature_of_the_core_has_a_package_and_the_top_level_stays_small():
 
 def test_the_format_and_codecs_import_neither_side_and_the_sides_not_each_other():
     for module, imports in module_graph(ROOT).items():
-        package = _package_of(module)
+        package = _part_of(module)
         if package not in MAY_IMPORT:
             continue
         for imported in imports:
-            other = _package_of(imported)
-            if other == "top":
-                other = imported.split(".")[1]
+            other = _part_of(imported)
             if other == package or other in LEAVES:
                 continue
             assert other in MAY_IMPORT[package], f"{module} imports {imported} ({other}): the core's imports point one way"

@@ -111,6 +111,7 @@ class MlaDerivation:
         self.w_kc = attn.w_kc
         self.w_vc = attn.w_vc
         self.kv_b_ptr = self.kv_b.data_ptr()
+        self.scratch: Optional[CompareScratch] = None  # shared, set once the proof bound every layer
         nope, v = attn.qk_nope_head_dim, attn.v_head_dim
         # sglang: w.unflatten(0, (-1, nope + v)).split([nope, v], dim=1); w_vc transposed
         split = self.kv_b.detach().unflatten(0, (-1, nope + v))
@@ -157,8 +158,6 @@ class MlaDerivation:
             else:
                 differ += int(torch.count_nonzero(as_int_bits(got) != as_int_bits(want)))
         return differ, self.w_kc.numel() + self.w_vc.numel()
-
-    scratch: Optional["CompareScratch"] = None
 
 
 class CompareScratch:

@@ -23,12 +23,13 @@ is freed with the staged update (``live.state._release_later``).
 
 The pause (``scatter_with_undo``) is then only the writes into each parameter's own storage
 (pointers unchanged, so captured CUDA graphs stay valid): ``index_copy_`` on a device, ordered
-with sglang's forward stream by events (``live.scatter.device.PauseFence``), numpy
-fancy assignment over integer views for sparse patches on the CPU, with one intra-op thread (a multi-threaded
-``index_copy_`` of bf16 over scattered positions is many times slower here, and the TP ranks
-already run side by side). Each patch is read back from the storage it wrote right after the
-write (on the CPU chunk by chunk, while the chunk is in cache) and compared bit for bit with
-the staged values (``ReadBack``): a write that did not land fails the scatter. On any failure every patch is written
+with sglang's forward stream by events (``live.scatter.device.PauseFence``); on the CPU one
+compiled loop that writes each element and reads it back a few entries later (``host_scatter``),
+or, where it was not built, numpy's fancy assignment over integer views for sparse patches and
+``index_copy_`` for dense ones, with one intra-op thread (a multi-threaded ``index_copy_`` of
+bf16 over scattered positions is many times slower here, and the TP ranks already run side by
+side), each chunk read back while it is in cache. Every written element is compared bit for bit
+with the staged value (``ReadBack``): a write that did not land fails the scatter. On any failure every patch is written
 back from the undo log, in reverse order, so the rank is exactly at the previous version. The
 undo log is valid because the live weights cannot change between staging and the pause
 without voiding the staging (the weights' generation, checked when the ranks vote).
@@ -429,33 +430,31 @@ class ReadBack:
         ``ParamPatch.read_back_chunk``) were just written: read them back and compare."""
         t0 = time.perf_counter()
         n = int(p.index.numel())
-        if p.device_index is None:
-            stop = n if stop is None else stop
-            got, _ = self._buffers.for_patch(p)
-            got_np, expected_np = got.numpy()[start:stop], as_int_bits(p.values).numpy()[start:stop]
-            # mode "clip": numpy buffers a take with out= in its default mode (the positions
-            # are in range: staging took the undo log from them)
-            np.take(as_int_bits(p.flat).numpy(), p.index.numpy()[start:stop], out=got_np, mode="clip")
-            differs = self._buffers.host_differs[start:stop]
-            np.not_equal(got_np, expected_np, out=differs)
-            if differs.any():
-                self._seconds += time.perf_counter() - t0
-                raise WriteNotLanded(self._describe(p, got_np, expected_np, start))
-            self.elements += stop - start
-            self._seconds += time.perf_counter() - t0
-            return
-        else:
+        if p.device_index is not None:
             _, got = self._buffers.for_patch(p)
             device, slot = self._buffers.counts_at[k]
             torch.index_select(as_int_bits(p.flat), 0, p.device_index, out=got)
             differs = self._buffers.device_differs[device][:n]
             torch.ne(got, as_int_bits(p.device_values), out=differs)
             torch.sum(differs, 0, out=self._buffers.device_counts[device][slot])
-        self.elements += n
+            self.elements += n
+            self._seconds += time.perf_counter() - t0
+            return
+        stop = n if stop is None else stop
+        got, _ = self._buffers.for_patch(p)
+        got_np, expected_np = got.numpy()[start:stop], as_int_bits(p.values).numpy()[start:stop]
+        # mode "clip": numpy buffers a take with out= in its default mode (the positions are in
+        # range: staging took the undo log from them)
+        np.take(as_int_bits(p.flat).numpy(), p.index.numpy()[start:stop], out=got_np, mode="clip")
+        differs = self._buffers.host_differs[start:stop]
+        np.not_equal(got_np, expected_np, out=differs)
         self._seconds += time.perf_counter() - t0
+        if differs.any():
+            raise WriteNotLanded(self._describe(p, got_np, expected_np, start))
+        self.elements += stop - start
 
-    def write_and_read_back(self, k: int, p: ParamPatch) -> None:
-        """Write host patch ``k`` and read every element back in one compiled loop
+    def write_and_read_back(self, p: ParamPatch) -> None:
+        """Write host patch ``p`` and read every element back in one compiled loop
         (``host_scatter``); ``seconds`` gets what the read-back cost it, as the loop measured."""
         result = host_scatter.scatter_and_read_back(p.flat, p.index, p.values)
         self._compiled += result.timings
@@ -615,7 +614,7 @@ def scatter_with_undo(
                     p.write_new()
                     check.after_write(k, p)
                 elif host_scatter.compiled() is not None:
-                    check.write_and_read_back(k, p)
+                    check.write_and_read_back(p)
                 else:  # each chunk read back while its lines are still in cache
                     chunk = p.read_back_chunk()
                     for a in range(0, n, chunk):
