@@ -7,22 +7,24 @@ The pause writes each patch into its parameter and reads every written element b
 it with the staged value (issue 19). This times, on one bf16 parameter of ``--elements`` elements
 and sorted random positions at each density, in turns (one rep of each variant per round):
 
-- ``write``: the compiled loop's write alone (``_host_scatter.scatter``): the baseline;
-- ``write + read-back``: the compiled loop the pause runs (``scatter_and_read_back``: each
-  element read back a few entries after its write, in the same loop);
-- ``numpy write`` and ``numpy write + read-back``: the path without the extension (numpy's fancy
-  assignment, then a gather, a compare and a scan per chunk of ``READ_BACK_CHUNK``).
+- ``write``: the compiled loop's write alone (``ParamPatch.write_new``): the baseline;
+- ``write + read-back``: the pause's scatter itself (``scatter_with_undo``: the compiled loop,
+  each element read back a few entries after its write);
+- ``numpy write`` and ``numpy write + read-back``: the same two calls with the extension switched
+  off, as on an install without a C compiler (numpy's fancy assignment for sparse patches,
+  ``index_copy_`` for dense ones, then a gather, a compare and a scan per chunk).
 
 It prints medians, each against the compiled write, and the read-back's own cost (the
-difference against its write), with the loop's own estimate beside it (``ScatterTimings``: its
-fused chunks against its probe chunks' write rate, plus the probes' own read-back: what the reply
-reports as ``written_read_back_s``). With ``--append`` it appends the table to
+difference against its write), with the scatter's own estimate beside it (``ReadBack.seconds``:
+the loop's fused chunks against its probe chunks' write rate, plus the probes' own read-back:
+what the reply reports as ``written_read_back_s``). With ``--append`` it appends the table to
 benchmarks/RESULTS.md.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import os
 import platform
@@ -36,20 +38,23 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from sglang_patch.live.scatter import host_scatter  # noqa: E402
-from sglang_patch.live.scatter.patch import READ_BACK_CHUNK  # noqa: E402
+from sglang_patch.live.scatter.patch import ParamPatch, RestoreBuffers, StagedUpdate, scatter_with_undo  # noqa: E402
 
 
-def numpy_write(flat_bits: np.ndarray, index: np.ndarray, values: np.ndarray, check: bool) -> None:
-    got = np.empty(min(READ_BACK_CHUNK, index.size), dtype=flat_bits.dtype)
-    differs = np.empty(got.size, dtype=np.bool_)
-    for a in range(0, index.size, READ_BACK_CHUNK):
-        b = min(index.size, a + READ_BACK_CHUNK)
-        flat_bits[index[a:b]] = values[a:b]
-        if check:
-            np.take(flat_bits, index[a:b], out=got[: b - a], mode="clip")
-            np.not_equal(got[: b - a], values[a:b], out=differs[: b - a])
-            if differs[: b - a].any():
-                raise AssertionError("a write did not land")
+def staged(flat: torch.Tensor, index: torch.Tensor, values: torch.Tensor) -> StagedUpdate:
+    """One patch staged as the pause gets it: its undo log and restore buffers made beforehand."""
+    patch = ParamPatch("bench", flat, index, values, flat[index])
+    return StagedUpdate(0, 1, None, "", 0, patches=[patch], restore_buffers=RestoreBuffers([patch]))
+
+
+@contextlib.contextmanager
+def without_extension():
+    """The host scatter as on an install where ``_host_scatter.c`` was not built."""
+    saved, host_scatter._compiled = host_scatter._compiled, None
+    try:
+        yield
+    finally:
+        host_scatter._compiled = saved
 
 
 def measure(elements: int, density: float, reps: int, rng: np.random.Generator) -> dict:
@@ -59,19 +64,24 @@ def measure(elements: int, density: float, reps: int, rng: np.random.Generator) 
     n = int(elements * density)
     index = torch.from_numpy(np.sort(rng.choice(elements, n, replace=False)).astype(np.int64))
     values = torch.from_numpy(rng.integers(-30000, 30000, n, dtype=np.int16)).view(torch.bfloat16)
-    idx_np, val_np = index.numpy(), values.view(torch.int16).numpy()
+    update = staged(flat, index, values)
     self_timed: list[float] = []
 
     def checked() -> None:
-        result = host_scatter.scatter_and_read_back(flat, index, values)
-        assert result.first_differing == -1
-        self_timed.append(result.timings.read_back_s)
+        undo, _ = scatter_with_undo(update)
+        self_timed.append(undo.read_back.seconds)
+
+    def switched_off(run):
+        def call() -> None:
+            with without_extension():
+                run()
+        return call
 
     variants = {
-        "write": lambda: host_scatter.scatter(flat, index, values),
+        "write": update.patches[0].write_new,
         "write + read-back": checked,
-        "numpy write": lambda: numpy_write(flat_bits, idx_np, val_np, False),
-        "numpy write + read-back": lambda: numpy_write(flat_bits, idx_np, val_np, True),
+        "numpy write": switched_off(update.patches[0].write_new),
+        "numpy write + read-back": switched_off(lambda: scatter_with_undo(update)),
     }
     times: dict[str, list[float]] = {k: [] for k in variants}
     for _ in range(reps):

@@ -1,10 +1,10 @@
 """The pause's writes into CPU parameters, and their read-back, in one compiled loop.
 
-``_host_scatter.c`` writes a patch block by block and reads each block back from the
-parameter's memory right after its write, while its lines are still in cache, comparing every
-element bit for bit with the staged value. Through numpy the same read-back is a gather, a
-compare and a scan per chunk, about half the write's own cost on the benchmark model; here it
-is a few percent of it (``benchmarks/bench_read_back.py``).
+``_host_scatter.c`` writes a patch and reads each element back from the parameter's memory a
+few entries after its write, in the same loop, comparing it bit for bit with the staged value.
+Through numpy the same read-back is a gather, a compare and a scan per chunk, 0.65-0.8x of the
+write's own cost on a 100M-element parameter; here its own estimate is 0.01-0.09x of it
+(``benchmarks/bench_read_back.py``).
 
 The extension is optional (``setup.py``): without it, ``compiled()`` is None and the scatter
 writes and reads back through numpy and torch (``live.scatter.patch``), as exact and slower.
@@ -29,8 +29,8 @@ except ImportError:  # built without a C compiler: live.scatter.patch's numpy pa
 # ``PROBE_EVERY``-th one (the first included) as a probe, written alone and then read back in a
 # pass of its own, both timed: what the read-back costs is then measured in every scatter (the
 # fused chunks' time against the probes' write rate, plus the probes' own read-back), not guessed.
-# Measured on 100M bf16 elements (``benchmarks/bench_read_back.py``): the read-back adds about 7% to
-# a 1% write and nothing measurable to a 5% one; numpy's, 30-50%.
+# Measured on 100M bf16 elements (``benchmarks/bench_read_back.py``): the read-back adds about 6% to
+# a 1% write and 3% to a 5% one; without the extension, 65-80%.
 CHUNK = 4096
 PROBE_EVERY = 16
 
