@@ -321,3 +321,63 @@ def test_writes_into_a_storage_the_engine_no_longer_reads_are_found_by_the_check
     assert report.check.mismatches >= int(patch.index.numel()), report.check
     assert f"{patch.param} (scattered)" in report.check.detail
     assert lr.check_mismatches([report])
+
+
+ROUNDS_ENV = "WEIGHTSYNC_CHECK_MODEL_ROUNDS"  # the randomized test's rounds (default 4; longer profiles: more)
+
+
+def test_under_random_faults_the_check_split_at_staging_finds_what_a_full_compare_with_a_reload_finds(
+        served, monkeypatch):
+    """The fast path of the check (the sample compared at staging, only the elements not yet at
+    the target compared in the pause) against the slow path as the oracle: every sampled element
+    compared in the pause with a reload of the version. Each round draws faults the design covers
+    (live weights wrong before staging, where the update writes and where it does not; written
+    elements wrong after the scatter) and asserts both count the same mismatches over the same
+    elements. Nothing else writes the weights between staging and the pause (a weight update
+    voids the staging: the generation), so that is not a fault here."""
+    import random
+
+    from sglang_patch.live import check as live_check
+    from sglang_patch.live.mapping.coordinate_map import as_int_bits
+
+    monkeypatch.setenv(live_check.SAMPLE_ENV, "100000000,100000")  # every element: faults land in the sample
+    sampled: list = []
+    real_settle = live_check.PreparedSample.settle_before_pause
+
+    def recording_settle(self, params=None):
+        sampled[:] = [(s.param, s.index.clone()) for s in self.params]
+        return real_settle(self, params)
+
+    monkeypatch.setattr(live_check.PreparedSample, "settle_before_pause", recording_settle)
+    rounds = int(os.environ.get(ROUNDS_ENV, "4"))
+    for seed in range(rounds):
+        rng = random.Random(1900 + seed)
+        state, model = _staged_state(served)
+        params = dict(model.named_parameters())
+        written = {p.param: p.index.tolist() for p in state.weights.staged.patches}
+        unwritten = {name: sorted(set(range(params[name].numel())) - set(written.get(name, ())))
+                     for name in sorted(params)}
+        faults = []
+        for _ in range(rng.randint(0, 3)):  # live weights wrong before staging
+            name = rng.choice(sorted(written) if rng.random() < 0.5 else sorted(n for n in unwritten if unwritten[n]))
+            position = rng.choice(written[name] if name in written and rng.random() < 0.5 else unwritten[name])
+            _nudge(params[name], position)
+            faults.append(("before staging", name, position))
+        _stage(state, served)  # staged again over them
+        assert state.weights.staged is not None, state.weights.stage_reason
+        _vote_and_apply(state, served)
+        for _ in range(rng.randint(0, 2)):  # written elements wrong after the scatter
+            name = rng.choice(sorted(written))
+            position = rng.choice(written[name])
+            _nudge(params[name], position)
+            faults.append(("after the scatter", name, position))
+        check = _commit(state, served).check
+        _, oracle = serve_from_local(served.local, served.model_dir, "reload (test oracle)")
+        reloaded = dict(oracle.named_parameters())
+        found = sum(int(torch.count_nonzero(as_int_bits(params[name].detach().view(-1))[index]
+                                            != as_int_bits(reloaded[name].detach().view(-1))[index]))
+                    for name, index in sampled)
+        elements = sum(int(index.numel()) for _, index in sampled)
+        assert (check.mismatches, check.sampled_elements) == (found, elements), (seed, faults, check.detail)
+        assert (found > 0) == any(where == "after the scatter" or position not in written.get(name, ())
+                                  for where, name, position in faults), (seed, faults)

@@ -450,3 +450,64 @@ def test_the_compiled_read_back_finds_a_position_staged_twice_wherever_it_falls(
     result = host_scatter.scatter_and_read_back(flat, clean, values)
     assert result.first_differing == -1 and result.timings.read_back_s > 0
     assert torch.equal(flat[clean], values)
+
+
+def test_under_random_patches_and_faults_the_compiled_scatter_ends_where_the_numpy_path_ends(monkeypatch):
+    """The compiled loop (the fast path) against the numpy path as the oracle, on random patches
+    (element widths, densities, chunk sizes, several parameters) with a position staged twice
+    at a random place or none: both fail or both succeed, and the parameters end bit for bit
+    equal (the update's bytes, or the previous version's after the restore).
+
+    The fault stands for a write that did not land, so it is drawn inside one chunk of each
+    path: both read a chunk back before writing the next, and a patch never names a position
+    twice (the proven map is one-to-one), so an overwrite across chunks is no fault either
+    path is there to find (the sample would)."""
+    from sglang_patch.live.scatter import host_scatter
+    from sglang_patch.live.scatter.patch import ParamPatch, RestoreBuffers, WriteNotLanded
+
+    if host_scatter.compiled() is None:
+        pytest.fail("sglang_patch.live.scatter._host_scatter is not built (scripts/setup_env.sh builds it)")
+    compiled = host_scatter.compiled()
+    rng = np.random.default_rng(19)
+    outcomes = set()
+    for _ in range(40):
+        monkeypatch.setattr(host_scatter, "CHUNK", int(rng.choice([3, 64, 4096])))
+        start = [torch.from_numpy(rng.integers(0, 255, int(rng.integers(8, 4000)) * 8, dtype=np.uint8))
+                 .view([torch.uint8, torch.bfloat16, torch.float32, torch.float64][int(rng.integers(4))])
+                 for _ in range(int(rng.integers(1, 4)))]
+        plans = []
+        for flat in start:
+            n = int(rng.integers(1, max(2, int(flat.numel() * rng.choice([0.01, 0.2, 0.9])))))
+            index = torch.from_numpy(np.sort(rng.choice(flat.numel(), n, replace=False)).astype(np.int64))
+            values = torch.from_numpy(rng.integers(0, 255, n * flat.element_size(), dtype=np.uint8)).view(flat.dtype)
+            plans.append((index, values))
+        fault = rng.integers(len(start)) if rng.random() < 0.5 else None
+        if fault is not None and plans[fault][0].numel() >= 2:
+            index, values = plans[fault]
+            numpy_chunk = ParamPatch("", start[fault], index, values, values).read_back_chunk()
+            inside = [k for k in range(index.numel() - 1)
+                      if (k + 1) % host_scatter.CHUNK and (k + 1) % numpy_chunk]
+            k = int(rng.choice(inside)) if inside else None
+        if fault is not None and plans[fault][0].numel() >= 2 and k is not None:
+            index[k + 1] = index[k]
+            values.view(torch.uint8).view(-1, values.element_size())[k + 1] ^= 1  # another value, same position
+        ends = []
+        for path in (compiled, None):
+            monkeypatch.setattr(host_scatter, "_compiled", path)
+            flats = [t.clone() for t in start]
+            patches = [ParamPatch(f"p{i}", f, index, values, f[index].clone())
+                       for i, (f, (index, values)) in enumerate(zip(flats, plans))]
+            staged = StagedUpdate(0, 1, None, "", 0, patches=patches, restore_buffers=RestoreBuffers(patches))
+            try:
+                scatter_with_undo(staged)
+                failed = False
+            except WriteNotLanded:
+                failed = True
+            ends.append((failed, [f.view(torch.uint8).clone() for f in flats]))
+        (fast_failed, fast), (slow_failed, slow) = ends
+        assert fast_failed == slow_failed
+        assert all(torch.equal(a, b) for a, b in zip(fast, slow))
+        if fast_failed:
+            assert all(torch.equal(a, s.view(torch.uint8)) for a, s in zip(fast, start))  # restored
+        outcomes.add(fast_failed)
+    assert outcomes == {True, False}  # the draw reached both ends
