@@ -12,7 +12,11 @@ from .publisher.publish import DEFAULT_ENCODING, Publisher, PublishResult, RawTe
 from .puller.plan import PullPlan, plan_pull
 from .puller.pull import PullResult, applied_version, pull, wait_until_durable
 
+# The one place the version is written: pyproject.toml reads it, `weightsync version` prints it.
+__version__ = "0.1.0"
+
 __all__ = [
+    "__version__",
     "errors",
     "pull",
     "PullResult",
