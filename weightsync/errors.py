@@ -535,3 +535,219 @@ class AnchorUnusableError(CorruptArtifactError):
             f"without it needs the chain below it, where {missing}. Restore the anchor's files from "
             "a backup, or have the trainer publish a full version and pull that one."
         )
+
+
+# --- the pull side: "not there" is not "not yet", local faults are local ---------------------
+
+
+class SourceDirUnusableError(InvalidRequestError):
+    """The source dir does not exist, or holds no weightsync run (no ``weightsync-run.json``, no
+    ``weight_vNNNNNN/``, no ``anchor_vNNNNNN/``): a wrong path, which no retry fixes."""
+
+    def __init__(self, source_dir: str, detail: str):
+        self.source_dir = source_dir
+        self.detail = detail
+        super().__init__(
+            f"source dir {source_dir} {detail}; it is not a weightsync run, so waiting will not help. "
+            "Check the path (it is the dir the trainer publishes weight_vNNNNNN/ into)."
+        )
+
+
+class VersionPrunedError(InvalidRequestError):
+    """The requested version was published and has been pruned since: it never comes back."""
+
+    def __init__(self, version: int, source_dir: str, oldest_pullable: "int | None"):
+        self.version = version
+        self.source_dir = source_dir
+        self.oldest_pullable = oldest_pullable
+        oldest = f"the oldest version still pullable is v{oldest_pullable}" if oldest_pullable is not None else "no older version is left"
+        super().__init__(
+            f"version {version} was pruned from {source_dir} (newer versions are published); {oldest}. "
+            "Pull a version that is kept, or keep more versions when pruning."
+        )
+
+
+class LayoutMismatchError(CorruptArtifactError):
+    """A full version (or a side anchor) whose tensor names, dtypes or shapes differ from the
+    layout it must have (the seed dir's, or the one its index records). Nothing local was
+    touched. A version published with ``--allow-layout-change`` is exempt from the seed check."""
+
+    def __init__(self, what: str, reference: str, differences: Sequence[str]):
+        self.what = what
+        self.reference = reference
+        self.differences = list(differences)
+        shown = "; ".join(self.differences[:5])
+        more = f" (and {len(self.differences) - 5} more)" if len(self.differences) > 5 else ""
+        super().__init__(
+            f"{what} does not have the layout of {reference}: {shown}{more}. Serving it would mix tensors "
+            "of no published version; republish it as a complete full version (or with --allow-layout-change "
+            "when the model's layout really changed, and restart the engines from a model of the new layout)."
+        )
+
+
+class LocalDirUnusableError(LocalStateError):
+    """The local checkpoint dir cannot be used at all: a regular file, read-only, or not
+    creatable. A host-side fault: neither the request's versions nor the artifact are blamed."""
+
+    def __init__(self, path: str, detail: str):
+        self.path = path
+        self.detail = detail
+        super().__init__(
+            f"the local checkpoint dir {path} cannot be used: {detail}. Fix the path or its permissions "
+            "on this host (it must be a writable directory, or creatable), then pull again."
+        )
+
+
+class LocalDirNotOursError(InvalidRequestError):
+    """A pull into a non-empty directory that weightsync did not write (no ``.weight_sync/``):
+    it would replace the user's files. Refused unless forced."""
+
+    def __init__(self, path: str, entries: Sequence[str]):
+        self.path = path
+        self.entries = list(entries)
+        super().__init__(
+            f"the local checkpoint dir {path} is not empty ({', '.join(self.entries[:5])}"
+            + (f" and {len(self.entries) - 5} more" if len(self.entries) > 5 else "")
+            + ") and weightsync did not write it (no .weight_sync/); a pull would replace these files. "
+            "Pick an empty or new dir, or pass --force (force=True) to let the pull own it."
+        )
+
+
+class LocalFileDamagedError(LocalStateError):
+    """A file of the local checkpoint is damaged (a header that does not parse, a file cut
+    short): a local fault; a pull reseeds it."""
+
+    def __init__(self, path: str, detail: str):
+        self.path = path
+        self.detail = detail
+        super().__init__(f"local file {path} is damaged: {detail}. A pull reseeds it (the published versions are not blamed).")
+
+
+class SeedDirUnusableError(InvalidRequestError):
+    """The seed dir (the engine's own model, version 0) is not a complete, readable checkpoint."""
+
+    def __init__(self, seed_dir: str, detail: str):
+        self.seed_dir = seed_dir
+        self.detail = detail
+        super().__init__(
+            f"the seed dir {seed_dir} (the engine's own model, version 0) cannot be used: {detail}. "
+            "Pass the complete model dir the engine was started from."
+        )
+
+
+__all__ += [
+    "SourceDirUnusableError", "VersionPrunedError", "LayoutMismatchError", "LocalDirUnusableError",
+    "LocalDirNotOursError", "LocalFileDamagedError", "SeedDirUnusableError",
+]
+
+
+# --- buckets (s3://, gs://, az://) as a source dir -------------------------------------------
+
+
+class BucketClientMissingError(InvalidRequestError, ImportError):
+    """A source dir is a bucket URL but the object-store client is not installed."""
+
+    error_type = "bucket_client_missing"
+
+    def __init__(self, url: str):
+        self.url = url
+        super().__init__(
+            f"{url} is a bucket: reading or writing it needs the optional object-store client (obstore), "
+            "which is not installed. Install it with `pip install 'weightsync[bucket]'`."
+        )
+
+
+class BucketURLError(InvalidRequestError):
+    """A bucket URL that cannot name a source (an unknown scheme, no bucket, a query, credentials)."""
+
+    def __init__(self, url: str, detail: str):
+        self.url = url
+        self.detail = detail
+        super().__init__(f"bucket URL {url!r} cannot be used: {detail}. Expected s3://bucket/prefix (or gs://, az://).")
+
+
+class BucketCredentialsError(WeightSyncError, PermissionError):
+    """The store refused the credentials (wrong, expired, or not allowed on this bucket). They
+    come from the environment only (AWS_* / GOOGLE_* / AZURE_* variables), never a request."""
+
+    error_type = "bucket_credentials"
+    http_status = 403
+
+    def __init__(self, url: str, operation: str, detail: str):
+        self.url = url
+        self.operation = operation
+        self.detail = detail
+        super().__init__(
+            f"the store refused the credentials for {operation} on {url}: {detail}. Check the environment's "
+            "credentials (AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY/AWS_SESSION_TOKEN, or the GCS/Azure ones): "
+            "wrong, expired, or without access to this bucket. Nothing local was changed."
+        )
+
+
+class BucketUnavailableError(WeightSyncError, ConnectionError):
+    """The store did not answer (connection refused, timeouts, 5xx, throttling) within the
+    operation's deadline, after retries. Nothing was counted as done: retry later."""
+
+    error_type = "bucket_unavailable"
+    http_status = 503
+    retryable = True
+
+    def __init__(self, url: str, operation: str, detail: str):
+        self.url = url
+        self.operation = operation
+        self.detail = detail
+        super().__init__(
+            f"the store for {url} did not complete {operation}: {detail}. Retried within the deadline; "
+            "nothing partial was kept. Retry later (is the endpoint up? AWS_ENDPOINT_URL?)."
+        )
+
+
+class SourceChangedError(SourceNotReadyError):
+    """An object of the source changed while the pull read it (its ETag moved): the bytes
+    planned from are gone. Nothing local was changed by it: retry, the retry plans again."""
+
+    error_type = "source_changed"
+
+    def __init__(self, url: str, key: str, detail: str = ""):
+        self.url = url
+        self.key = key
+        super().__init__(
+            f"{url}/{key} changed while the pull was reading it (its ETag no longer matches){detail}; "
+            "nothing partial was kept. Retry the pull: it plans from what is published now."
+        )
+
+
+class ConditionalWritesUnsupportedError(InvalidRequestError):
+    """The store accepted a second create-only write of one key: it does not honour
+    ``If-None-Match: *``, so it cannot carry the commit protocol, and is refused at start."""
+
+    error_type = "conditional_writes_unsupported"
+
+    def __init__(self, url: str):
+        self.url = url
+        super().__init__(
+            f"the store behind {url} does not honour conditional create (If-None-Match: *): a second "
+            "create-only PUT of one key succeeded. Two writers could then both commit one version, so "
+            "publishing there is refused. Use a store that supports conditional writes (AWS S3, GCS, "
+            "Azure, MinIO, R2, SeaweedFS ...)."
+        )
+
+
+class BucketConflictError(VersionAlreadyPublishedError):
+    """Another writer committed this version (its index in the bucket is not ours, byte for byte)."""
+
+    error_type = "bucket_conflict"
+    http_status = 409
+
+    def __init__(self, version: int, url: str):
+        super().__init__(
+            version, url,
+            " by another writer (its index differs from the one this publisher wrote); this publisher lost the "
+            "race and stops here",
+        )
+
+
+__all__ += [
+    "BucketClientMissingError", "BucketURLError", "BucketCredentialsError", "BucketUnavailableError",
+    "SourceChangedError", "ConditionalWritesUnsupportedError", "BucketConflictError",
+]
