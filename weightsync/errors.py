@@ -751,3 +751,113 @@ __all__ += [
     "BucketClientMissingError", "BucketURLError", "BucketCredentialsError", "BucketUnavailableError",
     "SourceChangedError", "ConditionalWritesUnsupportedError", "BucketConflictError",
 ]
+
+
+# --- publishing: refusals before anything is written (issue 25 points 2-4, 8; issue 28 point 7) ---
+
+
+class VersionNumberError(PublishError):
+    """The version number is not the next one of the source dir: a gap, a number below 1, or a
+    number at or below the newest published one that is not on disk any more. Nothing was
+    written; publish ``expected_version``."""
+
+    error_type = "version_out_of_order"
+
+    def __init__(self, version: int, expected_version: int, newest_version: int, source_dir: str, detail: str = ""):
+        self.version = version
+        self.expected_version = expected_version
+        self.newest_version = newest_version
+        self.source_dir = source_dir
+        newest = f"the newest published version is v{newest_version}" if newest_version else "nothing is published yet"
+        super().__init__(
+            f"cannot publish version {version} into {source_dir}: {newest}, so the next version is "
+            f"{expected_version}{detail}. Versions chain one at a time (a gap would leave pulls of the "
+            f"missing numbers waiting forever); nothing was written: publish {expected_version} next."
+        )
+
+
+class BaseMismatchError(PublishError):
+    """A delta's base (the bytes it diffs against) is not what version ``base_version`` holds
+    according to what the source dir records (its digests, or the run's seed digests). Such a
+    delta would be rejected by every pull as corrupt. Nothing was written."""
+
+    error_type = "base_mismatch"
+
+    def __init__(self, version: int, base_version: int, mismatches: Sequence[tuple[str, str, str]],
+                 missing: Sequence[str] = (), extra: Sequence[str] = (), checksum_format: str = ""):
+        self.version = version
+        self.base_version = base_version
+        self.mismatches = list(mismatches)  # (tensor, recorded digest, digest of the given base)
+        self.missing = sorted(missing)
+        self.extra = sorted(extra)
+        self.checksum_format = checksum_format
+        parts = []
+        if self.mismatches:
+            n, e, a = self.mismatches[0]
+            parts.append(f"tensor {n} differs first: v{base_version} records {checksum_format} {e}, the base holds {a}"
+                         + (f" ({len(self.mismatches)} tensors differ)" if len(self.mismatches) > 1 else ""))
+        if self.missing:
+            parts.append(f"the base lacks tensors {self.missing[:5]} that v{base_version} holds")
+        if self.extra:
+            parts.append(f"the base holds tensors {self.extra[:5]} that v{base_version} does not")
+        what = "the run's seed (version 0)" if base_version == 0 else f"version {base_version}"
+        super().__init__(
+            f"the base of the delta v{version} is not {what}: {'; '.join(parts)}. Nothing was written. Pass the "
+            f"checkpoint of {what} as the base (--base-checkpoint), or publish v{version} as a full version (--full)."
+        )
+
+
+class LayoutChangeError(PublishError):
+    """A full version mid-run changes the layout (a tensor's dtype or shape, or the tensor set)
+    of the version before it. Later deltas would diff against it and engines loaded with the old
+    layout could not take it. Nothing was written."""
+
+    error_type = "layout_change"
+
+    def __init__(self, version: int, base_version: int, changes: Sequence[str]):
+        self.version = version
+        self.base_version = base_version
+        self.changes = list(changes)
+        more = f" (and {len(self.changes) - 5} more)" if len(self.changes) > 5 else ""
+        super().__init__(
+            f"the full version v{version} changes the layout of v{base_version}: {'; '.join(self.changes[:5])}{more}. "
+            "Nothing was written. If the model really changed, publish it with --allow-layout-change "
+            "(Publisher: allow_layout_change=True; the index records it), else pass the right checkpoint."
+        )
+
+
+class VersionConflictError(VersionAlreadyPublishedError, ConflictError):
+    """The version is published with other bytes than the ones given (versions are immutable).
+    Exit code 6 (conflict); retrying the same call cannot help."""
+
+    error_type = "version_conflict"
+    http_status = 409
+    retryable = False
+
+    def __init__(self, version: int, source_dir: str, detail: str = ""):
+        VersionAlreadyPublishedError.__init__(self, version, source_dir, detail)
+
+
+class SupersededPublisherError(ConflictError):
+    """Another publisher took over this source dir (a restarted trainer while this one still
+    ran): this one is fenced and must stop. Nothing of the other's versions was touched."""
+
+    error_type = "publisher_superseded"
+    retryable = False
+
+    def __init__(self, source_dir: str, own_epoch: int, current_epoch: "int | None", holder: str, what: str):
+        self.source_dir = source_dir
+        self.own_epoch = own_epoch
+        self.current_epoch = current_epoch
+        self.holder = holder
+        now = f"epoch {current_epoch} ({holder})" if current_epoch is not None else f"no readable lease ({holder})"
+        super().__init__(
+            f"{what}: this publisher (writer epoch {own_epoch}) was superseded in {source_dir}, which now names "
+            f"{now}. It wrote no index; stop this process (the newer publisher owns the run), or open a new "
+            "Publisher to take the run over on purpose."
+        )
+
+
+__all__ += [
+    "VersionNumberError", "BaseMismatchError", "LayoutChangeError", "VersionConflictError", "SupersededPublisherError",
+]

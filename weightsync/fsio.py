@@ -56,6 +56,13 @@ def copy_file(src: str, dst: str) -> int:
     """Copy with the kernel's copy path (copy_file_range/sendfile), fsync, return the size."""
     import shutil
 
+    # A new inode, never a write through the old one: a local file hard-linked to the seed (cp
+    # -al) would otherwise be the seed itself (shutil refuses: SameFileError), and an engine
+    # that maps the old file keeps reading whole bytes instead of a truncated file.
+    try:
+        os.unlink(dst)
+    except FileNotFoundError:
+        pass
     shutil.copyfile(src, dst)
     with open(dst, "rb+") as f:
         os.fsync(f.fileno())
@@ -87,3 +94,30 @@ def is_pid_alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
+
+
+# Filesystems whose pages are the file: a write through a shared writable mapping changes the
+# bytes without moving mtime or ctime (no page_mkwrite hook updates the times), so only the
+# bytes themselves show it.
+_MEMORY_FS_MAGIC = {
+    0x01021994: "tmpfs",
+    0x858458F6: "ramfs",
+    0x958458F6: "hugetlbfs",
+}
+
+
+def memory_filesystem(path: str) -> str | None:
+    """The name of the memory-backed filesystem ``path`` lives on (tmpfs, ramfs, hugetlbfs), or
+    None (another filesystem, or statfs unavailable: the caller's cheaper path then applies)."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+    except OSError:
+        return None
+    buf = ctypes.create_string_buffer(256)  # struct statfs: f_type is its first field, a long
+    if libc.statfs(os.fsencode(path), buf) != 0:
+        return None
+    f_type = ctypes.c_long.from_buffer(buf).value & 0xFFFFFFFF
+    return _MEMORY_FS_MAGIC.get(f_type)

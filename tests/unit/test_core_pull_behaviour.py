@@ -84,6 +84,8 @@ def test_marker_spells_a_padded_version_and_the_real_source_dir(chain):
     with open(os.path.join(chain["source"], "weightsync-run.json")) as f:
         run_id = json.load(f)["run_id"]
     seed = marker.pop("seed")
+    sizes = marker.pop("files")  # each local weight file's size, which a no-op checks
+    assert sizes == {n: os.path.getsize(os.path.join(chain["local"], n)) for n in sizes} and len(sizes) == 2
     assert marker == {"version": "000002", "source_dir": os.path.realpath(chain["source"]), "run": run_id}
     assert len(seed) == 32 and int(seed, 16) >= 0  # the seed dir's fingerprint (xxh3-128 hex)
     assert applied_version(chain["local"]) == 2

@@ -102,6 +102,8 @@ def _ends_mid_json(raw: bytes) -> bool:
         return e.reason == "unexpected end of data" and e.end >= text_end
     try:
         json.loads(text)
+    except RecursionError:
+        return False  # nested too deeply to parse: complete but malformed
     except json.JSONDecodeError as e:
         # A string cut off by the end of the file is reported at its opening quote.
         # (and an escape cut short, at its backslash).
@@ -124,6 +126,10 @@ def _load_index_json(path: str) -> dict:
         if _ends_mid_json(raw):
             raise TruncatedIndex(f"{len(raw)} bytes that end mid-JSON") from None
         raise MalformedHeaderError(path, f"index is not valid JSON ({e})") from None
+    except RecursionError:
+        # A small index can nest deeper than the interpreter recurses (a RecursionError would
+        # escape every typed handler): it is complete and malformed.
+        raise MalformedHeaderError(path, "index nests too deeply to be an index") from None
     if not isinstance(obj, dict):
         raise MalformedHeaderError(path, "index is not a JSON object")
     return obj
@@ -153,7 +159,15 @@ def read_version_index(source_dir: str, version: int) -> VersionIndex:
     try:
         obj = _load_index_json(ipath)
     except FileNotFoundError:
-        return _read_indexless_full(vdir, version)
+        try:
+            return _read_indexless_full(vdir, version)
+        except IndexMissingError:
+            raise
+        except FileNotFoundError:
+            # The dir went away after the isdir above (pruned meanwhile): as if never seen.
+            if os.path.isdir(vdir):
+                raise IndexMissingError(version, vdir, "a file vanished while it was read") from None
+            raise VersionMissingError(version, vdir) from None
     except TruncatedIndex as e:
         raise IndexMissingError(version, vdir, f"the index holds {e}: still being written") from None
     meta = obj.get("metadata") or {}
@@ -447,6 +461,18 @@ class AppliedState(msgspec.Struct, frozen=True):
     source_dir: str | None = None
     run: str | None = None
     seed: str | None = None
+    # weight file name -> its size when the marker was written: a no-op checks them, so a
+    # local shard cut short (or grown) under a valid marker reseeds instead of being served.
+    files: dict[str, int] | None = None
+
+
+def _file_sizes(obj: dict) -> dict[str, int] | None:
+    value = obj.get("files")
+    if not isinstance(value, dict):
+        return None
+    if not all(isinstance(k, str) and isinstance(n, int) and not isinstance(n, bool) and n >= 0 for k, n in value.items()):
+        return None
+    return dict(value)
 
 
 def _optional_str(obj: dict, key: str) -> str | None:
@@ -462,20 +488,25 @@ def read_applied_state(path: str) -> AppliedState | None:
         obj = json.loads(raw)
         state = AppliedState(
             version=str(obj["version"]), source_dir=_optional_str(obj, "source_dir"),
-            run=_optional_str(obj, "run"), seed=_optional_str(obj, "seed"),
+            run=_optional_str(obj, "run"), seed=_optional_str(obj, "seed"), files=_file_sizes(obj),
         )
         if parse_version_number(state.version, "version", path) < 0:
             return None
         return state
-    except (OSError, ValueError, KeyError, TypeError, AttributeError, MalformedHeaderError):
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError, MalformedHeaderError):
         return None
 
 
-def encode_applied_state(version: int, source_dir: str | None, run: str | None = None, seed: str | None = None) -> bytes:
-    obj: dict[str, str] = {"version": format_version(version)}
+def encode_applied_state(
+    version: int, source_dir: str | None, run: str | None = None, seed: str | None = None,
+    files: dict[str, int] | None = None,
+) -> bytes:
+    obj: dict[str, object] = {"version": format_version(version)}
     for key, value in (("source_dir", source_dir), ("run", run), ("seed", seed)):
         if value is not None:
             obj[key] = value
+    if files is not None:
+        obj["files"] = dict(sorted(files.items()))
     return json.dumps(obj).encode()
 
 
@@ -499,7 +530,7 @@ def read_run_id(path: str) -> str | None:
         with open(path, "rb") as f:
             raw = f.read(1 << 12)
         return msgspec.json.decode(raw, type=RunIdentity).run_id or None
-    except (OSError, msgspec.DecodeError, msgspec.ValidationError):
+    except (OSError, msgspec.DecodeError, msgspec.ValidationError, RecursionError):
         return None
 
 

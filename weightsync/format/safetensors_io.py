@@ -75,6 +75,9 @@ def parse_header(path: str, raw: bytes, file_nbytes: int, *, check_dtype_sizes: 
         obj = json.loads(raw)
     except (UnicodeDecodeError, ValueError) as e:
         raise MalformedHeaderError(path, f"header is not valid JSON ({e})") from None
+    except RecursionError:
+        # A small header can nest deeper than the interpreter recurses; no real header nests.
+        raise MalformedHeaderError(path, "header nests too deeply to be a safetensors header") from None
     if not isinstance(obj, dict):
         raise MalformedHeaderError(path, "header is not a JSON object")
     data_offset = 8 + n

@@ -37,11 +37,13 @@ from ..format.checksum import new_hasher
 from ..format.layout import INDEX_NAME, SINGLE_FILE_NAME, checked_join, index_path, run_path
 from ..format.manifest import AppliedState, checkpoint_weight_files, read_run_id
 from ..format.safetensors_io import parse_header
+from ..fsio import memory_filesystem
 
 SAMPLE_NBYTES = 4096
 TENSOR_SAMPLE_NBYTES = 64
 JOIN_GAP_NBYTES = 4096
 MAX_JOINED_NBYTES = 1 << 18
+FULL_HASH_CHUNK_NBYTES = 8 << 20
 NO_SEED = "none"  # the fingerprint of a seed dir that is not a readable checkpoint
 
 
@@ -55,26 +57,59 @@ class Origin(msgspec.Struct, frozen=True):
 
 def seed_fingerprint(seed_dir: str) -> str:
     """A cheap digest that changes when the seed dir holds another model or a file of it was
-    written to (see the module doc)."""
-    h = new_hasher("xxh3-128")
+    written to (see the module doc); ``NO_SEED`` when it is not a complete, readable checkpoint
+    (``seed_dir_problem`` says why)."""
     try:
-        files = checkpoint_weight_files(seed_dir)
-        ipath = index_path(seed_dir)
-        if os.path.exists(ipath):
-            with open(ipath, "rb") as f:
-                h.update(_stat_line(INDEX_NAME, os.fstat(f.fileno())))
-                h.update(f.read())
-        else:
-            h.update(SINGLE_FILE_NAME.encode())
-        for name in files:
-            path = checked_join(seed_dir, name, f"{seed_dir}/{INDEX_NAME}")
-            with open(path, "rb") as f:
-                st = os.fstat(f.fileno())
-                h.update(_stat_line(name, st))
-                _hash_samples(h, f.fileno(), path, st.st_size)
-    except (OSError, ValueError):
+        return _fingerprint(seed_dir)
+    except (OSError, ValueError, RecursionError):
         return NO_SEED
+
+
+def seed_dir_problem(seed_dir: str) -> str | None:
+    """Why the seed dir has no fingerprint (not a dir, an index naming a missing shard, a
+    header that does not parse), or None when it has one."""
+    if not os.path.isdir(seed_dir):
+        return "it is not a directory" + ("" if os.path.exists(seed_dir) else " (it does not exist)")
+    try:
+        _fingerprint(seed_dir)
+    except (OSError, ValueError, RecursionError) as e:
+        return str(e)
+    return None
+
+
+def _fingerprint(seed_dir: str) -> str:
+    h = new_hasher("xxh3-128")
+    files = checkpoint_weight_files(seed_dir)
+    ipath = index_path(seed_dir)
+    if os.path.exists(ipath):
+        with open(ipath, "rb") as f:
+            h.update(_stat_line(INDEX_NAME, os.fstat(f.fileno())))
+            h.update(f.read())
+    else:
+        h.update(SINGLE_FILE_NAME.encode())
+    for name in files:
+        path = checked_join(seed_dir, name, f"{seed_dir}/{INDEX_NAME}")
+        with open(path, "rb") as f:
+            st = os.fstat(f.fileno())
+            h.update(_stat_line(name, st))
+            if memory_filesystem(path) is not None:
+                _hash_whole(h, f.fileno(), st.st_size)
+            else:
+                _hash_samples(h, f.fileno(), path, st.st_size)
     return h.hexdigest()
+
+
+def _hash_whole(h, fd: int, size: int) -> None:
+    """Every byte of a file on a memory filesystem (tmpfs, ramfs, hugetlbfs): a write through a
+    shared writable mapping there moves neither mtime nor ctime, and may land anywhere, so no
+    sample can stand for the file. Reading memory costs about a second per 10 GiB."""
+    at = 0
+    while at < size:
+        chunk = os.pread(fd, min(FULL_HASH_CHUNK_NBYTES, size - at), at)
+        if not chunk:
+            break
+        h.update(chunk)
+        at += len(chunk)
 
 
 def _stat_line(name: str, st: os.stat_result) -> bytes:
@@ -156,4 +191,4 @@ def mismatch(state: AppliedState, applied: int, origin: Origin) -> str | None:
     return None
 
 
-__all__ = ["Origin", "seed_fingerprint", "source_origin", "mismatch", "NO_SEED"]
+__all__ = ["Origin", "seed_fingerprint", "seed_dir_problem", "source_origin", "mismatch", "NO_SEED"]

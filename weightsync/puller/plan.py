@@ -34,11 +34,20 @@ from ..errors import (
     SourceNotReadyError,
     VersionMissingError,
 )
-from ..format.layout import anchor_dir_name, checked_join, list_anchors, state_path, version_dir_name
+from ..format.layout import (
+    anchor_dir,
+    anchor_dir_name,
+    checked_join,
+    list_anchors,
+    state_path,
+    version_dir,
+    version_dir_name,
+)
 from ..format.manifest import (
     VersionIndex,
     check_anchor,
     checkpoint_weight_files,
+    is_committed,
     parse_version_number,
     read_applied_state,
     read_version_index,
@@ -100,7 +109,24 @@ def read_applied_version(local_checkpoint_dir: str, origin: Origin | None = None
         why = mismatch(state, applied, origin)
         if why is not None:
             return None, why
+        why = _sizes_differ(local_checkpoint_dir, state.files)
+        if why is not None:
+            return None, why
     return applied, f"local state at v{applied}"
+
+
+def _sizes_differ(local_checkpoint_dir: str, files: "dict[str, int] | None") -> str | None:
+    """Why the local weight files are not the ones the marker was written over (a file cut
+    short, grown or gone), or None. A marker without sizes (an older puller's) proves nothing
+    here; its origin checks still hold."""
+    for name, nbytes in sorted((files or {}).items()):
+        try:
+            size = os.stat(checked_join(local_checkpoint_dir, name, state_path(local_checkpoint_dir))).st_size
+        except (OSError, CorruptArtifactError):
+            return f"local file {name} is gone (the marker names it): reseeding"
+        if size != nbytes:
+            return f"local file {name} is {size} bytes, the marker recorded {nbytes} (cut short or rewritten): reseeding"
+    return None
 
 
 def files_nbytes(directory: str, names: "set[str] | list[str] | tuple[str, ...]") -> int:
@@ -196,6 +222,13 @@ def plan_pull(
     return PullPlan(target_version, applied, best.seed, deltas, reason, best.cost, origin), used
 
 
+def _anchor_still_there(source_dir: str, version: int) -> bool:
+    """Whether a passed-over anchor and its version are both still committed: one a prune
+    removed meanwhile (index first, then the files) is gone, not damaged, and the pull is
+    "not ready, retry" (the retry plans from what is kept, or names the version pruned)."""
+    return is_committed(anchor_dir(source_dir, version)) and is_committed(version_dir(source_dir, version))
+
+
 def _cheapest_plan(
     source_dir: str, seed_dir: str, target: int, applied: int | None, why: str, indexes: dict[int, VersionIndex],
     seed0: SeedSource, skip: "frozenset[int] | set[int] | None",
@@ -233,8 +266,9 @@ def _cheapest_plan(
             except VersionMissingError as e:
                 if best is not None:
                     break  # pruned below a cheaper start: nobody needs it
-                if passed_over:  # a retry cannot help: say which anchor would have served
-                    raise AnchorUnusableError(passed_over[0][0], passed_over[0][1], target, v) from None
+                damaged = [(a, why) for a, why in passed_over if _anchor_still_there(source_dir, a)]
+                if damaged:  # a retry cannot help: say which anchor would have served
+                    raise AnchorUnusableError(damaged[0][0], damaged[0][1], target, v) from None
                 raise ChainBrokenError(v, target, e.path) from None
         idx = indexes[v]
         if idx.kind == "full":

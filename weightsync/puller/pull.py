@@ -12,6 +12,7 @@ never points at bytes that were not verified and flushed to disk.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import logging
@@ -28,6 +29,12 @@ import numpy as np
 from .. import knobs
 from ..errors import (
     AnchorUnusableError,
+    LocalDirNotOursError,
+    LocalDirUnusableError,
+    SeedDirUnusableError,
+    SourceDirUnusableError,
+    VersionMissingError,
+    VersionPrunedError,
     ChainBrokenError,
     ChecksumMismatchError,
     CorruptArtifactError,
@@ -39,8 +46,19 @@ from ..errors import (
     host_resource_error,
 )
 from ..format.checksum import tensor_hasher
-from ..format.layout import anchor_dir_name, format_version, index_path, verified_path
-from ..format.manifest import check_anchor, read_version_index
+from ..format.layout import (
+    ANCHOR_DIR_RE,
+    RUN_NAME,
+    VERSION_DIR_RE,
+    anchor_dir_name,
+    format_version,
+    index_path,
+    list_versions,
+    sync_dir,
+    verified_path,
+    version_dir,
+)
+from ..format.manifest import check_anchor, is_committed, read_version_index
 from ..format.safetensors_io import local_tensor_table
 from ..fsio import is_pid_alive, write_bytes
 from ..hooks import load_callable
@@ -54,7 +72,7 @@ from .apply import (
     load_delta,
     local_table,
 )
-from .identity import Origin, source_origin
+from .identity import NO_SEED, Origin, seed_dir_problem, source_origin
 from .lock import HeldLock, acquire_host_lock
 from .plan import PullPlan, SeedSource, check_target_version, files_nbytes, plan_pull, read_applied_version
 from .seed import invalidate_marker, seed_local_checkpoint, write_marker
@@ -110,7 +128,7 @@ def verified_by_peer(local_checkpoint_dir: str, target_version: int, source_real
     try:
         with open(verified_path(local_checkpoint_dir), "rb") as f:
             obj = json.loads(f.read(1 << 12))
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):
         return None
     if not isinstance(obj, dict):
         return None
@@ -209,6 +227,7 @@ def pull(
     workers: int | None = None,
     durability: Durability = "sync",
     progress: "Callable[[int, int], None] | None" = None,
+    force: bool = False,
 ) -> PullResult:
     """Bring ``local_checkpoint_dir`` to ``target_version``.
 
@@ -229,12 +248,16 @@ def pull(
             for the same version, which return at once ("noop", ``durable=False``): while
             the flush runs, ``.weight_sync/verified.json`` names the version and the live pid.
         progress: ``fn(tensors_done, tensors_total)``, called as tensors are applied.
+        force: pull into a non-empty dir that weightsync did not write (no ``.weight_sync/``),
+            replacing its files; refused otherwise (``LocalDirNotOursError``).
 
     Returns:
         PullResult with the plan's action and reason, and timings.
 
     Raises:
-        InvalidRequestError, BackwardPullError: the request cannot be served.
+        InvalidRequestError, BackwardPullError: the request cannot be served (a source dir that
+            does not exist or holds no run, a pruned version, a seed dir that is not a complete
+            checkpoint, a local dir holding someone else's files).
         SourceNotReadyError: the version (or one it needs) is not published yet; nothing changed.
         CorruptArtifactError: the published artifact is bad (after one reseed and replay).
         LocalStateError: the local checkpoint is broken in a way a reseed did not fix.
@@ -248,11 +271,17 @@ def pull(
     chunk = int(knobs.CHUNK_NBYTES.get())
     if durability not in ("sync", "deferred"):
         raise InvalidRequestError(f"durability must be 'sync' or 'deferred', got {durability!r}")
-    if target_version > 0 and hook is None and not os.path.isdir(local_checkpoint_dir):
-        # A first pull of a version that is not there yet must leave no trace (no dir, no lock).
-        read_version_index(source_dir, target_version)
-    os.makedirs(local_checkpoint_dir, exist_ok=True)
+    _check_local_dir(local_checkpoint_dir, force)
+    if target_version > 0 and hook is None:
+        check_source_dir(source_dir)
+        if not os.path.isdir(local_checkpoint_dir):
+            # A first pull of a version that is not there yet must leave no trace (no dir, no lock).
+            _read_target_index(source_dir, target_version)
     origin = source_origin(source_dir, seed_dir)
+    if origin.seed == NO_SEED:
+        raise SeedDirUnusableError(seed_dir, seed_dir_problem(seed_dir) or "it is not a readable checkpoint")
+    with _local_faults(local_checkpoint_dir):
+        os.makedirs(local_checkpoint_dir, exist_ok=True)
     peer: list[int] = []
 
     def done_by_peer() -> bool:
@@ -261,7 +290,8 @@ def pull(
             peer.append(pid)
         return pid is not None
 
-    held = acquire_host_lock(local_checkpoint_dir, lock_timeout_s, give_up=done_by_peer)
+    with _local_faults(local_checkpoint_dir):
+        held = acquire_host_lock(local_checkpoint_dir, lock_timeout_s, give_up=done_by_peer)
     if held is None:
         result = PullResult(
             target_version, "noop",
@@ -287,12 +317,18 @@ def pull(
             # explicit refresh; the deployment supplies it as this hook.
             hook(source_dir, target_version)
             hook_ran = True
+            check_source_dir(source_dir)  # after the refresh: what it shows is what counts
             origin = source_origin(source_dir, seed_dir)  # the refresh may have shown the run file
         try:
-            result, pending = _pull_locked(
-                local_checkpoint_dir, seed_dir, source_dir, target_version, n_workers, chunk, durability == "deferred",
-                progress, origin,
-            )
+            with _local_faults(local_checkpoint_dir):
+                result, pending = _pull_locked(
+                    local_checkpoint_dir, seed_dir, source_dir, target_version, n_workers, chunk, durability == "deferred",
+                    progress, origin,
+                )
+        except VersionMissingError as e:
+            if e.version != target_version:
+                raise
+            raise _missing_target(source_dir, target_version, e) from None
         except FileNotFoundError as e:
             vanished = _vanished_from_source(e, source_dir)
             if vanished is None:
@@ -314,6 +350,89 @@ def pull(
         " (after a reseed)" if result.reseeded else "",
     )
     return result
+
+
+def _check_local_dir(local: str, force: bool) -> None:
+    """Refuse, before anything is written, a local dir that cannot be one (a regular file, a dir
+    this process cannot write) and a non-empty dir weightsync did not write (no ``.weight_sync/``):
+    its files are the user's, and a seed would replace them. An engine's own local dir holds
+    ``.weight_sync/`` from its first pull on (the lock lives there), so it always passes."""
+    if os.path.lexists(local) and not os.path.isdir(local):
+        raise LocalDirUnusableError(local, "it exists and is not a directory (a regular file?)")
+    if not os.path.isdir(local):
+        parent = os.path.dirname(os.path.abspath(local))
+        while parent and not os.path.lexists(parent):
+            parent = os.path.dirname(parent)
+        if parent and not os.path.isdir(parent):
+            raise LocalDirUnusableError(local, f"it cannot be created: {parent} is not a directory")
+        return
+    if not os.access(local, os.W_OK | os.X_OK):
+        raise LocalDirUnusableError(local, "this process cannot write into it (read-only)")
+    if force or os.path.isdir(sync_dir(local)):
+        return
+    entries = sorted(n for n in os.listdir(local) if n != "lost+found")
+    if entries:
+        raise LocalDirNotOursError(local, entries)
+
+
+@contextlib.contextmanager
+def _local_faults(local: str):
+    """An OS error on a path of the local checkpoint dir (read-only, not creatable, a file where
+    a dir must be) is a local fault, typed; a resource failure stays ``HostResourceError``."""
+    try:
+        yield
+    except OSError as e:
+        if isinstance(e, WeightSyncError) or host_resource_error(e) is not None or not _inside(e, local):
+            raise
+        if isinstance(e, FileNotFoundError) and os.path.isdir(local):
+            raise  # a file that vanished below an existing dir: the source's side decides
+        raise LocalDirUnusableError(local, f"{type(e).__name__}: {e.strerror or e} ({os.fsdecode(e.filename)})") from e
+
+
+def _inside(e: OSError, directory: str) -> bool:
+    if e.filename is None:
+        return False
+    path = os.path.abspath(os.fsdecode(e.filename))
+    roots = {os.path.abspath(directory), os.path.realpath(directory)}
+    return any(path == r or path.startswith(r + os.sep) for r in roots)
+
+
+def check_source_dir(source_dir: str) -> None:
+    """A source dir that does not exist, or holds no weightsync run, is a wrong path: a bad
+    request, never "not ready" (a script with a typo would retry it forever). Holding a run
+    means any of ``weightsync-run.json``, a ``weight_vNNNNNN/`` or an ``anchor_vNNNNNN/`` (an
+    upstream writer's dir has version dirs only). An empty dir is "not ready": a publisher
+    creates the dir just before its run file (FORMAT.md, "Pulling")."""
+    if not os.path.isdir(source_dir):
+        raise SourceDirUnusableError(source_dir, "does not exist" if not os.path.lexists(source_dir) else "is not a directory")
+    try:
+        names = os.listdir(source_dir)
+    except PermissionError as e:
+        raise SourceDirUnusableError(source_dir, f"cannot be listed ({e.strerror})") from None
+    if not names or RUN_NAME in names:
+        return
+    if any(VERSION_DIR_RE.match(n) or ANCHOR_DIR_RE.match(n) for n in names):
+        return
+    raise SourceDirUnusableError(
+        source_dir, f"holds no weightsync run (no {RUN_NAME}, no weight_vNNNNNN/ or anchor_vNNNNNN/; it holds {sorted(names)[:5]})"
+    )
+
+
+def _read_target_index(source_dir: str, target: int):
+    try:
+        return read_version_index(source_dir, target)
+    except VersionMissingError as e:
+        raise _missing_target(source_dir, target, e) from None
+
+
+def _missing_target(source_dir: str, target: int, e: VersionMissingError) -> WeightSyncError:
+    """The target's dir is not there: pruned when a newer version is committed (versions
+    commit in order, so it was published once), else not published yet."""
+    newer = [v for v in list_versions(source_dir) if v > target and is_committed(version_dir(source_dir, v))]
+    if not newer:
+        return e
+    kept = [v for v in list_versions(source_dir) if is_committed(version_dir(source_dir, v))]
+    return VersionPrunedError(target, source_dir, kept[0] if kept else None)
 
 
 def _vanished_from_source(e: FileNotFoundError, source_dir: str) -> SourceNotReadyError | None:
@@ -485,7 +604,7 @@ def _seed_mismatches(local: str, seed: SeedSource, workers: int, chunk: int) -> 
     try:
         wmap = json.loads(raw)["weight_map"]
         placed_in = {n: wmap.get(n) for n in table}
-    except (ValueError, KeyError, TypeError, AttributeError):
+    except (ValueError, KeyError, TypeError, AttributeError, RecursionError):
         raise CorruptArtifactError("its copied index is not the one planned from (no weight_map object)") from None
     placed = [n for n, (path, _) in table.items() if placed_in[n] != os.path.basename(path)]
     if placed:

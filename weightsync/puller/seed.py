@@ -34,7 +34,8 @@ def invalidate_marker(local_checkpoint_dir: str) -> None:
 def write_marker(local_checkpoint_dir: str, version: int, origin: Origin) -> None:
     """The applied-version marker, bound to the origin (source dir, run, seed) of the bytes."""
     os.makedirs(sync_dir(local_checkpoint_dir), exist_ok=True)
-    state = encode_applied_state(version, origin.source_dir, origin.run, origin.seed)
+    files = {n: os.path.getsize(os.path.join(local_checkpoint_dir, n)) for n in checkpoint_weight_files(local_checkpoint_dir)}
+    state = encode_applied_state(version, origin.source_dir, origin.run, origin.seed, files)
     write_bytes(state_path(local_checkpoint_dir), state)
     fsync_dir(sync_dir(local_checkpoint_dir))
 
