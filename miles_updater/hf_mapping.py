@@ -1,4 +1,5 @@
-"""Megatron-core parameter names and layouts <-> Hugging Face Qwen3 / Llama (dense and MoE).
+"""Megatron-core parameter names and layouts <-> Hugging Face Qwen2/3 / Llama (dense and MoE), GLM-4.5-style
+MoE and DeepSeek-V3-style MLA.
 
 Role: pure tensor bookkeeping, no collectives. ``to_hf`` turns one Megatron parameter, given as
 its list of tensor-parallel shards (rank order), into the HF tensors it stands for;
@@ -72,6 +73,23 @@ _LAYER_RENAMES = {
     "mlp.router.weight": "mlp.gate.weight",
     "mlp.shared_experts.linear_fc2.weight": "mlp.shared_expert.down_proj.weight",
     "mlp.shared_experts.gate_weight": "mlp.shared_expert_gate.weight",
+    # a buffer, not a parameter: sigmoid routing's per-expert bias (GLM-4.5, DeepSeek-V3)
+    "mlp.router.expert_bias": "mlp.gate.e_score_correction_bias",
+}
+# Families whose checkpoint names the shared experts in the plural (one ``shared_experts`` MLP).
+_PLURAL_SHARED = ("glm4_moe", "glm4_moe_lite", "deepseek_v2", "deepseek_v3", "kimi_k2")
+# Multi-latent attention: plain renames (Megatron's up/down projections keep HF's row layouts).
+_MLA_FAMILIES = ("glm4_moe_lite", "deepseek_v2", "deepseek_v3", "kimi_k2")
+_MLA_RENAMES = {
+    "self_attention.linear_q_proj.weight": "self_attn.q_proj.weight",
+    "self_attention.linear_q_down_proj.weight": "self_attn.q_a_proj.weight",
+    "self_attention.linear_q_up_proj.weight": "self_attn.q_b_proj.weight",
+    "self_attention.q_layernorm.weight": "self_attn.q_a_layernorm.weight",
+    "self_attention.linear_q_up_proj.layer_norm_weight": "self_attn.q_a_layernorm.weight",  # TE fused norm
+    "self_attention.linear_kv_down_proj.weight": "self_attn.kv_a_proj_with_mqa.weight",
+    "self_attention.linear_kv_up_proj.weight": "self_attn.kv_b_proj.weight",
+    "self_attention.kv_layernorm.weight": "self_attn.kv_a_layernorm.weight",
+    "self_attention.linear_kv_up_proj.layer_norm_weight": "self_attn.kv_a_layernorm.weight",  # TE fused norm
 }
 _GLOBAL_RENAMES = {
     "embedding.word_embeddings.weight": "model.embed_tokens.weight",
@@ -136,6 +154,7 @@ def to_hf(
     global_layer: int | None = None,
     global_expert: int | None = None,
     tied_embeddings: bool = False,
+    family: str = "",
 ) -> list[tuple[str, torch.Tensor]]:
     """HF (name, tensor) pairs for one Megatron parameter given as its TP shards in rank order.
 
@@ -149,12 +168,14 @@ def to_hf(
         global_expert: the global expert number of an expert parameter.
         tied_embeddings: the model ties input and output embeddings (``output_layer`` then maps
             to ``model.embed_tokens.weight``).
+        family: the checkpoint's ``model_type`` where its names differ from Qwen's (GLM-4.5 and
+            DeepSeek's plural ``shared_experts``, MLA projections).
 
     Raises:
         MappingError: the name is not one this mapping knows.
     """
     names = to_hf_names(name, att, global_layer=global_layer, global_expert=global_expert,
-                        tied_embeddings=tied_embeddings)
+                        tied_embeddings=tied_embeddings, family=family)
     rest = _layer_rest(name)
     if rest in _QKV:
         parts: tuple[torch.Tensor, ...] = _split_qkv(shards, att)
@@ -181,6 +202,7 @@ def from_hf(
     global_layer: int | None = None,
     global_expert: int | None = None,
     tied_embeddings: bool = False,
+    family: str = "",
 ) -> torch.Tensor:
     """The full (unsplit) Megatron tensor for ``name`` from HF tensors (the inverse of ``to_hf``).
 
@@ -189,7 +211,7 @@ def from_hf(
     ``shard_for_rank`` to cut a rank's shard, which re-interleaves correctly.
     """
     outs = to_hf_names(name, att, global_layer=global_layer, global_expert=global_expert,
-                       tied_embeddings=tied_embeddings)
+                       tied_embeddings=tied_embeddings, family=family)
     tensors = [hf[n] for n in outs]
     if _layer_rest(name) in _QKV:
         q, k, v = tensors
@@ -211,6 +233,7 @@ def to_hf_names(
     global_layer: int | None = None,
     global_expert: int | None = None,
     tied_embeddings: bool = False,
+    family: str = "",
 ) -> list[str]:
     """The HF names ``to_hf`` emits for ``name``, in the same order, without any tensor."""
     if name in _GLOBAL_RENAMES:
@@ -223,7 +246,11 @@ def to_hf_names(
     layer = int(m.group(1)) if global_layer is None else global_layer
     rest = m.group(2)
     pre = f"model.layers.{layer}."
+    if family in _MLA_FAMILIES and rest in _MLA_RENAMES:
+        return [pre + _MLA_RENAMES[rest]]
     if rest in _LAYER_RENAMES:
+        if family in _PLURAL_SHARED and rest == "mlp.shared_experts.linear_fc2.weight":
+            return [pre + "mlp.shared_experts.down_proj.weight"]
         return [pre + _LAYER_RENAMES[rest]]
     if rest in _QKV:
         kind = rest.rsplit(".", 1)[1]
@@ -231,7 +258,8 @@ def to_hf_names(
     if rest == "mlp.linear_fc1.weight":
         return [pre + "mlp.gate_proj.weight", pre + "mlp.up_proj.weight"]
     if rest == "mlp.shared_experts.linear_fc1.weight":
-        return [pre + "mlp.shared_expert.gate_proj.weight", pre + "mlp.shared_expert.up_proj.weight"]
+        shared = "mlp.shared_experts." if family in _PLURAL_SHARED else "mlp.shared_expert."
+        return [pre + shared + "gate_proj.weight", pre + shared + "up_proj.weight"]
     for rx, which_group in ((_LOCAL_EXPERT_RE, 2), (_GROUPED_EXPERT_RE, 1)):
         e = rx.match(rest)
         if e:
