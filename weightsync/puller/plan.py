@@ -66,6 +66,16 @@ class SeedSource(msgspec.Struct, frozen=True):
     # checked before the marker. None: an upstream full version (headers checked only).
     digests: dict[str, str] | None = None
     checksum_format: str | None = None
+    # Its version was published with --allow-layout-change (index metadata
+    # ``allow_layout_change: true``): its layout need not be the seed dir's.
+    layout_change: bool = False
+
+
+LAYOUT_CHANGE_KEY = "allow_layout_change"
+
+
+def allows_layout_change(index: "VersionIndex | None") -> bool:
+    return index is not None and index.metadata.get(LAYOUT_CHANGE_KEY, "").strip().lower() == "true"
 
 
 class PullPlan(msgspec.Struct, frozen=True):
@@ -248,7 +258,8 @@ def _cheapest_plan(
         if anchor is not None and v == anchor[0].version:
             idx, nbytes = anchor
             files = tuple(sorted(set(idx.weight_map.values())))
-            source = SeedSource("anchor", v, idx.path, files, idx.digests, idx.checksum_format)
+            source = SeedSource("anchor", v, idx.path, files, idx.digests, idx.checksum_format,
+                                allows_layout_change(indexes.get(v)) or allows_layout_change(idx))
             consider(_Candidate(nbytes + tail, v, source,
                                 f"seed from side anchor {anchor_dir_name(v)} (cheaper than the chain; {why})"))
         if v == applied:
@@ -273,7 +284,7 @@ def _cheapest_plan(
         idx = indexes[v]
         if idx.kind == "full":
             files = tuple(sorted(set(idx.weight_map.values())))
-            full = SeedSource("full", v, idx.path, files, idx.digests, idx.checksum_format)
+            full = SeedSource("full", v, idx.path, files, idx.digests, idx.checksum_format, allows_layout_change(idx))
             consider(_Candidate(files_nbytes(idx.path, files) + tail, v, full,
                                 f"seed from {version_dir_name(v)} (newest full version <= v{target}; {why})"))
             break

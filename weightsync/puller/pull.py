@@ -29,6 +29,7 @@ import numpy as np
 from .. import knobs
 from ..errors import (
     AnchorUnusableError,
+    LayoutMismatchError,
     LocalDirNotOursError,
     LocalDirUnusableError,
     SeedDirUnusableError,
@@ -58,7 +59,7 @@ from ..format.layout import (
     verified_path,
     version_dir,
 )
-from ..format.manifest import check_anchor, is_committed, read_version_index
+from ..format.manifest import check_anchor, checkpoint_weight_files, is_committed, read_version_index
 from ..format.safetensors_io import local_tensor_table
 from ..fsio import is_pid_alive, write_bytes
 from ..hooks import load_callable
@@ -556,13 +557,27 @@ def _seed(plan: PullPlan, local: str, seed_dir: str, origin: Origin, workers: in
     was pruned meanwhile)."""
     seed = plan.seed
     assert seed is not None
-    if seed.kind == "full" and seed.digests is not None:
-        return seed_local_checkpoint(local, seed, seed_dir, origin, verify=lambda d: _check_full_copy(d, seed, workers, chunk))
-    if seed.kind != "anchor":
+    if seed.kind == "seed_dir":
         return seed_local_checkpoint(local, seed, seed_dir, origin)
+    reference = None if seed.layout_change else seed_layout(seed_dir)
+    if seed.kind == "full":
+        check_layout(seed.path, seed.shard_files, reference, f"full version v{seed.version}", seed_dir)  # before any write
+
+        def check_full(d: str) -> None:
+            check_layout(d, seed.shard_files, reference, f"the copy of full version v{seed.version}", seed_dir)
+            if seed.digests is not None:
+                _check_full_copy(d, seed, workers, chunk)
+
+        return seed_local_checkpoint(local, seed, seed_dir, origin, verify=check_full)
     source_dir = os.path.dirname(seed.path.rstrip(os.sep))
+
+    def check_anchor_copy(d: str) -> None:
+        check_layout(d, seed.shard_files, reference, f"the copy of side anchor {anchor_dir_name(seed.version)}", seed_dir)
+        _check_anchor_copy(d, seed, workers, chunk)
+
     try:
-        return seed_local_checkpoint(local, seed, seed_dir, origin, verify=lambda d: _check_anchor_copy(d, seed, workers, chunk))
+        check_layout(seed.path, seed.shard_files, reference, f"side anchor {anchor_dir_name(seed.version)}", seed_dir)
+        return seed_local_checkpoint(local, seed, seed_dir, origin, verify=check_anchor_copy)
     except FileNotFoundError as e:  # SourceNotReadyError included: a shard not there
         check = check_anchor(source_dir, seed.version)
         if check.state != "bound":
@@ -573,6 +588,51 @@ def _seed(plan: PullPlan, local: str, seed_dir: str, origin: Origin, workers: in
         raise _AnchorFailed(seed.version, f"a file is missing: {e}") from None
     except (CorruptArtifactError, LocalStateError) as e:
         raise _AnchorFailed(seed.version, str(e)) from None
+
+
+Layout = dict[str, tuple[str, tuple[int, ...]]]
+
+
+def seed_layout(seed_dir: str) -> Layout:
+    """name -> (dtype, shape) of every tensor of the seed dir: the layout a full version or a
+    side anchor must have (a version with fewer tensors would leave the engine serving the old
+    weights of the missing ones beside the new ones: weights of no published version)."""
+    try:
+        table = local_tensor_table(seed_dir, checkpoint_weight_files(seed_dir))
+    except (OSError, CorruptArtifactError) as e:
+        raise SeedDirUnusableError(seed_dir, f"its headers cannot be read: {e}") from None
+    return {n: (e.dtype, e.shape) for n, (_, e) in table.items()}
+
+
+def layout_differences(actual: Layout, reference: Layout) -> list[str]:
+    """Each way ``actual`` differs from ``reference``: missing and extra tensors, then each
+    tensor whose dtype or shape differs, by name."""
+    out = []
+    missing, extra = sorted(set(reference) - set(actual)), sorted(set(actual) - set(reference))
+    if missing:
+        out.append(f"lacks tensors {missing[:10]}" + (f" (and {len(missing) - 10} more)" if len(missing) > 10 else ""))
+    if extra:
+        out.append(f"holds tensors the model lacks {extra[:10]}" + (f" (and {len(extra) - 10} more)" if len(extra) > 10 else ""))
+    for n in sorted(set(actual) & set(reference)):
+        (ad, ash), (rd, rsh) = actual[n], reference[n]
+        if (ad, tuple(ash)) != (rd, tuple(rsh)):
+            out.append(f"tensor {n} is {ad}{list(ash)}, the model's is {rd}{list(rsh)}")
+    return out
+
+
+def check_layout(directory: str, shard_files, reference: "Layout | None", what: str, seed_dir: str) -> None:
+    """The headers of ``shard_files`` in ``directory`` have exactly the ``reference`` layout
+    (names, dtypes, shapes), else ``LayoutMismatchError`` naming the tensors. None: exempt
+    (a version published with --allow-layout-change); its headers are still parsed."""
+    for n in shard_files:
+        if not os.path.exists(os.path.join(directory, n)):
+            raise SourceNotReadyError(f"{what} names shard {n}, which is not in {directory} yet")
+    table = local_tensor_table(directory, list(shard_files))
+    if reference is None:
+        return
+    bad = layout_differences({n: (e.dtype, e.shape) for n, (_, e) in table.items()}, reference)
+    if bad:
+        raise LayoutMismatchError(what, f"the seed dir {seed_dir}", bad)
 
 
 def _check_full_copy(local: str, seed: SeedSource, workers: int, chunk: int) -> None:
