@@ -53,6 +53,8 @@ class DiskDeltaConfig:
     pull_timeout_s: float = 1800.0
     not_ready_retry_s: float = 60.0
     engine_wait_timeout_s: float | None = None  # None: engine_phase_bound_s + ENGINE_WAIT_MARGIN_S
+    converter: str = "builtin"  # builtin | trainer | pkg.mod.fn (miles_updater.converters)
+    static_tensors: tuple[str, ...] = ()  # checkpoint tensors (fnmatch patterns) published with the seed's bytes
 
     @property
     def wait_timeout_s(self) -> float:
@@ -160,6 +162,13 @@ def add_update_weight_arguments(parser: argparse.ArgumentParser) -> argparse.Arg
          help="How long the trainer ranks other than rank 0 wait while rank 0 drives the engines (on a gloo "
               "group of their own, so the training group's collective timeout does not apply). Default: "
               "2 x pull timeout + not-ready retry + 4 x engine timeout + 120 s; a smaller value is refused.")
+    _add(g, parser, "--update-weight-converter", type=str, default="builtin",
+         help="Megatron -> HF conversion after the gather: 'builtin' (Qwen2/3, Qwen3-MoE, Llama, GLM-4.5 MoE, "
+              "DeepSeek-V3 MLA names), 'trainer' (miles' or slime's own convert_to_hf, whichever is importable), "
+              "or 'pkg.mod.fn' called as fn(args) returning a converter (name, full tensor) -> [(hf_name, tensor)].")
+    _add(g, parser, "--update-weight-static-tensors", type=str, nargs="*", default=None,
+         help="Checkpoint tensors the trainer does not train (names or fnmatch patterns, e.g. 'model.visual.*'): "
+              "every version carries the seed's bytes for them, logged at start-up.")
     _add(g, parser, "--custom-update-weight-post-write-path", type=str, default=None,
          help="Import path 'pkg.mod.fn' called as fn(args, version_dir, rollout_engines) after a "
               "version is published and before engines pull it (e.g. to flush a cache tier).")
@@ -276,6 +285,11 @@ def validate_update_weight_args(args: argparse.Namespace) -> DiskDeltaConfig | N
         timeouts[name] = value
     wait = g("update_weight_engine_wait_timeout_s")
     post = g("custom_update_weight_post_write_path")
+    converter = g("update_weight_converter", "builtin") or "builtin"
+    if converter not in ("builtin", "trainer") and "." not in converter:
+        raise UpdateWeightArgsError(
+            f"--update-weight-converter {converter!r} is not 'builtin', 'trainer' or an import path "
+            f"'package.module.function'.")
     if post is not None and "." not in post:
         raise UpdateWeightArgsError(
             f"--custom-update-weight-post-write-path {post!r} is not an import path; expected "
@@ -295,6 +309,8 @@ def validate_update_weight_args(args: argparse.Namespace) -> DiskDeltaConfig | N
         publish_attempts=attempts,
         publish_retry_backoff_s=backoff,
         post_write_path=post,
+        converter=converter,
+        static_tensors=tuple(g("update_weight_static_tensors") or ()),
         pause_mode=g("update_weight_pause_mode", "retract"),
         apply_mode=g("update_weight_apply", "auto"),
         engine_timeout_s=timeouts["update_weight_engine_timeout_s"],

@@ -103,17 +103,21 @@ class DiskDeltaWeightUpdater:
         group: a process group spanning every trainer rank (default: the world).
         run_id: names this run's source dir ``run-<id>``; pass the same id on a restart to reopen
             it (default: a fresh id agreed by all ranks).
+        converter: a Megatron -> HF converter (``converters.MegatronToHF``) instead of the one
+            ``config.converter`` names.
     """
 
     def __init__(self, config: DiskDeltaConfig, model_chunks, *, args: Any = None, group=None,
-                 run_id: str | None = None):
+                 run_id: str | None = None, converter: Any = None):
         self.config = config
         self.args = args
         self.group = group
         check_engine_wait(config)  # a config built without validate_update_weight_args is checked here too
         self.rank = dist.get_rank(group)
         self._wait_group = _engine_wait_group(group, config.wait_timeout_s)
-        self.gatherer = HFWeightGatherer(model_chunks, config.hf_checkpoint, group=group)
+        self.gatherer = HFWeightGatherer(model_chunks, config.hf_checkpoint, group=group, args=args,
+                                         converter=converter or config.converter,
+                                         static_tensors=config.static_tensors)
         self.plan = self.gatherer.plan
         box = [run_id or f"{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:8]}"]
         dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
