@@ -173,12 +173,16 @@ def cmd_publish(args) -> int:
 
 
 def cmd_pull(args) -> int:
-    from .puller.pull import pull
+    from .puller.pull import describe_local_state, pull
 
-    result = pull(
-        args.local_dir, args.seed_dir, args.source_dir, args.version, args.hook,
-        lock_timeout_s=args.lock_timeout, workers=args.workers,
-    )
+    try:
+        result = pull(
+            args.local_dir, args.seed_dir, args.source_dir, args.version, args.hook,
+            lock_timeout_s=args.lock_timeout, workers=args.workers, force=args.force,
+        )
+    except KeyboardInterrupt:  # one line on what LOCAL holds, and the shell's code for SIGINT
+        print(f"interrupted: {describe_local_state(args.local_dir)}", file=sys.stderr)
+        return 130
     table = format_table(
         ["version", "action", "deltas", "read from SRC", "seconds", "reason"],
         [[result.applied_version, result.action, result.deltas_applied, human_bytes(result.source_nbytes),
@@ -190,8 +194,10 @@ def cmd_pull(args) -> int:
 
 
 def cmd_inspect(args) -> int:
-    from .inspect import describe_source, describe_version
+    from .inspect import check_version_there, describe_source, describe_version
 
+    if args.version is not None:
+        check_version_there(args.source_dir, args.version)  # not there: a typed error, never exit 0
     if args.version is None:
         summaries = describe_source(args.source_dir)
         rows = [[s.version, s.kind, s.status, s.base_version, s.delta_encoding, s.checksum_format, s.tensors,
@@ -228,6 +234,8 @@ def cmd_verify(args) -> int:
         table += f", {len(report.missing)} missing from the local checkpoint: {shown}"
     if report.unchecked:
         table += f", {len(report.unchecked)} unchecked (pass --seed-dir to check tensors unchanged since version 0)"
+    if report.layout_mismatched:
+        table += f", {len(report.layout_mismatched)} header(s) not of the model's layout: {'; '.join(report.layout_mismatched[:5])}"
     if rows:
         table += "\n\n" + format_table(["tensor", "expected", "actual"], rows)
     _emit(args, report, table)
@@ -355,6 +363,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds to wait for another pull on this host (default: $WEIGHTSYNC_LOCK_TIMEOUT_S or 600)")
     s.add_argument("--workers", type=int, default=None, metavar="N",
                    help="threads applying deltas (default: $WEIGHTSYNC_APPLY_WORKERS or one per core, at most 32)")
+    s.add_argument("--force", action="store_true",
+                   help="pull into a non-empty dir weightsync did not write, replacing its files (default: refused)")
     s.set_defaults(func=cmd_pull)
 
     s = _add_command(

@@ -9,7 +9,16 @@ import msgspec
 import numpy as np
 
 from .codecs import DensityCodec, get_codec
-from .errors import ChainBrokenError, SourceNotReadyError, VersionMissingError, WeightSyncError
+from .errors import (
+    ChainBrokenError,
+    CorruptArtifactError,
+    InvalidRequestError,
+    LocalFileDamagedError,
+    MalformedHeaderError,
+    SourceNotReadyError,
+    VersionMissingError,
+    WeightSyncError,
+)
 from .format.checksum import digest
 from .format.layout import list_anchors, list_versions
 from .format.manifest import VersionIndex, check_anchor, checkpoint_weight_files, read_version_index
@@ -130,7 +139,22 @@ def describe_version(
 
 
 def describe_source(source_dir: str) -> list[VersionSummary]:
+    from .puller.pull import check_source_dir
+
+    check_source_dir(source_dir)  # a wrong path is an error, never an empty table
     return [describe_version(source_dir, v) for v in list_versions(source_dir)]
+
+
+def check_version_there(source_dir: str, version: int) -> None:
+    """Raise the typed error of a version that is not there (a wrong source dir, a pruned
+    version, one not published yet), as a pull would; a version that is there returns."""
+    from .puller.pull import _read_target_index, check_source_dir
+
+    check_source_dir(source_dir)
+    try:
+        _read_target_index(source_dir, version)
+    except CorruptArtifactError:
+        return  # there, but bad: the summary's status says why
 
 
 class VerifyReport(msgspec.Struct):
@@ -139,10 +163,14 @@ class VerifyReport(msgspec.Struct):
     mismatched: list[tuple[str, str, str]]  # name, expected, actual
     unchecked: list[str]  # tensors whose expected bytes are unknown (no anchor and no seed dir)
     missing: list[str] = []  # tensors the version has that the local checkpoint lacks
+    # How the local headers differ from the model's layout (a dtype or shape changed in a
+    # header: same bytes, other weights), by tensor; empty when they agree or were not checked.
+    layout_mismatched: list[str] = []
+    layout_checked: bool = False  # False: no reference layout (pass --seed-dir)
 
     @property
     def ok(self) -> bool:
-        return not self.mismatched and not self.missing
+        return not self.mismatched and not self.missing and not self.layout_mismatched
 
 
 def expected_digests(source_dir: str, version: int, seed_dir: str | None, checksum_format: str = "xxh3-128") -> tuple[dict[str, tuple[str, str]], str | None]:
@@ -195,10 +223,16 @@ def verify_local(
 ) -> VerifyReport:
     """Hash every local tensor and compare with what ``version`` says it must be. A tensor the
     version has (changed by its chain, or in its full version or seed dir) that the local
-    checkpoint lacks fails the check by name."""
-    local = local_tensor_table(local_checkpoint_dir, checkpoint_weight_files(local_checkpoint_dir))
+    checkpoint lacks fails the check by name. The local headers are checked against the
+    model's layout (the seed dir's, else an upstream full version's), since a digest covers a
+    tensor's bytes, never its dtype or shape. A local file that cannot be read (a header cut
+    short or damaged) is a local fault (``LocalFileDamagedError``), not the artifact's."""
+    local = _local_table(local_checkpoint_dir)
     want, base_dir = expected_digests(source_dir, version, seed_dir)
     base = local_tensor_table(base_dir, checkpoint_weight_files(base_dir)) if base_dir else {}
+    layout_ref = base if base_dir else {}
+    if seed_dir and not _layout_changed(source_dir, version):
+        layout_ref = local_tensor_table(seed_dir, checkpoint_weight_files(seed_dir)) if base_dir != seed_dir else base
     missing = sorted((want.keys() | base.keys()) - local.keys())
     mismatched, unchecked = [], []
     checked = 0
@@ -220,4 +254,44 @@ def verify_local(
             mismatched.append((name, expected, actual))
         if progress:
             progress(i + 1, len(names))
-    return VerifyReport(version, checked, mismatched, unchecked, missing)
+    layout_bad: list[str] = []
+    if layout_ref:
+        from .puller.pull import layout_differences
+
+        layout_bad = layout_differences({n: (e.dtype, e.shape) for n, (_, e) in local.items()},
+                                        {n: (e.dtype, e.shape) for n, (_, e) in layout_ref.items()})
+        layout_bad = [d for d in layout_bad if not d.startswith("lacks tensors")]  # reported as missing
+    return VerifyReport(version, checked, mismatched, unchecked, missing, layout_bad, bool(layout_ref))
+
+
+def _local_table(local_checkpoint_dir: str) -> dict[str, tuple[str, TensorEntry]]:
+    """The local checkpoint's tensors; a file of it that cannot be read is a local fault."""
+    if not os.path.isdir(local_checkpoint_dir):
+        raise InvalidRequestError(f"the local checkpoint dir {local_checkpoint_dir} is not a directory")
+    try:
+        return local_tensor_table(local_checkpoint_dir, checkpoint_weight_files(local_checkpoint_dir))
+    except MalformedHeaderError as e:
+        raise LocalFileDamagedError(e.path, e.detail) from None
+    except CorruptArtifactError as e:
+        raise LocalFileDamagedError(local_checkpoint_dir, str(e)) from None
+    except FileNotFoundError as e:
+        raise LocalFileDamagedError(local_checkpoint_dir, f"a file is missing: {e}") from None
+
+
+def _layout_changed(source_dir: str, version: int) -> bool:
+    """Whether a full version at or below ``version`` (down to the newest one) was published
+    with --allow-layout-change: the seed dir's layout is then not the reference."""
+    from .puller.plan import allows_layout_change
+
+    v = version
+    while v > 0:
+        try:
+            idx = read_version_index(source_dir, v)
+        except WeightSyncError:
+            return False
+        if allows_layout_change(idx):
+            return True
+        if idx.kind == "full":
+            return False
+        v -= 1
+    return False

@@ -436,6 +436,19 @@ def _missing_target(source_dir: str, target: int, e: VersionMissingError) -> Wei
     return VersionPrunedError(target, source_dir, kept[0] if kept else None)
 
 
+def describe_local_state(local_checkpoint_dir: str) -> str:
+    """One line on what the local dir holds now, for a pull that was interrupted: a verified
+    version (its marker), or bytes no pull trusts (no marker: the next pull reseeds or
+    re-verifies them)."""
+    if not os.path.isdir(local_checkpoint_dir):
+        return f"{local_checkpoint_dir} was not created; nothing changed"
+    v = applied_version(local_checkpoint_dir)
+    if v is not None:
+        return f"{local_checkpoint_dir} holds verified v{v} (its marker names it); pull again to go on"
+    return (f"{local_checkpoint_dir} has no applied-version marker: its bytes are partial and no pull trusts them; "
+            "the next pull reseeds (or re-verifies) it")
+
+
 def _vanished_from_source(e: FileNotFoundError, source_dir: str) -> SourceNotReadyError | None:
     """A file of the source dir that vanished mid-pull (pruned between plan and read): "not
     ready, retry", since the retry plans from what is published then. None for anything else
@@ -749,4 +762,4 @@ def applied_version(local_checkpoint_dir: str) -> int | None:
     return v
 
 
-__all__ = ["pull", "PullResult", "applied_version", "wait_until_durable", "verified_by_peer"]
+__all__ = ["pull", "PullResult", "applied_version", "describe_local_state", "check_source_dir", "wait_until_durable", "verified_by_peer"]
