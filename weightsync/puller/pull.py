@@ -63,6 +63,7 @@ from ..format.manifest import check_anchor, checkpoint_weight_files, is_committe
 from ..format.safetensors_io import local_tensor_table
 from ..fsio import is_pid_alive, write_bytes
 from ..hooks import load_callable
+from ..storage.url import is_bucket_url
 from .apply import (
     VerifyFailed,
     _close_map,
@@ -264,6 +265,13 @@ def pull(
         LocalStateError: the local checkpoint is broken in a way a reseed did not fix.
         LockTimeoutError: another pull held the host lock too long.
     """
+    if is_bucket_url(source_dir):
+        # A bucket: its objects are fetched into a host-local mirror, then this same pull runs on it.
+        from ..storage.bucket_pull import pull_from_bucket
+
+        return pull_from_bucket(local_checkpoint_dir, seed_dir, source_dir, target_version, pre_read_hook,
+                                lock_timeout_s=lock_timeout_s, workers=workers, durability=durability,
+                                progress=progress, force=force)
     t0 = time.perf_counter()
     _check_dirs(local_checkpoint_dir, seed_dir, source_dir)
     check_target_version(target_version)

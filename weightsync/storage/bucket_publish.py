@@ -1,0 +1,231 @@
+"""Publish to a bucket: a ``Publisher`` writes into a host-local staging copy of the run, and
+each version it commits there is uploaded, shards first, then its index created only if absent.
+
+Why a staging copy (docs/BUCKETS.md): the publisher's whole protocol (encode, retry with the
+same bytes, pending versions, side anchors, retention) keeps running unchanged on local files,
+and the bucket gets only committed versions, in order; the upload is a separate, idempotent
+step that a retry repeats. The cost is one local copy of the retained versions on the trainer.
+
+Per version (anchor first when there is one, as on disk):
+
+1. each shard is uploaded under its name plus 16 hex digits of the xxh3 of its bytes
+   (multipart above the part size), unless a key of that name and size is there already: the
+   same bytes give the same key, so a retry rewrites nothing, and a second writer's other
+   bytes get other keys: nobody can replace the shards of a committed version;
+2. the index, its ``weight_map`` naming those keys, is created with ``If-None-Match: *`` (the
+   commit point). Refused: the index there is read back; byte-equal to ours means our earlier
+   attempt landed and its reply was lost (committed); anything else is another writer's
+   version: ``BucketConflictError``, loud, and nothing of theirs is touched.
+3. keys under the version the index does not name (an earlier failed attempt's) are deleted.
+
+The run identity is created the same way; a second publisher of the run keeps the first's id.
+A store that accepts a second create-only PUT of one key is refused at start. Pruning mirrors
+the staging copy's: a version pruned there loses its index in the bucket first (it stops being
+published), then its other keys in bulk.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import re
+import uuid
+
+import xxhash
+
+from ..errors import BucketConflictError, ConditionalWritesUnsupportedError, PublishError
+from ..format.layout import INDEX_NAME, RUN_NAME, is_weight_file
+from ..format.manifest import is_committed, read_run_id
+from ..fsio import write_bytes
+from .source import BucketSource
+from .url import BucketURL, parse_bucket_url
+
+log = logging.getLogger(__name__)
+
+STAGING_ENV = "WEIGHTSYNC_BUCKET_STAGING_DIR"
+_DIR_RE = re.compile(r"^(weight_v|anchor_v)(\d{6,})$")
+
+
+def default_staging_dir(url: BucketURL) -> str:
+    """``$WEIGHTSYNC_BUCKET_STAGING_DIR/<hash of the URL>``, else under ``~/.cache/weightsync``."""
+    base = os.environ.get(STAGING_ENV) or os.path.join(os.path.expanduser("~"), ".cache", "weightsync", "staging")
+    return os.path.join(base, hashlib.sha256(str(url).encode()).hexdigest()[:16])
+
+
+def content_key(name: str, path: str) -> str:
+    """``name`` with 16 hex digits of the xxh3-128 of the file's bytes before its extension."""
+    h = xxhash.xxh3_128()
+    with open(path, "rb") as f:
+        while True:
+            chunk = f.read(8 << 20)
+            if not chunk:
+                break
+            h.update(chunk)
+    stem, dot, ext = name.rpartition(".")
+    return f"{stem}-{h.hexdigest()[:16]}{dot}{ext}" if dot else f"{name}-{h.hexdigest()[:16]}"
+
+
+class BucketTarget:
+    """Uploads the committed versions of a staging dir into a bucket prefix."""
+
+    def __init__(self, url: "str | BucketURL", staging_dir: str | None = None):
+        self.url = url if isinstance(url, BucketURL) else parse_bucket_url(url)
+        self.source = BucketSource(self.url)
+        self.staging_dir = staging_dir or default_staging_dir(self.url)
+        self.uploaded: set[str] = set()  # dir names this process saw committed in the bucket
+
+    # --- at start -----------------------------------------------------------------------
+
+    def check_conditional_create(self) -> None:
+        """Create one probe key twice, create-only: the second must be refused, else the store
+        does not honour ``If-None-Match: *`` and cannot carry the commit protocol."""
+        key = f".weightsync-probe/{uuid.uuid4().hex}"
+        try:
+            first = self.source.create(key, b"1")
+            second = self.source.create(key, b"2")
+        finally:
+            self.source.delete([key])
+        if not first or second:
+            raise ConditionalWritesUnsupportedError(str(self.url))
+
+    def sync_run_identity(self) -> None:
+        """The bucket's run file, created if absent (conditionally); the staging copy keeps
+        the same id. A staging copy of another run (its own run file, other versions) is refused."""
+        local = os.path.join(self.staging_dir, RUN_NAME)
+        os.makedirs(self.staging_dir, exist_ok=True)
+        try:
+            theirs: bytes | None = self.source.read(RUN_NAME)
+        except FileNotFoundError:
+            theirs = None
+        if theirs is None:
+            if not os.path.exists(local):
+                from ..format.manifest import encode_run_identity
+                import time
+
+                write_bytes(local, encode_run_identity(uuid.uuid4().hex, time.time()))
+            with open(local, "rb") as f:
+                ours = f.read()
+            if self.source.create(RUN_NAME, ours):
+                return
+            theirs = self.source.read(RUN_NAME)  # another publisher created it first: keep theirs
+        if os.path.exists(local) and read_run_id(local) != _run_id_of(theirs):
+            staged = [n for n in os.listdir(self.staging_dir) if _DIR_RE.match(n)]
+            if staged:
+                raise PublishError(
+                    f"the staging dir {self.staging_dir} holds versions {sorted(staged)[:3]} of run {read_run_id(local)}, "
+                    f"but {self.url} belongs to run {_run_id_of(theirs)}; use another staging dir "
+                    f"({STAGING_ENV}) or another prefix"
+                )
+        write_bytes(local, theirs)
+
+    # --- after each commit ----------------------------------------------------------------
+
+    def upload_committed(self) -> None:
+        """Every version (and anchor) committed in the staging dir and not yet in the bucket,
+        oldest first, each anchor before its version."""
+        names = [n for n in os.listdir(self.staging_dir) if _DIR_RE.match(n) and n not in self.uploaded]
+
+        def order(n: str) -> tuple[int, int]:
+            m = _DIR_RE.match(n)
+            assert m is not None
+            return int(m.group(2)), 0 if m.group(1) == "anchor_v" else 1
+
+        for name in sorted(names, key=order):
+            if is_committed(os.path.join(self.staging_dir, name)):
+                self.upload_dir(name)
+
+    def upload_dir(self, name: str) -> None:
+        local = os.path.join(self.staging_dir, name)
+        with open(os.path.join(local, INDEX_NAME), "rb") as f:
+            index_bytes = f.read()
+        index = json.loads(index_bytes)
+        there = self.source.list(prefix=f"{name}/")
+        index_key = f"{name}/{INDEX_NAME}"
+        if index_key in there:
+            # Committed already: ours (nothing to upload), or another writer's (a conflict).
+            self._check_ours(name, index_key, None)
+            self.uploaded.add(name)
+            return
+        keys: dict[str, str] = {}
+        for fname in sorted(set(index.get("weight_map", {}).values())):
+            path = os.path.join(local, fname)
+            key = f"{name}/{content_key(fname, path)}"
+            keys[fname] = key.split("/", 1)[1]
+            size = os.path.getsize(path)
+            if key in there and there[key].size == size:
+                continue  # the same bytes, uploaded by an earlier attempt
+            self.source.put_file(key, path)
+        for entry in sorted(os.listdir(local)):
+            path = os.path.join(local, entry)
+            if entry == INDEX_NAME or is_weight_file(entry) or entry.startswith(".") or not os.path.isfile(path):
+                continue
+            key = f"{name}/{entry}"
+            if key not in there or there[key].size != os.path.getsize(path):
+                self.source.put_file(key, path)  # config, tokenizer: small, the same in every version
+        index["weight_map"] = {t: keys[f] for t, f in index["weight_map"].items()}
+        ours = json.dumps(index, indent=1).encode()
+        if not self.source.create(index_key, ours):
+            self._check_ours(name, index_key, ours)
+        named = {f"{name}/{k}" for k in keys.values()} | {index_key}
+        named |= {f"{name}/{e}" for e in os.listdir(local) if not is_weight_file(e)}
+        leftovers = sorted(k for k in there if k not in named)
+        if leftovers:
+            log.info("%s/%s: removing %d key(s) an earlier attempt left", self.url, name, len(leftovers))
+            self.source.delete(leftovers)
+        self.uploaded.add(name)
+        log.info("%s/%s committed (%d shard(s))", self.url, name, len(keys))
+
+    def _check_ours(self, name: str, index_key: str, ours: bytes | None) -> None:
+        """The bucket's index of ``name`` is ours (byte-equal to what we would write), else a conflict."""
+        theirs = self.source.read(index_key)
+        if ours is None:
+            ours = self._bucket_index_of(name)
+        if theirs == ours:
+            log.info("%s/%s: the index there is ours (an earlier reply was lost)", self.url, name)
+            return
+        m = _DIR_RE.match(name)
+        assert m is not None
+        if m.group(1) == "anchor_v":
+            # An earlier attempt's anchor: FORMAT.md removes an unbound anchor, index first.
+            vkey = f"weight_v{m.group(2)}/{INDEX_NAME}"
+            try:
+                self.source.read(vkey)
+            except FileNotFoundError:
+                log.warning("%s/%s: an earlier attempt's anchor is there; replacing it", self.url, name)
+                self.source.delete([index_key])
+                self.upload_dir(name)
+                return
+        raise BucketConflictError(int(m.group(2)), str(self.url))
+
+    def _bucket_index_of(self, name: str) -> bytes:
+        local = os.path.join(self.staging_dir, name)
+        with open(os.path.join(local, INDEX_NAME), "rb") as f:
+            index = json.loads(f.read())
+        index["weight_map"] = {
+            t: content_key(f, os.path.join(local, f)) for t, f in index.get("weight_map", {}).items()
+        }
+        return json.dumps(index, indent=1).encode()
+
+    # --- after pruning --------------------------------------------------------------------
+
+    def mirror_pruned(self) -> None:
+        """Versions pruned from the staging dir go from the bucket: index first, then the rest."""
+        for name in sorted(self.uploaded):
+            if os.path.isdir(os.path.join(self.staging_dir, name)):
+                continue
+            index_key = f"{name}/{INDEX_NAME}"
+            self.source.delete([index_key])
+            rest = sorted(k for k in self.source.list(prefix=f"{name}/") if k != index_key)
+            self.source.delete(rest)
+            self.uploaded.discard(name)
+            log.info("%s/%s pruned (%d key(s))", self.url, name, len(rest) + 1)
+
+
+def _run_id_of(data: bytes) -> str | None:
+    try:
+        obj = json.loads(data)
+        return str(obj["run_id"]) if isinstance(obj, dict) and "run_id" in obj else None
+    except ValueError:
+        return None

@@ -1,0 +1,343 @@
+"""Pull from a bucket: fetch the objects the plan names into host-local files, then run
+today's pull (plan, seed, apply, verification) unchanged on them.
+
+The host-local *mirror* (``<local>/.weight_sync/sources/<hash of the URL>/``) has the bucket's
+layout: the run file, each committed version's (and anchor's) index and small side files, and
+for every shard either its bytes (fetched) or a *placeholder*: a sparse file of the shard's
+size that starts with ``PLACEHOLDER_MAGIC``, so the planner prices it exactly as it would the
+real file without a byte being fetched. Inside the host lock (the pull's pre-read hook, which
+runs only when there is work), the mirror is refreshed from one LIST, the pull is planned on
+it, exactly the shards the plan names are fetched (parallel ranged GETs, each checked for its
+ETag and length), and the shards of earlier pulls are turned back into placeholders (the
+spool: bounded by what one pull reads). The pull then plans again, on the same files and local
+state under the same lock, so it reads what was fetched.
+
+A placeholder is never taken for data: its first 8 bytes, read as a safetensors header length,
+exceed any header limit. Should a pull's own fallbacks (a reseed and replay after a failed
+verification, a side anchor that fails its check) reach a placeholder, the pull fails typed;
+then every shard up to the target is fetched and the pull runs once more, on a complete mirror:
+the slower sound path, whose verdict is today's.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import re
+import shutil
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+from ..errors import (
+    BucketCredentialsError,
+    BucketUnavailableError,
+    InvalidRequestError,
+    SourceNotReadyError,
+    VersionMissingError,
+    WeightSyncError,
+)
+from ..format.layout import INDEX_NAME, RUN_NAME, anchor_dir_name, is_weight_file, sync_dir, version_dir_name
+from ..format.manifest import read_run_id
+from ..fsio import write_bytes
+from .client import OBJECTS_IN_FLIGHT, Deadline
+from .source import BucketSource, ObjectInfo
+from .url import BucketURL, parse_bucket_url
+
+log = logging.getLogger(__name__)
+
+PLACEHOLDER_MAGIC = b"WSYNC-NOT-FETCHED\n"  # as a little-endian u64 header length: ~7e18, never valid
+# Beside the mirror (not in it: the mirror holds only what a source dir holds): key -> ETag of
+# the shards whose bytes are in the mirror, and of every file the mirror has.
+_FETCHED_NAME = ".fetched.json"
+_DIR_RE = re.compile(r"^(weight_v|anchor_v)(\d{6,})$")
+
+
+def mirror_dir(local_checkpoint_dir: str, url: BucketURL) -> str:
+    digest = hashlib.sha256(str(url).encode()).hexdigest()[:16]
+    return os.path.join(sync_dir(local_checkpoint_dir), "sources", digest)
+
+
+def is_placeholder(path: str) -> bool:
+    try:
+        with open(path, "rb") as f:
+            return f.read(len(PLACEHOLDER_MAGIC)) == PLACEHOLDER_MAGIC
+    except OSError:
+        return False
+
+
+def _write_placeholder(path: str, size: int) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        os.write(fd, PLACEHOLDER_MAGIC[:size])
+        os.ftruncate(fd, size)  # sparse: no disk for the rest
+    finally:
+        os.close(fd)
+
+
+class Mirror:
+    """The host-local mirror of one bucket URL under one local checkpoint dir."""
+
+    def __init__(self, source: BucketSource, root: str, fetch_progress=None):
+        self.source = source
+        self.root = root
+        self.fetch_progress = fetch_progress
+        self.materialize_all = False
+        self.fetched_nbytes = 0
+        self.fetch_s = 0.0
+
+    # --- the run file (outside the lock: one GET, so a changed run is seen before the no-op check)
+
+    def sync_run_file(self) -> None:
+        path = os.path.join(self.root, RUN_NAME)
+        try:
+            data = self.source.read(RUN_NAME)
+        except FileNotFoundError:
+            data = None
+        old = None
+        if os.path.exists(path):
+            with open(path, "rb") as f:
+                old = f.read()
+        if data == old:
+            return
+        if old is not None:
+            # Another run now publishes under this URL: nothing mirrored from the old one counts.
+            log.info("%s: the run file changed; clearing the mirror %s", self.source.name, self.root)
+            self._clear_versions()
+        if data is None:
+            os.unlink(path)
+        else:
+            write_bytes(path, data)
+
+    def _clear_versions(self) -> None:
+        for name in os.listdir(self.root):
+            if _DIR_RE.match(name):
+                shutil.rmtree(os.path.join(self.root, name), ignore_errors=True)
+        self._save_fetched({})
+
+    # --- inside the host lock -------------------------------------------------------------
+
+    def prepare(self, local: str, seed_dir: str, target: int) -> None:
+        """Refresh the mirror from one LIST, plan, fetch what the plan reads, evict the rest."""
+        from ..puller.identity import source_origin
+        from ..puller.plan import plan_pull
+
+        listing = self.source.list()
+        committed = self._refresh(listing, target)
+        fetched = self._load_fetched()
+        fetched = {k: t for k, t in fetched.items() if k in listing and listing[k].tag == t and os.path.exists(self._path(k))}
+        if self.materialize_all:
+            needed = {k for k, o in listing.items() if self._is_shard_of(k, committed)}
+            why = f"every shard up to v{target} (the fallback after a pull reached an unfetched one)"
+        else:
+            plan, indexes = plan_pull(local, seed_dir, self.root, target, origin=source_origin(self.root, seed_dir))
+            needed = set()
+            for v in plan.deltas:
+                needed |= {f"{version_dir_name(v)}/{f}" for f in set(indexes[v].weight_map.values())}
+            if plan.seed is not None and plan.seed.kind in ("full", "anchor"):
+                d = os.path.basename(plan.seed.path.rstrip(os.sep))
+                needed |= {f"{d}/{f}" for f in plan.seed.shard_files}
+            why = plan.reason
+        missing = [listing[k] for k in sorted(needed) if k in listing and k not in fetched]
+        gone = sorted(k for k in needed if k not in listing)
+        if gone:
+            raise SourceNotReadyError(
+                f"{self.source.name}: {gone[:3]} named by the plan are not in the bucket (pruned meanwhile?); "
+                "nothing local changed. Retry the pull."
+            )
+        # Evict first: the disk holds at most what this pull reads.
+        for k in sorted(set(fetched) - needed):
+            _write_placeholder(self._path(k), listing[k].size)
+            del fetched[k]
+        self._save_fetched(fetched)
+        total = sum(o.size for o in missing)
+        log.info("%s: fetching %d object(s), %d bytes, for: %s", self.source.name, len(missing), total, why)
+        t = time.perf_counter()
+        self._fetch(missing, fetched, total)
+        self.fetch_s += time.perf_counter() - t
+        self.fetched_nbytes += total
+
+    def has_placeholders(self) -> bool:
+        for name in os.listdir(self.root):
+            d = os.path.join(self.root, name)
+            if _DIR_RE.match(name) and os.path.isdir(d):
+                if any(is_placeholder(os.path.join(d, f)) for f in os.listdir(d)):
+                    return True
+        return False
+
+    def _refresh(self, listing: dict[str, ObjectInfo], target: int) -> set[str]:
+        """Indexes, side files and placeholders of every committed version and anchor up to the
+        target; dirs of versions no longer committed are removed. Returns the committed dirs."""
+        committed = {k.split("/")[0] for k in listing if k.count("/") == 1 and k.endswith("/" + INDEX_NAME) and _DIR_RE.match(k.split("/")[0])}
+        for name in os.listdir(self.root):
+            if _DIR_RE.match(name) and name not in committed:
+                shutil.rmtree(os.path.join(self.root, name), ignore_errors=True)
+        wanted = {d for d in committed if int(_DIR_RE.match(d).group(2)) <= target}  # type: ignore[union-attr]
+        tags = self._load_tags()
+        for k, o in sorted(listing.items()):
+            d, _, name = k.partition("/")
+            if d not in wanted or "/" in name or not name or name.startswith("."):
+                continue
+            path = self._path(k)
+            if os.path.exists(path) and tags.get(k) == o.tag:
+                continue
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            if name == INDEX_NAME or not is_weight_file(name):
+                try:
+                    write_bytes(path, self.source.read(k))  # small: an index, a config, a tokenizer
+                except FileNotFoundError:
+                    continue  # pruned since the LIST: the planner then finds the version missing
+            else:
+                _write_placeholder(path, o.size)
+            tags[k] = o.tag
+        self._save_tags({k: t for k, t in tags.items() if k in listing})
+        return wanted
+
+    @staticmethod
+    def _is_shard_of(key: str, dirs: set[str]) -> bool:
+        d, _, name = key.partition("/")
+        return d in dirs and "/" not in name and name != INDEX_NAME and name.endswith(".safetensors")
+
+    def _fetch(self, objs: list[ObjectInfo], fetched: dict[str, str], total: int) -> None:
+        deadline = Deadline.from_knob()
+        lock = threading.Lock()
+        done = [0, time.monotonic()]
+
+        def one(o: ObjectInfo) -> None:
+            path = self._path(o.key)
+            tmp = path + ".fetching"
+            last = [0]
+
+            def progress(n: int, _size: int) -> None:
+                with lock:
+                    done[0] += n - last[0]
+                    last[0] = n
+                    if self.fetch_progress is not None:
+                        self.fetch_progress(done[0], total)
+                    if time.monotonic() - done[1] > 5:
+                        done[1] = time.monotonic()
+                        log.info("%s: fetched %d of %d bytes", self.source.name, done[0], total)
+
+            try:
+                self.source.fetch(o, tmp, progress, deadline)
+                os.replace(tmp, path)
+            except BaseException:
+                try:
+                    os.unlink(tmp)
+                except FileNotFoundError:
+                    pass
+                raise
+            with lock:
+                fetched[o.key] = o.tag
+                self._save_fetched(fetched)
+
+        workers = max(1, min(int(OBJECTS_IN_FLIGHT.get()), len(objs)))
+        if workers <= 1:
+            for o in objs:
+                one(o)
+            return
+        with ThreadPoolExecutor(workers, thread_name_prefix="weightsync-fetch-obj") as pool:
+            futures = [pool.submit(one, o) for o in objs]
+            errors = []
+            for f in futures:
+                try:
+                    f.result()
+                except BaseException as e:  # wait for all, then raise the first
+                    errors.append(e)
+            if errors:
+                raise errors[0]
+
+    # --- bookkeeping ----------------------------------------------------------------------
+
+    def _path(self, key: str) -> str:
+        return os.path.join(self.root, *key.split("/"))
+
+    def _load_json(self, name: str) -> dict[str, str]:
+        try:
+            with open(self.root + name, "rb") as f:
+                obj = json.loads(f.read())
+            return {str(k): str(v) for k, v in obj.items()} if isinstance(obj, dict) else {}
+        except (OSError, ValueError):
+            return {}
+
+    def _load_fetched(self) -> dict[str, str]:
+        return self._load_json(_FETCHED_NAME)
+
+    def _save_fetched(self, fetched: dict[str, str]) -> None:
+        write_bytes(self.root + _FETCHED_NAME, json.dumps(fetched, sort_keys=True).encode())
+
+    def _load_tags(self) -> dict[str, str]:
+        return self._load_json(".tags.json")
+
+    def _save_tags(self, tags: dict[str, str]) -> None:
+        write_bytes(self.root + ".tags.json", json.dumps(tags, sort_keys=True).encode())
+
+
+def pull_from_bucket(
+    local_checkpoint_dir: str,
+    seed_dir: str,
+    source_url: str,
+    target_version: int,
+    pre_read_hook=None,
+    *,
+    fetch_progress=None,
+    **kwargs,
+):
+    """``pull`` with a bucket URL as the source dir (``puller.pull`` dispatches here). The
+    pre-read hook gets the URL. ``fetch_progress(bytes_done, bytes_total)`` follows the fetch."""
+    from ..puller.plan import check_target_version
+    from ..puller.pull import _check_local_dir, load_hook, pull
+
+    url = parse_bucket_url(source_url)
+    check_target_version(target_version)
+    if not isinstance(local_checkpoint_dir, str) or not local_checkpoint_dir:
+        raise InvalidRequestError(f"local_checkpoint_dir must be a non-empty path, got {local_checkpoint_dir!r}")
+    user_hook = load_hook(pre_read_hook)
+    _check_local_dir(local_checkpoint_dir, bool(kwargs.get("force", False)))  # before the mirror makes it look ours
+    source = BucketSource(url)
+    if target_version > 0 and not os.path.isdir(local_checkpoint_dir):
+        # A first pull of a version that is not there yet leaves no trace (no dir, no lock).
+        _check_published(source, target_version)
+    root = mirror_dir(local_checkpoint_dir, url)
+    os.makedirs(root, exist_ok=True)
+    mirror = Mirror(source, root, fetch_progress)
+    mirror.sync_run_file()
+
+    def hook(_mirror_root: str, version: int) -> None:
+        if user_hook is not None:
+            user_hook(str(url), version)  # e.g. a credential refresh: before the first request
+            mirror.sync_run_file()
+        _check_published(source, version)
+        mirror.prepare(local_checkpoint_dir, seed_dir, version)
+
+    try:
+        result = pull(local_checkpoint_dir, seed_dir, root, target_version, hook, **kwargs)
+    except (SourceNotReadyError, InvalidRequestError, BucketCredentialsError, BucketUnavailableError):
+        raise
+    except WeightSyncError as first:
+        if not mirror.has_placeholders():
+            raise
+        log.warning("pull v%d from %s: %s; fetching every shard up to v%d and pulling once more",
+                    target_version, url, first, target_version)
+        mirror.materialize_all = True
+        result = pull(local_checkpoint_dir, seed_dir, root, target_version, hook, **kwargs)
+    result.hook_ran = result.hook_ran and user_hook is not None
+    return result
+
+
+def _check_published(source: BucketSource, version: int) -> None:
+    """The version's index is in the bucket (a cheap GET), else "not ready"."""
+    key = f"{version_dir_name(version)}/{INDEX_NAME}"
+    try:
+        source.read(key)
+    except FileNotFoundError:
+        raise VersionMissingError(version, f"{source.name}/{key}") from None
+
+
+def anchor_key(version: int) -> str:
+    return f"{anchor_dir_name(version)}/{INDEX_NAME}"
+
+
+__all__ = ["pull_from_bucket", "mirror_dir", "is_placeholder", "Mirror", "PLACEHOLDER_MAGIC", "read_run_id"]

@@ -1,0 +1,134 @@
+"""The object-store client (obstore, an optional extra): stores from the environment, deadlines,
+and its errors mapped to the typed ones.
+
+Credentials, endpoint and region come only from the environment: ``AWS_ACCESS_KEY_ID``,
+``AWS_SECRET_ACCESS_KEY``, ``AWS_SESSION_TOKEN``, ``AWS_REGION``, ``AWS_ENDPOINT_URL``,
+``AWS_ALLOW_HTTP`` (a plain-HTTP endpoint such as a loopback test server), and the
+``GOOGLE_*``/``AZURE_*`` ones for ``gs://``/``az://``. The URL names only the bucket and prefix.
+
+Timeouts: obstore's default 30 s *total* request timeout would abort large ranged GETs, so a
+request gets ``WEIGHTSYNC_BUCKET_REQUEST_TIMEOUT_S`` (ranges are sized to fit it), and the
+client's own retries (5xx, throttling, timeouts, dropped connections; exponential backoff) stop
+after ``WEIGHTSYNC_BUCKET_RETRY_TIMEOUT_S``, below the operation's deadline.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from datetime import timedelta
+
+from ..errors import (
+    BucketClientMissingError,
+    BucketCredentialsError,
+    BucketUnavailableError,
+    SourceChangedError,
+    SourceNotReadyError,
+    WeightSyncError,
+)
+from ..knobs import Knob
+from .url import BucketURL
+
+FETCH_RANGE_NBYTES = Knob("WEIGHTSYNC_BUCKET_RANGE_NBYTES", 32 << 20, "bytes per ranged GET of a bucket pull")
+FETCH_IN_FLIGHT = Knob("WEIGHTSYNC_BUCKET_IN_FLIGHT", 8, "ranged GETs in flight per object of a bucket pull")
+OBJECTS_IN_FLIGHT = Knob("WEIGHTSYNC_BUCKET_OBJECTS_IN_FLIGHT", 2, "objects fetched or uploaded at once")
+PUT_CHUNK_NBYTES = Knob("WEIGHTSYNC_BUCKET_PART_NBYTES", 32 << 20, "multipart part size (and the single-PUT limit)")
+PUT_CONCURRENCY = Knob("WEIGHTSYNC_BUCKET_PUT_CONCURRENCY", 4, "parts of one multipart upload in flight")
+REQUEST_TIMEOUT_S = Knob("WEIGHTSYNC_BUCKET_REQUEST_TIMEOUT_S", 120, "seconds one request may take in total")
+RETRY_TIMEOUT_S = Knob("WEIGHTSYNC_BUCKET_RETRY_TIMEOUT_S", 60, "seconds the client retries one request")
+DEADLINE_S = Knob("WEIGHTSYNC_BUCKET_DEADLINE_S", 600, "seconds a bucket fetch or upload may take, retries included")
+
+
+class Deadline:
+    def __init__(self, limit_s: float):
+        self.limit_s = limit_s
+        self.end = time.monotonic() + limit_s
+
+    @classmethod
+    def from_knob(cls) -> "Deadline":
+        return cls(float(DEADLINE_S.get()))
+
+    def left(self) -> float:
+        return self.end - time.monotonic()
+
+    def expired(self) -> bool:
+        return self.left() <= 0
+
+
+def _truthy(value: str | None) -> bool:
+    return (value or "").strip().lower() in ("1", "true", "yes", "on")
+
+
+_stores: dict[tuple, object] = {}
+_stores_lock = threading.Lock()
+
+
+def _env_key() -> tuple:
+    # A store caches its credentials: a changed environment (a rotated key) gets a new one.
+    return tuple(sorted((k, v) for k, v in os.environ.items() if k.startswith(("AWS_", "GOOGLE_", "AZURE_"))))
+
+
+def open_store(url: BucketURL):
+    """An obstore store for ``url``'s bucket and prefix, configured from the environment."""
+    try:
+        from obstore.store import from_url
+    except ImportError:
+        raise BucketClientMissingError(str(url)) from None
+    key = (str(url), os.getpid(), _env_key())  # a tokio runtime does not survive a fork: one store per process
+    with _stores_lock:
+        store = _stores.get(key)
+        if store is None:
+            client_options: dict = {
+                "timeout": f"{int(REQUEST_TIMEOUT_S.get())}s",
+                "connect_timeout": "10s",
+            }
+            if _truthy(os.environ.get("AWS_ALLOW_HTTP")) or _truthy(os.environ.get("ALLOW_HTTP")):
+                client_options["allow_http"] = True
+            retry = {
+                "max_retries": 10,
+                "retry_timeout": timedelta(seconds=float(RETRY_TIMEOUT_S.get())),
+                "backoff": {"init_backoff": timedelta(milliseconds=100), "max_backoff": timedelta(seconds=5), "base": 2},
+            }
+            try:
+                store = from_url(str(url), client_options=client_options, retry_config=retry)  # type: ignore[arg-type,call-overload]
+            except Exception as e:
+                raise BucketUnavailableError(str(url), "configuring the client", str(e).splitlines()[0]) from e
+            _stores[key] = store
+    return store
+
+
+_CREDENTIAL_WORDS = (
+    "InvalidAccessKeyId", "SignatureDoesNotMatch", "ExpiredToken", "AccessDenied", "InvalidToken",
+    "403 Forbidden", "401 Unauthorized", "credential",
+)
+
+# Worth asking again within the deadline (the server gone or busy, a short body).
+TRANSIENT = (BucketUnavailableError,)
+
+
+def typed_error(e: BaseException, url: BucketURL, operation: str) -> WeightSyncError:
+    """The typed error for a client failure (the message's first line kept as the detail)."""
+    if isinstance(e, WeightSyncError):
+        return e
+    detail = (str(e).splitlines() or [type(e).__name__])[0][:400]
+    try:
+        from obstore import exceptions as ox
+    except ImportError:  # pragma: no cover - the store could not exist without it
+        return BucketUnavailableError(str(url), operation, detail)
+    if isinstance(e, (ox.PermissionDeniedError, ox.UnauthenticatedError)) or (
+        isinstance(e, ox.GenericError) and any(w in str(e) for w in _CREDENTIAL_WORDS)
+    ):
+        return BucketCredentialsError(str(url), operation, _credential_detail(str(e)) or detail)
+    if isinstance(e, ox.PreconditionError):
+        return SourceChangedError(str(url), operation)
+    if isinstance(e, FileNotFoundError):
+        return SourceNotReadyError(f"{url}: {operation}: not there ({detail}); retry once it is published")
+    return BucketUnavailableError(str(url), operation, detail)
+
+
+def _credential_detail(text: str) -> str:
+    for code in ("InvalidAccessKeyId", "SignatureDoesNotMatch", "ExpiredToken", "AccessDenied", "InvalidToken"):
+        if code in text:
+            return f"{code} (the store's answer)"
+    return ""

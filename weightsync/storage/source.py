@@ -1,0 +1,291 @@
+"""The source interface and its two implementations: a directory and a bucket.
+
+The operations are the few the bucket paths need, named after what they do, so the mirror
+(pull) and the upload (publish) never ask which kind of source they hold:
+
+- ``list(prefix)``: every object under a prefix, with its size and a change tag (ETag, or
+  the file's size and mtime for a directory);
+- ``read(key)``: a small object (an index, the run file) whole;
+- ``fetch(obj, dst)``: a whole object into a host-local file, checked for its tag and length;
+- ``put_file(key, path)``: a file to a key (multipart above a size, for a bucket);
+- ``create(key, data)``: a small object only if absent (``If-None-Match: *``); False when
+  something is there already;
+- ``delete(keys)``: in bulk.
+
+Errors: a missing key raises ``FileNotFoundError`` (the pull's "not ready"); a bucket maps its
+client's errors to the typed ones in ``weightsync.errors`` (``client.typed_error``).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Callable, Iterable, Protocol
+
+import msgspec
+
+from ..errors import BucketUnavailableError, SourceChangedError, SourceNotReadyError
+from ..fsio import write_bytes
+from .client import (
+    FETCH_IN_FLIGHT,
+    FETCH_RANGE_NBYTES,
+    PUT_CHUNK_NBYTES,
+    PUT_CONCURRENCY,
+    TRANSIENT,
+    Deadline,
+    open_store,
+    typed_error,
+)
+from .url import BucketURL, parse_bucket_url
+
+Progress = Callable[[int, int], None]
+
+
+class ObjectInfo(msgspec.Struct, frozen=True):
+    key: str  # relative to the source's root
+    size: int
+    tag: str  # ETag (bucket) or "size:mtime_ns" (directory): what "unchanged" is checked against
+
+
+class Source(Protocol):
+    name: str
+
+    def list(self, prefix: str = "") -> dict[str, ObjectInfo]: ...
+
+    def read(self, key: str) -> bytes: ...
+
+    def fetch(self, obj: ObjectInfo, dst: str, progress: "Progress | None" = None) -> int: ...
+
+    def put_file(self, key: str, path: str) -> int: ...
+
+    def create(self, key: str, data: bytes) -> bool: ...
+
+    def delete(self, keys: Iterable[str]) -> None: ...
+
+
+class DirectorySource:
+    """A directory as a source (the same keys as a bucket's, '/' separated)."""
+
+    def __init__(self, root: str):
+        self.root = root
+        self.name = root
+
+    def _path(self, key: str) -> str:
+        return os.path.join(self.root, *key.split("/"))
+
+    def list(self, prefix: str = "") -> dict[str, ObjectInfo]:
+        out: dict[str, ObjectInfo] = {}
+        for dirpath, _, files in os.walk(self.root):
+            for f in files:
+                p = os.path.join(dirpath, f)
+                key = os.path.relpath(p, self.root).replace(os.sep, "/")
+                if key.startswith(prefix):
+                    st = os.stat(p)
+                    out[key] = ObjectInfo(key, st.st_size, f"{st.st_size}:{st.st_mtime_ns}")
+        return out
+
+    def read(self, key: str) -> bytes:
+        with open(self._path(key), "rb") as f:
+            return f.read()
+
+    def fetch(self, obj: ObjectInfo, dst: str, progress: "Progress | None" = None) -> int:
+        from ..fsio import copy_file
+
+        got = copy_file(self._path(obj.key), dst)
+        if got != obj.size:
+            raise SourceChangedError(self.root, obj.key, f" ({got} bytes, listed {obj.size})")
+        if progress is not None:
+            progress(got, got)
+        return got
+
+    def put_file(self, key: str, path: str) -> int:
+        from ..fsio import copy_file
+
+        os.makedirs(os.path.dirname(self._path(key)), exist_ok=True)
+        return copy_file(path, self._path(key))
+
+    def create(self, key: str, data: bytes) -> bool:
+        p = self._path(key)
+        os.makedirs(os.path.dirname(p), exist_ok=True)
+        try:
+            fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        except FileExistsError:
+            return False
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        return True
+
+    def delete(self, keys: Iterable[str]) -> None:
+        for k in keys:
+            try:
+                os.unlink(self._path(k))
+            except FileNotFoundError:
+                pass
+
+
+class BucketSource:
+    """A bucket prefix as a source, through obstore. Every call is bounded by ``deadline_s``:
+    the client retries 5xx, throttling, timeouts and dropped connections with backoff, and a
+    fetch re-requests a range that failed or came back short until the deadline."""
+
+    def __init__(self, url: "str | BucketURL"):
+        self.url = url if isinstance(url, BucketURL) else parse_bucket_url(url)
+        self.name = str(self.url)
+        self.store = open_store(self.url)
+
+    # --- small objects ------------------------------------------------------------------
+
+    def list(self, prefix: str = "") -> dict[str, ObjectInfo]:
+        import obstore
+
+        try:
+            out: dict[str, ObjectInfo] = {}
+            for batch in obstore.list(self.store, prefix=prefix or None, chunk_size=1000):
+                for m in batch:
+                    out[m["path"]] = ObjectInfo(m["path"], int(m["size"]), m.get("e_tag") or "")
+            return out
+        except Exception as e:
+            raise typed_error(e, self.url, f"LIST {prefix or '/'}") from e
+
+    def read(self, key: str) -> bytes:
+        import obstore
+
+        try:
+            return bytes(obstore.get(self.store, key).bytes())
+        except FileNotFoundError:
+            raise
+        except Exception as e:
+            raise typed_error(e, self.url, f"GET {key}") from e
+
+    def create(self, key: str, data: bytes) -> bool:
+        import obstore
+        from obstore.exceptions import AlreadyExistsError, PreconditionError
+
+        try:
+            obstore.put(self.store, key, data, mode="create")
+            return True
+        except (AlreadyExistsError, PreconditionError):
+            return False
+        except Exception as e:
+            raise typed_error(e, self.url, f"PUT {key} (If-None-Match: *)") from e
+
+    def delete(self, keys: Iterable[str]) -> None:
+        import obstore
+
+        keys = list(keys)
+        for i in range(0, len(keys), 1000):  # DeleteObjects takes at most 1,000 keys
+            try:
+                obstore.delete(self.store, keys[i:i + 1000])
+            except FileNotFoundError:
+                pass
+            except Exception as e:
+                raise typed_error(e, self.url, f"DELETE {len(keys)} key(s)") from e
+
+    def put_file(self, key: str, path: str) -> int:
+        """A file to ``key``: one PUT when small, else multipart (parts of PUT_CHUNK_NBYTES, a
+        few in flight). An upload that fails leaves no object under ``key``."""
+        import obstore
+
+        size = os.path.getsize(path)
+        try:
+            with open(path, "rb") as f:
+                obstore.put(self.store, key, f, chunk_size=int(PUT_CHUNK_NBYTES.get()),
+                            max_concurrency=int(PUT_CONCURRENCY.get()))
+        except Exception as e:
+            raise typed_error(e, self.url, f"PUT {key}") from e
+        return size
+
+    # --- whole objects into local files -------------------------------------------------
+
+    def fetch(self, obj: ObjectInfo, dst: str, progress: "Progress | None" = None, deadline: "Deadline | None" = None) -> int:
+        """``obj`` into ``dst`` (created or truncated): ranged GETs of FETCH_RANGE_NBYTES, up to
+        FETCH_IN_FLIGHT at once, each with ``If-Match: <ETag>`` and an exact-length check,
+        written with pwrite at their offsets. Memory: in-flight x range size. A changed
+        object raises ``SourceChangedError``; a range that fails for a transient reason (the
+        server gone, a short body) is asked again until the deadline, then
+        ``BucketUnavailableError``. Never returns over partial bytes."""
+        deadline = deadline or Deadline.from_knob()
+        rng = int(FETCH_RANGE_NBYTES.get())
+        ranges = [(s, min(s + rng, obj.size)) for s in range(0, obj.size, rng)]
+        done_lock = threading.Lock()
+        done = [0]
+        fd = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            if obj.size:
+                os.ftruncate(fd, obj.size)
+
+            def one(r: tuple[int, int]) -> None:
+                data = self._get_range(obj, r, deadline)
+                view = memoryview(data)
+                off = 0
+                while off < len(view):
+                    off += os.pwrite(fd, view[off:], r[0] + off)
+                with done_lock:
+                    done[0] += len(view)
+                    if progress is not None:
+                        progress(done[0], obj.size)
+
+            workers = max(1, min(int(FETCH_IN_FLIGHT.get()), len(ranges)))
+            if workers == 1:
+                for r in ranges:
+                    one(r)
+            else:
+                with ThreadPoolExecutor(workers, thread_name_prefix="weightsync-fetch") as pool:
+                    for f in [pool.submit(one, r) for r in ranges]:
+                        f.result()
+        finally:
+            os.close(fd)
+        return obj.size
+
+    def _get_range(self, obj: ObjectInfo, r: tuple[int, int], deadline: Deadline):
+        import obstore
+        from obstore.exceptions import PreconditionError
+
+        start, end = r
+        opts: dict = {"range": (start, end)}
+        if obj.tag:
+            opts["if_match"] = obj.tag
+        backoff = 0.1
+        while True:
+            try:
+                res = obstore.get(self.store, obj.key, options=opts)  # type: ignore[arg-type]
+                tag = res.meta.get("e_tag")
+                if obj.tag and tag and tag != obj.tag:
+                    raise SourceChangedError(self.name, obj.key, f" (ETag {tag}, planned {obj.tag})")
+                data = res.bytes()
+                if len(data) == end - start:
+                    return data
+                why = f"a short body: {len(data)} of {end - start} bytes for range {start}-{end}"
+                if res.meta.get("size") is not None and int(res.meta["size"]) != obj.size:
+                    raise SourceChangedError(self.name, obj.key, f" (now {res.meta['size']} bytes, listed {obj.size})")
+            except PreconditionError:
+                raise SourceChangedError(self.name, obj.key) from None
+            except FileNotFoundError:
+                raise SourceNotReadyError(
+                    f"{self.name}/{obj.key} is gone (pruned while the pull was reading it?); nothing local changed. "
+                    "Retry the pull: it plans from what is published now."
+                ) from None
+            except Exception as e:
+                typed = typed_error(e, self.url, f"GET {obj.key} bytes {start}-{end}")
+                if not isinstance(typed, TRANSIENT):
+                    raise typed from e
+                why = str(e).splitlines()[0][:300]
+            if deadline.expired():
+                raise BucketUnavailableError(self.name, f"GET {obj.key}", f"{why}; gave up after {deadline.limit_s:.0f}s")
+            time.sleep(min(backoff, max(0.0, deadline.left())))
+            backoff = min(backoff * 2, 5.0)
+
+
+def open_source(root: str) -> "Source":
+    """A bucket URL or a directory, as a ``Source``."""
+    from .url import is_bucket_url
+
+    return BucketSource(root) if is_bucket_url(root) else DirectorySource(root)
+
+
+def write_local(path: str, data: bytes) -> None:
+    """A small file of a mirror or a staging copy (temp name, rename)."""
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    write_bytes(path, data)
