@@ -57,6 +57,7 @@ from ..format.manifest import (
 from ..format.safetensors_io import iter_file_chunks
 from ..fsio import fsync_dir, write_bytes, write_file
 from ..hooks import load_callable
+from ..storage.url import is_bucket_url
 from .encode import PreparedTensor, PreparedVersion, Encoder
 from .encoding_choice import AUTO, Cost, EncodingChoice, EncodingChooser, EncodingSample, check_candidates, merge_samples
 from .prune import Retention
@@ -340,6 +341,14 @@ class Publisher:
         atomic_rename: write files under a temporary name and rename (False for filesystems
             without rename; files are then written once under their final name).
     """
+
+    def __new__(cls, source_dir: str, *args, **kwargs):
+        # A bucket URL (s3://, gs://, az://): the same publisher on a staging copy, uploading each commit.
+        if cls is Publisher and is_bucket_url(source_dir):
+            from ..storage.publisher import BucketPublisher
+
+            return super().__new__(BucketPublisher)
+        return super().__new__(cls)
 
     def __init__(
         self,
