@@ -6,7 +6,9 @@
 - after ``process_input_requests`` (every loop iteration): start the map once, poll the
   transaction's stage gather, run one bounded slice of staging or proof work;
 - around ``update_weights_from_disk``: the reload witness (what the engine loaded, if anything
-  certain); around every other call that moves weights: the live version becomes unknown;
+  certain); around every other sglang entry point that writes parameters (``compat.WEIGHT_WRITERS``:
+  tensors, distributed, IPC, memory occupation, the weight-update session, ``/weights_checker``'s
+  ``reset_tensors``, RPC, elastic EP): the live version becomes unknown and staging is voided;
 - from the pull's glue, once a rank's checkpoint holds a verified version: staging.
 
 How live apply works: ``docs/LIVE_APPLY.md`` and the ``live`` package.
@@ -114,14 +116,26 @@ def _after_reload(result, manager, recv_req=None, *args, **kwargs):
         state.after_reload(getattr(recv_req, "model_path", None), bool(getattr(result, "success", False)))
 
 
-def _other_update(how: str):
+def _other_update(writer: compat.WeightWriter, after: bool):
+    """A hook before (or after) ``writer``'s method: the call writes parameters behind live apply's
+    back (for ``check_weights``, only its writing actions), so the live version is unknown and any
+    staging is void. Before: a staging or proof in flight cannot finish against the old bytes;
+    after: none that started during the call survives it either."""
+    how = f"{writer.method} ({writer.request}"
+
     @_safely
     def hook(*args, **kwargs):
-        manager = args[1] if len(args) > 1 and not hasattr(args[0], "scheduler") else args[0]
-        state = state_of(getattr(manager, "scheduler", None))
+        owner, request = (args[1], args[2] if len(args) > 2 else None) if after else (args[0], args[1] if len(args) > 1 else None)
+        request = kwargs.get("recv_req", request)
+        if not compat.writes_weights(writer, request):
+            return
+        scheduler = owner if writer.owner == "scheduler" else getattr(owner, "scheduler", None)
+        state = state_of(scheduler)
         if state is not None:
-            state.after_other_update(how)
+            action = getattr(request, "action", None) or getattr(request, "method", None)
+            state.after_other_update(how + (f", {action})" if action else ")"))
 
+    hook.__name__ = f"{'after' if after else 'before'}_{writer.method}"
     return hook
 
 
@@ -167,12 +181,13 @@ def register_hooks(*_ignored) -> None:
     HookRegistry.register(f"{sched}.process_input_requests", _after_process_input_requests, HookType.AFTER, source=source)
     HookRegistry.register(f"{manager}.update_weights_from_disk", _before_reload, HookType.BEFORE, source=source)
     HookRegistry.register(f"{manager}.update_weights_from_disk", _after_reload, HookType.AFTER, source=source)
+    from sglang.srt.managers.scheduler import Scheduler
     from sglang.srt.managers.scheduler_components.weight_updater import SchedulerWeightUpdaterManager
 
-    moving = compat.weight_moving_calls(SchedulerWeightUpdaterManager)
-    for method in ("update_weights_from_tensor", "update_weights_from_distributed", "update_weights_from_ipc", *moving):
-        HookRegistry.register(f"{manager}.{method}", _other_update(method), HookType.BEFORE, source=source)
-        HookRegistry.register(f"{manager}.{method}", _other_update(method), HookType.AFTER, source=source)
+    for owner, cls, path in (("manager", SchedulerWeightUpdaterManager, manager), ("scheduler", Scheduler, sched)):
+        for writer in compat.weight_writers_of(cls, owner):  # those this release has
+            HookRegistry.register(f"{path}.{writer.method}", _other_update(writer, after=False), HookType.BEFORE, source=source)
+            HookRegistry.register(f"{path}.{writer.method}", _other_update(writer, after=True), HookType.AFTER, source=source)
     if os.environ.get(TRANSFORM_ENV):
         HookRegistry.register(
             "sglang.srt.model_loader.loader.DefaultModelLoader.postprocess_weights",

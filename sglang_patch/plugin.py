@@ -10,7 +10,8 @@ that process imports the sglang module it patches:
 - ``sglang.srt.managers.scheduler``: the handler on every TP rank (``scheduler_side``);
 - ``sglang.srt.managers.tokenizer_control_mixin``: the fan-out to DP groups (``tokenizer_side``);
 - ``sglang.srt.entrypoints.http_server``: the route (``http_route``);
-- ``sglang.srt.managers.tokenizer_manager``: ``/update_weights_from_disk`` is timed (``metrics``).
+- ``sglang.srt.managers.tokenizer_manager``: ``/update_weights_from_disk`` is timed (``metrics``);
+  ``continue_generation`` waits for a live-apply transaction (``tokenizer_side``).
 
 The layout: this module and its neighbours at the top are the sglang glue (hooks, IPC types,
 routes, flags); the two features live in packages that import no glue: ``pull`` (the pull, its
@@ -70,6 +71,11 @@ def load_plugin() -> None:
 
         http_route.install(module)
 
+    def continue_wait(_module):
+        from . import tokenizer_side
+
+        tokenizer_side.install_continue_wait()
+
     def reload_metrics(_module):
         from . import metrics
 
@@ -81,4 +87,5 @@ def load_plugin() -> None:
     when_imported("sglang.srt.managers.tokenizer_control_mixin", guarded("tokenizer", tokenizer))
     when_imported("sglang.srt.entrypoints.http_server", guarded("route", route))
     when_imported("sglang.srt.managers.tokenizer_manager", guarded("metrics", reload_metrics))
+    when_imported("sglang.srt.managers.tokenizer_manager", guarded("continue wait", continue_wait))
     log.info("weightsync pull_weights plugin loaded")

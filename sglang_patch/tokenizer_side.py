@@ -126,10 +126,45 @@ LIVE_COMMUNICATOR_NAME = "update_weights_from_pulled"
 DIGEST_COMMUNICATOR_NAME = "weights_digest"
 
 
+LIVE_TXN_LOCK_ATTR = "_weightsync_live_txn_lock"
+TXN_GATE_ENV = "WEIGHTSYNC_TEST_TXN_GATE"
+
+
+def live_transaction_lock(tokenizer_manager: Any) -> asyncio.Lock:
+    """This tokenizer's live-apply transaction lock, held from the vote to the commit or rollback
+    whether or not generation is paused: two transactions never interleave their phases (each
+    rank keeps one open transaction; a second vote replaced the first's and its apply failed), and
+    ``continue_generation`` waits for it (``_around_continue_generation``)."""
+    lock = getattr(tokenizer_manager, LIVE_TXN_LOCK_ATTR, None)
+    if lock is None:
+        lock = asyncio.Lock()
+        setattr(tokenizer_manager, LIVE_TXN_LOCK_ATTR, lock)
+    return lock
+
+
+async def _wait_at_txn_gate(phase: str, timeout_s: float = 120.0) -> None:
+    """Test-only (``WEIGHTSYNC_TEST_TXN_GATE``, a dir): while it holds ``hold-<phase>``, the
+    transaction waits before it sends ``phase`` (after it created ``at-<phase>`` there), so a test
+    can land another writer of the weights, or a ``continue_generation``, between two phases."""
+    import os
+
+    directory = os.environ.get(TXN_GATE_ENV)
+    if not directory or not os.path.exists(os.path.join(directory, f"hold-{phase}")):
+        return
+    open(os.path.join(directory, f"at-{phase}"), "w").close()
+    deadline = time.monotonic() + timeout_s
+    while os.path.exists(os.path.join(directory, f"hold-{phase}")) and time.monotonic() < deadline:
+        await asyncio.sleep(0.02)
+
+
 async def update_weights_from_pulled(tokenizer_manager: Any, request):
     """Run the update as one transaction over every DP group (``live.transaction``) while
-    generation is held off, like sglang's ``update_weights_from_disk`` (the model-update writer
-    lock, unless the engine is paused): the lock is held from the vote to the commit or rollback."""
+    generation is held off: our own transaction lock always (``live_transaction_lock``), and, unless
+    the engine is paused, sglang's model-update writer lock, as its ``update_weights_from_disk``
+    takes it (paused, requests paused in place hold reader locks: the writer lock would wait for
+    ever). Both are held from the vote to the commit or rollback. A writer of the weights that
+    neither lock keeps out (a reload while paused, ``reset_tensors``) is caught by the ranks'
+    generation check at every phase (``live.apply``)."""
     from contextlib import nullcontext
 
     import msgspec
@@ -139,20 +174,22 @@ async def update_weights_from_pulled(tokenizer_manager: Any, request):
     from .io_types import UpdateWeightsFromPulledReqOutput
 
     tokenizer_manager.auto_create_handle_loop()
-    async with tokenizer_manager.is_pause_cond:
-        paused = tokenizer_manager.is_pause
-    lock = tokenizer_manager.model_update_lock.writer_lock if not paused else nullcontext()
     start = time.monotonic()
     txn = tx.new_transaction_id()
     communicator = getattr(tokenizer_manager, f"{LIVE_COMMUNICATOR_NAME}_communicator")
 
     async def send(phase: str, reason):
+        await _wait_at_txn_gate(phase)
         replies = await communicator(msgspec.structs.replace(request, phase=phase, txn=txn, reason=reason))
         return tx.PhaseReplies(votes=[v for r in replies for v in r.votes], reports=[x for r in replies for x in r.reports])
 
     async def transaction() -> dict:
-        async with lock:
-            return await tx.run_transaction(send, request.target_version)
+        async with live_transaction_lock(tokenizer_manager):
+            async with tokenizer_manager.is_pause_cond:
+                paused = tokenizer_manager.is_pause
+            lock = tokenizer_manager.model_update_lock.writer_lock if not paused else nullcontext()
+            async with lock:
+                return await tx.run_transaction(send, request.target_version)
 
     # its own task, shielded: a client that goes away between the writes and the commit or
     # rollback must not leave the ranks holding uncommitted writes under the old version
@@ -179,6 +216,38 @@ async def weights_digest(tokenizer_manager: Any, request):
         request.rid = f"digest-{uuid.uuid4().hex}"
     replies = await communicator(request)
     return WeightsDigestReqOutput(ranks=[r for reply in replies for r in reply.ranks])
+
+
+async def _around_continue_generation(original, tokenizer_manager, *args, **kwargs):
+    """sglang's ``continue_generation``, once no live-apply transaction is open: paused, the
+    transaction holds no writer lock, and serving resumed between its apply and its commit would
+    send tokens of uncommitted, unchecked writes."""
+    import os
+
+    lock = live_transaction_lock(tokenizer_manager)
+    gate = os.environ.get(TXN_GATE_ENV)
+    if gate and lock.locked():  # test-only: tell the test that it waits
+        open(os.path.join(gate, "continue-waiting"), "w").close()
+    async with lock:
+        return await original(tokenizer_manager, *args, **kwargs)
+
+
+_continue_hooked = False
+
+
+def install_continue_wait(*_ignored) -> None:
+    """Make ``continue_generation`` wait for a live-apply transaction (call when
+    ``sglang.srt.managers.tokenizer_manager`` loads)."""
+    global _continue_hooked
+    if _continue_hooked:
+        return
+    _continue_hooked = True
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookSource, HookType
+
+    source = HookSource(plugin_name="pull_weights", dist_name="weightsync")
+    HookRegistry.register("sglang.srt.managers.tokenizer_manager.TokenizerManager.continue_generation",
+                          _around_continue_generation, HookType.AROUND, source=source)
+    HookRegistry.apply_hooks()
 
 
 def install_live(module: Any = None) -> None:

@@ -5,6 +5,12 @@ nothing is committed until every rank of every stage and DP group applied (``tra
 ``commit`` takes the new version, flushes the cache (on every rank at once) and checks the live
 weights (``check``). ``rollback`` writes the undo log back and checks it; a rank that cannot
 prove its restore holds an unknown version, and the coordinator makes every rank ``reload``.
+Every phase first checks the weights' generation against the one this rank's transaction holds
+(``RankTxn.generation``: taken at the vote, moved on by our own writes): another writer of the
+weights (a reload, ``reset_tensors``, any of ``compat.WEIGHT_WRITERS``) landing between two phases
+(while generation is paused nothing else keeps it out) makes the apply write nothing, the commit
+take nothing, and the rollback write no undo log over the other writer's bytes; the rank then
+says it is not restored and the coordinator makes every rank reload the target (issue 28, point 2).
 State a loader derives from a written parameter (MLA's ``w_kc``/``w_vc``, ``live.mapping.derived``) is
 re-derived right after the scatter and again after a restore, from the parameter as it then is.
 
@@ -74,6 +80,7 @@ class RankTxn:
     restore_failure: Optional[str] = None  # why this rank is not restored (it must reload)
     derived: int = 0  # layers whose derived state (live.mapping.derived) the apply re-derived
     before_restore: Optional[Callable[[int, str], None]] = None
+    generation: Optional[int] = None  # the weights' generation as this transaction holds them (set at the vote)
 
 
 class RankWrites:
@@ -97,6 +104,10 @@ class RankWrites:
         """Write ``staged`` (what this rank voted on) and keep the undo log; commit nothing yet."""
         if staged is None:
             return self.failure("this rank voted for no live update", txn.start)
+        moved = self._moved(txn)
+        if moved is not None:  # before any write: the staged patch extends bytes the weights no longer hold
+            txn.restore_failure = f"not restored: {moved} (nothing was written)"
+            return self.failure(f"the weights were written by {moved} after the vote: nothing applied", txn.start)
         txn.staged = staged
         fault = fault_file(self.rank)
         restore_fault = fault_file(self.rank, "live-restore-fault-")
@@ -126,6 +137,8 @@ class RankWrites:
             log.warning("live apply %s: scatter failed, this rank restored: %s", self.rank, exc)
             return self.failure(f"{type(exc).__name__}: {exc}", txn.start)
         txn.scatter_s = time.perf_counter() - t0
+        # our own writes: a staging that read the weights meanwhile is voided
+        txn.generation = self.weights.written_by_us(txn.generation, f"a live apply of v{staged.to_version}")
         derived = f" and re-derived {txn.derived} layer(s)' w_kc/w_vc" if txn.derived else ""
         return lr.LiveRankReport(
             host=self.host, rank=self.rank, success=True, mode=lr.LIVE, message=f"patched {txn.written} elements live{derived}",
@@ -167,10 +180,12 @@ class RankWrites:
         staged = txn.staged
         if staged is None or txn.undo is None:
             return self.failure("this rank applied nothing to commit", txn.start)
+        moved = self._moved(txn)
+        if moved is not None or not self.weights.take_applied(staged, txn.generation):
+            return self._written_before_commit(moved or self.weights.changed_by, txn)
         ok, message = compat.flush_cache_after_weight_update(self.scheduler.weight_updater, request,
                                                              f"patched {txn.written} elements live")
         compat.record_weight_version(self.scheduler.weight_updater, staged.to_version)
-        self.weights.take_applied(staged)
         # the written storages still the engine's (each element was read back in the scatter)
         # and a fresh sample against the checkpoint (live.check); a
         # mismatch on any rank makes the coordinator send the reload phase: the transaction stays
@@ -192,6 +207,12 @@ class RankWrites:
         """Some rank failed: write this rank's undo log back and check it. The staged update is
         kept, so a retry can succeed; a rank that is not restored holds an unknown version."""
         staged = txn.staged
+        moved = self._moved(txn)
+        if moved is not None and txn.restore_failure is None:
+            # the undo log holds the bytes before our apply at our positions: written over another
+            # writer's weights it would make a mix of both, and "restored" would be a lie
+            txn.undo = None
+            txn.restore_failure = f"not restored: the weights were written by {moved} during the transaction"
         if txn.undo is not None:
             result = txn.undo.restore(before_write=txn.before_restore)
             txn.undo = None
@@ -200,6 +221,8 @@ class RankWrites:
             else:
                 why = self._rederive_after_restore(txn, self.derivations())
                 txn.restore_failure = f"not restored: {why}" if why is not None else None
+            if txn.restore_failure is None and self.weights.restored(txn.generation, staged) is None:
+                txn.restore_failure = f"not restored: the weights were written by {self.weights.changed_by} during the restore"
         # The transaction stays open until the next vote: when any rank of the engine was not
         # restored, the coordinator sends every rank (restored or not) the reload phase next.
         if txn.restore_failure is not None:
@@ -219,6 +242,24 @@ class RankWrites:
             pause_s=time.perf_counter() - txn.start, stage_s=staged.stage_s if staged else 0.0,
             staged_nbytes=staged.nbytes if staged else 0,
         )
+
+    def _moved(self, txn: RankTxn) -> Optional[str]:
+        """What wrote the weights since this transaction last held them (None: nothing did)."""
+        if txn.generation is None:
+            return "an unknown writer (the vote recorded no generation)"
+        return self.weights.moved_since(txn.generation)
+
+    def _written_before_commit(self, moved: str, txn: RankTxn) -> lr.LiveRankReport:
+        """Another writer replaced the weights between the apply and the commit: nothing is taken
+        (the live version stays what that writer left), and the check reports it could not vouch for
+        the target, so every rank reloads it (``transaction``: a failed check)."""
+        staged = txn.staged
+        txn.undo = None
+        why = f"the weights were written by {moved} between the apply and the commit: v{staged.to_version} is not held"
+        log.error("live apply %s: %s", self.rank, why)
+        check = lr.RankCheck(rank=self.rank, failed=True, detail=why)
+        return lr.LiveRankReport(host=self.host, rank=self.rank, success=False, mode=lr.LIVE, message=why,
+                                 pause_s=time.perf_counter() - txn.start, check=check)
 
     def reload(self, request: Any, reason: Optional[str], start: float) -> lr.LiveRankReport:
         """sglang's own reload of the local checkpoint (its hooks keep the live version), checked."""
@@ -240,6 +281,11 @@ class RankWrites:
         check = self.check(local, request.target_version, ()) if out.success else None
         if check is not None:  # a reload through this route pays its check too: the mode weighs it
             self.pause_costs.record_reload_check(check.check_s)
+        if check is not None and lr.check_failed(check):
+            # the weights are not known to be the target's bytes (a tensor the dir lacks keeps the
+            # old one): they name no version, so the next update reloads instead of patching them;
+            # the reply is a failure (live.results.summarize)
+            self.weights.forget(f"the check after the reload of v{request.target_version} did not hold: {check.detail}")
         return lr.LiveRankReport(
             host=self.host, rank=self.rank, success=bool(out.success), mode=lr.RELOAD, reason=reason,
             message=out.message, weight_version=live.version if (out.success and live) else None,

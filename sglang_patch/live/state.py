@@ -95,6 +95,10 @@ class LiveApplyState:
                                  pause_costs=self.pause_costs, check=self._check, derivations=self._derivations)
         self._voted: Optional[StagedUpdate] = None
         self._txn: Optional[RankTxn] = None
+        # (transaction, phases seen): every rank of every stage sees one transaction's phases in the
+        # same order, so the count names the round in the stage-gather key (a repeated reload is a
+        # round of its own: a stage's late report of the first can never count for the second)
+        self._rounds: tuple[str, int] = ("", 0)
 
     # --- what the other parts read ---------------------------------------------------------------
 
@@ -194,6 +198,7 @@ class LiveApplyState:
                 # already serving exactly these bytes: nothing to scatter (the cache is still flushed if asked)
                 self._voted = StagedUpdate(target, target, held.source_dir, local, weights.generation,
                                            from_key=live.key(), target=live)
+                self._hold_generation(weights.generation)
                 return lr.LiveDecision(rank=self.rank, live=True, live_estimate_s=0.0, reload_estimate_s=reload_s)
             if staged is None:
                 return reload_because(weights.stage_reason or "nothing staged")
@@ -203,9 +208,24 @@ class LiveApplyState:
                 return reload_because("the weights changed after staging")
             if staged.target is None or staged.target.key() != key_of_held(held):
                 return reload_because("the local checkpoint holds another run's or seed's version than the one staged")
+            self._hold_generation(weights.generation)
         self._voted = staged
         return lr.LiveDecision(rank=self.rank, live=True, elements=staged.elements,
-                               live_estimate_s=self.pause_costs.live_estimate(staged.elements), reload_estimate_s=reload_s)
+                               live_estimate_s=self.pause_costs.live_estimate(staged.elements), reload_estimate_s=reload_s,
+                               ages=self.pause_costs.ages)  # the mode's probes (results.decide_mode)
+
+    def _hold_generation(self, generation: int) -> None:
+        """The transaction's view of the weights from its vote on: every later phase checks it
+        (``apply.RankWrites``)."""
+        if self._txn is not None:
+            self._txn.generation = generation
+
+    def _round_key(self, request: Any, phase: str) -> str:
+        """This phase's stage-gather key: the transaction, its round on this rank, the phase."""
+        txn = getattr(request, "txn", "") or ""
+        seen_txn, seen = self._rounds
+        self._rounds = (txn, seen + 1 if seen_txn == txn else 1)
+        return f"{txn}/{self._rounds[1]}/{phase}"
 
     def handle_update(self, request: Any, reply_type: Callable[..., Any]) -> Any:
         """One phase of the engine-wide transaction (``live.transaction``) on this rank: every TP
@@ -214,6 +234,7 @@ class LiveApplyState:
         the glue's IPC type)."""
         start = time.perf_counter()
         phase = getattr(request, "phase", tx.VOTE)
+        key = self._round_key(request, phase)
         with _no_gc_pause(), _short_gil_switches():
             try:
                 item = self._run_phase(request, phase, start)
@@ -231,7 +252,7 @@ class LiveApplyState:
             reports = all_items + [tx.missing_stage_report(k, phase, timeout_s) for k in missing]
             return reply_type(success=all(r.success for r in reports), message="", reports=reports)
 
-        return self.gather.finish(request, f"{getattr(request, 'txn', '')}/{phase}", items, make_output)
+        return self.gather.finish(request, key, items, make_output)
 
     def _run_phase(self, request: Any, phase: str, start: float) -> Any:
         if phase == tx.VOTE:

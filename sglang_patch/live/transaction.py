@@ -26,7 +26,10 @@ Each phase is one request to every DP group (the tokenizer's fan-out); inside a 
 rank of a stage handles it at the same loop iteration and all-gathers its item. Stage k > 0's
 TP leader posts its stage's items to the torch.distributed store (``StageGather``); stage 0's
 entry rank replies only once every stage has posted (or a deadline passed: the missing stage
-is then a failure), polled once per loop iteration, never blocking the loop.
+is then a failure), polled once per loop iteration, never blocking the loop. Every round has a
+key of its own (the transaction, the round's number on the rank, the phase: ``state._round_key``),
+and a stage's post that comes after its round's deadline is taken off the store when it comes and
+dropped, never read as a later round's (issue 28, point 3: a repeated reload reused the first's key).
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ VOTE, APPLY, COMMIT, ROLLBACK, RELOAD = "vote", "apply", "commit", "rollback", "
 PHASES = (VOTE, APPLY, COMMIT, ROLLBACK, RELOAD)
 STAGE_TIMEOUT_S = 300.0  # a later stage's writes of a large model; only a dead stage takes this long
 STAGE_CHECK_INTERVAL_S = 0.002  # the store round trip is a syscall: not on every busy-loop iteration
+LATE_POSTS_KEPT = 64  # the rounds whose missing stages' late posts are still awaited, to be dropped
 
 
 # --- the scheduler side: one phase's items from every stage of a DP group ------------------------
@@ -78,13 +82,18 @@ class StageGather:
         self.pp_rank, self.pp_size, self.leader = pp_rank, pp_size, leader
         self.channel, self.send, self.timeout_s, self.clock = channel, send, timeout_s, clock
         self.pending: dict[str, _PendingPhase] = {}  # by key (a digest may come while a phase waits)
+        # store keys of stages that missed their round's deadline: taken off the store and dropped
+        # if they ever post (oldest forgotten first: a stage that never posts leaves nothing behind)
+        self.late: dict[str, None] = {}
+        self.late_dropped = 0
+        self._next_late_check = 0.0
 
     def finish(self, request: Any, key: str, items: list, make_output: Callable[[list, list], Any]) -> Any:
         if self.pp_size <= 1:
             return make_output(list(items), [])
         if self.pp_rank > 0:
             if self.leader:
-                self.channel.post(f"{self.PREFIX}{key}/pp{self.pp_rank}", list(items))
+                self.channel.post(self._store_key(key, self.pp_rank), list(items))
             return None
         if not self.leader:
             return None
@@ -94,6 +103,27 @@ class StageGather:
     def poll(self) -> None:
         for pending in list(self.pending.values()):
             self._poll_one(pending)
+        if self.late:
+            self._drop_late_posts()
+
+    def _store_key(self, key: str, pp_rank: int) -> str:
+        return f"{self.PREFIX}{key}/pp{pp_rank}"
+
+    def _drop_late_posts(self) -> None:
+        now = self.clock()
+        if now < self._next_late_check:
+            return
+        self._next_late_check = now + STAGE_CHECK_INTERVAL_S * 50
+        for store_key in list(self.late):
+            try:
+                posted = self.channel.take(store_key)
+            except Exception:
+                log.exception("live apply: dropping the late post %s failed", store_key)
+                continue
+            if posted is not None:
+                del self.late[store_key]
+                self.late_dropped += 1
+                log.warning("live apply: %s came after its round's deadline and was dropped", store_key)
 
     def _poll_one(self, pending: _PendingPhase) -> None:
         now = self.clock()
@@ -104,7 +134,7 @@ class StageGather:
             if k in pending.items:
                 continue
             try:
-                posted = self.channel.take(f"{self.PREFIX}{pending.key}/pp{k}")
+                posted = self.channel.take(self._store_key(pending.key, k))
             except Exception:
                 log.exception("live apply: reading stage %d's items of %s failed", k, pending.key)
                 posted = None
@@ -114,6 +144,10 @@ class StageGather:
         if missing and now < pending.deadline:
             return
         del self.pending[pending.key]
+        for k in missing:  # its post, if it ever comes, is this round's: dropped, never read as another's
+            self.late[self._store_key(pending.key, k)] = None
+        while len(self.late) > LATE_POSTS_KEPT:
+            del self.late[next(iter(self.late))]
         items = [item for k in sorted(pending.items) for item in pending.items[k]]
         try:
             output = pending.make_output(items, missing)

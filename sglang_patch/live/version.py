@@ -8,7 +8,11 @@ identity, the weights' generation, and the update staged for them.
   reload, if it names the same after it and no pull ran meanwhile (``identity.reload_outcome``);
   after any other weight update (another path, tensors, distributed, IPC) it is unknown until
   the next reload from a dir.
-- **The generation**: every weight update bumps it, which voids a proof or a staging in flight.
+- **The generation**: every write of the weights bumps it (a reload, any other writer of sglang's
+  in ``compat.WEIGHT_WRITERS``, and our own apply, commit and rollback), which voids a proof or a
+  staging in flight; a transaction checks it at every phase (``apply.RankWrites``), so another
+  writer landing between two phases is never taken for our own writes. ``changed_by`` says what
+  bumped it last.
 - **The staged slot**: the update staging made for the current generation, or why there is none.
 
 Every field is read and written under ``lock``: the pull thread stages, the map thread proves,
@@ -49,6 +53,7 @@ class LiveWeights:
         self.pull_is_running = pull_is_running
         self.lock = threading.Lock()
         self.generation = 0
+        self.changed_by = "nothing since start-up"  # the last write of the weights (for the replies)
         # v0's identity is the seed's fingerprint, taken now (right after sglang loaded it)
         self.live: Optional[LiveVersion] = seed_version(fingerprint_seed(seed_dir)) if seed_dir else None
         self.live_reason = "" if seed_dir else "the engine's model path is not a local dir"
@@ -82,7 +87,7 @@ class LiveWeights:
         before = self.identity_of_dir(model_path)
         witness = ReloadWitness(model_path, before.key() if before else None, self.pull_is_running())
         with self.lock:
-            self.generation += 1
+            self._bump(f"a reload from {model_path} (update_weights_from_disk)")
             self.staged = None
             self._reload_witness = witness
         self._reload_started = time.perf_counter()
@@ -102,7 +107,7 @@ class LiveWeights:
             witness, self._reload_witness = self._reload_witness, None
         why = reload_outcome(witness, model_path, success, after.key() if after else None, self.pull_is_running())
         with self.lock:
-            self.generation += 1
+            self._bump(f"a reload from {model_path} (update_weights_from_disk)")
             self.staged = None
             self.stage_reason = "the weights were reloaded after the last staging"
             if why is None and after is not None:
@@ -119,19 +124,56 @@ class LiveWeights:
     def forget(self, reason: str) -> None:
         """The weights hold no version live apply can name (until the next reload from a dir)."""
         with self.lock:
-            self.generation += 1
+            self._bump(reason)
             self.staged, self.live, self.live_dir = None, None, None
             self.live_reason = reason
             self.stage_reason = reason
 
-    def take_applied(self, staged: StagedUpdate) -> None:
-        """A live apply of ``staged`` committed: the weights hold its target."""
+    def _bump(self, why: str) -> int:
+        """The weights were written (call under ``lock``); the new generation."""
+        self.generation += 1
+        self.changed_by = why
+        return self.generation
+
+    def moved_since(self, generation: int) -> Optional[str]:
+        """What wrote the weights since ``generation`` (None: nothing did)."""
         with self.lock:
-            self.generation += 1
+            return None if self.generation == generation else self.changed_by
+
+    def written_by_us(self, generation: int, why: str) -> Optional[int]:
+        """Our own transaction wrote the weights (an apply or a restore), which it holds at
+        ``generation``: bump it, so that a staging that read them meanwhile is voided. None, and
+        nothing bumped, when another writer moved them since ``generation``."""
+        with self.lock:
+            if self.generation != generation:
+                return None
+            return self._bump(why)
+
+    def restored(self, generation: int, staged: Optional[StagedUpdate]) -> Optional[int]:
+        """A rollback wrote the undo log back, proven equal: bump the generation (a staging that
+        read the weights mid-transaction is voided) and keep ``staged`` in the slot, valid for a
+        retry: the weights hold exactly the bytes it was staged against. None when another writer
+        moved the weights since ``generation``."""
+        with self.lock:
+            if self.generation != generation:
+                return None
+            new = self._bump("a live apply's rollback")
+            if staged is not None and self.staged is staged:
+                staged.generation = new
+            return new
+
+    def take_applied(self, staged: StagedUpdate, generation: Optional[int] = None) -> bool:
+        """A live apply of ``staged`` committed: the weights hold its target. False (nothing taken)
+        when another writer moved the weights since ``generation`` (the transaction's)."""
+        with self.lock:
+            if generation is not None and self.generation != generation:
+                return False
+            self._bump(f"a live apply of v{staged.to_version}")
             self.live = staged.target  # the identity the local checkpoint named when staged
             self.live_reason = "" if staged.target is not None else "a live apply of an update staged without an identity"
             self.staged = None
             self.stage_reason = f"v{staged.to_version} was applied; nothing staged since"
+            return True
 
     # --- the staged slot -----------------------------------------------------------------------
 
