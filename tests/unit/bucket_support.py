@@ -1,0 +1,103 @@
+"""Shared parts of the bucket tests: one real S3 server (SeaweedFS ``weed mini`` on loopback)
+per test module, its credentials in the environment, and a run (seed checkpoint, versions kept
+by their exact bytes) published to a fresh prefix of it.
+
+    pytestmark = ...; s3 = s3_server_fixture()   # in a test module
+    def test_x(bucket_run): ...
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import uuid
+
+import numpy as np
+import pytest
+
+from core_support import assert_checkpoint_is, mutate, random_tensors, tensor_bytes, write_hf_checkpoint
+from testbed.s3_server import S3Server
+from weightsync import Publisher, pull
+
+SIZES = {
+    "embed": ("float32", (64, 16)),
+    "layers.0.w": ("float32", (32, 32)),
+    "layers.1.w": ("float32", (32, 32)),
+    "norm": ("float32", (16,)),
+    "bias": ("int16", (5,)),
+}
+
+
+def s3_server_fixture():
+    """A module-scoped fixture: the server, started once for the module and stopped at its end."""
+
+    @pytest.fixture(scope="module")
+    def s3():
+        root = tempfile.mkdtemp(prefix="ws-s3-")
+        server = S3Server.start(root)
+        try:
+            yield server
+        finally:
+            server.stop()
+            shutil.rmtree(root, ignore_errors=True)
+
+    return s3
+
+
+@pytest.fixture
+def s3_env(s3, monkeypatch, fast_tmp_path):
+    """The server's AWS_* variables in the environment (the only place credentials come from),
+    and a staging dir for publishers under the test's tmp dir."""
+    for k, v in s3.env().items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setenv("WEIGHTSYNC_BUCKET_STAGING_DIR", str(fast_tmp_path / "staging"))
+    monkeypatch.setenv("WEIGHTSYNC_BUCKET_RETRY_TIMEOUT_S", "5")
+    return s3
+
+
+class BucketRun:
+    """A seed checkpoint and a bucket prefix; ``expected[v]`` is the bytes of version v."""
+
+    def __init__(self, root: str, s3: S3Server, rng: np.random.Generator):
+        self.root, self.s3, self.rng = root, s3, rng
+        self.url = s3.url(f"runs/{uuid.uuid4().hex[:12]}")
+        self.seed = os.path.join(root, "seed")
+        self.tensors = [random_tensors(rng, SIZES)]
+        write_hf_checkpoint(self.seed, self.tensors[0])
+        self.expected = [tensor_bytes(self.tensors[0])]
+        self._locals = 0
+
+    def publisher(self, **kw) -> Publisher:
+        kw.setdefault("encoding", "sparse-v1")
+        kw.setdefault("workers", 1)
+        pub = Publisher(self.url, template_dir=self.seed, **kw)
+        pub.seed_snapshot(self.tensors[0])
+        return pub
+
+    def next_tensors(self, density: float = 0.02) -> dict[str, np.ndarray]:
+        new = mutate(self.tensors[-1], self.rng, density)
+        self.tensors.append(new)
+        self.expected.append(tensor_bytes(new))
+        return new
+
+    def publish_versions(self, pub: Publisher, n: int, full_at: "set[int]" = frozenset()) -> None:
+        for _ in range(n):
+            v = len(self.tensors)
+            pub.publish(v, self.next_tensors(), full=True if v in full_at else None)
+
+    def fresh_local(self) -> str:
+        self._locals += 1
+        return os.path.join(self.root, f"local{self._locals}")
+
+    def assert_pulls(self, v: int, local: str | None = None, **kw):
+        local = local or self.fresh_local()
+        result = pull(local, self.seed, self.url, v, **kw)
+        assert result.applied_version == v
+        assert_checkpoint_is(local, self.expected[v])
+        return result
+
+
+@pytest.fixture
+def bucket_run(s3_env, fast_tmp_path, rng) -> BucketRun:
+    return BucketRun(str(fast_tmp_path), s3_env, rng)

@@ -1,0 +1,107 @@
+"""Faults on the real S3 server (SeaweedFS ``weed mini`` on loopback), injected at a chosen
+point of a pull through its byte progress: the server killed and restarted mid-pull, killed for
+longer than the deadline, and an object replaced while the pull reads it. A pull either
+succeeds with exactly the published bytes or fails typed with the local state untouched."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import obstore
+import pytest
+
+from core_support import assert_checkpoint_is, marker_version
+from weightsync import errors
+from weightsync.storage.bucket_pull import pull_from_bucket
+from weightsync.storage.source import BucketSource
+
+from bucket_support import bucket_run, s3_env, s3_server_fixture  # noqa: F401 (fixtures)
+
+s3 = s3_server_fixture()
+
+
+@pytest.fixture
+def small_ranges(monkeypatch):
+    """Ranges of 1 KiB, one at a time: a fault lands between two ranges of one object."""
+    monkeypatch.setenv("WEIGHTSYNC_BUCKET_RANGE_NBYTES", "1024")
+    monkeypatch.setenv("WEIGHTSYNC_BUCKET_IN_FLIGHT", "1")
+    monkeypatch.setenv("WEIGHTSYNC_BUCKET_OBJECTS_IN_FLIGHT", "1")
+
+
+def once_after(nbytes: int, action):
+    """A fetch_progress callback that runs ``action`` once, when ``nbytes`` have been fetched."""
+    fired = []
+
+    def progress(done: int, total: int) -> None:
+        if not fired and done >= nbytes:
+            fired.append((done, total))
+            action()
+
+    progress.fired = fired  # type: ignore[attr-defined]
+    return progress
+
+
+def test_a_server_killed_and_restarted_mid_pull_is_retried_to_the_published_bytes(bucket_run, small_ranges, monkeypatch):
+    monkeypatch.setenv("WEIGHTSYNC_BUCKET_DEADLINE_S", "120")
+    pub = bucket_run.publisher()
+    bucket_run.publish_versions(pub, 2, full_at={1})
+    server = bucket_run.s3
+
+    back = threading.Timer(1.5, server.restart)
+
+    def crash_then_come_back() -> None:
+        server.kill()
+        back.start()
+
+    progress = once_after(2048, crash_then_come_back)
+    local = bucket_run.fresh_local()
+    try:
+        result = pull_from_bucket(local, bucket_run.seed, bucket_run.url, 1, fetch_progress=progress)
+    finally:
+        if back.is_alive():
+            back.join()
+    assert progress.fired and progress.fired[0][0] < progress.fired[0][1]  # the crash came mid-fetch
+    assert result.applied_version == 1
+    assert_checkpoint_is(local, bucket_run.expected[1])
+    bucket_run.assert_pulls(2, local)
+
+
+def test_a_server_gone_past_the_deadline_is_a_retryable_typed_error_and_the_local_state_stays(bucket_run, small_ranges, monkeypatch):
+    pub = bucket_run.publisher()
+    bucket_run.publish_versions(pub, 2, full_at={1})
+    local = bucket_run.fresh_local()
+    bucket_run.assert_pulls(1, local)
+    monkeypatch.setenv("WEIGHTSYNC_BUCKET_DEADLINE_S", "3")
+    monkeypatch.setenv("WEIGHTSYNC_BUCKET_RETRY_TIMEOUT_S", "1")
+    server = bucket_run.s3
+    progress = once_after(1, server.kill)
+    try:
+        with pytest.raises((errors.BucketUnavailableError, errors.SourceNotReadyError)) as e:
+            pull_from_bucket(local, bucket_run.seed, bucket_run.url, 2, fetch_progress=progress)
+        assert e.value.retryable
+    finally:
+        if server.proc is not None and server.proc.poll() is not None:
+            server.restart()
+    assert marker_version(local) == 1
+    assert_checkpoint_is(local, bucket_run.expected[1])
+    bucket_run.assert_pulls(2, local)  # the retry, once the server is back
+
+
+def test_an_object_replaced_mid_read_is_changed_retry_and_never_applied(bucket_run, small_ranges):
+    pub = bucket_run.publisher()
+    bucket_run.publish_versions(pub, 1, full_at={1})
+    src = BucketSource(bucket_run.url)
+    shard = next(k for k in src.list("weight_v000001/") if k.endswith(".safetensors"))
+    original = src.read(shard)
+
+    def replace() -> None:
+        obstore.put(src.store, shard, original[:-1] + bytes([original[-1] ^ 0xFF]))
+
+    local = bucket_run.fresh_local()
+    with pytest.raises(errors.SourceChangedError) as e:
+        pull_from_bucket(local, bucket_run.seed, bucket_run.url, 1, fetch_progress=once_after(1024, replace))
+    assert e.value.retryable and shard.rsplit("/", 1)[1] in str(e.value)
+    assert marker_version(local) is None
+    obstore.put(src.store, shard, original)  # put back: the retry pulls the published bytes
+    bucket_run.assert_pulls(1, local)

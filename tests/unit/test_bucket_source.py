@@ -1,0 +1,142 @@
+"""Buckets as a source dir, against a real S3 server on loopback (SeaweedFS ``weed mini``):
+publish to ``s3://bucket/prefix`` and pull from it, every version compared with its bytes."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import obstore
+import pytest
+
+from weightsync import errors
+from weightsync.storage.bucket_pull import is_placeholder, mirror_dir
+from weightsync.storage.source import BucketSource
+from weightsync.storage.url import parse_bucket_url
+
+from bucket_support import bucket_run, s3_env, s3_server_fixture  # noqa: F401 (fixtures)
+
+s3 = s3_server_fixture()
+INDEX = "model.safetensors.index.json"
+
+
+def keys(url: str, prefix: str = "") -> dict:
+    return BucketSource(url).list(prefix)
+
+
+def test_a_chain_published_to_a_bucket_pulls_to_the_published_bytes(bucket_run):
+    pub = bucket_run.publisher()
+    bucket_run.publish_versions(pub, 4, full_at={1})
+    for v in (1, 3, 4):
+        bucket_run.assert_pulls(v)
+    local = bucket_run.fresh_local()
+    bucket_run.assert_pulls(2, local)
+    r = bucket_run.assert_pulls(4, local)  # a chain on a local state: only the two deltas fetched
+    assert r.action == "chain" and r.deltas_applied == 2
+
+
+def test_the_bucket_has_the_directory_layout_with_content_named_shards(bucket_run):
+    pub = bucket_run.publisher()
+    bucket_run.publish_versions(pub, 2, full_at={1})
+    listing = keys(bucket_run.url)
+    assert "weightsync-run.json" in listing
+    for v in (1, 2):
+        index = json.loads(BucketSource(bucket_run.url).read(f"weight_v{v:06d}/{INDEX}"))
+        for fname in set(index["weight_map"].values()):
+            assert f"weight_v{v:06d}/{fname}" in listing
+            stem = fname.rsplit(".", 1)[0]
+            assert len(stem.rsplit("-", 1)[1]) == 16  # the content hash suffix
+    assert "weight_v000001/config.json" in listing
+
+
+def test_a_missing_index_is_not_ready_and_leaves_no_trace(bucket_run):
+    local = bucket_run.fresh_local()
+    with pytest.raises(errors.SourceNotReadyError):
+        from weightsync import pull
+        pull(local, bucket_run.seed, bucket_run.url, 1)
+    assert not os.path.exists(local)
+
+
+def test_shards_uploaded_but_no_index_is_not_ready(bucket_run):
+    pub = bucket_run.publisher()
+    bucket_run.publish_versions(pub, 2, full_at={1})
+    src = BucketSource(bucket_run.url)
+    src.delete([f"weight_v000002/{INDEX}"])  # as if the commit never happened
+    local = bucket_run.fresh_local()
+    bucket_run.assert_pulls(1, local)
+    with pytest.raises(errors.SourceNotReadyError):
+        bucket_run.assert_pulls(2, local)
+    bucket_run.assert_pulls(1, local)  # the local state was not touched
+
+
+def test_a_pull_fetches_only_what_its_plan_reads_and_evicts_the_last_pulls_shards(bucket_run):
+    pub = bucket_run.publisher()
+    bucket_run.publish_versions(pub, 3, full_at={1})
+    local = bucket_run.fresh_local()
+    bucket_run.assert_pulls(1, local)
+    bucket_run.assert_pulls(3, local)
+    root = mirror_dir(local, parse_bucket_url(bucket_run.url))
+    v1 = os.path.join(root, "weight_v000001")
+    shards1 = [f for f in os.listdir(v1) if f.endswith(".safetensors")]
+    assert shards1 and all(is_placeholder(os.path.join(v1, f)) for f in shards1)
+    for v in (2, 3):
+        d = os.path.join(root, f"weight_v{v:06d}")
+        assert not any(is_placeholder(os.path.join(d, f)) for f in os.listdir(d) if f.endswith(".safetensors"))
+
+
+def test_wrong_credentials_are_a_typed_error_that_says_so(bucket_run, monkeypatch):
+    pub = bucket_run.publisher()
+    bucket_run.publish_versions(pub, 1, full_at={1})
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "not-the-secret")
+    local = bucket_run.fresh_local()
+    with pytest.raises(errors.BucketCredentialsError) as e:
+        bucket_run.assert_pulls(1, local)
+    assert "credentials" in str(e.value) and e.value.http_status == 403
+    with pytest.raises(errors.BucketCredentialsError):
+        bucket_run.publisher()
+
+
+def test_a_second_publisher_racing_a_commit_loses_loudly_and_the_winners_bytes_stay(bucket_run, monkeypatch, fast_tmp_path):
+    a = bucket_run.publisher()
+    bucket_run.publish_versions(a, 1, full_at={1})
+    monkeypatch.setenv("WEIGHTSYNC_BUCKET_STAGING_DIR", str(fast_tmp_path / "staging-b"))
+    b = bucket_run.publisher()
+    assert b.run_id == a.run_id  # the run identity was created once; the second keeps it
+    # b starts from the same base but publishes other bytes as v1: the index is a's.
+    other = bucket_run.next_tensors(0.5)
+    bucket_run.tensors.pop(), bucket_run.expected.pop()
+    with pytest.raises(errors.BucketConflictError):
+        b.publish(1, other, full=True)
+    bucket_run.assert_pulls(1)
+
+
+def test_a_lost_reply_to_the_index_create_is_recognised_as_ours(bucket_run):
+    pub = bucket_run.publisher()
+    bucket_run.publish_versions(pub, 1, full_at={1})
+    # Forget that v1 was uploaded: the next upload finds the index there, byte-equal to ours.
+    pub.bucket.uploaded.clear()
+    pub.bucket.upload_committed()
+    bucket_run.publish_versions(pub, 1)
+    bucket_run.assert_pulls(2)
+
+
+def test_pruning_removes_the_index_first_then_the_shards(bucket_run):
+    pub = bucket_run.publisher(keep_versions=2, full_every=3)
+    bucket_run.publish_versions(pub, 7, full_at={1})
+    listing = keys(bucket_run.url)
+    staged = {n for n in os.listdir(pub.source_dir) if n.startswith("weight_v")}
+    in_bucket = {k.split("/")[0] for k in listing if k.startswith("weight_v")}
+    assert in_bucket == staged and "weight_v000001" not in in_bucket
+    bucket_run.assert_pulls(7)
+
+
+def test_a_store_that_ignores_conditional_create_is_refused_at_start(bucket_run, monkeypatch):
+    from weightsync.storage import source as source_mod
+
+    def create_always(self, key, data):
+        obstore.put(self.store, key, data)  # an unconditional PUT: what a store without If-None-Match does
+        return True
+
+    monkeypatch.setattr(source_mod.BucketSource, "create", create_always)
+    with pytest.raises(errors.ConditionalWritesUnsupportedError):
+        bucket_run.publisher()
