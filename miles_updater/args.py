@@ -52,32 +52,31 @@ class DiskDeltaConfig:
     engine_timeout_s: float = 120.0
     pull_timeout_s: float = 1800.0
     not_ready_retry_s: float = 60.0
-    engine_wait_timeout_s: float | None = None  # None: engine_phase_bound_s + ENGINE_WAIT_MARGIN_S
+    engine_wait_timeout_s: float | None = None  # None: no cap, the others wait while rank 0's heartbeat is fresh
+    engine_heartbeat_timeout_s: float = 60.0  # the others give up after this long without a beat from rank 0
+    history_size: int = 100  # the syncs whose own metrics every rank keeps (SyncHistory; totals cover all)
     converter: str = "builtin"  # builtin | trainer | pkg.mod.fn (miles_updater.converters)
     static_tensors: tuple[str, ...] = ()  # checkpoint tensors (fnmatch patterns) published with the seed's bytes
 
     @property
-    def wait_timeout_s(self) -> float:
-        """How long the ranks other than rank 0 wait for its engine phase (see ``engine_phase_bound_s``)."""
-        if self.engine_wait_timeout_s is not None:
-            return self.engine_wait_timeout_s
-        return engine_phase_bound_s(self) + ENGINE_WAIT_MARGIN_S
+    def wait_timeout_s(self) -> float | None:
+        """The cap on how long the ranks other than rank 0 wait for its engine phase (None: none;
+        they wait while rank 0's heartbeat says it is alive, see ``updater``)."""
+        return self.engine_wait_timeout_s
 
+    def engine_timeouts(self):
+        """The timeouts every engine client takes (``engines.EngineTimeouts``)."""
+        from .engines import EngineTimeouts
 
-# Room for the post-write hook and scheduling on top of the timeouts the engine phase is made of.
-ENGINE_WAIT_MARGIN_S = 120.0
+        return EngineTimeouts(self.engine_timeout_s, self.pull_timeout_s, self.not_ready_retry_s)
 
 
 def engine_phase_bound_s(config: "DiskDeltaConfig") -> float:
-    """The longest rank 0's engine phase can last under the configured timeouts (the hook aside).
+    """The longest rank 0's engine phase can last under the configured timeouts (the hook aside),
+    counted from every call the phase can make (``engine_sync.engine_phase_bound_s``)."""
+    from .engine_sync import engine_phase_bound_s as bound_of_timeouts
 
-    Only rank 0 drives the engines; every other rank waits for it in a collective, so that wait
-    must outlive: the baseline ``pull_weights(0)`` (the first sync waits for it) and the pull of
-    the version (each up to ``pull_timeout_s``), "source not ready" retries (``not_ready_retry_s``),
-    then pause, live apply, a reload after a failed live apply, and continue (each up to
-    ``engine_timeout_s``).
-    """
-    return 2 * config.pull_timeout_s + config.not_ready_retry_s + 4 * config.engine_timeout_s
+    return bound_of_timeouts(config.engine_timeouts())
 
 
 def check_engine_wait(config: "DiskDeltaConfig") -> None:
@@ -87,11 +86,13 @@ def check_engine_wait(config: "DiskDeltaConfig") -> None:
     if wait is not None and not wait >= bound:
         raise UpdateWeightArgsError(
             f"--update-weight-engine-wait-timeout-s {wait:g} is shorter than rank 0's engine phase can last: "
-            f"2 x --update-weight-pull-timeout-s {config.pull_timeout_s:g} (the baseline and the pull) + "
-            f"--update-weight-not-ready-retry-s {config.not_ready_retry_s:g} + 4 x --update-weight-engine-timeout-s "
-            f"{config.engine_timeout_s:g} = {bound:g} s; the other ranks would give up on a sync the engines "
-            f"complete. Raise --update-weight-engine-wait-timeout-s to at least {bound:g} (or drop it: the "
-            f"default is that plus {ENGINE_WAIT_MARGIN_S:g} s), or lower the timeouts.")
+            f"3 pulls (the baseline, the catch-up of lagging engines, the pull), each up to max("
+            f"--update-weight-not-ready-retry-s {config.not_ready_retry_s:g}, --update-weight-pull-timeout-s "
+            f"{config.pull_timeout_s:g}) + --update-weight-pull-timeout-s {config.pull_timeout_s:g}, and 10 engine "
+            f"calls (pause, live apply, reload, /model_info, continue, twice), each up to "
+            f"--update-weight-engine-timeout-s {config.engine_timeout_s:g}: {bound:g} s; the other ranks would give "
+            f"up on a sync the engines complete. Raise --update-weight-engine-wait-timeout-s to at least {bound:g} "
+            f"(or drop it: by default they wait as long as rank 0 is alive), or lower the timeouts.")
 
 
 def _add(group, parser: argparse.ArgumentParser, flag: str, **kwargs) -> None:
@@ -159,9 +160,15 @@ def add_update_weight_arguments(parser: argparse.ArgumentParser) -> argparse.Arg
     _add(g, parser, "--update-weight-not-ready-retry-s", type=float, default=60.0,
          help="How long to retry an engine answering 'source not ready' (HTTP 404) with backoff.")
     _add(g, parser, "--update-weight-engine-wait-timeout-s", type=float, default=None,
-         help="How long the trainer ranks other than rank 0 wait while rank 0 drives the engines (on a gloo "
-              "group of their own, so the training group's collective timeout does not apply). Default: "
-              "2 x pull timeout + not-ready retry + 4 x engine timeout + 120 s; a smaller value is refused.")
+         help="A cap on how long the trainer ranks other than rank 0 wait while rank 0 drives the engines. "
+              "Default: none, they wait as long as rank 0's heartbeat says it is alive (the training group's "
+              "collective timeout does not apply). A cap shorter than the engine phase can last (3 pulls and "
+              "10 engine calls at their timeouts) is refused.")
+    _add(g, parser, "--update-weight-engine-heartbeat-timeout-s", type=float, default=60.0,
+         help="The ranks other than rank 0 give up on a sync when rank 0 has not said it is alive for this long "
+              "(it beats every second while it drives the engines).")
+    _add(g, parser, "--update-weight-history-size", type=int, default=100,
+         help="The syncs whose own metrics every rank keeps (the newest N); totals cover every sync.")
     _add(g, parser, "--update-weight-converter", type=str, default="builtin",
          help="Megatron -> HF conversion after the gather: 'builtin' (Qwen2/3, Qwen3-MoE, Llama, GLM-4.5 MoE, "
               "DeepSeek-V3 MLA names), 'trainer' (miles' or slime's own convert_to_hf, whichever is importable), "
@@ -284,6 +291,13 @@ def validate_update_weight_args(args: argparse.Namespace) -> DiskDeltaConfig | N
                 f"{flag} must be a finite number of seconds {'>=' if zero_ok else '>'} 0, got {value:g}.")
         timeouts[name] = value
     wait = g("update_weight_engine_wait_timeout_s")
+    heartbeat = float(g("update_weight_engine_heartbeat_timeout_s", 60.0))
+    if not 0 < heartbeat < float("inf"):
+        raise UpdateWeightArgsError(
+            f"--update-weight-engine-heartbeat-timeout-s must be a finite number of seconds > 0, got {heartbeat:g}.")
+    history_size = int(g("update_weight_history_size", 100))
+    if history_size < 1:
+        raise UpdateWeightArgsError(f"--update-weight-history-size must be >= 1, got {history_size}.")
     post = g("custom_update_weight_post_write_path")
     converter = g("update_weight_converter", "builtin") or "builtin"
     if converter not in ("builtin", "trainer") and "." not in converter:
@@ -317,6 +331,8 @@ def validate_update_weight_args(args: argparse.Namespace) -> DiskDeltaConfig | N
         pull_timeout_s=timeouts["update_weight_pull_timeout_s"],
         not_ready_retry_s=timeouts["update_weight_not_ready_retry_s"],
         engine_wait_timeout_s=None if wait is None else float(wait),
+        engine_heartbeat_timeout_s=heartbeat,
+        history_size=history_size,
     )
     check_engine_wait(config)
     return config

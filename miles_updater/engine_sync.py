@@ -33,12 +33,21 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 from weightsync.hooks import load_callable
 
-from .engines import EngineCallError, EngineGroup, EngineSyncError, RayEngineGroup, ThreadEngineGroup
+from .engines import (
+    EngineCallError,
+    EngineGroup,
+    EngineSyncError,
+    EngineTimeouts,
+    RayEngineGroup,
+    SGLangEngineClient,
+    ThreadEngineGroup,
+)
 
 log = logging.getLogger(__name__)
 
@@ -102,6 +111,106 @@ class SyncMetrics:
                 f"full; gather {self.gather_s:.2f}s encode {self.encode_s:.2f}s publish {self.publish_s:.2f}s "
                 f"pull {self.pull_s:.2f}s pause {self.pause_s:.2f}s ({self.apply_mode or 'no apply'}, "
                 f"{self.elements_scattered} elements scattered)")
+
+
+# The syncs whose own metrics a trainer keeps (``SyncHistory``): at 64 engines one sync's metrics
+# are some 50 KiB (per-engine pulls, applies, versions), so keeping every sync of a long run would
+# take GiB on every rank. Older syncs live on only in ``SyncTotals``.
+DEFAULT_HISTORY_SIZE = 100
+
+
+@dataclass
+class SyncTotals:
+    """Sums and counts over every sync a ``SyncHistory`` recorded, including those its ring dropped."""
+
+    syncs: int = 0
+    first_version: int | None = None
+    last_version: int | None = None
+    kinds: dict = field(default_factory=dict)  # "full" / "delta" -> syncs
+    apply_modes: dict = field(default_factory=dict)  # "live" / "reload" / "mixed" / "" (no engines) -> syncs
+    publish_attempts: int = 0
+    wire_nbytes: int = 0
+    full_nbytes: int = 0
+    changed_bytes: int = 0
+    elements_scattered: int = 0
+    syncs_with_lagging_engines: int = 0  # a sync that first brought engines left behind up
+    gather_s: float = 0.0
+    encode_s: float = 0.0
+    publish_s: float = 0.0
+    pull_s: float = 0.0
+    pause_s: float = 0.0
+    apply_s: float = 0.0
+    total_s: float = 0.0
+    max_pause_s: float = 0.0
+    max_total_s: float = 0.0
+
+    def add(self, m: "SyncMetrics") -> None:
+        self.syncs += 1
+        if self.first_version is None:
+            self.first_version = m.version
+        self.last_version = m.version
+        self.kinds[m.kind] = self.kinds.get(m.kind, 0) + 1
+        self.apply_modes[m.apply_mode] = self.apply_modes.get(m.apply_mode, 0) + 1
+        self.publish_attempts += m.publish_attempts
+        self.wire_nbytes += m.wire_nbytes
+        self.full_nbytes += m.full_nbytes
+        self.changed_bytes += m.changed_bytes
+        self.elements_scattered += m.elements_scattered
+        self.syncs_with_lagging_engines += bool(m.caught_up)
+        for name in ("gather_s", "encode_s", "publish_s", "pull_s", "pause_s", "apply_s", "total_s"):
+            setattr(self, name, getattr(self, name) + getattr(m, name))
+        self.max_pause_s = max(self.max_pause_s, m.pause_s)
+        self.max_total_s = max(self.max_total_s, m.total_s)
+
+
+class SyncHistory:
+    """The metrics of the last ``size`` syncs, oldest first (a ring), and ``totals`` over all of them.
+
+    Indexing and iteration see the ring only: ``history[-1]`` is the newest sync, ``len(history)``
+    stops growing at ``size``; ``totals.syncs`` counts every sync recorded.
+    """
+
+    def __init__(self, size: int = DEFAULT_HISTORY_SIZE):
+        if size < 1:
+            raise ValueError(f"a sync history keeps at least one sync, got size {size}")
+        self.size = size
+        self._ring: deque[SyncMetrics] = deque(maxlen=size)
+        self.totals = SyncTotals()
+
+    def append(self, m: "SyncMetrics") -> None:
+        self._ring.append(m)
+        self.totals.add(m)
+
+    def __len__(self) -> int:
+        return len(self._ring)
+
+    def __iter__(self) -> Iterator["SyncMetrics"]:
+        return iter(self._ring)
+
+    def __reversed__(self) -> Iterator["SyncMetrics"]:
+        return reversed(self._ring)
+
+    def __getitem__(self, index):
+        return list(self._ring)[index] if isinstance(index, slice) else self._ring[index]
+
+
+def engine_phase_bound_s(timeouts: EngineTimeouts) -> float:
+    """The longest ``EngineSync.update`` can last under ``timeouts``, counting every call it can make
+    (the post-write hook aside: it is the caller's code), each reply within its timeout:
+
+    - one ``pull_weights`` call of the client: retries of "source not ready" start until
+      ``not_ready_retry_s`` after the first attempt, retries of a pull to the same target still
+      running until ``pull_timeout_s`` after it, and the last attempt may take ``pull_timeout_s``:
+      P = max(not_ready_retry_s, pull_timeout_s) + pull_timeout_s;
+    - one drive (``_drive``): the pull, then at most five control calls in a row (pause, the live
+      apply, the reload after it failed, ``GET /model_info`` after the reload failed, continue):
+      P + 5 E;
+    - ``update``: the baseline ``pull_weights(0)`` the first sync waits for (P), the catch-up of
+      engines a failed sync left behind (a drive), then the drive to the version: 3 P + 10 E.
+    """
+    # (A backoff sleep is taken only when the attempt after it starts within the retry limit.)
+    pull = max(timeouts.not_ready_retry_s, timeouts.pull_timeout_s) + timeouts.pull_timeout_s
+    return 3 * pull + 10 * timeouts.engine_timeout_s
 
 
 def load_hook(path: str | Callable | None) -> Callable | None:
@@ -382,15 +491,42 @@ def _pull_summary(name: str, result: Any) -> dict:
     }
 
 
-def as_engine_group(engines: Any, names: Sequence[str] | None = None) -> tuple[EngineGroup, bool]:
-    """(group, built here) from an EngineGroup, a list of Ray actor handles, or a list of HTTP clients."""
+def as_engine_group(engines: Any, names: Sequence[str] | None = None,
+                    timeouts: EngineTimeouts | None = None) -> tuple[EngineGroup, bool]:
+    """(group, built here) from an EngineGroup, a list of Ray actor handles, HTTP clients or URLs.
+
+    With ``timeouts`` (the trainer's flags), every engine's client takes them, whoever built it:
+    clients are built from URLs with them, clients and actors passed in are set to them (an
+    engine that cannot take them fails here, naming it). Without, each keeps its own.
+    """
     if hasattr(engines, "submit_to") and hasattr(engines, "settle"):
-        return engines, False
-    engines = list(engines)
-    if engines and all(hasattr(e, "pull_weights") and not hasattr(getattr(e, "pull_weights"), "remote")
-                       for e in engines):
-        return ThreadEngineGroup(engines), True
-    return RayEngineGroup(engines, names), True
+        group, owned = engines, False
+    else:
+        engines = list(engines)
+        if engines and all(isinstance(e, str) for e in engines):
+            engines = [SGLangEngineClient(url, name=name, **(timeouts or EngineTimeouts()).client_kwargs())
+                       for url, name in zip(engines, names or [None] * len(engines))]
+        if engines and all(hasattr(e, "pull_weights") and not hasattr(getattr(e, "pull_weights"), "remote")
+                           for e in engines):
+            group, owned = ThreadEngineGroup(engines), True
+        else:
+            group, owned = RayEngineGroup(engines, names), True
+    if timeouts is not None:
+        _set_timeouts(group, timeouts)
+    return group, owned
 
 
-__all__ = ["APPLY_MODES", "EngineSync", "SyncMetrics", "as_engine_group"]
+def _set_timeouts(group: EngineGroup, timeouts: EngineTimeouts) -> None:
+    setter = getattr(group, "set_timeouts", None)
+    if setter is None:
+        raise TypeError(f"engine group {type(group).__name__} has no set_timeouts: the timeout flags "
+                        f"({timeouts}) cannot reach its engines' clients")
+    try:
+        setter(timeouts)
+    except EngineSyncError as e:
+        raise EngineSyncError("set_timeouts", e.errors) from None
+    log.info("engine clients of %s use %s", ", ".join(group.names), timeouts)
+
+
+__all__ = ["APPLY_MODES", "DEFAULT_HISTORY_SIZE", "EngineSync", "SyncHistory", "SyncMetrics", "SyncTotals",
+           "as_engine_group", "engine_phase_bound_s"]

@@ -71,6 +71,21 @@ def _rebuild_error(engine, call, reason, status, error_type, reply=None):
     return EngineCallError(engine, call, reason, status=status, error_type=error_type, reply=reply)
 
 
+@dataclass(frozen=True)
+class EngineTimeouts:
+    """The HTTP timeouts of every engine call (``--update-weight-{engine,pull}-timeout-s``,
+    ``--update-weight-not-ready-retry-s``): one object, so the clients, the Ray actors wrapping them
+    and the trainer's bound on the engine phase all hold the same numbers."""
+
+    engine_timeout_s: float = 120.0
+    pull_timeout_s: float = 1800.0
+    not_ready_retry_s: float = 60.0
+
+    def client_kwargs(self) -> dict:
+        return dict(timeout_s=self.engine_timeout_s, pull_timeout_s=self.pull_timeout_s,
+                    not_ready_retry_s=self.not_ready_retry_s)
+
+
 class SGLangEngineClient:
     """HTTP client of one sglang server (with the ``/pull_weights`` plugin).
 
@@ -98,6 +113,16 @@ class SGLangEngineClient:
         self.backoff_max_s = backoff_max_s
         self._session = requests.Session()
 
+    def set_timeouts(self, timeouts: EngineTimeouts) -> None:
+        """Take the trainer's timeouts (the flags win over what the client was built with: the
+        trainer's bound on the engine phase is derived from them)."""
+        self.timeout_s = timeouts.engine_timeout_s
+        self.pull_timeout_s = timeouts.pull_timeout_s
+        self.not_ready_retry_s = timeouts.not_ready_retry_s
+
+    def timeouts(self) -> EngineTimeouts:
+        return EngineTimeouts(self.timeout_s, self.pull_timeout_s, self.not_ready_retry_s)
+
     # --- plumbing -------------------------------------------------------------------------
 
     def _headers(self) -> dict:
@@ -108,7 +133,7 @@ class SGLangEngineClient:
             resp = self._session.post(self.base_url + path, json=body, params=params, headers=self._headers(),
                                       timeout=timeout_s)
         except requests.Timeout:
-            raise EngineCallError(self.name, call, f"no reply within {timeout_s:.0f}s") from None
+            raise EngineCallError(self.name, call, f"no reply within {timeout_s:g}s") from None
         except requests.RequestException as e:
             raise EngineCallError(self.name, call, f"cannot reach {self.base_url}{path}: {e}") from None
         try:
@@ -236,6 +261,10 @@ class EngineGroup(Protocol):
     def wait(self, pending: Pending) -> list[Any]:
         """Results in engine order; raises ``EngineSyncError`` listing every engine that failed."""
 
+    def set_timeouts(self, timeouts: EngineTimeouts) -> None:
+        """Every engine's client takes ``timeouts``; raises ``EngineSyncError`` naming an engine
+        that cannot (a Ray actor without ``set_timeouts``: its calls would keep other timeouts)."""
+
     def close(self) -> None:
         """Release what the group holds (threads); the engines themselves are not touched."""
 
@@ -296,6 +325,10 @@ class ThreadEngineGroup(_GroupBase):
         self.names = [c.name for c in self.clients]
         self._pool = ThreadPoolExecutor(max(4, 2 * len(self.clients)), thread_name_prefix="engine-call")
 
+    def set_timeouts(self, timeouts: EngineTimeouts) -> None:
+        for client in self.clients:
+            client.set_timeouts(timeouts)
+
     def submit_to(self, indices, method: str, *args, **kwargs) -> Pending:
         indices = list(indices)
         return Pending(method, indices,
@@ -320,6 +353,9 @@ class RayEngineGroup(_GroupBase):
     def __init__(self, handles: Sequence[Any], names: Sequence[str] | None = None):
         self.handles = list(handles)
         self.names = list(names) if names else [f"engine{i}" for i in range(len(self.handles))]
+
+    def set_timeouts(self, timeouts: EngineTimeouts) -> None:
+        self.wait(self.submit("set_timeouts", timeouts))
 
     def submit_to(self, indices, method: str, *args, **kwargs) -> Pending:
         indices = list(indices)
@@ -361,6 +397,12 @@ def make_engine_actor_class():
 
         def __init__(self, base_url: str, **client_kwargs):
             self.client = SGLangEngineClient(base_url, **client_kwargs)
+
+        def set_timeouts(self, timeouts):
+            self.client.set_timeouts(timeouts)
+
+        def timeouts(self):
+            return self.client.timeouts()
 
         def pull_weights(self, local_checkpoint_dir, source_dir, target_version):
             return self.client.pull_weights(local_checkpoint_dir, source_dir, target_version)

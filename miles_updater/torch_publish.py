@@ -43,8 +43,8 @@ from weightsync import DEFAULT_ENCODING, Publisher, RawTensor
 from weightsync.errors import WeightSyncError
 from weightsync.format.layout import version_dir
 
-from .engine_sync import APPLY_AUTO, EngineSync, SyncMetrics, as_engine_group
-from .engines import SGLangEngineClient
+from .engine_sync import APPLY_AUTO, DEFAULT_HISTORY_SIZE, EngineSync, SyncHistory, SyncMetrics, as_engine_group
+from .engines import EngineTimeouts
 from .gather import ST_TO_TORCH, HFTensorSpec, read_hf_specs
 from .runs import RunStart, plan_run_start, prune_runs, run_dir
 
@@ -239,6 +239,9 @@ class TorchWeightSync:
         run_id: reopen this run's dir on a restart (default: a fresh run).
         apply_mode, pause_mode: how the pause applies a version (``engine_sync``).
         keep_runs: run dirs kept in ``disk_dir``, this one included (0: all).
+        engine_timeout_s, pull_timeout_s, not_ready_retry_s: every engine client's timeouts
+            (``engines.EngineTimeouts``; clients and actors passed in are set to them too).
+        history_size: the syncs whose own metrics ``history`` keeps (totals cover every sync).
         publish_attempts, retry_backoff_s: retries of one failed publish (the core's publish
             retries a failed write or index write with the same bytes).
         post_write_hook: ``hook(args, version_dir, engines)`` before the pulls.
@@ -249,7 +252,8 @@ class TorchWeightSync:
                  engines: Any = None, run_id: str | None = None, apply_mode: str = APPLY_AUTO,
                  pause_mode: str = "retract", keep_runs: int = 2, publish_attempts: int = 3,
                  retry_backoff_s: float = 1.0, encoding: str = DEFAULT_ENCODING, post_write_hook=None,
-                 **publisher_options):
+                 engine_timeout_s: float = 120.0, pull_timeout_s: float = 1800.0, not_ready_retry_s: float = 60.0,
+                 history_size: int = DEFAULT_HISTORY_SIZE, **publisher_options):
         if engines is not None and not local_checkpoint_dir:
             raise ValueError("engines need local_checkpoint_dir: the host-local checkpoint dir on every engine host")
         self.disk_dir = disk_dir
@@ -264,13 +268,14 @@ class TorchWeightSync:
                                    **publisher_options)
         self.engine_sync: EngineSync | None = None
         if engines is not None:
-            group, owned = as_engine_group(_as_clients(engines))
+            timeouts = EngineTimeouts(engine_timeout_s, pull_timeout_s, not_ready_retry_s)
+            group, owned = as_engine_group(engines, timeouts=timeouts)
             self.engine_sync = EngineSync(group, source_dir=self.source_dir, local_checkpoint_dir=local_checkpoint_dir,
                                           pause_mode=pause_mode, apply_mode=apply_mode, post_write_hook=post_write_hook,
                                           rollout_engines=engines, owns_engines=owned)
         self.version = 0
         self.run_start: RunStart | None = None
-        self.history: list[SyncMetrics] = []
+        self.history = SyncHistory(history_size)  # the newest syncs' metrics, totals of all
         self._full_reason: str | None = None
         self._published_in_run = False
         self._started = False
@@ -399,12 +404,6 @@ class TorchWeightSync:
             prune_runs(self.disk_dir, self.keep_runs, self.source_dir)
         except OSError as e:
             log.warning("could not remove old run dirs under %s: %s", self.disk_dir, e)
-
-
-def _as_clients(engines: Any) -> Any:
-    if isinstance(engines, (list, tuple)) and all(isinstance(e, str) for e in engines):
-        return [SGLangEngineClient(url) for url in engines]
-    return engines
 
 
 __all__ = ["TorchWeightSync", "StateDictStager", "StagingError", "TorchPublishError"]

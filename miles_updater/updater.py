@@ -12,9 +12,11 @@ Role: runs in every trainer rank (a miles/slime Megatron actor). Each sync:
    source rank the same sum, hence the same encoding (``weightsync.publisher.encoding_choice``);
 3. on rank 0 only, the engines (``engine_sync.EngineSync``): post-write hook -> ``pull_weights(v)``
    everywhere while they generate -> pause -> live apply or reload -> continue. The other ranks
-   wait for it on a gloo group of their own whose timeout outlives the engine phase
-   (``--update-weight-engine-wait-timeout-s``), not on the training group, whose collective
-   timeout (or NCCL watchdog) a long pull would outlast.
+   wait for rank 0's word through the process group's store (``engine_wait.RankZeroWait``), not in
+   a collective: rank 0 beats while it drives the engines, and they wait as long as it beats
+   (``--update-weight-engine-heartbeat-timeout-s``; ``--update-weight-engine-wait-timeout-s`` caps
+   it). No timeout of the training group (or NCCL watchdog) applies, and a wait that gave up
+   leaves nothing that fails the next sync.
 
 A failed publish step is retried, from that step, with the same bytes, up to
 ``--update-weight-publish-attempts`` times: a source rank that wrote keeps its manifest, one that
@@ -36,7 +38,6 @@ Invariant: a failure on any rank is raised on every rank (no rank is left in a c
 
 from __future__ import annotations
 
-import datetime
 import logging
 import time
 import uuid
@@ -50,29 +51,20 @@ from weightsync.publisher.encoding_choice import AUTO, merge_samples
 from weightsync.format.layout import version_dir
 
 from .args import DiskDeltaConfig, check_engine_wait
-from .engine_sync import EngineSync, SyncMetrics, as_engine_group
+from .engine_sync import EngineSync, SyncHistory, SyncMetrics, as_engine_group
+from .engine_wait import EngineWaitTimeout, RankZeroWait
 from .gather import HFWeightGatherer
 from .runs import RunStart, plan_run_start, prune_runs, run_dir
 
 log = logging.getLogger(__name__)
 
 
-# The all-gather after rank 0's engine phase: the other ranks wait there for as long as the engines
-# may take (a pull can take many minutes), on a gloo group whose timeout is --update-weight-engine-
-# wait-timeout-s, never the training group's (its collective timeout, or NCCL's watchdog, is shorter).
-ENGINE_WAIT_STEP = "engines"
-
-
-def _engine_wait_group(group, timeout_s: float):
-    """A gloo group over ``group``'s ranks with a timeout that outlives the engine phase (collective)."""
-    ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
-    # Over the whole world every rank calls this, so the group is agreed globally: a locally
-    # synchronised group over ranks Megatron already grouped (PP=2 on two ranks) hangs in gloo's
-    # rendezvous (its name, hashed from the ranks, meets the earlier group's store keys). The world
-    # passed explicitly (``group=dist.group.WORLD``) is the world too.
-    spans_world = len(ranks) == dist.get_world_size()
-    return dist.new_group(ranks=ranks, backend="gloo", timeout=datetime.timedelta(seconds=timeout_s),
-                          use_local_synchronization=not spans_world)
+def _engine_wait(group, rank: int, token: str, config: DiskDeltaConfig) -> RankZeroWait:
+    """The other ranks' wait for rank 0's engine phase, through the default store (no collective:
+    a gloo group's timeout would break it for good, and the training group's is too short)."""
+    store = dist.distributed_c10d._get_default_store()  # noqa: SLF001 - the one store every rank reaches
+    return RankZeroWait(store, f"weightsync/engine-wait/{token}", rank, dist.get_world_size(group),
+                        heartbeat_timeout_s=config.engine_heartbeat_timeout_s, cap_s=config.wait_timeout_s)
 
 
 class WeightSyncFailed(RuntimeError):
@@ -114,14 +106,16 @@ class DiskDeltaWeightUpdater:
         self.group = group
         check_engine_wait(config)  # a config built without validate_update_weight_args is checked here too
         self.rank = dist.get_rank(group)
-        self._wait_group = _engine_wait_group(group, config.wait_timeout_s)
         self.gatherer = HFWeightGatherer(model_chunks, config.hf_checkpoint, group=group, args=args,
                                          converter=converter or config.converter,
                                          static_tensors=config.static_tensors)
         self.plan = self.gatherer.plan
-        box = [run_id or f"{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:8]}"]
+        # The run id, and a token naming this updater's engine-wait keys in the store (unique even
+        # when a run id is reopened in the same process group).
+        box = [run_id or f"{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:8]}", uuid.uuid4().hex]
         dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
         self.run_id = box[0]
+        self._engine_wait = _engine_wait(group, self.rank, box[1], config)
         self.source_dir = run_dir(config.source_dir, self.run_id)
         self.publisher: Publisher | None = None
         if self.plan.is_source:
@@ -136,11 +130,10 @@ class DiskDeltaWeightUpdater:
         self.engine_sync: EngineSync | None = None
         self.version = 0
         self.run_start: RunStart | None = None
-        self.history: list[SyncMetrics] = []
+        self.history = SyncHistory(config.history_size)  # the newest syncs' metrics, totals of all
         self._pending: PendingVersion | None = None
         self._full_reason: str | None = None  # set: the next version must be full (after a restart)
         self._published_in_run = False
-        self._version_dirs: dict[int, str] = {}  # version -> its dir (rank 0 knows it from commit)
         self._started = False
 
     # --- set-up ---------------------------------------------------------------------------
@@ -151,7 +144,7 @@ class DiskDeltaWeightUpdater:
             return
         if self.engine_sync is not None:  # reconnecting: release the previous group's threads
             self.engine_sync.close()
-        group, owned = as_engine_group(rollout_engines, names)
+        group, owned = as_engine_group(rollout_engines, names, timeouts=self.config.engine_timeouts())
         self.engine_sync = EngineSync(
             group, source_dir=self.source_dir, local_checkpoint_dir=self.config.local_checkpoint_dir,
             pause_mode=self.config.pause_mode, apply_mode=self.config.apply_mode,
@@ -311,11 +304,11 @@ class DiskDeltaWeightUpdater:
             error = f"write: {type(e).__name__}: {e}"
         manifests = self._all_gather(p.manifest, error, step="barrier")  # every shard is durable
         m.wire_nbytes = sum(x.nbytes for x in manifests if x)
-        error, vdir = None, None
+        error = None
         try:
             if self.rank == 0:
                 assert self.publisher is not None  # rank 0 is TP 0, DP 0, PP 0: a source rank
-                vdir = self.publisher.commit(p.version, p.kind, [x for x in manifests if x])
+                self.publisher.commit(p.version, p.kind, [x for x in manifests if x])
         except Exception as e:  # noqa: BLE001
             log.exception("commit v%d failed", p.version)
             error = f"commit: {type(e).__name__}: {e}"
@@ -323,7 +316,6 @@ class DiskDeltaWeightUpdater:
         p.kind, p.reason = next(k for k in kinds if k)
         if self.publisher is not None and self.rank != 0:
             self.publisher.confirm(p.version)  # rank 0's commit succeeded: v counts as committed here too
-        self._version_dirs[p.version] = vdir or version_dir(self.source_dir, p.version)
 
     def _choose_encoding(self, p: PendingVersion, tensors: dict | None) -> None:
         """Encoding "auto" (collective): every source rank samples the tensors it owns, every rank
@@ -378,9 +370,9 @@ class DiskDeltaWeightUpdater:
     def _update_engines(self, version: int, m: SyncMetrics, t_start: float) -> SyncMetrics:
         error = None
         if self.rank == 0 and self.engine_sync is not None:
-            vdir = self._version_dirs.get(version) or version_dir(self.source_dir, version)
+            self._engine_wait.begin()  # the others wait as long as rank 0 beats
             try:
-                self.engine_sync.update(version, vdir, m)
+                self.engine_sync.update(version, version_dir(self.source_dir, version), m)
             except Exception as e:  # noqa: BLE001
                 log.error("engine update to v%d failed: %s", version, e)
                 error = f"engines: {e}"
@@ -390,10 +382,18 @@ class DiskDeltaWeightUpdater:
         return m
 
     def _share(self, m: SyncMetrics, error: str | None, t_start: float) -> SyncMetrics:
-        """Rank 0's metrics on every rank (and any rank's error raised on all)."""
+        """Rank 0's metrics on every rank, and its error raised on all (only rank 0 has a part
+        that can fail here: the engines). The others wait as long as rank 0 says it is alive."""
         m.total_s = time.perf_counter() - t_start
-        results = self._all_gather(m if self.rank == 0 else None, error, step=ENGINE_WAIT_STEP)
-        return results[0] if results[0] is not None else m
+        try:
+            shared, error = self._engine_wait.finish((m, error) if self.rank == 0 else None)
+        except EngineWaitTimeout as e:
+            raise WeightSyncFailed(f"waiting for rank 0's engine phase of v{m.version}: {e}") from None
+        except RuntimeError as e:  # the store itself failed: rank 0's process (which serves it) is gone
+            raise WeightSyncFailed(f"waiting for rank 0's engine phase of v{m.version}: the store failed: {e}") from e
+        if error:
+            raise WeightSyncFailed(f"rank 0: {error}")
+        return shared
 
     # --- collectives with error propagation ---------------------------------------------------
 
@@ -416,12 +416,13 @@ class DiskDeltaWeightUpdater:
 
     def _gather_objects(self, out: list, obj: Any, step: str) -> None:
         """The one collective of ``_all_gather`` (a seam for fault injection in tests)."""
-        dist.all_gather_object(out, obj, group=self._wait_group if step == ENGINE_WAIT_STEP else self.group)
+        dist.all_gather_object(out, obj, group=self.group)
 
     def _raise_if_any(self, error: str | None, what: str) -> None:
         self._all_gather(None, None if error is None else f"{what}: {error}")
 
     def close(self) -> None:
+        self._engine_wait.close()
         if self.engine_sync is not None:
             self.engine_sync.close()
             self.engine_sync = None
