@@ -318,3 +318,74 @@ class SglangCpuServer:
     def generate_ids(self, prompt: str, max_new_tokens: int = 8) -> list[int]:
         """Greedy output token ids of ``prompt``."""
         return list(self.generate(prompt, max_new_tokens)["output_ids"])
+
+
+# -- the command line: `python -m testbed.sglang_cpu MODEL ...` (the README's quickstart) -------
+
+USAGE_EXAMPLES = """\
+examples:
+  python -m testbed.sglang_cpu /tmp/ws/model --port 30000 --pull-weights-allowed-roots /tmp/ws
+  python -m testbed.sglang_cpu /tmp/ws/model --tp 2 -- --log-level debug
+
+Arguments it does not know go to sglang unchanged (the plugin's flags too:
+--pull-weights-allowed-roots, --pull-weights-timeout-s, ...). It prints one line when the
+server answers /health, and stops the server's whole process tree on Ctrl-C or SIGTERM.
+"""
+
+
+def build_parser():
+    import argparse
+
+    p = argparse.ArgumentParser(
+        prog="python -m testbed.sglang_cpu",
+        description="Run a real sglang server on this machine's CPU (no GPU), on 127.0.0.1, with the "
+                    "weightsync plugin (POST /pull_weights, /update_weights_from_pulled).",
+        epilog=USAGE_EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("model", metavar="MODEL", help="HF checkpoint dir to serve (version 0 of a run)")
+    p.add_argument("--port", type=int, default=30000, help="port on 127.0.0.1 (default: %(default)s; 0 picks a free one)")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks, one CPU core each (default: %(default)s)")
+    p.add_argument("--log", metavar="FILE", default=None,
+                   help="where the server's output goes (default: a new file in the temp dir, named on start)")
+    p.add_argument("--startup-timeout", type=float, default=600.0, metavar="S",
+                   help="seconds to wait for /health before giving up (default: %(default)s)")
+    p.add_argument("--bf16", action="store_true",
+                   help="compute in the checkpoint's bf16 (default: fp32, whose greedy output matches transformers')")
+    return p
+
+
+def main(argv=None) -> int:
+    args, sglang_args = build_parser().parse_known_args(argv)
+    if sglang_args[:1] == ["--"]:
+        sglang_args = sglang_args[1:]
+    from testbed.tiny_qwen3 import SERVER_COMPUTE_ARGS
+
+    extra = ([] if args.bf16 else list(SERVER_COMPUTE_ARGS)) + sglang_args
+    server = SglangCpuServer(
+        args.model, tp=args.tp, port=args.port or None, extra_args=extra, log_path=args.log,
+        startup_timeout_s=args.startup_timeout,
+    )
+
+    def stop(signum, frame):
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, stop)
+    try:
+        print(f"starting sglang on {server.base_url} (log: {server.log_path})", file=sys.stderr, flush=True)
+        server.start()
+        print(f"serving {args.model} at {server.base_url}", file=sys.stderr, flush=True)
+        server.proc.wait()
+        print(f"sglang exited with code {server.proc.returncode}; log {server.log_path}:\n{server.log_tail(20)}",
+              file=sys.stderr)
+        return 1
+    except ServerStartError as e:
+        print(e, file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        server.stop()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

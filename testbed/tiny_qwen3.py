@@ -285,3 +285,59 @@ def perturb_state_dict(
         noise = torch.randn(t.shape, generator=gen) * scale
         out[name] = torch.where(mask, (t.float() + noise).to(t.dtype), t)
     return out
+
+
+def write_trained_copy(model_dir: str | os.PathLike, out_dir: str | os.PathLike, *, step: int = 1,
+                       fraction: float = 0.05, seed: int = 0) -> str:
+    """``model_dir`` copied to ``out_dir`` (same shards, config and tokenizer) with ``fraction``
+    of every tensor's elements changed, as a training step would (``perturb_state_dict``)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    src, out = Path(model_dir), Path(out_dir)
+    if out.resolve() == src.resolve():
+        raise ValueError("the trained copy needs a directory of its own")
+    shutil.copytree(src, out, dirs_exist_ok=True)
+    for shard in sorted(src.glob("*.safetensors")):
+        tensors = perturb_state_dict(load_file(str(shard)), step, fraction=fraction, seed=seed)
+        save_file(tensors, str(out / shard.name), metadata={"format": "pt"})
+    return str(out)
+
+
+def build_parser():
+    import argparse
+
+    p = argparse.ArgumentParser(
+        prog="python -m testbed.tiny_qwen3",
+        description="Write a tiny random Qwen3 (bf16 safetensors in shards, with its tokenizer; about 1 MiB, "
+                    "no network), or with --from a copy of one with some elements changed, as after a training step.",
+        epilog="examples:\n"
+               "  python -m testbed.tiny_qwen3 /tmp/ws/model                                 # version 0\n"
+               "  python -m testbed.tiny_qwen3 /tmp/ws/step1 --from /tmp/ws/model --step 1   # the weights of step 1\n",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("out", metavar="OUT", help="directory to write (created; its safetensors files are replaced)")
+    p.add_argument("--seed", type=int, default=0, help="random seed of the weights and the tokenizer (default: %(default)s)")
+    p.add_argument("--from", dest="base", metavar="MODEL", default=None,
+                   help="copy MODEL and change some of its elements instead of making a new model (default: a new model)")
+    p.add_argument("--step", type=int, default=1, help="with --from: which step's changes (default: %(default)s)")
+    p.add_argument("--change", type=float, default=0.05, metavar="F",
+                   help="with --from: the fraction of each tensor's elements changed (default: %(default)s)")
+    return p
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.base:
+        out = write_trained_copy(args.base, args.out, step=args.step, fraction=args.change, seed=args.seed)
+    else:
+        out = make_tiny_qwen3(args.out, seed=args.seed)
+    print(out)
+    return 0
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.exit(main())

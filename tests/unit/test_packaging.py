@@ -115,3 +115,99 @@ def test_the_docker_image_installs_the_engine_extra_and_checks_its_range():
     # The image checks its sglang against the range the installed package declares, not a copy.
     assert 'requires("weightsync")' in text and "SpecifierSet" in text
     assert not re.search(r'version\("sglang"\) == "', text)
+
+
+def test_the_extras_name_one_install_per_host(wheel):
+    """engine host: sglang; plain PyTorch trainer: torch and an HTTP client, no Megatron or Ray;
+    Megatron/miles trainer: all of it. The README's install section names these three."""
+    from packaging.requirements import Requirement
+
+    meta = _metadata(wheel)
+    extras = set(meta.get_all("Provides-Extra"))
+    assert {"engine", "torch", "trainer"} <= extras
+    needs: dict[str, set[str]] = {extra: set() for extra in extras}
+    core: set[str] = set()
+    for line in meta.get_all("Requires-Dist"):
+        req = Requirement(line)
+        named = [e for e in extras if req.marker is not None and req.marker.evaluate({"extra": e})]
+        for extra in named:
+            needs[extra].add(req.name)
+        if req.marker is None:
+            core.add(req.name)
+    assert needs["torch"] == {"torch", "requests"}
+    assert {"torch", "requests", "megatron-core", "ray"} <= needs["trainer"]
+    assert "sglang" in needs["engine"]
+    assert not core & {"torch", "sglang", "megatron-core", "ray"}  # the core stays light
+    readme = (REPO_ROOT / "README.md").read_text()
+    for extra in ("engine", "torch", "trainer"):
+        assert re.search(rf"pip install [^\n`]*weightsync\[{extra}\]", readme), extra
+
+
+def test_the_version_the_wheel_declares_is_the_one_weightsync_version_prints(wheel):
+    import weightsync
+
+    assert _metadata(wheel)["Version"] == weightsync.__version__
+
+
+@pytest.fixture(scope="module")
+def bare_venv(wheel, tmp_path_factory) -> Path:
+    """A fresh venv (no system site-packages) holding the wheel, installed with --no-deps, and the
+    core's declared dependencies only, linked from this venv (no network)."""
+    from packaging.requirements import Requirement
+
+    root = tmp_path_factory.mktemp("venv")
+    venv = root / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
+    whl = root / Path(wheel.filename).name
+    shutil.copy(wheel.filename, whl)
+    install = subprocess.run(
+        [sys.executable, "-m", "pip", "--python", str(venv / "bin" / "python"), "install", "--no-deps", "--no-index",
+         "-q", str(whl)],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert install.returncode == 0, install.stderr[-3000:]
+    # Only what the wheel declares for the core, taken from here: an undeclared import fails below.
+    core = [Requirement(r).name for r in _metadata(wheel).get_all("Requires-Dist") if ";" not in r]
+    deps = root / "core-deps"
+    deps.mkdir()
+    from importlib import metadata
+
+    for name in core:
+        dist = metadata.distribution(name)
+        for top in (dist.read_text("top_level.txt") or name).split():
+            for candidate in (Path(dist.locate_file(top)), Path(dist.locate_file(top + ".libs"))):
+                if candidate.exists():
+                    (deps / candidate.name).symlink_to(candidate)
+            if not (deps / top).exists():
+                [module] = [p for p in Path(dist.locate_file("")).glob(top + ".*") if p.suffix in (".py", ".so")] or [None]
+                if module is not None:
+                    (deps / module.name).symlink_to(module)
+    [site] = (venv / "lib").glob("python3*/site-packages")
+    (site / "core-deps.pth").write_text(str(deps) + "\n")
+    return venv
+
+
+def test_the_installed_wheel_imports_the_core_and_runs_weightsync_help_without_the_checkout(bare_venv, tmp_path):
+    env = {"PATH": f"{bare_venv / 'bin'}:/usr/bin:/bin", "HOME": str(tmp_path)}
+    probe = subprocess.run(
+        [str(bare_venv / "bin" / "python"), "-c",
+         "import weightsync, sys; from weightsync import Publisher, pull, RawTensor; "
+         "print(weightsync.__file__); print(sorted(m for m in ('torch', 'sglang', 'ray', 'megatron') if m in sys.modules))"],
+        capture_output=True, text=True, cwd=tmp_path, env=env, timeout=120,
+    )  # fmt: skip
+    assert probe.returncode == 0, probe.stderr[-3000:]
+    where, heavy = probe.stdout.splitlines()
+    assert str(bare_venv) in where and str(REPO_ROOT) not in where  # the wheel's copy, not the checkout
+    assert heavy == "[]"
+    helped = subprocess.run([str(bare_venv / "bin" / "weightsync"), "--help"], capture_output=True, text=True,
+                            cwd=tmp_path, env=env, timeout=120)  # fmt: skip
+    assert helped.returncode == 0, helped.stderr[-3000:]
+    assert "exit codes:" in helped.stdout and "publish" in helped.stdout
+    version = subprocess.run([str(bare_venv / "bin" / "weightsync"), "version"], capture_output=True, text=True,
+                             cwd=tmp_path, env=env, timeout=120)  # fmt: skip
+    assert version.stdout.strip() == f"weightsync {_metadata_version(bare_venv)}"
+
+
+def _metadata_version(venv: Path) -> str:
+    [dist_info] = list(venv.glob("lib/python3*/site-packages/weightsync-*.dist-info"))
+    return email.message_from_bytes((dist_info / "METADATA").read_bytes())["Version"]
