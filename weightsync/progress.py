@@ -17,7 +17,7 @@ import logging
 import sys
 import threading
 import time
-from typing import Callable, Iterator, TextIO
+from typing import Callable, Iterable, Iterator, TextIO
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +38,7 @@ class Stage:
         self.close()
 
 
-_SILENT = Stage()
+SILENT = Stage()  # what ``stage`` answers with no reporter installed
 
 
 def human_bytes(n: float | None) -> str:
@@ -106,7 +106,11 @@ class ByteBar(Stage):
             if self._closed:
                 return
             self.done = min(self.total, self.done + int(nbytes)) if self.total else self.done + int(nbytes)
-            self._draw(final=False)
+            if self.total and self.done >= self.total:
+                self._closed = True  # the last chunk ends the line: no close() needed
+                self._draw(final=True)
+            else:
+                self._draw(final=False)
 
     def close(self) -> None:
         with self._lock:
@@ -148,7 +152,7 @@ class BarReporter:
 
     def stage(self, label: str, total_bytes: int) -> Stage:
         if not self.bars:
-            return _SILENT
+            return SILENT
         return ByteBar(label, total_bytes, self.stream, tty=self.tty, clock=self.clock)
 
     def notice(self, message: str) -> None:
@@ -173,7 +177,7 @@ def reporting(reporter: BarReporter | None) -> Iterator[None]:
 def stage(label: str, total_bytes: int) -> Stage:
     """A stage of ``total_bytes``; a no-op unless a reporter is installed. Use as a context manager."""
     reporter = _reporter
-    return _SILENT if reporter is None else reporter.stage(label, total_bytes)
+    return SILENT if reporter is None else reporter.stage(label, total_bytes)
 
 
 def notice(message: str) -> None:
@@ -193,3 +197,13 @@ def reporter_for(*, json: bool, verbose: bool, stream: TextIO | None = None) -> 
     stream = stream if stream is not None else sys.stderr
     tty = bool(stream.isatty())
     return BarReporter(stream, tty=tty, bars=tty or verbose)
+
+
+def counted_tensors(chunks: "Iterable[bytes | memoryview]", bar: Stage) -> "Iterator[bytes | memoryview]":
+    """A safetensors file's chunks (``iter_file_chunks``: the header, then one per tensor) passed
+    through; each tensor's bytes are told to ``bar`` once taken (written). The header is not
+    counted, so a stage's total is the tensors' bytes, known before the file is built."""
+    for i, chunk in enumerate(chunks):
+        yield chunk
+        if i:
+            bar.advance(memoryview(chunk).nbytes)

@@ -23,7 +23,7 @@ MAY_IMPORT = {
     "publisher": {"format", "codecs", "fsio"},
     "puller": {"format", "codecs", "fsio"},
 }
-LEAVES = ("errors", "knobs", "hooks")
+LEAVES = ("errors", "knobs", "hooks", "progress")  # progress: the reporter the command installs
 
 
 def _part_of(module: str) -> str:

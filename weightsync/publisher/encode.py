@@ -16,6 +16,7 @@ from typing import cast
 import msgspec
 import numpy as np
 
+from .. import progress
 from ..codecs import Codec, SegmentedCodec, get_codec
 from ..format.checksum import new_hasher
 from ..format.safetensors_io import DTYPE_NBYTES
@@ -111,7 +112,19 @@ class Encoder:
 
         order = sorted(jobs, key=lambda j: -j.new.nbytes)
         units = [(j, r) for j in order if j.name in plan for r in plan[j.name]] + [(j, None) for j in order]
-        results = list(self.pool.map(run_unit, units))
+        bar = progress.stage("publish: encode", sum(j.new.nbytes for j in jobs))
+
+        def run_unit_counted(unit):
+            job, seg_range = unit
+            out = run_unit(unit)
+            if seg_range is not None:  # a part: its share of the tensor's segments (the shares sum exactly)
+                nseg = plan[job.name][-1][1]
+                bar.advance(job.new.nbytes * seg_range[1] // nseg - job.new.nbytes * seg_range[0] // nseg)
+            elif job.name not in plan:
+                bar.advance(job.new.nbytes)
+            return out
+
+        results = list(self.pool.map(run_unit_counted, units))
         parts: dict[str, list] = {}
         by_name: dict[str, PreparedTensor] = {}
         for (job, seg_range), r in zip(units, results):

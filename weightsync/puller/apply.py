@@ -35,6 +35,7 @@ import msgspec
 import numpy as np
 
 from .. import knobs
+from .. import progress as progress_report
 from ..codecs import ChainCodec, apply_xor_chain, get_codec
 from ..errors import (
     ChecksumMismatchError,
@@ -473,17 +474,20 @@ def _run_jobs(
         _apply_part(job, maps, chunk_nbytes, shards, seg_range)
         return _PART_DONE
 
-    for r in pool.map(run_unit, units):
+    bar = progress_report.stage("apply", sum(j.entry.nbytes for j in jobs))  # the tensor bytes brought to the version
+    for (job, _), r in zip(units, pool.map(run_unit, units)):
         if r is _PART_DONE:
             continue
         results.append(r)
         done += 1
+        bar.advance(job.entry.nbytes)
         if progress is not None:
             progress(done, len(jobs))
     split = [j for j in jobs if j.name in plan]
-    for r in pool.map(lambda j: _verify_job(j, maps, chunk_nbytes), split):
+    for job, r in zip(split, pool.map(lambda j: _verify_job(j, maps, chunk_nbytes), split)):
         results.append(r)
         done += 1
+        bar.advance(job.entry.nbytes)
         if progress is not None:
             progress(done, len(jobs))
     return results

@@ -15,9 +15,10 @@ import os
 import time
 from typing import Callable, Iterator
 
-from .. import knobs
+from .. import knobs, progress
 from ..errors import LockTimeoutError
 from ..format.layout import lock_path, sync_dir
+from ..fsio import is_pid_alive
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +58,7 @@ def acquire_host_lock(
         while True:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                _note_holder(fd)
                 return HeldLock(fd, path, time.monotonic() - start)
             except BlockingIOError:
                 if give_up is not None and give_up():
@@ -66,12 +68,31 @@ def acquire_host_lock(
                 if now - start >= timeout:
                     raise LockTimeoutError(path, timeout) from None
                 if now >= next_log:
-                    log.info("waiting for the pull lock %s (held by another pull on this host)", path)
+                    progress.notice(f"waiting for the pull lock {path}, held by {_holder(fd)} on this host")
                     next_log = now + log_every
                 time.sleep(0.02)
     except BaseException:
         os.close(fd)
         raise
+
+
+def _note_holder(fd: int) -> None:
+    """Write our pid into the lock file, for whoever waits to name (advisory: never read to decide)."""
+    try:
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    except OSError:
+        pass
+
+
+def _holder(fd: int) -> str:
+    """'pid N' of the last exclusive holder when it is alive, else 'another process' (a shared
+    holder, such as verify, writes no pid)."""
+    try:
+        pid = int(os.pread(fd, 32, 0).decode().strip() or 0)
+    except (OSError, ValueError):
+        pid = 0
+    return f"pid {pid}" if pid > 0 and is_pid_alive(pid) else "another process"
 
 
 @contextlib.contextmanager

@@ -11,6 +11,7 @@ import logging
 import os
 from typing import Callable
 
+from .. import progress
 from ..errors import InvalidRequestError, LocalStateError, SourceNotReadyError
 from ..format.layout import INDEX_NAME, checked_inside, is_model_side_file, is_stale_local_file, state_path, sync_dir
 from ..format.manifest import checkpoint_weight_files, encode_applied_state
@@ -98,10 +99,11 @@ def seed_local_checkpoint(
     os.makedirs(local_checkpoint_dir, exist_ok=True)
     invalidate_marker(local_checkpoint_dir)
     copied = from_source = 0
+    bar = progress.stage(f"seed copy (v{source.version})", sum(os.path.getsize(p) for p in files.values()))
     for name, src in sorted(files.items()):
         dst = os.path.join(local_checkpoint_dir, name)
         want = os.path.getsize(src)
-        got = copy_file(src, dst)
+        got = copy_file(src, dst, bar.advance if bar is not progress.SILENT else None)
         drop_page_cache(src)
         if got != want:
             raise LocalStateError(f"copying {src} -> {dst} gave {got} bytes, expected {want} (disk full?)")
