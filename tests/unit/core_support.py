@@ -98,7 +98,7 @@ def publish_one_sparse2_delta(root: str) -> tuple[str, str, str, str, int]:
     pub.publish(1, t1, full=True)
     pub.publish(2, {"w": t1["w"] + np.float32(1e-3) * (rng.random(4096) < 0.1)}, full=False)
     pub.close()
-    shard = os.path.join(version_dir(source, 2), "delta-r00000-00001.safetensors")
+    shard = shard_path(version_dir(source, 2), "w")
     return seed, source, local, shard, read_header(shard).tensors["w"].offset
 
 
@@ -108,6 +108,14 @@ def checkpoint_files(directory: str) -> list[str]:
         with open(ipath) as f:
             return sorted(set(json.load(f)["weight_map"].values()))
     return [SINGLE]
+
+
+def shard_path(directory: str, tensor: str | None = None) -> str:
+    """The shard the index of a version (or anchor) dir maps ``tensor`` to (default: its first
+    shard by name). Our shard names end in a hash of their content, so tests look them up."""
+    with open(os.path.join(directory, INDEX)) as f:
+        wmap = json.load(f)["weight_map"]
+    return os.path.join(directory, wmap[tensor] if tensor is not None else sorted(wmap.values())[0])
 
 
 def read_checkpoint_bytes(directory: str) -> dict[str, bytes]:

@@ -481,7 +481,9 @@ def test_broken_sparse_payload_is_refused_at_load_before_any_seed(tmp_path):
     pub.publish(1, t1, full=True)
     t2 = {"w": t1["w"] + np.float32(1e-3) * (rng.random(4096) < 0.1)}
     pub.publish(2, t2, full=False)
-    shard = os.path.join(version_dir(source, 2), "delta-r00000-00001.safetensors")
+    from core_support import shard_path
+
+    shard = shard_path(version_dir(source, 2), "w")
     entry = read_header(shard).tensors["w"]
     with open(shard, "r+b") as f:  # break the segment table: a count past the tensor
         f.seek(entry.offset + 24)

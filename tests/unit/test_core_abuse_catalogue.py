@@ -31,6 +31,7 @@ from core_support import (
     mutate,
     random_tensors,
     read_checkpoint_bytes,
+    shard_path,
     tensor_bytes,
     write_hf_checkpoint,
 )
@@ -226,16 +227,18 @@ def test_pruned_version_in_the_chain_breaks_it(world):
 
 def test_delta_shard_named_by_the_index_but_missing_is_not_ready(world):
     world.publish(3, "xor", names=["a"])
-    os.unlink(os.path.join(world.vdir(3), "delta-r00000-00001.safetensors"))
-    with pytest.raises(errors.SourceNotReadyError, match=r"v3: the index names shard delta-r00000-00001.safetensors, which is not in"):
+    shard = shard_path(world.vdir(3))
+    os.unlink(shard)
+    with pytest.raises(errors.SourceNotReadyError, match=rf"v3: the index names shard {os.path.basename(shard)}, which is not in"):
         world.pull(3)
     world.assert_at(2)
 
 
 def test_full_version_shard_named_by_the_index_but_missing_is_not_ready(world):
     world.publish(3, "xor", full=True)
-    os.unlink(os.path.join(world.vdir(3), "model-r00000-00001.safetensors"))
-    with pytest.raises(errors.SourceNotReadyError, match=r"full version v3 names shard model-r00000-00001.safetensors, which is not in"):
+    shard = shard_path(world.vdir(3))
+    os.unlink(shard)
+    with pytest.raises(errors.SourceNotReadyError, match=rf"full version v3 names shard {os.path.basename(shard)}, which is not in"):
         world.pull(3)
     world.assert_at(2)
 
@@ -392,7 +395,7 @@ def test_huge_safetensors_header_length_is_refused(world):
 
 def test_header_length_past_the_end_of_a_truncated_shard_is_malformed(world):
     world.publish(3, "xor", names=["a"])
-    shard = os.path.join(world.vdir(3), "delta-r00000-00001.safetensors")
+    shard = shard_path(world.vdir(3))
     os.truncate(shard, 40)  # cut inside the JSON header
     with pytest.raises(errors.MalformedHeaderError, match=r"runs past the end of the 40-byte file \(truncated\?\)"):
         world.pull(3)
@@ -401,7 +404,7 @@ def test_header_length_past_the_end_of_a_truncated_shard_is_malformed(world):
 
 def test_shard_truncated_inside_its_data_area_is_malformed(world):
     world.publish(3, "xor", names=["a"])
-    shard = os.path.join(world.vdir(3), "delta-r00000-00001.safetensors")
+    shard = shard_path(world.vdir(3))
     os.truncate(shard, os.path.getsize(shard) - 1)
     with pytest.raises(errors.MalformedHeaderError, match=r"outside the \d+-byte data area \(truncated\?\)"):
         world.pull(3)
@@ -764,8 +767,9 @@ def test_pull_waits_for_the_host_lock_then_times_out(world):
 def test_publishing_over_an_existing_version_is_refused(world):
     pub = Publisher(world.source, encoding="xor", workers=1)
     pub.seed_snapshot(world.tensors[1], version=1)
-    with pytest.raises(errors.PublishError, match=r"version 2 is already published in .*versions are immutable"):
-        pub.publish(2, world.tensors[2])
+    # Other bytes under a committed number are a conflict (an identical retry is "already published").
+    with pytest.raises(errors.VersionConflictError, match=r"version 2 is already published in .*versions are immutable"):
+        pub.publish(2, world.tensors[1])
     pub.close()
     world.pull(0)
     assert world.pull(2).applied_version == 2

@@ -32,6 +32,7 @@ from core_support import (
     mutate,
     random_tensors,
     read_checkpoint_bytes,
+    shard_path,
     tensor_bytes,
     tensor_location,
     write_hf_checkpoint,
@@ -185,7 +186,7 @@ def test_an_orphaned_anchor_left_beside_a_republished_version_is_never_seeded_fr
 
 
 def _cut_shard(world, name: str = "", nbytes: int = 1000) -> None:
-    shard = os.path.join(adir(world.source, 3), "model-r00000-00001.safetensors")
+    shard = shard_path(adir(world.source, 3))
     os.truncate(shard, os.path.getsize(shard) - nbytes)
 
 
@@ -198,7 +199,7 @@ DAMAGE = {
     "a byte flipped in a tensor v4 changes": lambda w: _flip_anchor_byte(w, "w1"),
     "a byte flipped in a tensor v4 leaves alone": lambda w: _flip_anchor_byte(w, "w2"),
     "its shard replaced by an empty file": lambda w: _cut_shard(w, nbytes=os.path.getsize(
-        os.path.join(adir(w.source, 3), "model-r00000-00001.safetensors"))),
+        shard_path(adir(w.source, 3)))),
 }
 
 
@@ -462,8 +463,7 @@ def test_any_one_byte_of_an_anchor_damaged_still_pulls_exactly_the_published_byt
     root = tempfile.mkdtemp(dir=str(fast_tmp_path))
     world = World(root, np.random.default_rng(len(os.listdir(str(fast_tmp_path)))))
     world.publish_chain()
-    name = INDEX if in_index else "model-r00000-00001.safetensors"
-    path = os.path.join(adir(world.source, 3), name)
+    path = os.path.join(adir(world.source, 3), INDEX) if in_index else shard_path(adir(world.source, 3))
     pos = data.draw(st.integers(0, os.path.getsize(path) - 1), label="offset")
     local = world.local()
     if start is not None:

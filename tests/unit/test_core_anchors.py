@@ -16,7 +16,7 @@ from weightsync import Publisher, plan_pull, pull
 from weightsync.codecs import get_codec
 from weightsync.format.layout import list_anchors, list_versions
 
-from core_support import assert_checkpoint_is, mutate, random_tensors, tensor_bytes, write_hf_checkpoint
+from core_support import assert_checkpoint_is, mutate, random_tensors, shard_path, tensor_bytes, write_hf_checkpoint
 
 INDEX = "model.safetensors.index.json"
 SIZES = {"embed": ("float32", (64, 32)), "w1": ("float32", (32, 64)), "w2": ("float32", (32, 64)), "norm": ("float32", (64,))}
@@ -126,7 +126,7 @@ def test_incomplete_anchor_is_passed_over_for_the_chain(run, damage):
     elif damage == "index cut short":
         os.truncate(os.path.join(adir, INDEX), 10)
     else:
-        os.unlink(os.path.join(adir, "model-r00000-00001.safetensors"))
+        os.unlink(shard_path(adir))
     local = run.local()
     result = pull(local, run.seed, run.source, run.latest)
     assert f"anchor_v{a:06d}" not in result.reason

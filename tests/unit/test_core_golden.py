@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import struct
 
 import numpy as np
@@ -18,7 +19,7 @@ from weightsync import Publisher, pull
 from weightsync.format.checksum import digest
 from weightsync.codecs import get_codec
 
-from core_support import assert_checkpoint_is, marker_version, write_hf_checkpoint
+from core_support import assert_checkpoint_is, marker_version, shard_path, write_hf_checkpoint
 
 OLD = bytes(range(8))
 NEW = bytes([0x00, 0x01, 0xFF, 0x03, 0x04, 0x05, 0x06, 0x80])
@@ -123,7 +124,7 @@ def _publish_golden(tmp_path, encoding: str, checksum: str = "xxh3-128") -> str:
 
 def test_xor_delta_shard_header_is_golden(tmp_path):
     vdir = _publish_golden(tmp_path, "xor")
-    with open(os.path.join(vdir, "delta-r00000-00001.safetensors"), "rb") as f:
+    with open(shard_path(vdir, "w"), "rb") as f:
         raw = f.read()
     assert raw[: len(GOLDEN_XOR_SHARD_HEADER)] == GOLDEN_XOR_SHARD_HEADER
     assert decompress(raw[len(GOLDEN_XOR_SHARD_HEADER) :]) == XOR_DELTA
@@ -143,9 +144,10 @@ def test_delta_index_and_shard_metadata_spell_the_upstream_fields(tmp_path, enco
             "compression_format": "zstd",
             "checksum_format": checksum,
         },
-        "weight_map": {"w": "delta-r00000-00001.safetensors"},
+        "weight_map": {"w": index["weight_map"]["w"]},  # shard names are free (ours end in a content hash)
     }
-    with open(os.path.join(vdir, "delta-r00000-00001.safetensors"), "rb") as f:
+    assert re.fullmatch(r"delta-r00000-00001-[0-9a-f]{16}\.safetensors", index["weight_map"]["w"])
+    with open(shard_path(vdir, "w"), "rb") as f:
         (n,) = struct.unpack("<Q", f.read(8))
         header = json.loads(f.read(n))
         payload = f.read()

@@ -7,6 +7,7 @@ import errno
 import json
 import os
 import pickle
+import re
 
 import numpy as np
 import pytest
@@ -88,10 +89,12 @@ def test_two_ranks_commit_one_index_whose_weight_map_is_the_union(run, kind):
     pubs[0].commit(1, kind, manifests)
     index = run.index(1)
     stem = "delta" if kind == "delta" else "model"
-    expected_map = {n: f"{stem}-r{owners[n]:05d}-00001.safetensors" for n in SIZES}
+    expected_map = {n: f"{stem}-r{owners[n]:05d}-00001" for n in SIZES}
     if kind == "delta":
         expected_map = {n: f for n, f in expected_map.items() if run.expected[1][n] != run.expected[0][n]}
-    assert index["weight_map"] == expected_map
+    # Each shard is named by its rank and part, then a hash of its content (no other writer's bytes get the name).
+    assert {n: f[: -len("-0123456789abcdef.safetensors")] for n, f in index["weight_map"].items()} == expected_map
+    assert all(re.fullmatch(rf"{stem}-r0000[01]-00001-[0-9a-f]{{16}}\.safetensors", f) for f in index["weight_map"].values())
     assert set(index["weight_map"]) == set(manifests[0].weight_map) | set(manifests[1].weight_map)
     run.assert_pulls(1)
     for pub in pubs:
@@ -201,7 +204,8 @@ def test_full_versions_carry_the_template_files_and_deltas_do_not(run):
     pub.seed_snapshot(run.tensors[0])
     pub.publish(1, run.next_tensors())
     pub.publish(2, run.next_tensors())
-    assert sorted(os.listdir(run.vdir(1))) == ["delta-r00000-00001.safetensors", INDEX]
+    files1 = sorted(os.listdir(run.vdir(1)))
+    assert len(files1) == 2 and files1[0].startswith("delta-r00000-00001-") and files1[1] == INDEX
     files2 = sorted(os.listdir(run.vdir(2)))
     assert "config.json" in files2 and "tokenizer.json" in files2 and "model.safetensors" not in files2
     run.assert_pulls(2)
@@ -268,15 +272,18 @@ def test_index_is_the_last_file_to_appear(run, monkeypatch):
 
     monkeypatch.setattr(os, "replace", recording_replace)
     pub = Publisher(run.source, encoding="xor", template_dir=run.seed, workers=1)
-    assert appeared == ["weightsync-run.json"]  # the run's identity, once, before any version
-    appeared.clear()
+    assert appeared == []  # nothing before the first write: a refused publish leaves the source dir as it was
     pub.seed_snapshot(run.tensors[0])
     pub.publish(1, run.next_tensors())
     pub.publish(2, run.next_tensors(), full=True)
+    # The writer lease and the run's identity, once, before any version; then shards, the index last.
+    assert appeared[:2] == ["weightsync-writer.json", "weightsync-run.json"]
+    appeared = appeared[2:]
     assert appeared[-1] == INDEX and appeared.count(INDEX) == 2
     first = appeared.index(INDEX)
-    assert appeared[:first] == ["delta-r00000-00001.safetensors"]
-    assert appeared[first + 1 : -1] == ["model-r00000-00001.safetensors"]
+    # v1's delta: the run file records the seed's digests once, before v1's index lands.
+    assert [f[:19] for f in appeared[:first]] == ["delta-r00000-00001-", "weightsync-run.json"]
+    assert [f[:19] for f in appeared[first + 1 : -1]] == ["model-r00000-00001-"]
 
 
 def test_failed_index_write_leaves_the_version_unpublished_and_a_commit_retry_publishes_it(run, monkeypatch):
@@ -370,7 +377,8 @@ def test_atomic_rename_on_a_filesystem_without_rename_fails_cleanly(run, monkeyp
     with pytest.raises(OSError, match="rename not supported"):
         pub.publish(1, run.next_tensors())
     monkeypatch.undo()
-    assert not [f for f in os.listdir(run.vdir(1)) if ".tmp." in f]  # no temporary left behind
+    # The first rename is the writer lease's: it fails before any version file is written.
+    assert not [f for f in os.listdir(run.source) if ".tmp." in f]  # no temporary left behind
     assert not os.path.exists(os.path.join(run.vdir(1), INDEX))
 
 
@@ -399,8 +407,12 @@ def test_publisher_refuses_unknown_encodings_and_checksums(run):
 def test_publisher_refuses_versions_out_of_order(run):
     pub = Publisher(run.source, workers=1)
     pub.seed_snapshot(run.tensors[0])
-    with pytest.raises(errors.PublishError, match=r"version 2 does not follow the snapshot's version 0; publish 1 next"):
+    with pytest.raises(errors.VersionNumberError, match=r"cannot publish version 2 .*nothing is published yet, so the next version is 1"):
         pub.publish(2, run.tensors[0])
+    pub.seed_snapshot(run.tensors[0], version=1)  # a snapshot that claims v1 while nothing is published
+    with pytest.raises(errors.VersionNumberError, match=r"publish 1 next"):
+        pub.publish(2, run.tensors[0])
+    assert not os.path.exists(run.source)  # refused before anything was written
 
 
 def test_publisher_refuses_a_changed_dtype_shape_or_unknown_tensor(run):

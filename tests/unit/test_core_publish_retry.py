@@ -156,7 +156,7 @@ def test_failed_multi_rank_publish_is_retried_with_the_same_bytes_and_every_rank
     with pytest.raises(errors.SourceNotReadyError):
         pull(local, world["seed"], source, 2)
     assert marker_version(local) == 1 and ranks.versions() == [1, 1]
-    with pytest.raises(errors.PublishError, match=r"does not follow|is written on this rank but its index has not landed"):
+    with pytest.raises(errors.PublishError, match=r"does not follow|is written on this rank but its index has not landed|so the next version is 2"):
         ranks.pubs[1].prepare(3, ranks.own(t[3], 1))
     # The retry: same version, same inputs, on every rank.
     ranks.publish(2, t[2], **{k: v for k, v in kwargs.items() if k != "fail_barrier"})
@@ -275,10 +275,16 @@ def test_restarted_publisher_publishes_again_a_version_whose_index_was_cut_short
     pub.seed_snapshot(t[1], version=1)  # restarted from v1's bytes
     pub.publish(2, t[2])
     pub.publish(3, t[3])
-    with pytest.raises(errors.PublishError, match=r"version 3 is already published"):
-        again = Publisher(source, encoding="xor", workers=1, atomic_rename=False)
-        again.seed_snapshot(t[2], version=2)
-        again.publish(3, t[3])
+    ipath3 = os.path.join(source, "weight_v000003", INDEX)
+    before = os.stat(ipath3)
+    again = Publisher(source, encoding="xor", workers=1, atomic_rename=False)
+    again.seed_snapshot(t[2], version=2)
+    assert again.publish(3, t[3]).reason.startswith("already published, identical")  # a complete index: counted
+    assert os.stat(ipath3).st_mtime_ns == before.st_mtime_ns  # never written again
+    with pytest.raises(errors.VersionConflictError, match=r"version 3 is already published .*with other bytes"):
+        other = Publisher(source, encoding="xor", workers=1, atomic_rename=False)
+        other.seed_snapshot(t[2], version=2)
+        other.publish(3, t[1])
     local = os.path.join(world["root"], "local")
     pull(local, world["seed"], source, 3)
     assert_checkpoint_is(local, tensor_bytes(t[3]))

@@ -15,7 +15,7 @@ from weightsync import Publisher, errors, pull
 from weightsync.format.checksum import digests_begun
 from weightsync.codecs import supported_encodings
 
-from core_support import assert_checkpoint_is, flip_local_byte, marker_version, mutate, random_tensors, raw_header, tensor_bytes, write_hf_checkpoint
+from core_support import assert_checkpoint_is, flip_local_byte, marker_version, mutate, random_tensors, raw_header, shard_path, tensor_bytes, write_hf_checkpoint
 
 # An upstream-style chain: no side anchors, nothing pruned, so a pull replays every delta.
 NO_ANCHORS = dict(anchor_fraction=0, anchor_max_deltas=0, prune=False)
@@ -61,7 +61,7 @@ def test_replay_after_a_reseed_hashes_each_tensor_once_not_once_per_version(fast
 
 def corrupt_digest(source: str, version: int, tensor: str) -> None:
     """Rewrite one digest in a shard's __metadata__ in place (same length, different value)."""
-    path = os.path.join(source, f"weight_v{version:06d}", "delta-r00000-00001.safetensors")
+    path = shard_path(os.path.join(source, f"weight_v{version:06d}"), tensor)
     _, header = raw_header(path)
     good = header["__metadata__"][tensor]
     bad = ("0" if good[0] != "0" else "1") + good[1:]

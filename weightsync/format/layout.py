@@ -95,13 +95,15 @@ def list_anchors(source_dir: str) -> list[int]:
     return _list_numbered(source_dir, ANCHOR_DIR_RE)
 
 
-def delta_shard_name(rank: int, part: int) -> str:
-    """Deterministic per rank, so several ranks never race on a listing to number shards."""
-    return f"delta-r{rank:05d}-{part:05d}.safetensors"
+def delta_shard_name(rank: int, part: int, content: str = "") -> str:
+    """Deterministic per rank, so several ranks never race on a listing to number shards.
+    ``content`` (ours: a hash of what the shard holds) makes the name one that a writer of
+    other bytes cannot produce, so no writer's shard ever replaces another's."""
+    return f"delta-r{rank:05d}-{part:05d}{'-' + content if content else ''}.safetensors"
 
 
-def full_shard_name(rank: int, part: int) -> str:
-    return f"model-r{rank:05d}-{part:05d}.safetensors"
+def full_shard_name(rank: int, part: int, content: str = "") -> str:
+    return f"model-r{rank:05d}-{part:05d}{'-' + content if content else ''}.safetensors"
 
 
 def sync_dir(local_checkpoint_dir: str) -> str:

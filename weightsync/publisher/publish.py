@@ -31,9 +31,17 @@ from typing import Callable, Literal, Mapping
 import msgspec
 import numpy as np
 
-from .. import knobs
+from .. import knobs, progress
 from ..codecs import get_codec
-from ..errors import PendingVersionError, PublishError, UnsupportedFormatError, VersionAlreadyPublishedError
+from ..errors import (
+    HostResourceError,
+    PendingVersionError,
+    PublishError,
+    UnsupportedFormatError,
+    VersionAlreadyPublishedError,
+    VersionConflictError,
+    host_resource_error,
+)
 from ..format.checksum import DEFAULT_CHECKSUM, new_hasher, supported_checksums
 from ..format.layout import (
     INDEX_NAME,
@@ -60,13 +68,36 @@ from ..hooks import load_callable
 from ..storage.url import is_bucket_url
 from .encode import PreparedTensor, PreparedVersion, Encoder
 from .encoding_choice import AUTO, Cost, EncodingChoice, EncodingChooser, EncodingSample, check_candidates, merge_samples
+from .guard import LAYOUT_CHANGE_KEY, PublishGuard
 from .prune import Retention
+from .records import SeedRecord, encode_run_file_with_seed
 from .snapshot import RawTensor, Snapshot, as_raw, read_checkpoint_tensors
 
 log = logging.getLogger(__name__)
 
 DEFAULT_ENCODING = "sparse-v1"  # ours; "xor" and "overwrite" stay available for upstream readers
 Kind = Literal["delta", "full"]
+
+
+def _host_errors_typed(method):
+    """Out of disk (ENOSPC, EDQUOT), memory or descriptors while publishing: HostResourceError
+    (the README's exit code 7) instead of a bare OSError; the version stays retryable."""
+    import functools
+
+    @functools.wraps(method)
+    def wrapper(self, *args, **kwargs):
+        try:
+            return method(self, *args, **kwargs)
+        except (OSError, MemoryError) as e:
+            typed = host_resource_error(e)
+            if typed is None:
+                raise
+            raise HostResourceError(typed.resource, typed.errno_name, typed.detail, (
+                f"Free {typed.resource} on the publishing host (the source dir's filesystem for disk), then retry "
+                "the same publish: a version whose index did not land is finished with the same bytes "
+                "(Publisher.finish_pending()), and nothing published was touched.")) from e
+
+    return wrapper
 
 
 class ShardManifest(msgspec.Struct, frozen=True):
@@ -83,6 +114,8 @@ class ShardManifest(msgspec.Struct, frozen=True):
     encoding: str = ""  # the delta encoding of this rank's payloads ("" for a full version)
     anchor_digests: dict[str, str] | None = None  # this rank's anchor tensors -> digest (the anchor's binding)
     digests: dict[str, str] | None = None  # a full version: this rank's tensors -> digest (checked by a seed)
+    seed_digests: dict[str, str] | None = None  # v1's delta: this rank's seed tensors -> digest (the run records them)
+    seed_layout: dict[str, tuple[str, tuple[int, ...]]] | None = None  # v1's delta: their dtype and shape
 
 
 class PublishResult(msgspec.Struct):
@@ -119,6 +152,7 @@ class _Staged(msgspec.Struct):
     version: int
     kind: str
     prepared: PreparedVersion  # its tensors' ``new`` are the snapshot's own buffers
+    manifest: "ShardManifest | None" = None  # what write() wrote (a landed index must name exactly these shards)
 
 
 # --- units ------------------------------------------------------------------------------------
@@ -156,35 +190,61 @@ class AnchorBudget:
 
 
 class ShardWriter:
-    """Writes this rank's shards: a delta's payloads, or full tensors (a full version or an anchor)."""
+    """Writes this rank's shards: a delta's payloads, or full tensors (a full version or an anchor).
+
+    Every shard's name ends in a hash of what it holds (the version, the rank and part, each
+    tensor's name, dtype, shape and digest, and a delta's payload bytes): a writer of other
+    bytes cannot produce the name, so a second publisher of the same run never replaces a shard
+    of a committed version, and a retry with the same bytes writes the same file."""
 
     def __init__(self, rank: int, atomic: bool):
         self.rank = rank
         self.atomic = atomic
 
-    def write_delta(self, vdir: str, tensors: list[PreparedTensor]) -> tuple[dict[str, str], int]:
+    def write_delta(self, vdir: str, tensors: list[PreparedTensor], version: int = 0) -> tuple[dict[str, str], int]:
         os.makedirs(vdir, exist_ok=True)
         weight_map: dict[str, str] = {}
         written = 0
         changed = [t for t in tensors if t.payload is not None]
+        bar = progress.stage("publish: write", sum(_payload_len(t) for t in changed))
         for part, group in enumerate(_group_by_size(changed, _payload_len, int(knobs.DELTA_SHARD_NBYTES.get())), start=1):
-            fname = delta_shard_name(self.rank, part)
+            fname = delta_shard_name(self.rank, part, _content_id("delta", version, self.rank, part, group))
             entries = [(t.name, "U8", (_payload_len(t),), t.payload) for t in group]
             meta = {t.name: t.digest for t in group}
-            written += write_file(os.path.join(vdir, fname), iter_file_chunks(entries, meta), atomic=self.atomic)
+            written += write_file(os.path.join(vdir, fname), progress.counted_tensors(iter_file_chunks(entries, meta), bar),
+                                  atomic=self.atomic)
             weight_map.update({t.name: fname for t in group})
         return weight_map, written
 
-    def write_full(self, vdir: str, tensors: list[PreparedTensor]) -> tuple[dict[str, str], int]:
+    def write_full(self, vdir: str, tensors: list[PreparedTensor], version: int = 0,
+                   digests: Mapping[str, str] | None = None) -> tuple[dict[str, str], int]:
         os.makedirs(vdir, exist_ok=True)
         weight_map: dict[str, str] = {}
         written = 0
+        bar = progress.stage("publish: write", sum(t.nbytes for t in tensors))
         for part, group in enumerate(_group_by_size(tensors, lambda t: t.nbytes, int(knobs.FULL_SHARD_NBYTES.get())), start=1):
-            fname = full_shard_name(self.rank, part)
+            content = _content_id("full", version, self.rank, part, group, digests) if digests is not None else ""
+            fname = full_shard_name(self.rank, part, content)
             entries = [(t.name, t.dtype, t.shape, t.new) for t in group]
-            written += write_file(os.path.join(vdir, fname), iter_file_chunks(entries, {"format": "pt"}), atomic=self.atomic)
+            chunks = progress.counted_tensors(iter_file_chunks(entries, {"format": "pt"}), bar)
+            written += write_file(os.path.join(vdir, fname), chunks, atomic=self.atomic)
             weight_map.update({t.name: fname for t in group})
         return weight_map, written
+
+
+def _content_id(kind: str, version: int, rank: int, part: int, group: list[PreparedTensor],
+                digests: Mapping[str, str] | None = None) -> str:
+    """16 hex digits of the xxh3-128 of what one shard holds (its name's content part)."""
+    import xxhash
+
+    h = xxhash.xxh3_128()
+    h.update(f"{kind}\0{version}\0{rank}\0{part}".encode())
+    for t in group:
+        digest = digests[t.name] if digests is not None else t.digest
+        h.update(f"\0{t.name}\0{t.dtype}\0{list(t.shape)}\0{digest}\0".encode())
+        if kind == "delta" and t.payload is not None:
+            h.update(t.payload)  # the payload depends on the base too, not only on the new bytes
+    return h.hexdigest()[:16]
 
 
 class Committer:
@@ -197,13 +257,24 @@ class Committer:
         self.template_dir = template_dir
         self.atomic = atomic
 
-    def commit(self, version: int, kind: Kind, manifests: list[ShardManifest]) -> tuple[str, int]:
+    def commit(self, version: int, kind: Kind, manifests: list[ShardManifest], *,
+               fence: Callable[[str], None] | None = None, layout_change: str | None = None) -> tuple[str, int]:
         """Write the anchor's index (when every rank wrote its part), then the version's. Returns
         (version dir, anchor bytes). The version's index is last: once it exists the version is
         published, and its anchor, if any, is complete and bound to it: both indexes name one
         commit id, derived from the version's digests, so an anchor left by an earlier attempt
-        with other bytes never matches. Without an anchor, such a leftover is deleted first."""
+        with other bytes never matches. Without an anchor, such a leftover is deleted first.
+
+        ``fence(what)`` runs before every write into the source dir (the writer lease: a
+        superseded publisher fails there); a complete index of ``version`` is never written over.
+        ``layout_change``: recorded in a full version's metadata (the caller allowed it)."""
+        fence = fence or (lambda what: None)
+        fence(f"committing v{version}")
+        vdir = version_dir(self.source_dir, version)
+        self._refuse_committed(vdir, version)
         weight_map = _merged(manifests, version, kind, lambda m: m.weight_map)
+        if version == 1 and kind == "delta":
+            self._record_seed(manifests)
         anchor_nbytes = 0
         adir = anchor_dir(self.source_dir, version)
         commit_id: str | None = None
@@ -222,13 +293,15 @@ class Committer:
             commit_id = anchor_commit_of(version, self.checksum, digests)
             index = build_anchor_index(version, anchor_map, sum(m.tensor_nbytes for m in manifests), commit_id,
                                        self.checksum, digests)
+            fence(f"writing the side anchor index of v{version}")
             self._write_index(adir, index)
             anchor_nbytes = sum(m.anchor_nbytes for m in manifests)
         elif os.path.lexists(adir):
             _remove_orphan_anchor(adir, version)
-        vdir = version_dir(self.source_dir, version)
         os.makedirs(vdir, exist_ok=True)
         if kind == "full":
+            fence(f"copying the template files into v{version}")
+            self._refuse_committed(vdir, version)
             self._copy_template_files(vdir)
             full_digests: dict[str, str] = {}
             for m in manifests:
@@ -236,11 +309,38 @@ class Committer:
             complete = set(full_digests) == set(weight_map)  # manifests not from write() may lack them
             index = build_full_index(version, weight_map, sum(m.tensor_nbytes for m in manifests),
                                      self.checksum if complete else None, full_digests if complete else None)
+            if layout_change is not None:
+                index = _with_metadata(index, {LAYOUT_CHANGE_KEY: layout_change})
         else:
             extra = {ANCHOR_COMMIT_KEY: commit_id} if commit_id is not None else None
             index = build_delta_index(version, self._delta_encoding(version, manifests), self.checksum, weight_map, extra)
+        fence(f"writing the index of v{version}")
+        self._refuse_committed(vdir, version)
         self._write_index(vdir, index)
         return vdir, anchor_nbytes
+
+    def _refuse_committed(self, vdir: str, version: int) -> None:
+        """A complete index is never written over, nor anything in its dir (another writer's)."""
+        if is_committed(vdir):
+            raise VersionConflictError(version, self.source_dir, (
+                " by another writer while this publisher was committing it; this publisher wrote nothing "
+                "over it (a second publisher of the same run?)"))
+
+    def _record_seed(self, manifests: list[ShardManifest]) -> None:
+        """v1's delta: the run file records the seed's per-tensor digests (and layout) once, before
+        v1's index, so a later publish of v1 from another base, or a pull from another seed
+        dir, is told so. Only when every rank sent them (manifests from elsewhere may not)."""
+        if not manifests or any(m.seed_digests is None for m in manifests):
+            return
+        digests: dict[str, str] = {}
+        layout: dict[str, tuple[str, tuple[int, ...]]] = {}
+        for m in manifests:
+            digests.update(m.seed_digests or {})
+            layout.update(m.seed_layout or {})
+        data = encode_run_file_with_seed(self.source_dir, SeedRecord(self.checksum, digests, layout))
+        if data is not None:
+            write_bytes(run_path(self.source_dir), data, atomic=self.atomic)
+            fsync_dir(self.source_dir)
 
     def _delta_encoding(self, version: int, manifests: list[ShardManifest]) -> str:
         """The one encoding every rank's payloads of a delta use (the index names one)."""
@@ -416,9 +516,10 @@ class Publisher:
         self._landed: PublishResult | None = None  # the last version publish() committed (what a retry returns)
         self._full_reason: str | None = None  # set: the next version must be full (after discard_pending)
         self._scanned = False
-        os.makedirs(source_dir, exist_ok=True)
-        if rank == 0:
-            self._write_run_identity()
+        # The refusals, each before anything is written; rank 0 takes the writer lease (and
+        # writes the run identity into a fresh dir) at its first write, not here: a publish
+        # that is refused leaves the source dir as it was.
+        self.guard = PublishGuard(source_dir, checksum, world_size, self._pool, atomic_rename)
 
     @property
     def version(self) -> int:
@@ -435,6 +536,7 @@ class Publisher:
         """Set the bytes the next delta diffs against (version 0: the engine's own model)."""
         self.snapshot.seed(tensors, version)
         self._committed, self._staged, self._landed, self._full_reason = version, None, None, None
+        self.guard.base_checked = None  # the caller's bytes: the next delta checks them against the run
 
     def seed_snapshot_from_checkpoint(self, checkpoint_dir: str, names: "set[str] | None" = None, version: int = 0) -> None:
         """Seed from an HF checkpoint's safetensors files (optionally only ``names``)."""
@@ -452,10 +554,19 @@ class Publisher:
 
     # --- one rank --------------------------------------------------------------------------
 
+    @_host_errors_typed
     def publish(
-        self, version: int, tensors: Mapping[str, "RawTensor | np.ndarray"], *, full: bool | None = None
+        self, version: int, tensors: Mapping[str, "RawTensor | np.ndarray"], *, full: bool | None = None,
+        allow_layout_change: bool = False,
     ) -> PublishResult:
-        """Publish one version from this (only) rank: prepare, choose, write, commit."""
+        """Publish one version from this (only) rank: prepare, choose, write, commit.
+
+        Refused before anything is written (typed errors): a version number that does not follow
+        the newest committed one, a delta whose base is not what the previous version records,
+        a full version that changes the layout (unless ``allow_layout_change``; the index then
+        records it). A version already committed with exactly these bytes is "already
+        published, identical" (counted, never rewritten); with other bytes it is a conflict
+        (``VersionConflictError``)."""
         if self.world_size != 1:
             raise PublishError("publish() is for one rank; with several ranks use prepare/write/commit")
         landed = self._landed
@@ -465,7 +576,7 @@ class Publisher:
             # published; a retry with the same bytes only redoes what follows the commit.
             differ = self.snapshot.differing_bytes([(j.name, j.new) for j in self.snapshot.jobs(tensors)])
             if differ:
-                raise VersionAlreadyPublishedError(version, self.source_dir, f" with other bytes for tensors {differ[:5]}")
+                raise VersionConflictError(version, self.source_dir, f" with other bytes for tensors {differ[:5]}")
             self._after_commit(vdir)
             return landed
         staged = self._staged
@@ -473,14 +584,16 @@ class Publisher:
             # Its index landed, but the write of it reported a failure: count it, never rewrite it.
             self._check_same_bytes(staged, tensors)
             return self._recognise_landed(staged)
+        if (staged is None or staged.version != version) and version >= 1 and is_committed(vdir):
+            return self._already_published(version, tensors)
         prepared = self.prepare(version, tensors, kind="full" if full else None)
         kind, reason = self.choose_kind(
             version, prepared.delta_nbytes, prepared.full_nbytes, prepared.changed_elements, prepared.total_elements,
             requested=None if full is None else ("full" if full else "delta"),
         )
         t0 = time.perf_counter()
-        manifest = self.write(prepared, kind)
-        vdir, anchor_nbytes = self._commit_index(version, kind, [manifest])
+        manifest = self.write(prepared, kind, allow_layout_change=allow_layout_change)
+        vdir, anchor_nbytes = self._commit_index(version, kind, [manifest], allow_layout_change=allow_layout_change)
         result = self._result(prepared, kind, reason, manifest.nbytes, time.perf_counter() - t0, anchor_nbytes)
         self._landed = result
         self._after_commit(vdir)
@@ -497,6 +610,7 @@ class Publisher:
         """The version this rank wrote whose commit is not confirmed (None: nothing pending)."""
         return self._staged.version if self._staged is not None else None
 
+    @_host_errors_typed
     def finish_pending(self) -> PublishResult | None:
         """One rank: publish the pending version with the bytes staged for it (None: none pending).
 
@@ -548,6 +662,7 @@ class Publisher:
 
     # --- the multi-rank protocol -------------------------------------------------------------
 
+    @_host_errors_typed
     def prepare(
         self, version: int, tensors: Mapping[str, "RawTensor | np.ndarray"], *, kind: Kind | None = None,
         encoding: str | None = None,
@@ -565,8 +680,8 @@ class Publisher:
         if staged is not None and staged.version == version:
             self._check_same_bytes(staged, tensors)
             return staged.prepared
-        if version <= self._committed and is_committed(version_dir(self.source_dir, version)):
-            raise VersionAlreadyPublishedError(version, self.source_dir)
+        encode = kind != "full" and not self._full_by_schedule(version) and self._full_reason is None
+        self.guard.check_number(version, full=not encode)
         if version != self._committed + 1:
             raise PublishError(
                 f"version {version} does not follow the snapshot's version {self._committed}; "
@@ -575,7 +690,8 @@ class Publisher:
         if is_committed(version_dir(self.source_dir, version)):
             raise VersionAlreadyPublishedError(version, self.source_dir)
         jobs = self.snapshot.jobs(tensors)
-        encode = kind != "full" and not self._full_by_schedule(version) and self._full_reason is None
+        if encode:
+            self.guard.check_base(version, self.snapshot)
         if not encode:
             return self.encoder.prepare(version, self.rank, jobs, encode=False)
         choice = self._encoding_for(version, jobs, encoding)
@@ -626,8 +742,13 @@ class Publisher:
         self._decisions[version] = _Decision(kind, anchor_why is not None, delta_nbytes)
         return kind, reason
 
-    def write(self, prepared: PreparedVersion, kind: Kind) -> ShardManifest:
-        """Write this rank's shards of the version (and of its side anchor, when one is due)."""
+    @_host_errors_typed
+    def write(self, prepared: PreparedVersion, kind: Kind, *, allow_layout_change: bool = False) -> ShardManifest:
+        """Write this rank's shards of the version (and of its side anchor, when one is due).
+
+        Refused before writing: a version another writer committed meanwhile (this publisher
+        never writes into a committed version's dir), a superseded publisher (rank 0: the
+        writer lease), a full version that changes the layout (unless ``allow_layout_change``)."""
         if kind not in ("delta", "full"):
             raise PublishError(f"kind must be 'delta' or 'full', got {kind!r}")
         if kind == "delta" and not prepared.encoded:
@@ -641,30 +762,49 @@ class Publisher:
             prepared = staged.prepared
         if not retry and prepared.version != self._committed + 1:
             raise PublishError(f"v{prepared.version} does not follow the committed v{self._committed}; prepare it again")
+        vdir = version_dir(self.source_dir, prepared.version)
+        if is_committed(vdir):
+            if retry and staged is not None and staged.manifest is not None and staged.manifest.kind == kind:
+                return staged.manifest  # its index landed (a failure was reported after): commit() recognises it
+            raise VersionConflictError(prepared.version, self.source_dir, (
+                " by another writer while this publisher prepared it; this publisher wrote nothing into it"))
+        if self.rank == 0:
+            self.guard.hold_lease(f"writing v{prepared.version}")
+            self._write_run_identity()
+        if kind == "full":
+            self.guard.check_layout(prepared.version, [(t.name, t.dtype, tuple(t.shape)) for t in prepared.tensors],
+                                    complete=self.world_size == 1, allowed=allow_layout_change)
         decision = self._decisions.get(prepared.version)
         anchor = kind == "delta" and decision is not None and decision.kind == "delta" and decision.anchor
-        vdir = version_dir(self.source_dir, prepared.version)
+        full_digests = self._tensor_digests(prepared) if kind == "full" or anchor else None
         if kind == "delta":
-            weight_map, nbytes = self.writer.write_delta(vdir, prepared.tensors)
+            weight_map, nbytes = self.writer.write_delta(vdir, prepared.tensors, prepared.version)
         else:
-            weight_map, nbytes = self.writer.write_full(vdir, prepared.tensors)
-        full_digests = self._tensor_digests(prepared) if kind == "full" else None
+            weight_map, nbytes = self.writer.write_full(vdir, prepared.tensors, prepared.version, full_digests)
         anchor_map, anchor_nbytes, anchor_digests = None, 0, None
         if anchor:
-            anchor_map, anchor_nbytes = self.writer.write_full(anchor_dir(self.source_dir, prepared.version), prepared.tensors)
-            anchor_digests = self._tensor_digests(prepared)
+            anchor_map, anchor_nbytes = self.writer.write_full(anchor_dir(self.source_dir, prepared.version),
+                                                               prepared.tensors, prepared.version, full_digests)
+            anchor_digests = full_digests
+        seed = self.guard.seed if prepared.version == 1 and kind == "delta" else None
+        manifest = ShardManifest(
+            prepared.version, self.rank, kind, weight_map, nbytes, prepared.full_nbytes, anchor_map, anchor_nbytes,
+            prepared.encoding if kind == "delta" else "", anchor_digests, full_digests if kind == "full" else None,
+            seed.digests if seed is not None else None, seed.layout if seed is not None else None,
+        )
         if staged is not None and retry:
-            staged.kind = kind
+            staged.kind, staged.manifest = kind, manifest
         else:
             self._stage(prepared, kind)
-        return ShardManifest(
-            prepared.version, self.rank, kind, weight_map, nbytes, prepared.full_nbytes, anchor_map, anchor_nbytes,
-            prepared.encoding if kind == "delta" else "", anchor_digests, full_digests,
-        )
+            if self._staged is not None:
+                self._staged.manifest = manifest
+        return manifest
 
-    def commit(self, version: int, kind: Kind, manifests: list[ShardManifest]) -> str:
+    @_host_errors_typed
+    def commit(self, version: int, kind: Kind, manifests: list[ShardManifest], *,
+               allow_layout_change: bool = False) -> str:
         """Write the index (last: the commit point), confirm, run the post-write hook, prune. One rank."""
-        vdir, _ = self._commit_index(version, kind, manifests)
+        vdir, _ = self._commit_index(version, kind, manifests, allow_layout_change=allow_layout_change)
         self._after_commit(vdir)
         return vdir
 
@@ -694,8 +834,10 @@ class Publisher:
 
     # --- helpers ---------------------------------------------------------------------------
 
-    def _commit_index(self, version: int, kind: Kind, manifests: list[ShardManifest]) -> tuple[str, int]:
+    def _commit_index(self, version: int, kind: Kind, manifests: list[ShardManifest], *,
+                      allow_layout_change: bool = False) -> tuple[str, int]:
         """Write the version's index and count it committed; (version dir, anchor bytes)."""
+        self.guard.hold_lease(f"committing v{version}")  # a superseded publisher stops here, loud
         self._scan_once()
         staged = self._staged
         vdir = version_dir(self.source_dir, version)
@@ -704,16 +846,60 @@ class Publisher:
             or staged is not None and staged.version == version
         ):
             # Committed already (a retry after the hook or a later step failed, or an index
-            # write that reported a failure after it landed): never rewrite an index.
+            # write that reported a failure after it landed): never rewrite an index. Counted
+            # as this publisher's only when it names exactly the shards this publisher wrote.
             if staged is not None and staged.version == version:
+                written = [m.weight_map for m in manifests] or ([staged.manifest.weight_map] if staged.manifest else [])
+                if not written:
+                    raise VersionConflictError(version, self.source_dir, (
+                        ": its index landed, and this publisher has no record of the shards it wrote to tell "
+                        "whether it is its own"))
+                self.guard.check_landed_is_ours(version, written)
                 self.confirm(version)
                 self.retention.record(version, staged.kind, is_committed(anchor_dir(self.source_dir, version)))
             return vdir, 0
-        vdir, anchor_nbytes = self.committer.commit(version, kind, manifests)
+        layout_change = None
+        if kind == "full":
+            if allow_layout_change:
+                layout_change = "allowed by the publisher's caller"
+            else:
+                self._check_tensor_set(version, set(_merged(manifests, version, kind, lambda m: m.weight_map)))
+        vdir, anchor_nbytes = self.committer.commit(version, kind, manifests, fence=self.guard.hold_lease,
+                                                    layout_change=layout_change)
         if staged is not None and staged.version == version:
             self.confirm(version)
         self.retention.record(version, kind, anchor_nbytes > 0)
         return vdir, anchor_nbytes
+
+    def _check_tensor_set(self, version: int, names: set[str]) -> None:
+        """Several ranks: each checked its tensors' dtypes and shapes at write(); the whole
+        tensor set is known only here, from every rank's manifest."""
+        from .records import recorded_layout
+
+        layout, _ = recorded_layout(self.source_dir, version - 1)
+        if layout is None or set(layout) == names:
+            return
+        from ..errors import LayoutChangeError
+
+        raise LayoutChangeError(version, version - 1, [f"drops tensor {n}" for n in sorted(set(layout) - names)]
+                                + [f"adds tensor {n}" for n in sorted(names - set(layout))])
+
+    def _already_published(self, version: int, tensors: Mapping[str, "RawTensor | np.ndarray"]) -> PublishResult:
+        """``version`` is committed (by an earlier run of the caller, or another writer): an identical
+        retry is counted (the snapshot takes its bytes, nothing is written); other bytes raise
+        VersionConflictError."""
+        jobs = self.snapshot.jobs(tensors)
+        kind = self.guard.identical_kind(version, jobs)
+        self.snapshot.advance(version, [(j.name, j.new, None) for j in jobs if not j.untouched])
+        self._committed, self._staged, self._full_reason = version, None, None
+        self.guard.base_checked, self._scanned = version, False
+        total = sum(j.new.nbytes for j in jobs)
+        elements = sum(int(np.prod(j.shape, dtype=np.int64)) for j in jobs)
+        result = PublishResult(version, kind, "already published, identical: nothing written", 0, total, 0, 0,
+                               elements, 0.0, 0.0)
+        self._landed = result
+        log.info("v%d is already published with exactly these bytes: counted, nothing written", version)
+        return result
 
     def _after_commit(self, vdir: str) -> None:
         """What follows a commit (repeated by a retry once the index landed): the hook, pruning."""
@@ -765,6 +951,7 @@ class Publisher:
         else:  # not compared: any passed tensor may have changed, and no digest was computed
             changed = [(t.name, t.new, None) for t in prepared.tensors if t.new is not entries[t.name].buf]
         self.snapshot.advance(prepared.version, changed)
+        self.guard.base_checked = prepared.version  # its own bytes from here: nothing to check again
         own = [msgspec.structs.replace(t, new=entries[t.name].buf) for t in prepared.tensors]
         self._staged = _Staged(prepared.version, kind, msgspec.structs.replace(prepared, tensors=own))
 
@@ -860,6 +1047,14 @@ def _remove_orphan_anchor(adir: str, version: int) -> None:
         pass
     shutil.rmtree(adir, ignore_errors=True)
     fsync_dir(os.path.dirname(adir) or ".")
+
+
+def _with_metadata(index: bytes, extra: dict[str, str]) -> bytes:
+    import json
+
+    obj = json.loads(index)
+    obj["metadata"].update(extra)
+    return json.dumps(obj, indent=1).encode()
 
 
 def _payload_len(t: PreparedTensor) -> int:
