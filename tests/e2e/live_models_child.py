@@ -233,6 +233,21 @@ def qwen3(tied: bool) -> dict:
     return patch_like_a_reload(Qwen3ForCausalLM(cfg).to(torch.float32), _bf16(HF(cfg).state_dict()))
 
 
+def qwen2(tied: bool) -> dict:
+    """Qwen2 / Qwen2.5: q/k/v biases stacked into qkv_proj beside the weights; the small Qwen2.5 models tie lm_head."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM as HF
+
+    from sglang.srt.models.qwen2 import Qwen2ForCausalLM
+
+    cfg = Qwen2Config(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, max_position_embeddings=128, tie_word_embeddings=tied)
+    torch.manual_seed(0)
+    v0 = _bf16(HF(cfg).state_dict())
+    for n in [n for n in v0 if n.endswith("_proj.bias")]:
+        v0[n] = torch.randn(v0[n].shape).to(torch.bfloat16)  # transformers initialises biases to zero
+    return patch_like_a_reload(Qwen2ForCausalLM(cfg).to(torch.float32), v0)
+
+
 def llama() -> dict:
     from transformers import LlamaConfig, LlamaForCausalLM as HF
 
@@ -406,6 +421,7 @@ def off_the_list() -> dict:
 
 CASES = {
     "qwen3": lambda: qwen3(tied=False), "qwen3_tied": lambda: qwen3(tied=True), "llama": llama,
+    "qwen2": lambda: qwen2(tied=False), "qwen2_tied": lambda: qwen2(tied=True),
     "qwen3_moe": qwen3_moe, "glm4_moe": glm4_moe, "scalar_parameter": scalar_parameter, "mla": mla,
     # DeepSeek-V3 and GLM-4.7-Flash ship a q_lora_rank: sglang fuses q_a_proj and kv_a_proj_with_mqa by torch.cat
     "mla_v3": lambda: mla(architecture="DeepseekV3ForCausalLM", q_lora_rank=8),

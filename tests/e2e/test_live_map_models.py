@@ -20,7 +20,7 @@ import pytest
 pytestmark = pytest.mark.slow
 
 HERE = Path(__file__).resolve().parent
-ALLOWED = ["qwen3", "qwen3_tied", "llama", "qwen3_moe", "glm4_moe", "mla", "mla_v3", "glm4_moe_lite"]
+ALLOWED = ["qwen3", "qwen3_tied", "qwen2", "qwen2_tied", "llama", "qwen3_moe", "glm4_moe", "mla", "mla_v3", "glm4_moe_lite"]
 MLA = ["mla", "mla_v3", "glm4_moe_lite"]
 
 
@@ -56,6 +56,13 @@ def test_each_allow_listed_class_is_mapped_on_a_copy_proven_and_patched_bit_iden
     assert out["check"]["mismatches"] == 0 and out["check"]["verified"] > 0, out["check"]
     print(f"\n[measured] {out['class']} ({family}): map built in {out['build_s']:.4f}s on a storage-free copy, "
           f"{out['nbytes']} B")
+
+
+def test_qwen2s_qkv_biases_map_into_the_stacked_qkv_proj_bias(cases):
+    out = _ok(cases, "qwen2")
+    for p in "qkv":
+        assert out["placements"][f"model.layers.0.self_attn.{p}_proj.bias"] == 1
+    assert "model.layers.0.self_attn.qkv_proj.bias" in out["proven_params"]
 
 
 def test_tied_embeddings_ignore_the_checkpoints_lm_head_as_a_reload_does(cases):

@@ -26,6 +26,7 @@ from ... import compat
 # model class (module.qualname) -> the family it serves; each has its in-process proof
 ALLOW_LIST = {
     "sglang.srt.models.qwen3.Qwen3ForCausalLM": "Qwen3 (dense)",
+    "sglang.srt.models.qwen2.Qwen2ForCausalLM": "Qwen2 / Qwen2.5 (dense)",
     "sglang.srt.models.qwen3_moe.Qwen3MoeForCausalLM": "Qwen3 MoE",
     "sglang.srt.models.llama.LlamaForCausalLM": "Llama",
     "sglang.srt.models.glm4_moe.Glm4MoeForCausalLM": "GLM-4 MoE",
