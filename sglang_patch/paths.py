@@ -2,6 +2,9 @@
 
 The operator names allowed roots with ``--pull-weights-allowed-roots DIR[,DIR...]``. A request's
 ``local_checkpoint_dir`` (written) and ``source_dir`` (read) must both lie inside one of them.
+A root may also be a bucket prefix (``s3://bucket/prefix``, ``gs://``, ``az://``): a ``source_dir``
+URL must then lie below it, segment by segment as paths do; the endpoint and credentials come
+from the server's environment only, never from a request.
 
 Invariants (each refusal raises before anything is touched):
 - No allowed roots configured means every request is refused (403): an endpoint that writes to
@@ -24,6 +27,7 @@ from dataclasses import dataclass
 from typing import Iterable, Sequence
 
 from weightsync.errors import InvalidRequestError, PathNotAllowedError
+from weightsync.storage.url import is_bucket_url, parse_bucket_url, url_within
 
 ALLOWED_ROOTS_FLAG = "--pull-weights-allowed-roots"
 PATH_MAX = 4096  # Linux's limits; os.pathconf would ask a directory that may not exist yet
@@ -55,6 +59,12 @@ def parse_allowed_roots(value: str | Iterable[str] | None) -> tuple[str, ...]:
     for item in items:
         item = item.strip()
         if not item:
+            continue
+        if is_bucket_url(item):
+            # A bucket prefix (s3://bucket/prefix) allows source URLs below it, segment by segment.
+            url = str(parse_bucket_url(item))
+            if url not in roots:
+                roots.append(url)
             continue
         if not os.path.isabs(item):
             raise ValueError(f"{ALLOWED_ROOTS_FLAG}: {item!r} is not an absolute path")
@@ -89,8 +99,11 @@ def check_request_paths(
         PathNotAllowedError (403): no roots configured; a ``..`` component; outside every root as
             written or after resolving symlinks.
     """
-    local = _check_one("local_checkpoint_dir", local_checkpoint_dir, allowed_roots)
-    source = _check_one("source_dir", source_dir, allowed_roots)
+    path_roots = [r for r in allowed_roots if not is_bucket_url(r)]
+    local = _check_one("local_checkpoint_dir", local_checkpoint_dir, path_roots)
+    if is_bucket_url(source_dir):
+        return CheckedPaths(local_checkpoint_dir=local, source_dir=_check_source_url(source_dir, allowed_roots))
+    source = _check_one("source_dir", source_dir, path_roots)
     if _overlaps(local, source):
         raise InvalidRequestError(
             f"local_checkpoint_dir {shown(local)} and source_dir {shown(source)} overlap; the local "
@@ -137,6 +150,20 @@ def _check_one(label: str, value: object, allowed_roots: Sequence[str]) -> str:
             f"{label} resolves through a symlink to {shown(real)}, outside every allowed root",
         )
     return real
+
+
+def _check_source_url(value: str, allowed_roots: Sequence[str]) -> str:
+    """A bucket URL source: parsed strictly (no endpoint, credentials or query: those come from
+    the server's environment only, 400 otherwise) and below an allowed URL root (403)."""
+    url = str(parse_bucket_url(cut_path(value) if len(value) > 2048 else value))
+    url_roots = [r for r in allowed_roots if is_bucket_url(r)]
+    if not any(url_within(url, root) for root in url_roots):
+        raise PathNotAllowedError(
+            cut_path(value), list(allowed_roots),
+            "source_dir is a bucket URL below no allowed URL root" if url_roots else
+            f"source_dir is a bucket URL and no URL root is allowed (add s3://bucket/prefix to {ALLOWED_ROOTS_FLAG})",
+        )
+    return url
 
 
 def _check_os_limits(label: str, value: str) -> None:

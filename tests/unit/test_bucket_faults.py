@@ -13,12 +13,18 @@ import pytest
 
 from core_support import assert_checkpoint_is, marker_version
 from weightsync import errors
-from weightsync.storage.bucket_pull import pull_from_bucket
+from weightsync.puller.bucket import pull_from_bucket as _pull_from_bucket
+from weightsync.puller.pull import _check_local_dir, pull as _pull
 from weightsync.storage.source import BucketSource
 
 from bucket_support import bucket_run, s3_env, s3_server_fixture  # noqa: F401 (fixtures)
 
 s3 = s3_server_fixture()
+
+
+def pull_from_bucket(*args, **kwargs):
+    """``pull`` from a bucket with a ``fetch_progress`` callback (the byte progress of the fetch)."""
+    return _pull_from_bucket(_pull, _check_local_dir, *args, **kwargs)
 
 
 @pytest.fixture

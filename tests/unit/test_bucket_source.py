@@ -10,7 +10,7 @@ import obstore
 import pytest
 
 from weightsync import errors
-from weightsync.storage.bucket_pull import is_placeholder, mirror_dir
+from weightsync.storage.mirror import is_placeholder, mirror_dir
 from weightsync.storage.source import BucketSource
 from weightsync.storage.url import parse_bucket_url
 

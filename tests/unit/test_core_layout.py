@@ -20,8 +20,9 @@ SIDES = ("publisher", "puller")
 MAY_IMPORT = {
     "codecs": set(),
     "format": {"codecs"},
-    "publisher": {"format", "codecs", "fsio"},
-    "puller": {"format", "codecs", "fsio"},
+    "publisher": {"format", "codecs", "fsio", "storage"},
+    "puller": {"format", "codecs", "fsio", "storage"},
+    "storage": {"format", "fsio"},  # where versions live (a dir, a bucket): below both sides
 }
 LEAVES = ("errors", "knobs", "hooks", "progress")  # progress: the reporter the command installs
 

@@ -442,14 +442,6 @@ class Publisher:
             without rename; files are then written once under their final name).
     """
 
-    def __new__(cls, source_dir: str, *args, **kwargs):
-        # A bucket URL (s3://, gs://, az://): the same publisher on a staging copy, uploading each commit.
-        if cls is Publisher and is_bucket_url(source_dir):
-            from ..storage.publisher import BucketPublisher
-
-            return super().__new__(BucketPublisher)
-        return super().__new__(cls)
-
     def __init__(
         self,
         source_dir: str,
@@ -482,6 +474,14 @@ class Publisher:
         new_hasher(checksum)  # blake3 without its package fails here, not mid-publish
         if not 0 <= rank < world_size:
             raise PublishError(f"rank {rank} is not in [0, {world_size})")
+        self.bucket = None
+        if is_bucket_url(source_dir):
+            # A bucket (s3://, gs://, az://): this publisher works on a host-local staging copy, and
+            # each commit is uploaded (shards, then the index created only if absent).
+            from ..storage.bucket_publish import open_bucket_target
+
+            self.bucket = open_bucket_target(source_dir, rank, world_size)
+            source_dir = self.bucket.staging_dir
         self.source_dir = source_dir
         self.encoding = encoding
         self.checksum = checksum
@@ -903,10 +903,14 @@ class Publisher:
 
     def _after_commit(self, vdir: str) -> None:
         """What follows a commit (repeated by a retry once the index landed): the hook, pruning."""
+        if self.bucket is not None:
+            self.bucket.upload_committed()  # a retry after a failed upload lands here again
         if self.post_write_hook is not None:
             self.post_write_hook(vdir)
         if self.prune:
             self.retention.prune()
+            if self.bucket is not None:
+                self.bucket.mirror_pruned()
 
     def _recognise_landed(self, staged: _Staged) -> PublishResult:
         """The staged version's index is in the source dir: count it published (one rank)."""

@@ -267,10 +267,10 @@ def pull(
     """
     if is_bucket_url(source_dir):
         # A bucket: its objects are fetched into a host-local mirror, then this same pull runs on it.
-        from ..storage.bucket_pull import pull_from_bucket
+        from .bucket import pull_from_bucket
 
-        return pull_from_bucket(local_checkpoint_dir, seed_dir, source_dir, target_version, pre_read_hook,
-                                lock_timeout_s=lock_timeout_s, workers=workers, durability=durability,
+        return pull_from_bucket(pull, _check_local_dir, local_checkpoint_dir, seed_dir, source_dir, target_version,
+                                pre_read_hook, lock_timeout_s=lock_timeout_s, workers=workers, durability=durability,
                                 progress=progress, force=force)
     t0 = time.perf_counter()
     _check_dirs(local_checkpoint_dir, seed_dir, source_dir)

@@ -229,3 +229,18 @@ def _run_id_of(data: bytes) -> str | None:
         return str(obj["run_id"]) if isinstance(obj, dict) and "run_id" in obj else None
     except ValueError:
         return None
+
+
+def open_bucket_target(url: str, rank: int, world_size: int) -> BucketTarget:
+    """What ``Publisher(url)`` does first for a bucket URL: refuse several ranks (not yet
+    supported) and a store without conditional create, then settle the run identity (rank 0)."""
+    if world_size != 1:
+        raise PublishError(
+            f"publishing to {url} with several ranks is not supported yet: publish from one rank "
+            "(gather the tensors first), or publish into a shared dir"
+        )
+    target = BucketTarget(url)
+    target.check_conditional_create()
+    if rank == 0:
+        target.sync_run_identity()
+    return target

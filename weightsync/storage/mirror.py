@@ -1,5 +1,6 @@
-"""Pull from a bucket: fetch the objects the plan names into host-local files, then run
-today's pull (plan, seed, apply, verification) unchanged on them.
+"""The host-local mirror a pull from a bucket reads (``puller.bucket`` drives it): the objects the
+plan names are fetched into host-local files, and today's pull (plan, seed, apply, verification)
+runs unchanged on them.
 
 The host-local *mirror* (``<local>/.weight_sync/sources/<hash of the URL>/``) has the bucket's
 layout: the run file, each committed version's (and anchor's) index and small side files, and
@@ -30,21 +31,14 @@ import shutil
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from typing import Callable
 
-from ..errors import (
-    BucketCredentialsError,
-    BucketUnavailableError,
-    InvalidRequestError,
-    SourceNotReadyError,
-    VersionMissingError,
-    WeightSyncError,
-)
-from ..format.layout import INDEX_NAME, RUN_NAME, anchor_dir_name, is_weight_file, sync_dir, version_dir_name
-from ..format.manifest import read_run_id
+from ..errors import SourceNotReadyError
+from ..format.layout import INDEX_NAME, RUN_NAME, is_weight_file, sync_dir
 from ..fsio import write_bytes
 from .client import OBJECTS_IN_FLIGHT, Deadline
 from .source import BucketSource, ObjectInfo
-from .url import BucketURL, parse_bucket_url
+from .url import BucketURL
 
 log = logging.getLogger(__name__)
 
@@ -119,11 +113,9 @@ class Mirror:
 
     # --- inside the host lock -------------------------------------------------------------
 
-    def prepare(self, local: str, seed_dir: str, target: int) -> None:
-        """Refresh the mirror from one LIST, plan, fetch what the plan reads, evict the rest."""
-        from ..puller.identity import source_origin
-        from ..puller.plan import plan_pull
-
+    def prepare(self, target: int, plan_keys: "Callable[[], tuple[set[str], str]]") -> None:
+        """Refresh the mirror from one LIST, plan (``plan_keys``: the keys the pull will read, and
+        why, planned on the refreshed mirror), fetch those, evict the rest."""
         listing = self.source.list()
         committed = self._refresh(listing, target)
         fetched = self._load_fetched()
@@ -132,14 +124,7 @@ class Mirror:
             needed = {k for k, o in listing.items() if self._is_shard_of(k, committed)}
             why = f"every shard up to v{target} (the fallback after a pull reached an unfetched one)"
         else:
-            plan, indexes = plan_pull(local, seed_dir, self.root, target, origin=source_origin(self.root, seed_dir))
-            needed = set()
-            for v in plan.deltas:
-                needed |= {f"{version_dir_name(v)}/{f}" for f in set(indexes[v].weight_map.values())}
-            if plan.seed is not None and plan.seed.kind in ("full", "anchor"):
-                d = os.path.basename(plan.seed.path.rstrip(os.sep))
-                needed |= {f"{d}/{f}" for f in plan.seed.shard_files}
-            why = plan.reason
+            needed, why = plan_keys()
         missing = [listing[k] for k in sorted(needed) if k in listing and k not in fetched]
         gone = sorted(k for k in needed if k not in listing)
         if gone:
@@ -275,69 +260,4 @@ class Mirror:
         write_bytes(self.root + ".tags.json", json.dumps(tags, sort_keys=True).encode())
 
 
-def pull_from_bucket(
-    local_checkpoint_dir: str,
-    seed_dir: str,
-    source_url: str,
-    target_version: int,
-    pre_read_hook=None,
-    *,
-    fetch_progress=None,
-    **kwargs,
-):
-    """``pull`` with a bucket URL as the source dir (``puller.pull`` dispatches here). The
-    pre-read hook gets the URL. ``fetch_progress(bytes_done, bytes_total)`` follows the fetch."""
-    from ..puller.plan import check_target_version
-    from ..puller.pull import _check_local_dir, load_hook, pull
-
-    url = parse_bucket_url(source_url)
-    check_target_version(target_version)
-    if not isinstance(local_checkpoint_dir, str) or not local_checkpoint_dir:
-        raise InvalidRequestError(f"local_checkpoint_dir must be a non-empty path, got {local_checkpoint_dir!r}")
-    user_hook = load_hook(pre_read_hook)
-    _check_local_dir(local_checkpoint_dir, bool(kwargs.get("force", False)))  # before the mirror makes it look ours
-    source = BucketSource(url)
-    if target_version > 0 and not os.path.isdir(local_checkpoint_dir):
-        # A first pull of a version that is not there yet leaves no trace (no dir, no lock).
-        _check_published(source, target_version)
-    root = mirror_dir(local_checkpoint_dir, url)
-    os.makedirs(root, exist_ok=True)
-    mirror = Mirror(source, root, fetch_progress)
-    mirror.sync_run_file()
-
-    def hook(_mirror_root: str, version: int) -> None:
-        if user_hook is not None:
-            user_hook(str(url), version)  # e.g. a credential refresh: before the first request
-            mirror.sync_run_file()
-        _check_published(source, version)
-        mirror.prepare(local_checkpoint_dir, seed_dir, version)
-
-    try:
-        result = pull(local_checkpoint_dir, seed_dir, root, target_version, hook, **kwargs)
-    except (SourceNotReadyError, InvalidRequestError, BucketCredentialsError, BucketUnavailableError):
-        raise
-    except WeightSyncError as first:
-        if not mirror.has_placeholders():
-            raise
-        log.warning("pull v%d from %s: %s; fetching every shard up to v%d and pulling once more",
-                    target_version, url, first, target_version)
-        mirror.materialize_all = True
-        result = pull(local_checkpoint_dir, seed_dir, root, target_version, hook, **kwargs)
-    result.hook_ran = result.hook_ran and user_hook is not None
-    return result
-
-
-def _check_published(source: BucketSource, version: int) -> None:
-    """The version's index is in the bucket (a cheap GET), else "not ready"."""
-    key = f"{version_dir_name(version)}/{INDEX_NAME}"
-    try:
-        source.read(key)
-    except FileNotFoundError:
-        raise VersionMissingError(version, f"{source.name}/{key}") from None
-
-
-def anchor_key(version: int) -> str:
-    return f"{anchor_dir_name(version)}/{INDEX_NAME}"
-
-
-__all__ = ["pull_from_bucket", "mirror_dir", "is_placeholder", "Mirror", "PLACEHOLDER_MAGIC", "read_run_id"]
+__all__ = ["Mirror", "mirror_dir", "is_placeholder", "PLACEHOLDER_MAGIC"]

@@ -1,0 +1,104 @@
+"""``pull`` with a bucket URL as the source dir: today's pull on a host-local mirror of the
+bucket (``storage.mirror``), which the pre-read hook fills, inside the host lock, with exactly
+the objects the plan reads. ``pull`` dispatches here and passes itself in (this module imports
+no ``pull``: the dispatch would be a circle).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Callable
+
+from ..errors import (
+    BucketCredentialsError,
+    BucketUnavailableError,
+    InvalidRequestError,
+    SourceNotReadyError,
+    VersionMissingError,
+    WeightSyncError,
+)
+from ..format.layout import INDEX_NAME, version_dir_name
+from ..hooks import load_callable
+from ..storage.mirror import Mirror, mirror_dir
+from ..storage.source import BucketSource
+from ..storage.url import parse_bucket_url
+from .identity import source_origin
+from .plan import check_target_version, plan_pull
+
+log = logging.getLogger(__name__)
+
+
+def pull_from_bucket(
+    run_pull: Callable,
+    check_local_dir: Callable[[str, bool], None],
+    local_checkpoint_dir: str,
+    seed_dir: str,
+    source_url: str,
+    target_version: int,
+    pre_read_hook=None,
+    *,
+    fetch_progress: "Callable[[int, int], None] | None" = None,
+    **kwargs,
+):
+    """Pull ``target_version`` from the bucket ``source_url`` (``run_pull``: ``puller.pull``;
+    ``check_local_dir``: its refusal of a local dir that is not ours, run before the mirror is
+    created inside it). The pre-read hook gets the URL. ``fetch_progress(bytes_done,
+    bytes_total)`` follows the fetch."""
+    url = parse_bucket_url(source_url)
+    check_target_version(target_version)
+    if not isinstance(local_checkpoint_dir, str) or not local_checkpoint_dir:
+        raise InvalidRequestError(f"local_checkpoint_dir must be a non-empty path, got {local_checkpoint_dir!r}")
+    user_hook = load_callable(pre_read_hook, what="pre-read hook", error=InvalidRequestError)
+    check_local_dir(local_checkpoint_dir, bool(kwargs.get("force", False)))
+    source = BucketSource(url)
+    if target_version > 0 and not os.path.isdir(local_checkpoint_dir):
+        _check_published(source, target_version)  # a version not there yet leaves no trace (no dir, no lock)
+    root = mirror_dir(local_checkpoint_dir, url)
+    os.makedirs(root, exist_ok=True)
+    mirror = Mirror(source, root, fetch_progress)
+    mirror.sync_run_file()  # before the no-op check: a new run under the URL is seen
+
+    def plan_keys(target: int) -> tuple[set[str], str]:
+        plan, indexes = plan_pull(local_checkpoint_dir, seed_dir, root, target, origin=source_origin(root, seed_dir))
+        keys: set[str] = set()
+        for v in plan.deltas:
+            keys |= {f"{version_dir_name(v)}/{f}" for f in set(indexes[v].weight_map.values())}
+        if plan.seed is not None and plan.seed.kind in ("full", "anchor"):
+            d = os.path.basename(plan.seed.path.rstrip(os.sep))
+            keys |= {f"{d}/{f}" for f in plan.seed.shard_files}
+        return keys, plan.reason
+
+    def hook(_mirror_root: str, version: int) -> None:
+        if user_hook is not None:
+            user_hook(str(url), version)  # e.g. a credential refresh: before the first request
+            mirror.sync_run_file()
+        _check_published(source, version)
+        mirror.prepare(version, lambda: plan_keys(version))
+
+    try:
+        result = run_pull(local_checkpoint_dir, seed_dir, root, target_version, hook, **kwargs)
+    except (SourceNotReadyError, InvalidRequestError, BucketCredentialsError, BucketUnavailableError):
+        raise
+    except WeightSyncError as first:
+        if not mirror.has_placeholders():
+            raise
+        # A fallback inside the pull (a replay, another anchor) planned past what was fetched.
+        log.warning("pull v%d from %s: %s; fetching every shard up to v%d and pulling once more",
+                    target_version, url, first, target_version)
+        mirror.materialize_all = True
+        result = run_pull(local_checkpoint_dir, seed_dir, root, target_version, hook, **kwargs)
+    result.hook_ran = result.hook_ran and user_hook is not None
+    return result
+
+
+def _check_published(source: BucketSource, version: int) -> None:
+    """The version's index is in the bucket (one GET), else "not ready"."""
+    key = f"{version_dir_name(version)}/{INDEX_NAME}"
+    try:
+        source.read(key)
+    except FileNotFoundError:
+        raise VersionMissingError(version, f"{source.name}/{key}") from None
+
+
+__all__ = ["pull_from_bucket"]
