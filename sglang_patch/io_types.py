@@ -93,6 +93,9 @@ class UpdateWeightsFromPulledReqOutput(BaseReq, kw_only=True):
     # what the mode was chosen by (live.results.choose_mode): the engine's estimated pause each way
     live_estimate_s: Optional[float] = None
     reload_estimate_s: Optional[float] = None
+    # how the mode was chosen (live.results.decide_mode): by a vote, the estimates, or a probe of
+    # the losing mode, and how long ago (updates, pause seconds) each mode was last measured
+    mode_choice: Optional[Dict[str, Any]] = None
     # the check after the update (live.check): elements compared equal, and those that were not,
     # summed over ranks (per rank: each host's ``checks``); a mismatch after a live apply made
     # every rank reload the local checkpoint (``reloaded_after_check``)

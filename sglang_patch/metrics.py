@@ -23,7 +23,7 @@ Metrics (glossary of docs/FORMAT.md):
 | ``weightsync_live_weight_version`` | gauge | | the version the engine serves (0: the model it started from) |
 | ``weightsync_reseeds_total`` | counter | ``host`` | pulls that found the local state torn or corrupt and reseeded |
 | ``weightsync_weight_update_pause_seconds`` | histogram | ``mode`` | how long a weight update held generation: ``reload`` (``/update_weights_from_disk``) or ``live`` |
-| ``weightsync_update_checks_total`` | counter | ``outcome`` | ranks' checks of the live weights after a ``/update_weights_from_pulled`` (``live.check``): ``ok``, ``mismatch``, or ``unchecked`` (no sample drawn: the detail says why) |
+| ``weightsync_update_checks_total`` | counter | ``outcome`` | ranks' checks of the live weights after a ``/update_weights_from_pulled`` (``live.check``): ``ok``, ``mismatch``, ``failed`` (the check could not run: the reply is not a success), or ``unchecked`` (no sample drawn: the detail says why) |
 | ``weightsync_update_check_mismatches_total`` | counter | | parameter elements those checks found different from the published bytes |
 | ``weightsync_update_check_reloads_total`` | counter | | live applies whose check found a mismatch, after which every rank reloaded |
 | ``weightsync_update_check_seconds`` | histogram | ``part`` | what each rank's check cost: inside the pause, ``written`` (every element a live apply wrote, read back in the scatter, and the storages' check at commit) and ``sample`` (its checkpoint sample); at a live apply's staging, while serving, ``sample_at_staging`` (the sampled elements already at the target's bytes) |
@@ -195,12 +195,15 @@ def _record_checks(reply: Mapping[str, Any]) -> None:
     metrics = _get()
     if metrics is None:
         return
-    checks = list(reply.get("failed_checks") or ())
-    checks += [c for host in reply.get("hosts") or () for c in (_field(host, "checks") or ())]
+    final = [c for host in reply.get("hosts") or () for c in (_field(host, "checks") or ())]
+    # failed_checks repeats the hosts' own checks that did not hold (live.results.summarize): once each
+    seen = {_check_key(c) for c in final}
+    checks = [c for c in reply.get("failed_checks") or () if _check_key(c) not in seen] + final
     for check in checks:
         mismatches = int(_field(check, "mismatches", 0) or 0)
         compared = int(_field(check, "sampled_elements", 0) or 0) + int(_field(check, "scattered_elements", 0) or 0)
-        metrics.update_checks.labels("mismatch" if mismatches else ("ok" if compared else "unchecked")).inc()
+        outcome = "mismatch" if mismatches else ("failed" if _field(check, "failed") else ("ok" if compared else "unchecked"))
+        metrics.update_checks.labels(outcome).inc()
         metrics.update_check_mismatches.inc(mismatches)
         if int(_field(check, "scattered_elements", 0) or 0):
             metrics.update_check_seconds.labels("written").observe(  # the read-back in the scatter and the storages' check
@@ -212,6 +215,10 @@ def _record_checks(reply: Mapping[str, Any]) -> None:
                 float(_field(check, "sample_before_pause_s", 0.0) or 0.0))
     if reply.get("reloaded_after_check"):
         metrics.update_check_reloads.inc()
+
+
+def _check_key(check: Any) -> tuple:
+    return tuple(_field(check, f) for f in ("rank", "mismatches", "failed", "detail", "verified_elements", "check_s"))
 
 
 def observe_reload(model_path: Optional[str], success: bool, seconds: float) -> None:

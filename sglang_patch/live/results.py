@@ -14,8 +14,14 @@ Invariants:
   reload's pause and its scatter cost per element, and votes both estimates for this update;
   the engine goes live only where the live estimate (the slowest rank's) is below the reload
   estimate. The changed-fraction threshold stays as the operator's cap (a staging above it is
-  refused on the rank). An estimate a rank has not measured yet (no reload, or no live apply
-  since start-up) is None, and then the cap alone decides; both estimates are in the reply.
+  refused on the rank). Both estimates are in the reply, with how the choice was made
+  (``mode_choice``).
+- The choice keeps measuring both modes (``decide_mode``): an estimate of the mode that keeps
+  losing only ages, so the losing mode is probed again once the pauses spent since it was last
+  measured pay for the probe many times over (``PROBE_SHARE``), and a reload is probed once after
+  a full window of live applies when none was measured since start-up. Without that, one slow
+  live apply followed by a reload made every later update reload for the engine's life, and
+  before any reload every update went live at any cost.
 """
 
 from __future__ import annotations
@@ -27,6 +33,22 @@ import msgspec
 
 LIVE = "live"
 RELOAD = "reload"
+# the reply's error_type when the check of the weights it names did not hold, or could not run
+UPDATE_CHECK_FAILED = "update_check_failed"
+
+
+class MeasureAges(msgspec.Struct, frozen=True):
+    """How long ago one rank last measured each mode: the updates of the other mode since (and
+    their pauses, seconds); counted from start-up for a mode never measured."""
+
+    live_updates: int = 0
+    live_pause_s: float = 0.0
+    reload_updates: int = 0
+    reload_pause_s: float = 0.0
+    # measurements in a row, each after the mode sat unmeasured (a probe), that found it still
+    # slower than the other mode's estimate: each doubles what the next probe must be paid by
+    live_lost: int = 0
+    reload_lost: int = 0
 
 
 class LiveDecision(msgspec.Struct, frozen=True):
@@ -41,6 +63,7 @@ class LiveDecision(msgspec.Struct, frozen=True):
     elements: int = 0  # what a live apply would write on this rank
     live_estimate_s: Optional[float] = None  # this rank's estimates for this update (PauseCosts)
     reload_estimate_s: Optional[float] = None
+    ages: Optional[MeasureAges] = None  # since each mode was last measured (None: no probing on this vote)
 
 
 class PauseCosts:
@@ -66,9 +89,13 @@ class PauseCosts:
     """
 
     WINDOW = 8
+    # a live apply after this many updates of the other mode starts the window afresh: the
+    # older pauses describe the machine as it was (a busy spell), and only they kept live losing
+    STALE_AFTER = 4
     DISTINCT_SIZES = 1.5  # two applies whose element counts differ by this factor give a slope
 
     def __init__(self) -> None:
+        self._ages = MeasureAges()
         self.reload_s: Optional[float] = None
         self.reload_check_s = 0.0  # the check after our route's last reload
         self._rates: list[float] = []
@@ -81,7 +108,13 @@ class PauseCosts:
         del window[:-self.WINDOW]
 
     def record_reload(self, seconds: float) -> None:
+        a = self._ages
+        stale = a.reload_updates >= self.STALE_AFTER or self.reload_s is None
         self.reload_s = float(seconds)
+        live = self.live_estimate(self._points[-1][0]) if self._points else None
+        lost = a.reload_lost + 1 if stale and live is not None and self.reload_estimate >= live else 0
+        self._ages = MeasureAges(live_updates=a.live_updates + 1, live_pause_s=a.live_pause_s + float(seconds),
+                                 live_lost=a.live_lost, reload_lost=lost)
 
     def record_reload_check(self, seconds: float) -> None:
         self.reload_check_s = float(seconds)
@@ -90,11 +123,24 @@ class PauseCosts:
         self._keep(self._round_trips, seconds)
 
     def record_live(self, elements: int, scatter_s: float, pause_s: float) -> None:
+        a = self._ages
+        stale = a.live_updates >= self.STALE_AFTER
+        if stale:
+            self._rates, self._fixed, self._points = [], [], []
         if elements > 0:
             self._keep(self._rates, scatter_s / elements)
         self._keep(self._fixed, max(0.0, pause_s - scatter_s))
         self._points.append((int(elements), float(pause_s)))
         del self._points[:-self.WINDOW]
+        reload = self.reload_estimate
+        lost = a.live_lost + 1 if stale and reload is not None and pause_s >= reload else 0
+        self._ages = MeasureAges(reload_updates=a.reload_updates + 1, reload_pause_s=a.reload_pause_s + float(pause_s),
+                                 live_lost=lost, reload_lost=a.reload_lost)
+
+    @property
+    def ages(self) -> MeasureAges:
+        """Since each mode was last measured on this rank (the vote carries it: ``decide_mode``)."""
+        return self._ages
 
     def _pause_line(self) -> Optional[tuple[float, float]]:
         """``(fixed, per element)`` of a Theil-Sen line through the recent pauses, or None when
@@ -224,26 +270,93 @@ def engine_estimates(decisions: Sequence[LiveDecision]) -> tuple[Optional[float]
             slowest([d.reload_estimate_s for d in decisions]))
 
 
-def estimate_fields(decisions: Sequence[LiveDecision]) -> dict:
-    """The reply's ``live_estimate_s`` and ``reload_estimate_s`` for these votes."""
+def engine_ages(decisions: Sequence[LiveDecision]) -> Optional[MeasureAges]:
+    """Since each mode was last measured on the engine: the most recent rank's count (a rank
+    that measured it since says so); None where some rank sent none (no probing then)."""
+    ages = [d.ages for d in decisions]
+    if not ages or any(a is None for a in ages):
+        return None
+    return MeasureAges(live_updates=min(a.live_updates for a in ages), live_pause_s=min(a.live_pause_s for a in ages),
+                       reload_updates=min(a.reload_updates for a in ages),
+                       reload_pause_s=min(a.reload_pause_s for a in ages),
+                       live_lost=max(a.live_lost for a in ages), reload_lost=max(a.reload_lost for a in ages))
+
+
+# The losing mode is probed again once its estimate's excess over the winner's is at most this
+# share of the pauses spent since it was last measured, times 2 for each probe in a row that
+# found it still slower: a probe costs at most a tenth of the pause time since the last one, the
+# probes of a mode that keeps losing come ever rarer (their share halves each time), and a stale
+# estimate is still re-measured in bounded time.
+PROBE_SHARE = 0.1
+PROBE_BACKOFF_LIMIT = 10  # at most 2**10 times the first probe's wait
+PROBE_MIN_UPDATES = PauseCosts.STALE_AFTER  # and never sooner than this many updates after its last measurement
+# No reload measured since start-up: one is probed after this many live applies (a full window
+# of them measured), once; its cost cannot be guessed from a live apply's.
+FIRST_RELOAD_PROBE_AFTER = PauseCosts.WINDOW
+
+
+def decide_mode(decisions: Sequence[LiveDecision]) -> dict:
+    """The mode every rank follows, why, and what it was chosen by (the reply's ``mode_choice``).
+
+    Live only when every rank can; then, where both are measured, the faster estimate, unless
+    the slower one is due for a probe (``PROBE_SHARE``, ``FIRST_RELOAD_PROBE_AFTER``)."""
     live, reload = engine_estimates(decisions)
-    return {"live_estimate_s": live, "reload_estimate_s": reload}
+    ages = engine_ages(decisions)
+
+    def choice(mode: str, by: str, reason: Optional[str] = None, probe: bool = False) -> dict:
+        return {"mode": mode, "reason": reason, "by": by, "probe": probe,
+                "live_estimate_s": live, "reload_estimate_s": reload,
+                "updates_since_live_measured": ages.live_updates if ages else None,
+                "pause_s_since_live_measured": ages.live_pause_s if ages else None,
+                "updates_since_reload_measured": ages.reload_updates if ages else None,
+                "pause_s_since_reload_measured": ages.reload_pause_s if ages else None,
+                "live_probes_lost": ages.live_lost if ages else None,
+                "reload_probes_lost": ages.reload_lost if ages else None}
+
+    for d in decisions:
+        if not d.live:
+            return choice(RELOAD, "vote", f"{d.rank}: {d.reason}")
+    if not any(d.elements for d in decisions):
+        return choice(LIVE, "nothing to write")  # already serving it
+    if reload is None:
+        if ages is not None and live is not None and ages.reload_updates >= FIRST_RELOAD_PROBE_AFTER:
+            return choice(RELOAD, "probe", (
+                f"probing a reload's pause: none measured since start-up, {ages.reload_updates} live applies since "
+                f"(live estimated {live:.4f}s)"), probe=True)
+        return choice(LIVE, "unmeasured")  # the changed-fraction cap bounds it
+    if live is None:
+        return choice(LIVE, "unmeasured")
+    elements = max(d.elements for d in decisions)
+    if live < reload:
+        if ages is not None and _probe_due(reload - live, ages.reload_updates, ages.reload_pause_s, ages.reload_lost):
+            return choice(RELOAD, "probe", (
+                f"probing a reload's pause: last measured {ages.reload_updates} updates ago, estimated {reload:.4f}s "
+                f"against live {live:.4f}s"), probe=True)
+        return choice(LIVE, "estimate")
+    if ages is not None and _probe_due(live - reload, ages.live_updates, ages.live_pause_s, ages.live_lost):
+        return choice(LIVE, "probe", probe=True)
+    return choice(RELOAD, "estimate", (
+        f"a reload is estimated faster: live {live:.4f}s ({elements} changed elements on the busiest "
+        f"rank at the measured scatter rate) against {reload:.4f}s (the last reload's pause)"))
+
+
+def _probe_due(excess_s: float, updates: int, pause_s: float, lost: int) -> bool:
+    """Whether the losing mode, estimated ``excess_s`` slower, is probed now that ``updates``
+    updates taking ``pause_s`` ran since it was last measured (``lost``: its probes in a row that
+    found it still slower)."""
+    return updates >= PROBE_MIN_UPDATES and excess_s * 2 ** min(lost, PROBE_BACKOFF_LIMIT) <= PROBE_SHARE * pause_s
+
+
+def estimate_fields(decisions: Sequence[LiveDecision]) -> dict:
+    """The reply's ``live_estimate_s``, ``reload_estimate_s`` and ``mode_choice`` for these votes."""
+    live, reload = engine_estimates(decisions)
+    return {"live_estimate_s": live, "reload_estimate_s": reload, "mode_choice": decide_mode(decisions)}
 
 
 def choose_mode(decisions: Sequence[LiveDecision]) -> tuple[str, Optional[str]]:
-    """``(mode, reason)`` all ranks follow: live only when every rank can, and (where both are
-    measured) when the live estimate is below the reload estimate."""
-    for d in decisions:
-        if not d.live:
-            return RELOAD, f"{d.rank}: {d.reason}"
-    if not any(d.elements for d in decisions):
-        return LIVE, None  # nothing to write (already serving it)
-    live, reload = engine_estimates(decisions)
-    if live is not None and reload is not None and live >= reload:
-        elements = max(d.elements for d in decisions)
-        return RELOAD, (f"a reload is estimated faster: live {live:.4f}s ({elements} changed elements on the busiest "
-                        f"rank at the measured scatter rate) against {reload:.4f}s (the last reload's pause)")
-    return LIVE, None
+    """``(mode, reason)`` all ranks follow (``decide_mode``)."""
+    c = decide_mode(decisions)
+    return c["mode"], c["reason"]
 
 
 def first_refusal(decisions: Sequence[LiveDecision]) -> Optional[LiveDecision]:
@@ -286,10 +399,21 @@ def merge_hosts(items: Sequence[LiveRankReport | LiveHostResult]) -> list[LiveHo
 
 def summarize(target_version: int, hosts: Sequence[LiveHostResult], *, error_type: Optional[str] = None,
               http_status: int = 200, message: Optional[str] = None, live_estimate_s: Optional[float] = None,
-              reload_estimate_s: Optional[float] = None, failed_checks: Sequence[RankCheck] = ()) -> dict:
-    """The reply's fields (see ``UpdateWeightsFromPulledReqOutput``)."""
+              reload_estimate_s: Optional[float] = None, failed_checks: Sequence[RankCheck] = (),
+              mode_choice: Optional[dict] = None, reloaded_after_check: Optional[bool] = None) -> dict:
+    """The reply's fields (see ``UpdateWeightsFromPulledReqOutput``).
+
+    ``failed_checks``: the checks after a live apply that did not hold, which made every rank
+    reload (``reloaded_after_check``). A check of the weights the reply names that did not hold
+    (the hosts' own: after the final commit or reload) makes the reply a failure, whatever the
+    ranks' loads said: it never ends in success (``update_check_failed``, the checks in
+    ``failed_checks``). ``reloaded_after_check`` None: whether ``failed_checks`` holds any."""
     hosts = list(hosts)
-    ok = error_type is None and bool(hosts) and all(h.success and h.weight_version == target_version for h in hosts)
+    unheld = [c for h in hosts for c in h.checks if check_failed(c)]
+    reloaded = bool(failed_checks) if reloaded_after_check is None else reloaded_after_check
+    earlier = [c for c in failed_checks if check_failed(c) and c not in unheld]  # not counted twice
+    ok = (error_type is None and bool(hosts) and not unheld
+          and all(h.success and h.weight_version == target_version for h in hosts))
     mode = RELOAD if any(h.mode == RELOAD for h in hosts) else LIVE
     reason = next((h.reason for h in hosts if h.reason), None)
     versions = {h.weight_version for h in hosts}
@@ -300,6 +424,15 @@ def summarize(target_version: int, hosts: Sequence[LiveHostResult], *, error_typ
             message = f"v{target_version} is served on {len(hosts)} host(s): {how}"
         elif not hosts:
             message = "no scheduler rank answered"
+        elif unheld and error_type is None and all(h.success and h.weight_version == target_version for h in hosts):
+            details = "; ".join(f"{c.rank}: {c.mismatches} mismatch(es), first {c.detail}" if c.mismatches else
+                                f"{c.rank}: {c.detail}" for c in unheld)
+            message = (f"v{target_version} was {'patched live' if mode == LIVE else 'reloaded'} but the check of the "
+                       f"live weights against the local checkpoint did not hold ({details}): the engine may serve "
+                       f"weights of no published version until an update succeeds. Check the local checkpoint "
+                       f"against the published version (weightsync verify), republish it complete if a tensor is "
+                       f"missing or damaged, then pull and update again")
+            error_type, http_status = UPDATE_CHECK_FAILED, 500
         else:
             failed = [h for h in hosts if not (h.success and h.weight_version == target_version)]
             details = "; ".join(f"{h.host}: {h.message}" for h in failed)
@@ -307,7 +440,7 @@ def summarize(target_version: int, hosts: Sequence[LiveHostResult], *, error_typ
             if rolled_back:
                 message += " (every rank was restored to the previous version)"
     if not ok and error_type is None:
-        error_type, http_status = ("internal_error", 500)
+        error_type, http_status = ((UPDATE_CHECK_FAILED, 500) if unheld else ("internal_error", 500))
     return dict(
         success=ok,
         mode=mode,
@@ -323,23 +456,27 @@ def summarize(target_version: int, hosts: Sequence[LiveHostResult], *, error_typ
         hosts=hosts,
         live_estimate_s=live_estimate_s,
         reload_estimate_s=reload_estimate_s,
+        mode_choice=mode_choice,
         # the check after the update (live.check), every rank of every host together
         verified_elements=sum(c.verified_elements for h in hosts for c in h.checks),
-        mismatches=sum(c.mismatches for h in hosts for c in h.checks) + sum(c.mismatches for c in failed_checks),
+        mismatches=sum(c.mismatches for h in hosts for c in h.checks) + sum(c.mismatches for c in earlier),
         not_checkable_params=sum(c.not_checkable_params for h in hosts for c in h.checks),
         # the checks after a live apply that found mismatches, which made every rank reload
-        reloaded_after_check=bool(failed_checks),
-        failed_checks=[c for c in failed_checks if check_failed(c)],
+        reloaded_after_check=reloaded,
+        # every check that did not hold: those that made every rank reload, then the final ones
+        failed_checks=earlier + unheld,
     )
 
 
 def merge_replies(target_version: int, replies: Sequence[dict]) -> dict:
     """One reply from the DP groups' replies; a refusal (4xx) of any group is the reply."""
     for r in replies:
-        if r.get("error_type") not in (None, "internal_error") and not r.get("hosts"):
+        if r.get("error_type") not in (None, "internal_error", UPDATE_CHECK_FAILED) and not r.get("hosts"):
             return dict(r)
     hosts = merge_hosts([h for r in replies for h in r.get("hosts", [])])
     failed = [r for r in replies if not r.get("success")]
     if failed and not hosts:
         return dict(failed[0])
-    return summarize(target_version, hosts, failed_checks=[c for r in replies for c in r.get("failed_checks", ())])
+    return summarize(target_version, hosts, failed_checks=[c for r in replies for c in r.get("failed_checks", ())],
+                     reloaded_after_check=any(r.get("reloaded_after_check") for r in replies),
+                     mode_choice=next((r["mode_choice"] for r in replies if r.get("mode_choice")), None))

@@ -155,9 +155,11 @@ RANKS = ["dp0/tp0", "dp0/tp1", "dp1/tp0"]
 class Engine:
     """Every rank's answer per phase (``mismatch_on`` finds a wrong element after its commit)."""
 
-    def __init__(self, mismatch_on=(), check_raises_on=()):
+    def __init__(self, mismatch_on=(), check_raises_on=(), reload_check_raises_on=(), votes_reload=False):
         self.mismatch_on = set(mismatch_on)
         self.check_raises_on = set(check_raises_on)
+        self.reload_check_raises_on = set(reload_check_raises_on)  # the reload's own check raised there
+        self.votes_reload = votes_reload
         self.sent: list = []
 
     async def send(self, phase, reason):
@@ -166,7 +168,8 @@ class Engine:
         for rank in RANKS:
             base = dict(host=f"h/node{rank[2]}", rank=rank, weight_version=4)
             if phase == tx.VOTE:
-                out.votes.append(lr.LiveDecision(rank=rank, live=True, elements=3))
+                out.votes.append(lr.LiveDecision(rank=rank, live=not self.votes_reload, elements=3,
+                                                 reason="a full version" if self.votes_reload else None))
             elif phase == tx.APPLY:
                 out.reports.append(lr.LiveRankReport(**base, success=True, mode=lr.LIVE))
             elif phase == tx.COMMIT:
@@ -178,6 +181,8 @@ class Engine:
                 out.reports.append(lr.LiveRankReport(**base, success=True, mode=lr.LIVE, check=check))
             elif phase == tx.RELOAD:
                 check = lr.RankCheck(rank=rank, verified_elements=50, checked_params=2, not_checkable_params=1)
+                if rank in self.reload_check_raises_on:
+                    check = lr.RankCheck(rank=rank, failed=True, detail="the check failed: KeyError: 'lm_head.weight'")
                 out.reports.append(lr.LiveRankReport(**base, success=True, mode=lr.RELOAD, reason=reason, check=check))
         return out
 
@@ -208,6 +213,119 @@ def test_a_check_that_raised_on_one_rank_verifies_nothing_and_makes_every_rank_r
     assert fields["success"] and fields["mode"] == lr.RELOAD and fields["reloaded_after_check"]
     assert [c.rank for c in fields["failed_checks"]] == ["dp0/tp1"] and fields["failed_checks"][0].failed
     assert "dp0/tp1: the check failed: RuntimeError: boom" in fields["reason"]
+
+
+def test_a_reload_whose_check_could_not_run_is_a_failure_with_that_check_in_failed_checks():
+    """Issue 25.1: a full version lacking a tensor reloaded, its check raised KeyError, and the
+    reply was 200 ``success: true`` with ``failed_checks: []``."""
+    engine = Engine(votes_reload=True, reload_check_raises_on={"dp1/tp0"})
+    fields = asyncio.run(tx.run_transaction(engine.send, 4))
+    assert engine.sent == [tx.VOTE, tx.RELOAD]  # a reload of the same bytes cannot help
+    assert not fields["success"] and fields["http_status"] == 500 and fields["error_type"] == lr.UPDATE_CHECK_FAILED
+    assert [c.rank for c in fields["failed_checks"]] == ["dp1/tp0"] and fields["failed_checks"][0].failed
+    assert not fields["reloaded_after_check"]  # no live apply's check made it reload
+    assert "KeyError: 'lm_head.weight'" in fields["message"] and "no published version" in fields["message"]
+    assert fields["weight_version"] == 4 and fields["mode"] == lr.RELOAD  # what the ranks loaded, said as it is
+
+
+def test_a_live_apply_whose_check_failed_and_whose_reloads_check_failed_too_is_a_failure_naming_both():
+    engine = Engine(check_raises_on={"dp0/tp1"}, reload_check_raises_on={"dp0/tp0"})
+    fields = asyncio.run(tx.run_transaction(engine.send, 4))
+    assert engine.sent == [tx.VOTE, tx.APPLY, tx.COMMIT, tx.RELOAD]
+    assert not fields["success"] and fields["error_type"] == lr.UPDATE_CHECK_FAILED and fields["reloaded_after_check"]
+    assert [c.rank for c in fields["failed_checks"]] == ["dp0/tp1", "dp0/tp0"]
+
+
+def test_a_failed_check_survives_the_merge_of_dp_groups_replies_counted_once():
+    bad = lr.RankCheck(rank="dp1/tp0", mismatches=2, verified_elements=5, detail="p: element 1 holds 0.0, expected 1.0")
+    ok = lr.RankCheck(rank="dp0/tp0", verified_elements=7)
+    group = lambda rank, check: lr.summarize(4, lr.merge_hosts([lr.LiveRankReport(  # noqa: E731
+        host=f"h/{rank}", rank=rank, success=True, mode=lr.RELOAD, weight_version=4, check=check)]))
+    merged = lr.merge_replies(4, [group("dp0/tp0", ok), group("dp1/tp0", bad)])
+    assert not merged["success"] and merged["error_type"] == lr.UPDATE_CHECK_FAILED
+    assert merged["failed_checks"] == [bad] and merged["mismatches"] == 2 and not merged["reloaded_after_check"]
+
+
+def test_a_check_that_raises_any_exception_is_a_failed_check_and_never_a_success(pulled):
+    """Whatever the check raises (not only a missing tensor's KeyError), it says ``failed`` and
+    the reply of the update it checked is a failure."""
+    from sglang_patch.live.check import UpdateChecker, check_after_update
+
+    class Odd(Exception):
+        pass
+
+    state, _ = _state(pulled)
+
+    def params():
+        raise Odd("an exception nobody expects")
+
+    state.params = params
+    for check in (check_after_update(state, pulled.local, 1), UpdateChecker().after_update(state, pulled.local, 1)):
+        assert check.failed and lr.check_failed(check) and "Odd: an exception nobody expects" in check.detail
+        report = lr.LiveRankReport(host="h", rank=state.rank, success=True, mode=lr.RELOAD, weight_version=1, check=check)
+        fields = lr.summarize(1, lr.merge_hosts([report]))
+        assert not fields["success"] and fields["failed_checks"] == [check]
+
+
+def test_a_reload_of_a_local_checkpoint_that_lacks_a_tensor_replies_a_failure_and_forgets_the_live_version(
+        pulled, tmp_path, monkeypatch):
+    """A full version whose tensor set is smaller than the model's, reloaded: sglang's loader
+    keeps the old values of the missing tensor, so the engine holds bytes of no published
+    version. The reload's check cannot read that tensor: the rank's report carries the failed
+    check, the reply is a failure, and the live version is forgotten (the next update reloads)."""
+    import os
+    import shutil
+
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from sglang_patch.live.mapping.coordinate_map import CheckpointReader
+
+    from live_support import cpu_standins_on_path
+
+    with cpu_standins_on_path():  # the reload phase builds sglang's own request
+        import sglang.srt.managers.io_struct  # noqa: F401
+    local = str(tmp_path / "local")
+    shutil.copytree(pulled.local, local)
+    state, model = serve_from_local(local, pulled.model_dir, "reload")
+    state.proof.prove(CheckpointReader(local), state.live, checkpoint_dir=local)
+    assert state.cmap.proven
+    shard = sorted(f for f in os.listdir(local) if f.endswith(".safetensors"))[-1]
+    with safe_open(os.path.join(local, shard), "pt") as f:
+        kept = {k: f.get_tensor(k) for k in f.keys()}
+        meta = f.metadata()
+    missing = sorted(kept)[0]
+    del kept[missing]
+    os.unlink(os.path.join(local, shard))  # a new inode: as a writer of another version would leave it
+    save_file(kept, os.path.join(local, shard), metadata=meta)
+
+    class WeightUpdater:
+        def update_weights_from_disk(self, req):  # sglang's loader: whatever tensors the dir has
+            model.load_weights(_present(req.model_path))
+            return SimpleNamespace(success=True, message="Succeeded to update model weights.")
+
+    state.scheduler.weight_updater = WeightUpdater()
+    state.scheduler.server_args = SimpleNamespace(load_format=None)
+    monkeypatch.setenv("WEIGHTSYNC_UPDATE_CHECK_SAMPLE", "4096,1000")  # every tensor: the missing one is drawn
+    report = state.writes.reload(SimpleNamespace(local_checkpoint_dir=local, target_version=1, flush_cache=True),
+                                 "a full version", 0.0)
+    assert report.check is not None and report.check.failed and missing in report.check.detail, report.check
+    fields = lr.summarize(1, lr.merge_hosts([report]))
+    assert not fields["success"] and fields["error_type"] == lr.UPDATE_CHECK_FAILED and fields["failed_checks"]
+    assert state.weights.live is None and "did not hold" in state.weights.live_reason
+
+
+def _present(local):
+    """Every tensor the safetensors files of ``local`` hold (not the index's list)."""
+    import os
+
+    from safetensors import safe_open
+
+    for name in sorted(os.listdir(local)):
+        if name.endswith(".safetensors"):
+            with safe_open(os.path.join(local, name), "pt") as f:
+                for k in f.keys():
+                    yield k, f.get_tensor(k)
 
 
 # --- a real pull, through LiveApplyState -------------------------------------------------------

@@ -105,14 +105,17 @@ def test_live_is_chosen_only_where_its_estimate_is_below_the_reload_estimate():
     assert lr.choose_mode([vote("tp0", 100, 0.01, 0.2), vote("tp1", 100, 0.02, 0.2)]) == (lr.LIVE, None)
     mode, reason = lr.choose_mode([vote("tp0", 100, 0.01, 0.2), vote("tp1", 5000, 0.3, 0.2)])
     assert mode == lr.RELOAD and "a reload is estimated faster" in reason and "0.3000s" in reason and "0.2000s" in reason
-    assert lr.estimate_fields([vote("tp0", 100, 0.01, 0.2), vote("tp1", 5000, 0.3, 0.25)]) == {
-        "live_estimate_s": 0.3, "reload_estimate_s": 0.25}
+    fields = lr.estimate_fields([vote("tp0", 100, 0.01, 0.2), vote("tp1", 5000, 0.3, 0.25)])
+    assert (fields["live_estimate_s"], fields["reload_estimate_s"]) == (0.3, 0.25)
+    assert fields["mode_choice"]["mode"] == lr.RELOAD and fields["mode_choice"]["by"] == "estimate"
 
 
 def test_without_a_measurement_the_operators_cap_alone_decides_and_the_reply_says_none():
     votes = [vote("tp0", 100, None, 0.2), vote("tp1", 100, 0.01, 0.2)]
     assert lr.choose_mode(votes) == (lr.LIVE, None)
-    assert lr.estimate_fields(votes) == {"live_estimate_s": None, "reload_estimate_s": 0.2}
+    fields = lr.estimate_fields(votes)
+    assert (fields["live_estimate_s"], fields["reload_estimate_s"]) == (None, 0.2)
+    assert fields["mode_choice"]["by"] == "unmeasured"
     assert lr.choose_mode([vote("tp0", 100, 0.5, None)]) == (lr.LIVE, None)
 
 
