@@ -157,13 +157,15 @@ def cmd_publish(args) -> int:
                 "a delta needs the previous version's bytes: pass --base-checkpoint DIR (an HF checkpoint of "
                 f"version {args.version - 1}), or --full to publish a full version"
             )
-        result = pub.publish(args.version, new, full=True if args.full else None)
+        result = pub.publish(args.version, new, full=True if args.full else None,
+                             allow_layout_change=args.allow_layout_change)
     finally:
         pub.close()
     table = format_table(
         ["version", "kind", "encoding", "written to SRC", "changed elements", "reason"],
         [[result.version, result.kind, result.encoding, human_bytes(result.wire_nbytes + result.anchor_nbytes),
-          f"{100 * result.changed_fraction:.3f}%", short_reason(result.reason)]],
+          # a full version's change is not measured against its predecessor: left blank, not "0%"
+          "" if result.kind == "full" else f"{100 * result.changed_fraction:.3f}%", short_reason(result.reason)]],
     )
     table += _long_reason(args, result.reason)
     if result.encoding_reason and args.verbose:
@@ -243,11 +245,16 @@ def cmd_verify(args) -> int:
 
 
 def cmd_prune(args) -> int:
-    from .publisher.prune import prune_versions
+    from .publisher.prune import prune_source
 
-    pruned = prune_versions(args.source_dir, keep=args.keep, dry_run=args.dry_run)
+    report = prune_source(args.source_dir, keep=args.keep, dry_run=args.dry_run)
+    pruned = report.pruned
     verb = "would delete" if args.dry_run else "deleted"
-    _emit(args, {"pruned": pruned, "dry_run": args.dry_run}, f"{verb} {len(pruned)} version(s): {pruned}")
+    table = f"{verb} {len(pruned)} version(s): {pruned}"
+    for v, why in sorted(report.unreadable.items()):  # kept, with its side anchor: flagged, never a traceback
+        table += f"\nskipped v{v}: its index is unreadable ({why})"
+    _emit(args, {"pruned": pruned, "dry_run": args.dry_run,
+                 "unreadable": {str(v): why for v, why in sorted(report.unreadable.items())}}, table)
     return 0
 
 
@@ -326,6 +333,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="HF checkpoint dir holding version N-1's bytes, to diff against (default: none; "
                         "a delta needs it, --full does not)")
     s.add_argument("--full", action="store_true", help="publish a full version instead of a delta")
+    s.add_argument("--allow-layout-change", action="store_true",
+                   help="let a full version change the tensor set, a dtype or a shape of the version before it "
+                        "(refused otherwise; the index records it) (default: off)")
     s.add_argument("--encoding", default=None, choices=[*supported_encodings(), "auto"],
                    help="delta encoding; auto: sparse-v1 or sparse-v2, whichever costs a puller less (needs "
                         "--link-bytes-per-s) (default: sparse-v1)")

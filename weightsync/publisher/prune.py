@@ -27,10 +27,11 @@ import logging
 import os
 import shutil
 from collections import deque
+from typing import NamedTuple
 
 from ..errors import WeightSyncError
 from ..format.layout import anchor_dir, index_path, list_anchors, list_versions, version_dir
-from ..format.manifest import check_anchor, read_version_index
+from ..format.manifest import check_anchor, is_committed, read_version_index
 from ..fsio import fsync_dir
 
 log = logging.getLogger(__name__)
@@ -47,6 +48,7 @@ class Retention:
         self.anchors: deque[int] = deque()  # side anchors still on disk, ascending
         self.points: deque[int] = deque()  # anchor points (fulls and bound side anchors), ascending
         self.orphans: list[int] = []  # side anchors of an earlier attempt at a committed version
+        self.unreadable: dict[int, str] = {}  # versions whose index could not be read at load: why
 
     def load(self, upto: int | None = None) -> None:
         """Scan the source dir once (a restarted publisher, or the command line)."""
@@ -57,8 +59,11 @@ class Retention:
             try:
                 indexes[v] = read_version_index(self.source_dir, v)
                 kind = indexes[v].kind
-            except WeightSyncError:
+            except (WeightSyncError, RecursionError) as e:
                 kind = None  # unpublished or broken: still a version dir to prune in turn
+                if is_committed(version_dir(self.source_dir, v)):  # complete but unreadable now: flag it
+                    self.unreadable[v] = f"{type(e).__name__}: {e}"
+                    log.warning("v%d: its index is unreadable (%s); its side anchor, if any, is kept", v, e)
             self.versions.append(v)
             if kind == "full":
                 self.fulls.append(v)
@@ -68,11 +73,20 @@ class Retention:
         for a in list_anchors(self.source_dir):
             if upto is not None and a > upto:
                 continue
+            if a in self.unreadable:
+                # Its version's index cannot be read right now (damaged, mid-restore): whether the
+                # anchor is bound is unknown, so it stays, and is no anchor point for this prune.
+                # An anchor is deleted only with its version, or once its version's index,
+                # read fine, names another commit id.
+                self.anchors.append(a)
+                continue
             check = check_anchor(self.source_dir, a, indexes.get(a))
             if check.state == "bound":
                 bound.append(a)
-            elif check.state == "orphan" or (a not in indexes and newest is not None and a < newest):
-                # Its version is committed without it, or not there below a committed version
+            elif check.state == "orphan" or (
+                a not in indexes and newest is not None and a < newest and not os.path.isdir(version_dir(self.source_dir, a))
+            ):
+                # Its version is committed without it, or gone below a committed version
                 # (removed after a failed attempt): no pull can ever use it.
                 self.orphans.append(a)
                 continue
@@ -156,7 +170,8 @@ class Retention:
             _delete(version_dir(self.source_dir, v))
             gone.append(v)
             log.info("pruned v%d (older than the prune point v%d)", v, p)
-        while self.anchors and self.anchors[0] < p:
+        while self.anchors and self.anchors[0] < p and not (self.versions and self.versions[0] <= self.anchors[0]):
+            # (an anchor goes only once its own version is gone: every version below p went above)
             a = self.anchors.popleft()
             _delete(anchor_dir(self.source_dir, a))
             log.info("pruned side anchor of v%d (older than the prune point v%d)", a, p)
@@ -192,6 +207,20 @@ def prunable_versions(source_dir: str, keep: int) -> list[int]:
     retention = Retention(source_dir, keep)
     retention.load()
     return retention.doomed()[0]
+
+
+class PruneReport(NamedTuple):
+    pruned: list[int]  # the versions deleted (or that would be, on a dry run)
+    unreadable: dict[int, str]  # committed versions whose index could not be read: skipped (why)
+
+
+def prune_source(source_dir: str, keep: int = 0, *, dry_run: bool = False) -> PruneReport:
+    """``prune_versions``, also naming the versions it skipped because their index was unreadable
+    (damaged, mid-restore, nested too deeply): they, and their side anchors, are kept."""
+    retention = Retention(source_dir, keep)
+    retention.load()
+    pruned = retention.doomed()[0] if dry_run else retention.prune()
+    return PruneReport(pruned, dict(retention.unreadable))
 
 
 def prune_versions(source_dir: str, keep: int = 0, *, dry_run: bool = False) -> list[int]:

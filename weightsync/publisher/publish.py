@@ -768,12 +768,12 @@ class Publisher:
                 return staged.manifest  # its index landed (a failure was reported after): commit() recognises it
             raise VersionConflictError(prepared.version, self.source_dir, (
                 " by another writer while this publisher prepared it; this publisher wrote nothing into it"))
-        if self.rank == 0:
-            self.guard.hold_lease(f"writing v{prepared.version}")
-            self._write_run_identity()
         if kind == "full":
             self.guard.check_layout(prepared.version, [(t.name, t.dtype, tuple(t.shape)) for t in prepared.tensors],
                                     complete=self.world_size == 1, allowed=allow_layout_change)
+        if self.rank == 0:
+            self.guard.hold_lease(f"writing v{prepared.version}")
+            self._write_run_identity()
         decision = self._decisions.get(prepared.version)
         anchor = kind == "delta" and decision is not None and decision.kind == "delta" and decision.anchor
         full_digests = self._tensor_digests(prepared) if kind == "full" or anchor else None
