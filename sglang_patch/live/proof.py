@@ -6,6 +6,11 @@ while the live weights still hold version 0. The proof's torch work runs on the 
 thread itself, a ~2 ms slice per loop iteration (10 ms while the engine is fully idle); the map
 thread waits for it. A weight change voids a proof in flight (the generation); after a reload
 that leaves the map unproven, the proof runs again against that dir, once per identity.
+
+A proof against a local checkpoint holds the host's pull lock shared, so that a pull waits for
+it instead of voiding it, but only for half of a pull's own wait for that lock
+(``proof_lock_hold_s``): a proof of a large model (up to ``LOOP_PROOF_TIMEOUT_S``) made a pull
+time out. Past that it runs on unguarded; its end check voids it if a pull rewrote the dir.
 """
 
 from __future__ import annotations
@@ -14,9 +19,11 @@ import contextlib
 import logging
 import os
 import threading
-from typing import Any, Callable, Iterator, Optional
+import time
+from typing import Any, Callable, Generator, Iterator, Optional
 
 import weightsync.puller.positions as positions
+from weightsync import knobs
 from weightsync.puller.lock import shared_host_lock
 
 from .identity import LiveVersion, key_of_held
@@ -33,6 +40,44 @@ LOOP_PROOF_TIMEOUT_S = 1800.0  # O(model): a few seconds for 1.3 GB here, minute
 # ``run_steps(steps, timeout_s) -> (their result, where they ran)``: on the scheduler thread
 # between loop iterations (``LiveApplyState.run_steps``)
 RunSteps = Callable[[Iterator[None], float], "tuple[object, str]"]
+
+
+def proof_lock_hold_s() -> float:
+    """How long a proof holds the host's pull lock: half of what a pull waits for that lock
+    (``WEIGHTSYNC_LOCK_TIMEOUT_S``, read by this engine's own pulls too), so a pull that comes
+    during a proof waits out the rest of the hold and never times out because of it."""
+    return 0.5 * float(knobs.LOCK_TIMEOUT_S.get())
+
+
+class BoundedPullLockHold:
+    """A shared hold of the host's pull lock for one proof, released at the first step boundary
+    past ``limit_s`` (``bound``) or when the proof ends (``release``), whichever comes first.
+    Steps run on the scheduler thread, the end on the proof's: releasing is idempotent and locked."""
+
+    def __init__(self, checkpoint_dir: str, limit_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self._stack = contextlib.ExitStack()
+        self._guard = threading.Lock()
+        self._stack.enter_context(shared_host_lock(checkpoint_dir))  # waits out a pull in progress
+        self._clock = clock
+        self.limit_s = limit_s
+        self.deadline = clock() + limit_s
+        self.released_early = False
+
+    def release(self) -> None:
+        with self._guard:
+            self._stack.close()
+
+    def bound(self, steps: Generator[None, None, Any]) -> Generator[None, None, Any]:
+        """``steps``, with the hold released between two of them once past the deadline."""
+        while True:
+            if not self.released_early and self._clock() >= self.deadline:
+                self.released_early = True
+                self.release()
+            try:
+                next(steps)
+            except StopIteration as done:
+                return done.value
+            yield
 
 
 class MapProof:
@@ -127,16 +172,22 @@ class MapProof:
 
         # A shared hold of the host's pull lock: a pull (exclusive) from any co-located rank
         # waits until every rank's proof has read the dir. Without it a trainer that pulls
-        # right after a fallback reload voids every proof, and the engine reloads for ever.
-        held = shared_host_lock(checkpoint_dir) if checkpoint_dir is not None else contextlib.nullcontext()
+        # right after a fallback reload voids every proof, and the engine reloads for ever. The
+        # hold is bounded (``proof_lock_hold_s``): a pull must not time out behind a long proof.
         steps = prove_map_steps(cmap, self.params(), reader.tensor, still_valid=still_valid,
                                 prove_derived=live_derived.prover(self.model()))
-        with held:
-            try:
-                result, where = self.run_steps(steps, LOOP_PROOF_TIMEOUT_S)
-            except LoopWorkTimeout as exc:
-                log.warning("live apply %s: the proof did not finish: %s", self.rank, exc)
-                return
+        hold = BoundedPullLockHold(checkpoint_dir, proof_lock_hold_s()) if checkpoint_dir is not None else None
+        try:
+            result, where = self.run_steps(hold.bound(steps) if hold is not None else steps, LOOP_PROOF_TIMEOUT_S)
+        except LoopWorkTimeout as exc:
+            log.warning("live apply %s: the proof did not finish: %s", self.rank, exc)
+            return
+        finally:
+            if hold is not None:
+                hold.release()
+        if hold is not None and hold.released_early:
+            log.info("live apply %s: the proof held the pull lock for its limit (%.0fs) and ran on unguarded",
+                     self.rank, hold.limit_s)
         ok = bool(result)
         log.info("live apply %s: the proof ran %s", self.rank, where)
         log.info("live apply %s: proof %s in %.3fs: %s", self.rank,

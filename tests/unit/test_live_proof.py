@@ -97,6 +97,53 @@ def test_a_proof_against_a_checkpoint_rewritten_meanwhile_by_anyone_records_noth
     assert not state.cmap.proven and not state.cmap.reload_only_params and not state.cmap.proven_params
 
 
+def test_a_proof_holds_the_pull_lock_at_most_half_of_a_pulls_wait_for_it(monkeypatch):
+    from sglang_patch.live import proof
+
+    monkeypatch.setenv("WEIGHTSYNC_LOCK_TIMEOUT_S", "600")
+    assert proof.proof_lock_hold_s() == 300.0 < proof.LOOP_PROOF_TIMEOUT_S
+    monkeypatch.setenv("WEIGHTSYNC_LOCK_TIMEOUT_S", "30")
+    assert proof.proof_lock_hold_s() == 15.0
+
+
+def test_a_pull_during_a_proof_past_its_lock_hold_gets_the_lock_and_the_proof_it_overtook_records_nothing(
+        tmp_path, monkeypatch):
+    """A proof that outlives its hold of the host's pull lock (a large model) lets a pull in
+    rather than making it time out; the pull's new bytes then void the proof (its end check)."""
+    import threading
+
+    from sglang_patch.live import proof
+    from sglang_patch.live.mapping.coordinate_map import CheckpointReader
+    from weightsync.puller.positions import held_version
+
+    chain = tiny_chain_pulled_at_v1(tmp_path)
+    state = serve_from_local(chain.local, chain.model_dir, f"reload from {chain.local} (marker)")[0]
+    monkeypatch.setattr(proof, "proof_lock_hold_s", lambda: 0.0)  # the hold is spent before the first step
+    monkeypatch.setenv("WEIGHTSYNC_LOCK_TIMEOUT_S", "60")  # the pull's own wait: far above this test's run
+    reader = CheckpointReader(chain.local)
+    read = reader.tensor
+    pulled, failures = threading.Event(), []
+
+    def pull():
+        try:
+            chain.pull(chain.local, chain.model_dir, chain.feed.source_dir, 2)
+        except Exception as exc:  # a LockTimeoutError, had the proof kept the lock
+            failures.append(exc)
+        pulled.set()
+
+    def tensor_while_a_pull_runs(name):
+        if not pulled.is_set():
+            threading.Thread(target=pull).start()
+            assert pulled.wait(60), "the pull did not finish while the proof ran"
+        return read(name)
+
+    reader.tensor = tensor_while_a_pull_runs
+    state.proof.prove(reader, state.live, checkpoint_dir=chain.local)
+    assert pulled.is_set() and not failures, failures
+    assert held_version(chain.local).version == 2
+    assert not state.cmap.proven and not state.cmap.reload_only_params and not state.cmap.proven_params
+
+
 def test_a_map_built_after_a_reload_from_a_local_checkpoint_is_proven_against_that_dir(served):
     state = served.state()  # the reload landed before the map thread finished building
     state.proof.cmap = None
