@@ -151,8 +151,9 @@ class Retention:
         if p is None:
             return [], sorted(self.orphans)
         n_old = max(0, len(self.versions) - self.keep)
-        versions = [v for i, v in enumerate(self.versions) if i < n_old and v < p]
-        return versions, sorted(set(self.orphans) | {a for a in self.anchors if a < p})
+        versions = [v for i, v in enumerate(self.versions) if i < n_old and v < p and v not in self.unreadable]
+        staying = set(self.versions) - set(versions)
+        return versions, sorted(set(self.orphans) | {a for a in self.anchors if a < p and a not in staying})
 
     def prune(self) -> list[int]:
         """Delete what ``doomed`` names; returns the versions deleted. Amortized O(1) per commit:
@@ -165,16 +166,26 @@ class Retention:
         if p is None:
             return []
         gone: list[int] = []
-        while len(self.versions) > self.keep and self.versions[0] < p:
+        skipped: list[int] = []
+        while len(self.versions) - len(skipped) > self.keep and self.versions[0] < p:
             v = self.versions.popleft()
+            if v in self.unreadable:  # flagged, not judged: it may be mid-restore; a later prune sees it again
+                skipped.append(v)
+                log.warning("prune: kept v%d, its index is unreadable (%s)", v, self.unreadable[v])
+                continue
             _delete(version_dir(self.source_dir, v))
             gone.append(v)
             log.info("pruned v%d (older than the prune point v%d)", v, p)
-        while self.anchors and self.anchors[0] < p and not (self.versions and self.versions[0] <= self.anchors[0]):
-            # (an anchor goes only once its own version is gone: every version below p went above)
+        self.versions.extendleft(reversed(skipped))
+        kept_anchors: list[int] = []
+        while self.anchors and self.anchors[0] < p:
             a = self.anchors.popleft()
+            if a in self.versions:  # an anchor goes only with its own version
+                kept_anchors.append(a)
+                continue
             _delete(anchor_dir(self.source_dir, a))
             log.info("pruned side anchor of v%d (older than the prune point v%d)", a, p)
+        self.anchors.extendleft(reversed(kept_anchors))
         while self.fulls and self.fulls[0] < p:
             self.fulls.popleft()
         while self.points and self.points[0] < p:
