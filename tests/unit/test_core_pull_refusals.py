@@ -144,6 +144,19 @@ def test_a_full_version_published_with_allow_layout_change_is_served(world):
     assert read_checkpoint_bytes(world.local) == tensor_bytes(t1)
 
 
+def test_a_full_version_our_publisher_wrote_with_allow_layout_change_is_served(world):
+    world.publish(1)
+    t2 = mutate(world.t[1], world.rng, 0.1)
+    t2["c"] = t2["c"].reshape(4, 6)  # a new shape: the layout changes
+    pub = Publisher(world.source, encoding="xor", workers=1)
+    pub.seed_snapshot(t2, version=1)  # a snapshot of the new layout: what a full version is written from
+    pub.publish(2, t2, full=True, allow_layout_change=True)
+    pub.close()
+    world.pull(1)
+    assert world.pull(2).action == "seed"
+    assert read_checkpoint_bytes(world.local) == tensor_bytes(t2)
+
+
 # --- 28.6: the header is checked, not only the bytes ----------------------------------------------
 
 

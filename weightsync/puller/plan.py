@@ -66,16 +66,22 @@ class SeedSource(msgspec.Struct, frozen=True):
     # checked before the marker. None: an upstream full version (headers checked only).
     digests: dict[str, str] | None = None
     checksum_format: str | None = None
-    # Its version was published with --allow-layout-change (index metadata
-    # ``allow_layout_change: true``): its layout need not be the seed dir's.
+    # Its version was published with --allow-layout-change (``allows_layout_change``): its
+    # layout need not be the seed dir's.
     layout_change: bool = False
 
 
-LAYOUT_CHANGE_KEY = "allow_layout_change"
+# Index metadata of a full version published with --allow-layout-change: our publisher writes
+# ``layout_change`` (a non-empty note of who allowed it); ``allow_layout_change: "true"`` is
+# accepted from other writers.
+LAYOUT_CHANGE_KEYS = ("layout_change", "allow_layout_change")
 
 
 def allows_layout_change(index: "VersionIndex | None") -> bool:
-    return index is not None and index.metadata.get(LAYOUT_CHANGE_KEY, "").strip().lower() == "true"
+    if index is None:
+        return False
+    note = index.metadata.get(LAYOUT_CHANGE_KEYS[0], "").strip()
+    return bool(note) or index.metadata.get(LAYOUT_CHANGE_KEYS[1], "").strip().lower() == "true"
 
 
 class PullPlan(msgspec.Struct, frozen=True):
