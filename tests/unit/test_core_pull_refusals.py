@@ -461,3 +461,34 @@ def test_a_version_pruned_between_its_dir_check_and_its_read_is_typed(world, mon
     with pytest.raises(errors.VersionPrunedError, match="version 1 was pruned"):
         world.pull(1)
     assert not os.path.exists(world.local), "a first pull that fails leaves no trace"
+
+
+# --- the engine's endpoint gets the same answers (its per-rank pull, the reply's status) --------------
+
+
+def _engine_pull(world: World, source: str, target: int):
+    from types import SimpleNamespace
+
+    from sglang_patch.pull.options import PullWeightsOptions
+    from sglang_patch.pull.rank import RankPuller
+
+    puller = RankPuller(options=PullWeightsOptions(allowed_roots=(world.root,)), seed_dir=world.seed, host="h/node0",
+                        rank="dp0/tp0")
+    report = puller(SimpleNamespace(local_checkpoint_dir=world.local, source_dir=source, target_version=target))
+    from weightsync.puller.pull import wait_until_durable
+
+    wait_until_durable(world.local)  # the engine pulls with deferred durability
+    return report
+
+
+def test_the_engine_endpoint_answers_422_for_a_full_version_lacking_a_tensor_and_400_for_a_wrong_source(world):
+    world.publish(1)
+    ok = _engine_pull(world, world.source, 1)
+    assert ok.success and ok.applied_version == 1
+    interop_writer.write_full_version(world.source, 2, {n: v for n, v in world.t[1].items() if n != "b"})
+    bad = _engine_pull(world, world.source, 2)
+    assert (bad.success, bad.http_status, bad.error_type) == (False, 422, "corrupt_artifact") and "['b']" in bad.message
+    assert bad.applied_version == 1
+    missing = _engine_pull(world, os.path.join(world.root, "no-such-run"), 2)
+    assert (missing.http_status, missing.error_type) == (400, "bad_request")
+    assert _engine_pull(world, world.source, 1).success  # the engine's own dir: no --force needed
