@@ -211,3 +211,29 @@ def test_the_installed_wheel_imports_the_core_and_runs_weightsync_help_without_t
 def _metadata_version(venv: Path) -> str:
     [dist_info] = list(venv.glob("lib/python3*/site-packages/weightsync-*.dist-info"))
     return email.message_from_bytes((dist_info / "METADATA").read_bytes())["Version"]
+
+
+def test_the_readmes_git_url_form_builds_the_same_wheel(wheel, tmp_path):
+    """``pip install "weightsync[EXTRA] @ git+URL@COMMIT"``: pip clones the commit and builds it;
+    here the URL is this repository's own (file://, no network), at HEAD."""
+    if shutil.which("git") is None:
+        pytest.skip("no git on this machine")
+    head = subprocess.run(["git", "-C", str(REPO_ROOT), "rev-parse", "HEAD"], capture_output=True, text=True)
+    if head.returncode != 0:
+        pytest.skip("not a git checkout")
+    # file://localhost/...: pip reads file:///... in a requirement as a local path
+    url = f"weightsync[torch] @ git+file://localhost{REPO_ROOT}@{head.stdout.strip()}"
+    build = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(tmp_path), url],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert build.returncode == 0, build.stderr[-3000:]
+    [path] = tmp_path.glob("weightsync-*.whl")
+    with zipfile.ZipFile(path) as from_git:
+        modules = {n for n in from_git.namelist() if n.endswith(".py")}
+        committed = subprocess.run(
+            ["git", "-C", str(REPO_ROOT), "ls-tree", "-r", "--name-only", head.stdout.strip(), "weightsync", "sglang_patch",
+             "miles_updater"], capture_output=True, text=True, check=True,
+        ).stdout.split()  # fmt: skip
+        assert modules == {n for n in committed if n.endswith(".py")}  # every module of the commit, nothing else
+        assert "torch" in _metadata(from_git).get_all("Provides-Extra")
