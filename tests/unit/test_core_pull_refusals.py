@@ -492,3 +492,38 @@ def test_the_engine_endpoint_answers_422_for_a_full_version_lacking_a_tensor_and
     missing = _engine_pull(world, os.path.join(world.root, "no-such-run"), 2)
     assert (missing.http_status, missing.error_type) == (400, "bad_request")
     assert _engine_pull(world, world.source, 1).success  # the engine's own dir: no --force needed
+
+
+def test_an_anchor_pruned_while_a_first_pull_plans_is_not_ready_not_unusable(fast_tmp_path, monkeypatch):
+    """A prune that removes a side anchor and its version between the planner's check of the
+    anchor and its look at the anchor's files (caused here through the planner's own call, the
+    race being too narrow to hit by timing): "not ready, retry", never ``AnchorUnusableError``
+    (422, "restore from a backup") for an anchor nobody damaged."""
+    from weightsync.format.layout import anchor_dir
+    from weightsync.puller import plan
+    from weightsync.publisher.prune import _delete
+
+    w = World(str(fast_tmp_path), {"a": ("float32", (64, 64)), "b": ("float32", (64,))})
+    pub = Publisher(w.source, encoding="xor", workers=1, anchor_max_deltas=3, keep_versions=2)
+    pub.seed_snapshot(w.t[0])
+    for v in range(1, 10):
+        w.t.append(mutate(w.t[-1], w.rng, 0.05))
+        pub.publish(v, w.t[v])
+    pub.close()
+    assert os.path.isdir(anchor_dir(w.source, 6)) and not os.path.isdir(version_dir(w.source, 5))
+    real = plan.check_anchor
+
+    def pruned_meanwhile(source_dir, version, index=None):
+        found = real(source_dir, version, index)
+        if version == 6:  # the prune point moved past 6: its version, then its anchor, go
+            _delete(version_dir(source_dir, 6))
+            _delete(anchor_dir(source_dir, 6))
+        return found
+
+    monkeypatch.setattr(plan, "check_anchor", pruned_meanwhile)
+    with pytest.raises(errors.SourceNotReadyError) as ei:
+        w.pull(8)
+    assert not isinstance(ei.value, errors.AnchorUnusableError) and ei.value.retryable
+    monkeypatch.setattr(plan, "check_anchor", real)
+    assert w.pull(9).applied_version == 9  # the retry plans from what is kept
+    assert_checkpoint_is(w.local, tensor_bytes(w.t[9]))
