@@ -254,14 +254,29 @@ def verify_local(
             mismatched.append((name, expected, actual))
         if progress:
             progress(i + 1, len(names))
+    reference = {n: (e.dtype, e.shape) for n, (_, e) in layout_ref.items()}
+    if not reference and not _layout_changed(source_dir, version):
+        reference = _recorded_seed_layout(source_dir)
     layout_bad: list[str] = []
-    if layout_ref:
+    if reference:
         from .puller.pull import layout_differences
 
-        layout_bad = layout_differences({n: (e.dtype, e.shape) for n, (_, e) in local.items()},
-                                        {n: (e.dtype, e.shape) for n, (_, e) in layout_ref.items()})
+        layout_bad = layout_differences({n: (e.dtype, e.shape) for n, (_, e) in local.items()}, reference)
         layout_bad = [d for d in layout_bad if not d.startswith("lacks tensors")]  # reported as missing
-    return VerifyReport(version, checked, mismatched, unchecked, missing, layout_bad, bool(layout_ref))
+    return VerifyReport(version, checked, mismatched, unchecked, missing, layout_bad, bool(reference))
+
+
+def _recorded_seed_layout(source_dir: str) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """The seed's layout as the run file records it (our publisher writes it with v1), or {}."""
+    from .publisher.records import read_seed_record
+
+    try:
+        record = read_seed_record(source_dir)
+    except (OSError, ValueError, RecursionError, WeightSyncError):
+        return {}
+    if record is None or not record.layout:
+        return {}
+    return {n: (d, tuple(s)) for n, (d, s) in record.layout.items()}
 
 
 def _local_table(local_checkpoint_dir: str) -> dict[str, tuple[str, TensorEntry]]:

@@ -200,6 +200,9 @@ def test_verify_fails_a_local_header_retyped_in_place_naming_the_tensor(world):
     assert report.layout_mismatched == ["tensor a is I32[32, 16], the model's is F32[32, 16]"]
     code, doc, _ = cli("verify", world.local, "--source-dir", world.source, "--version", "1", "--seed-dir", world.seed)
     assert code == 1 and doc["layout_mismatched"] == report.layout_mismatched
+    # Without --seed-dir: the layout the run file recorded with v1 (our publisher writes it).
+    code, doc, _ = cli("verify", world.local, "--source-dir", world.source, "--version", "1")
+    assert code == 1 and doc["layout_mismatched"] == report.layout_mismatched
 
 
 # --- 25.5: "not there" is not "not yet" -------------------------------------------------------------
