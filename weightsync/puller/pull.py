@@ -412,6 +412,8 @@ def check_source_dir(source_dir: str) -> None:
     means any of ``weightsync-run.json``, a ``weight_vNNNNNN/`` or an ``anchor_vNNNNNN/`` (an
     upstream writer's dir has version dirs only). An empty dir is "not ready": a publisher
     creates the dir just before its run file (FORMAT.md, "Pulling")."""
+    if os.path.exists(os.path.join(source_dir, RUN_NAME)):
+        return  # one stat: no listing of a long-lived source dir on every pull
     if not os.path.isdir(source_dir):
         raise SourceDirUnusableError(source_dir, "does not exist" if not os.path.lexists(source_dir) else "is not a directory")
     try:
