@@ -285,6 +285,8 @@ def test_a_read_only_local_dir_is_a_local_fault_with_json(world, tmp_path):
         os.chmod(local, 0o555)
     try:
         code, doc, err = cli("pull", local, "--seed-dir", world.seed, "--source-dir", world.source, "--version", "1")
+        with pytest.raises(errors.LocalDirUnusableError):  # a dir that cannot be created in it
+            pull(os.path.join(local, "sub"), world.seed, world.source, 1)
     finally:
         if os.geteuid() == 0:
             subprocess.run(["chattr", "-i", local], check=True)
