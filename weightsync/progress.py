@@ -74,6 +74,7 @@ class ByteBar(Stage):
     ):
         self.label = label
         self.unit = unit  # "bytes", or a count's noun ("tensors")
+        self.settle_s = 0.5  # no ETA before this much time has passed
         self.total = max(0, int(total))
         self.stream = stream
         self.tty = tty
@@ -93,11 +94,11 @@ class ByteBar(Stage):
         show = human_bytes if self.unit == "bytes" else (lambda n: f"{n:.0f} {self.unit}")
         parts = [self.label, f"{show(self.done)} / {show(self.total)}"]
         if self.total:
-            parts.append(f"{100 * self.done / self.total:3.0f}%")
+            parts.append(f"{100 * self.done // self.total:3d}%")  # floored: 100% only when done
         parts.append(f"{show(rate)}/s" if rate else "-")
         if self.done >= self.total:
             parts.append(f"in {human_seconds(elapsed)}")
-        elif rate > 0:
+        elif rate > 0 and elapsed >= self.settle_s:  # a rate from the first small file would promise nonsense
             parts.append(f"ETA {human_seconds((self.total - self.done) / rate)}")
         return "  ".join(parts)
 
@@ -129,7 +130,7 @@ class ByteBar(Stage):
             self.stream.write("\r\x1b[K" + self.line() + ("\n" if final else ""))
         else:
             decile = int(10 * self.done / self.total) if self.total else 10
-            if not final and decile == self._last_decile:
+            if not final and decile <= max(self._last_decile, 0):  # a line per 10% reached
                 return
             if final and self._last_decile == 10:
                 return  # the 100% line is already out

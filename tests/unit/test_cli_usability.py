@@ -195,9 +195,11 @@ def test_progress_is_silent_under_json_and_off_a_terminal_unless_verbose():
     assert progress.stage("nothing installed", 10) is progress.SILENT
 
 
-def test_a_verbose_publish_and_pull_report_the_encode_the_seed_copy_and_the_apply_in_bytes(world, capsys):
+def test_a_verbose_publish_and_pull_report_each_long_step_in_bytes(world, capsys):
     err = publish_v1(world, capsys, "-v").err
-    assert "publish: encode" in err and "B/s" in err
+    for stage in ("read step1", "read seed", "publish: snapshot of the base", "publish: encode", "publish: write"):
+        lines = [line for line in err.splitlines() if line.startswith(stage + "  ")]
+        assert lines and "  100%  " in lines[-1] and "B/s" in lines[-1], (stage, err)
     assert main(pull_argv(world, "-v")) == 0
     err = capsys.readouterr().err
     seed_bytes = sum(os.path.getsize(os.path.join(world["seed"], f)) for f in os.listdir(world["seed"]))

@@ -8,11 +8,13 @@ version the buffers hold; whether that version is committed is the Publisher's b
 
 from __future__ import annotations
 
+import os
 from typing import Mapping, NamedTuple
 
 import msgspec
 import numpy as np
 
+from .. import progress
 from ..errors import PublishError
 from ..format.manifest import checkpoint_weight_files
 from ..format.safetensors_io import DTYPE_NBYTES, as_byte_view, local_tensor_table
@@ -75,6 +77,7 @@ class Snapshot:
         self.version = 0
 
     def seed(self, tensors: Mapping[str, "RawTensor | np.ndarray"], version: int) -> None:
+        bar = progress.stage("publish: snapshot of the base", sum(as_raw(v).bytes_view().nbytes for v in tensors.values()))
         for name, value in tensors.items():
             raw = as_raw(value)
             src = raw.bytes_view()
@@ -85,6 +88,7 @@ class Snapshot:
                 self.entries[name] = entry
             entry.dtype, entry.shape, entry.digest = raw.dtype, raw.shape, None
             np.copyto(entry.buf, src)
+            bar.advance(src.nbytes)
         self.version = version
 
     def nbytes(self) -> int:
@@ -149,11 +153,13 @@ def check_nbytes(name: str, raw: RawTensor, data: np.ndarray) -> None:
 def read_checkpoint_tensors(checkpoint_dir: str, names: "set[str] | None" = None) -> dict[str, RawTensor]:
     """The tensors of an HF checkpoint (all, or those in ``names``) as RawTensor (reads the bytes)."""
     table = local_tensor_table(checkpoint_dir, checkpoint_weight_files(checkpoint_dir))
-    return {
-        name: RawTensor(e.dtype, e.shape, np.fromfile(p, dtype=np.uint8, count=e.nbytes, offset=e.offset))
-        for name, (p, e) in table.items()
-        if names is None or name in names
-    }
+    wanted = {name: pe for name, pe in table.items() if names is None or name in names}
+    bar = progress.stage(f"read {os.path.basename(os.path.normpath(checkpoint_dir))}", sum(e.nbytes for _, e in wanted.values()))
+    out = {}
+    for name, (p, e) in wanted.items():
+        out[name] = RawTensor(e.dtype, e.shape, np.fromfile(p, dtype=np.uint8, count=e.nbytes, offset=e.offset))
+        bar.advance(e.nbytes)
+    return out
 
 
 __all__ = ["RawTensor", "as_raw", "Snapshot", "SnapEntry", "EncodeJob", "read_checkpoint_tensors"]
