@@ -150,11 +150,22 @@ class BarReporter:
         self.tty = bool(self.stream.isatty()) if tty is None else tty
         self.bars = bars  # False: notices only
         self.clock = clock
+        self._open: list[ByteBar] = []
 
     def stage(self, label: str, total_bytes: int) -> Stage:
         if not self.bars:
             return SILENT
-        return ByteBar(label, total_bytes, self.stream, tty=self.tty, clock=self.clock)
+        self._open = [bar for bar in self._open if not bar._closed]
+        bar = ByteBar(label, total_bytes, self.stream, tty=self.tty, clock=self.clock)
+        self._open.append(bar)
+        return bar
+
+    def close(self) -> None:
+        """End every bar still open (a failed step's): its line stays where it stopped, and what
+        is printed next (the error) starts on a line of its own."""
+        for bar in self._open:
+            bar.close()
+        self._open = []
 
     def notice(self, message: str) -> None:
         self.stream.write(("\r\x1b[K" if self.tty else "") + message + "\n")
@@ -173,6 +184,8 @@ def reporting(reporter: BarReporter | None) -> Iterator[None]:
         yield
     finally:
         _reporter = before
+        if reporter is not None:
+            reporter.close()
 
 
 def stage(label: str, total_bytes: int) -> Stage:

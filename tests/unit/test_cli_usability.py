@@ -237,3 +237,16 @@ def test_a_pull_waiting_for_the_host_lock_names_the_pid_that_holds_it(world, cap
     finally:
         holder.stdin.close()
         holder.wait(timeout=30)
+
+
+def test_a_step_that_fails_midway_leaves_its_line_and_the_error_starts_on_a_new_one():
+    clock, out = FakeClock(), FakeStream(True)
+    reporter = progress.BarReporter(out, tty=True, clock=clock)
+    with pytest.raises(OSError):
+        with progress.reporting(reporter):
+            bar = progress.stage("seed copy (v0)", 100)
+            clock.now += 1
+            bar.advance(40)
+            raise OSError("disk gone")
+    text = out.getvalue()
+    assert text.endswith("seed copy (v0)  40 B / 100 B   40%  40 B/s  ETA 2s\n") and text.count("\n") == 1
