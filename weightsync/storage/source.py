@@ -19,6 +19,7 @@ client's errors to the typed ones in ``weightsync.errors`` (``client.typed_error
 from __future__ import annotations
 
 import os
+import pathlib
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -190,9 +191,9 @@ class BucketSource:
 
         size = os.path.getsize(path)
         try:
-            with open(path, "rb") as f:
-                obstore.put(self.store, key, f, chunk_size=int(PUT_CHUNK_NBYTES.get()),
-                            max_concurrency=int(PUT_CONCURRENCY.get()))
+            # A Path: the client reads the file itself, outside the GIL.
+            obstore.put(self.store, key, pathlib.Path(path), chunk_size=int(PUT_CHUNK_NBYTES.get()),
+                        max_concurrency=int(PUT_CONCURRENCY.get()))
         except Exception as e:
             raise typed_error(e, self.url, f"PUT {key}") from e
         return size

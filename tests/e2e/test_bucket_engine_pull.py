@@ -1,0 +1,121 @@
+"""A real sglang CPU engine pulls from a bucket through ``POST /pull_weights`` and serves it.
+
+One real S3 server (SeaweedFS ``weed mini`` on loopback) and one sglang server (TP=1) whose
+environment holds the bucket's endpoint and credentials (the only place they come from) and
+whose ``--pull-weights-allowed-roots`` names a bucket prefix. The trainer side publishes to
+``s3://wsync/e2e/run`` with the core's ``Publisher``; the engine pulls into a host-local dir,
+which must hold exactly the trainer's tensors, then reloads it and generates what transformers
+generates from the same weights.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+
+import pytest
+
+from testbed.tiny_qwen3 import SERVER_COMPUTE_ARGS
+
+pytestmark = pytest.mark.slow
+
+URL_ROOT = "s3://wsync/e2e"
+
+
+@pytest.fixture(scope="module")
+def s3():
+    from testbed.s3_server import S3Server
+
+    root = tempfile.mkdtemp(prefix="ws-s3-e2e-")
+    server = S3Server.start(root)
+    saved = {k: os.environ.get(k) for k in (*server.env(), "WEIGHTSYNC_BUCKET_STAGING_DIR")}
+    os.environ.update(server.env())  # the trainer side (this process) reaches the bucket the same way
+    os.environ["WEIGHTSYNC_BUCKET_STAGING_DIR"] = os.path.join(root, "staging")
+    try:
+        yield server
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        server.stop()
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory, tiny_model_dir, server_factory, s3):
+    from testbed.tiny_qwen3 import read_state_dict, to_raw_tensors
+    from weightsync import Publisher
+
+    root = tmp_path_factory.mktemp("bucket_pull")
+    server = server_factory(
+        tiny_model_dir,
+        extra_args=[*SERVER_COMPUTE_ARGS, "--pull-weights-allowed-roots", f"{root},{URL_ROOT}"],
+        env=s3.env(),
+    )
+
+    class Env:
+        pass
+
+    e = Env()
+    e.server, e.model, e.root, e.s3 = server, tiny_model_dir, root, s3
+    e.local = str(root / "local")
+    e.url = f"{URL_ROOT}/run"
+    e.expected = {0: read_state_dict(tiny_model_dir)}
+    e.publisher = Publisher(e.url, encoding="sparse-v1", template_dir=tiny_model_dir)
+    e.publisher.seed_snapshot(to_raw_tensors(e.expected[0]), version=0)
+    yield e
+    e.publisher.close()
+
+
+def publish(env, version, **kw):
+    from testbed.tiny_qwen3 import perturb_state_dict, to_raw_tensors
+
+    tensors = perturb_state_dict(env.expected[version - 1], version, fraction=0.05, seed=0)
+    env.publisher.publish(version, to_raw_tensors(tensors), **kw)
+    env.expected[version] = tensors
+
+
+def pull(env, version, source=None):
+    return env.server.post(
+        "/pull_weights",
+        {"local_checkpoint_dir": env.local, "source_dir": source or env.url, "target_version": version},
+    )
+
+
+def test_an_engine_pulls_a_chain_from_the_bucket_to_the_trainers_tensors_and_serves_it(env):
+    from testbed.feed import assert_checkpoint_equals
+    from testbed.tiny_qwen3 import assert_server_greedy_equals
+
+    publish(env, 1, full=True)
+    publish(env, 2)
+    resp = pull(env, 2)
+    assert resp.status_code == 200, resp.text
+    assert_checkpoint_equals(env.local, env.expected[2])
+    v0 = assert_server_greedy_equals(env.server.generate_ids, env.model)
+    resp = env.server.post("/update_weights_from_disk", {"model_path": env.local})
+    assert resp.status_code == 200, resp.text
+    v2 = assert_server_greedy_equals(env.server.generate_ids, env.local)
+    assert any(v2[p] != v0[p] for p in v2), "v2 generates exactly what v0 did"
+    publish(env, 3)
+    resp = pull(env, 3)
+    body = resp.json()
+    assert resp.status_code == 200, body
+    assert body["hosts"][0]["action"] == "chain"  # one delta fetched onto the local v2
+    assert_checkpoint_equals(env.local, env.expected[3])
+
+
+def test_a_version_not_in_the_bucket_yet_is_not_ready(env):
+    resp = pull(env, 9)
+    assert resp.status_code == 404, resp.text
+    assert resp.json()["error_type"] == "source_not_ready"
+
+
+def test_a_bucket_outside_the_allowed_url_roots_is_forbidden(env):
+    resp = pull(env, 1, source="s3://wsync/elsewhere/run")
+    assert resp.status_code == 403, resp.text
+
+
+def test_a_request_cannot_name_an_endpoint(env):
+    resp = pull(env, 1, source=f"{env.url}?endpoint=http://127.0.0.2:9000")
+    assert resp.status_code == 400, resp.text
