@@ -48,6 +48,7 @@ EXIT_CODE_TABLE = [
     (5, "the local state is at fault (LOCAL is not a usable directory, or damaged)"),
     (6, "conflict (another pull holds the host lock, or the version exists with other bytes)"),
     (7, "the host ran out of descriptors, memory or disk: free some and retry"),
+    (130, "interrupted (Ctrl-C); a pull says on stderr what state LOCAL is left in"),
 ]
 
 EXAMPLES = """\
