@@ -58,6 +58,7 @@ import numpy as np
 import torch
 
 from .mapping.coordinate_map import CheckpointReader, CoordinateMap, as_int_bits
+from .mapping.differ import DifferFlags
 from .results import RankCheck
 
 SAMPLE_PER_TENSOR = 4096  # elements drawn per checkpoint tensor and update
@@ -150,11 +151,24 @@ class _ParamSample:
 @dataclass
 class _Group:
     """The sampled parameters of one device and element width: their gathers land side by side,
-    so one compare covers them all."""
+    so one compare covers them all. The compare's scratch is made with the group, at staging:
+    on a device a pair of flags set without a reduction (``mapping.differ``), on the host a bool
+    per element (numpy's ``!=`` into it); the pause allocates nothing while the check holds."""
 
     members: list[_ParamSample]
     expected: torch.Tensor
     got: torch.Tensor
+    flags: Optional[DifferFlags] = None  # the device path
+    host_differs: Optional[np.ndarray] = None  # the host path
+
+    def holds_expected(self) -> bool:
+        """Whether ``got`` equals ``expected`` bit for bit (after the gathers into ``got``)."""
+        if self.flags is not None:
+            self.flags.reset()
+            self.flags.mark(0, self.got, self.expected)
+            return not bool(self.flags.differing()[0])
+        np.not_equal(self.got.numpy(), self.expected.numpy(), out=self.host_differs)
+        return not bool(self.host_differs.any())
 
 
 @dataclass
@@ -166,6 +180,7 @@ class PreparedSample:
     (``before_pause``), and ``groups`` keeps only the others, for the pause."""
 
     groups: list[_Group] = field(default_factory=list)
+    device_path: Optional[bool] = None  # True: compare as on a device even on the CPU (a test); None: by device
     checked: int = 0  # parameters the sample could reach
     unchecked: int = 0
     read_s: float = 0.0  # drawing and reading it (at staging for a live apply)
@@ -183,14 +198,15 @@ class PreparedSample:
         """Gather every sampled element of ``groups`` from the live weights (``params``: the
         engine's parameters now; None: the views taken when prepared) and compare bit for bit:
         one gather per parameter, one compare per device and element width (one synchronisation
-        on a device); per parameter only after a mismatch, for the detail."""
+        on a device); per parameter only after a mismatch, for the detail (which allocates: every
+        rank reloads then)."""
         start = time.perf_counter()
         tally = _Tally()
         for g in self.groups:
             for s in g.members:
                 torch.index_select(_storage_bits(params, s.param, s.flat), 0, s.index, out=s.got)
         for g in self.groups:
-            if _equal(g.got, g.expected):
+            if g.holds_expected():
                 tally.compared += int(g.got.numel())
                 continue
             for s in g.members:
@@ -218,14 +234,16 @@ class PreparedSample:
                     mask = differ.cpu().numpy()
                     pending.append((s.param, s.dtype, s.flat, s.index[differ], s.expected[differ],
                                     _masked_runs(s.runs, mask)))
-        self.groups = _grouped(pending)
+        self.groups = _grouped(pending, self.device_path)
         tally.seconds = time.perf_counter() - start
         self.before_pause = tally
         return tally
 
 
-def _grouped(members: list[tuple[str, torch.dtype, torch.Tensor, torch.Tensor, torch.Tensor, list]]) -> list[_Group]:
-    """``(param, dtype, flat bits, index, expected bits, runs)`` -> groups by device and width."""
+def _grouped(members: list[tuple[str, torch.dtype, torch.Tensor, torch.Tensor, torch.Tensor, list]],
+             device_path: Optional[bool] = None) -> list[_Group]:
+    """``(param, dtype, flat bits, index, expected bits, runs)`` -> groups by device and width,
+    each with its compare's scratch (``device_path`` True: the device's, on any device)."""
     by_key: dict[tuple, list] = {}
     for m in members:
         by_key.setdefault((str(m[2].device), m[4].dtype), []).append(m)
@@ -238,7 +256,9 @@ def _grouped(members: list[tuple[str, torch.dtype, torch.Tensor, torch.Tensor, t
             n = int(exp.numel())
             out.append(_ParamSample(param, dtype, flat, index.to(device), expected[at:at + n], got[at:at + n], runs))
             at += n
-        groups.append(_Group(out, expected, got))
+        on_device = device_path if device_path is not None else torch.device(device).type != "cpu"
+        groups.append(_Group(out, expected, got, flags=DifferFlags(device, 1, at) if on_device else None,
+                             host_differs=None if on_device else np.ones(at, dtype=np.bool_)))
     return groups
 
 
@@ -268,14 +288,15 @@ def _draw(cmap: CoordinateMap, checked: set[str], rng: np.random.Generator, per_
 def prepare_sample_steps(
     cmap: CoordinateMap, params: Mapping[str, torch.Tensor], read_values: Callable[[str, np.ndarray], torch.Tensor],
     seed: list[int], per_tensor: int = SAMPLE_PER_TENSOR, max_tensors: Optional[int] = None,
-    checked: Optional[set[str]] = None,
+    checked: Optional[set[str]] = None, device_path: Optional[bool] = None,
 ) -> Generator[None, None, PreparedSample]:
     """Draw up to ``per_tensor`` random elements of each of up to ``max_tensors`` random
     checkpoint tensors' boxes (into checkable parameters) and rebuild the values the parameter
     elements they land on must hold; one step per tensor (``loop_slices``).
 
     ``read_values(tensor, flat positions)``: those checkpoint elements, in the checkpoint's dtype.
-    ``checked``: ``checkable_params``'s first set when the caller has it already (not rebuilt)."""
+    ``checked``: ``checkable_params``'s first set when the caller has it already (not rebuilt).
+    ``device_path``: see ``PreparedSample``."""
     names = list(params)
     if checked is None:
         checked, unchecked = checkable_params(cmap, names)
@@ -316,7 +337,8 @@ def prepare_sample_steps(
         index = torch.from_numpy(np.concatenate([dst for _, dst, _ in parts[param]]))
         members.append((param, live.dtype, as_int_bits(live.reshape(-1)), index,
                         torch.cat([e for _, _, e in parts[param]]), runs))
-    sample = PreparedSample(_grouped(members), checked=len(checked), unchecked=len(unchecked))
+    sample = PreparedSample(_grouped(members, device_path), device_path=device_path, checked=len(checked),
+                            unchecked=len(unchecked))
     sample.read_s = spent + time.perf_counter() - t0
     return sample
 

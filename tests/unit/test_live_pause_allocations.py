@@ -17,6 +17,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from sglang_patch.live.mapping.coordinate_map import TensorSpec, build_coordinate_map, prove_map
 from sglang_patch.live.scatter.patch import SPARSE_WRITE_DENSITY, StagedUpdate, scatter_with_undo, stage_update
@@ -172,3 +173,115 @@ def test_a_restore_on_the_device_path_reads_every_patch_back_and_reports_a_write
 
     result = undo.restore(before_write=scribble_after_the_first_write_back)
     assert result.failures == (f"{victim.param}: reads back other values than the undo log",)
+
+
+# --- the check inside the pause: no tensor made, and no reduction on the device path ------------
+#
+# A reduction makes no new tensor the recorder sees when given ``out=``, but on CUDA it takes a
+# workspace from the caching allocator for a large input (``torch.sum(out=)``), and
+# ``torch.equal`` makes a whole bool tensor inside its kernel: the device path may run only the
+# element-wise and indexing ops below (``mapping.differ``), whatever their sizes.
+
+DEVICE_PATH_OPS = {
+    "aten.index_select", "aten.ne", "aten.index_fill_", "aten.zero_", "aten.copy_", "aten.index_copy_",
+    "aten.index_put_", "aten.view", "aten.slice", "aten.select", "aten.alias", "aten.detach", "aten.reshape",
+    "aten._reshape_alias", "aten.as_strided", "aten.unsqueeze", "aten._local_scalar_dense", "aten.is_nonzero",
+}
+
+
+class OpsSeen(TorchDispatchMode):
+    """Entered with ``with``: the name of every op run (``ops``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: set[str] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.add(str(func.overloadpacket))
+        return func(*args, **(kwargs or {}))
+
+
+def test_the_op_recorder_sees_the_reductions_the_device_path_must_not_run():
+    x, y, out = torch.arange(6), torch.arange(6), torch.zeros((), dtype=torch.int64)
+    with OpsSeen() as seen:
+        torch.equal(x, y)
+        torch.sum(x, 0, out=out)
+        torch.count_nonzero(x)
+    assert {"aten.equal", "aten.sum", "aten.count_nonzero"} <= seen.ops
+    assert not {"aten.equal", "aten.sum", "aten.count_nonzero"} & DEVICE_PATH_OPS
+
+
+def _prepared_sample(model, cmap, v1, device_path):
+    from sglang_patch.live.check import prepare_sample_steps, sample_seed, values_through
+    from sglang_patch.live.loop_slices import drain
+
+    return drain(prepare_sample_steps(cmap, dict(model.named_parameters()), values_through(lambda n: v1[n]),
+                                      sample_seed(1, 1), per_tensor=500, device_path=device_path))
+
+
+@pytest.mark.parametrize("device_path", [None, True], ids=["host-compare", "device-path"])
+def test_the_checks_compare_in_the_pause_creates_no_tensor_and_runs_no_reduction(device_path):
+    """A live apply's check as the engine runs it: the sample read and settled at staging, the
+    scatter and the sample's compare in the pause."""
+    model, cmap, v0, v1 = _engine()
+    staged = _staged(model, cmap, v0, v1, device_copies=device_path)
+    sample = _prepared_sample(model, cmap, v1, device_path)
+    settled = sample.settle_before_pause(dict(model.named_parameters()))
+    assert settled.compared > 0 and sample.elements > 0  # some sampled elements change: the pause compares them
+    with NewTensors() as pause, OpsSeen() as seen:
+        undo, _ = scatter_with_undo(staged)
+        tally = sample.compare(dict(model.named_parameters()))
+    assert pause.created == []
+    assert tally.mismatches == 0 and tally.compared == sample.elements
+    if device_path:
+        assert seen.ops <= DEVICE_PATH_OPS, seen.ops - DEVICE_PATH_OPS
+    # and the compare still finds a wrong element (its detail may allocate: every rank reloads then)
+    member = sample.groups[0].members[0]
+    with torch.no_grad():
+        member.flat[int(member.index[0])] += 1
+    found = sample.compare(dict(model.named_parameters()))
+    assert found.mismatches == 1 and member.param in found.first
+
+
+def test_the_scatters_read_back_on_the_device_path_runs_no_reduction():
+    model, cmap, v0, v1 = _engine()
+    staged = _staged(model, cmap, v0, v1, device_copies=True)
+    with OpsSeen() as seen:
+        undo, written = scatter_with_undo(staged)
+    assert seen.ops <= DEVICE_PATH_OPS, seen.ops - DEVICE_PATH_OPS
+    assert undo.read_back.elements == written == staged.elements
+
+
+def test_differ_flags_find_one_differing_element_in_any_chunk_of_a_strided_view_without_making_a_tensor(monkeypatch):
+    from sglang_patch.live.mapping import differ
+
+    monkeypatch.setattr(differ, "CHUNK", 8)
+    base = torch.arange(10 * 12, dtype=torch.int32).view(10, 12)
+    want = base.t()  # a strided view, as a derived tensor's source is
+    flags = differ.DifferFlags("cpu", slots=3, largest=want.numel(), row=want[0].numel())
+    assert flags.scratch.numel() == 10  # one row: chunks are whole rows
+    got = want.contiguous()
+    wrong = got.clone()
+    wrong[11, 9] += 1  # the last row, the last chunk
+    with NewTensors() as made, OpsSeen() as seen:
+        flags.mark(0, got, want)
+        flags.mark(2, wrong, want)
+        differing = flags.differing()
+    assert made.created == [] and seen.ops <= DEVICE_PATH_OPS, (made.created, seen.ops)
+    assert differing.tolist() == [False, False, True]
+    flags.reset()
+    assert flags.differing().tolist() == [False, False, False]
+
+
+def test_the_derived_states_compare_runs_no_reduction_while_it_holds_and_counts_once_it_does_not():
+    from sglang_patch.live.mapping.derived import CompareScratch
+
+    want = torch.randn(6, 4, dtype=torch.float32).t()
+    got = want.contiguous()
+    scratch = CompareScratch([got])
+    with NewTensors() as made, OpsSeen() as seen:
+        assert scratch.differing(got, want) == 0
+    assert made.created == [] and seen.ops <= DEVICE_PATH_OPS, (made.created, seen.ops)
+    got[1, 2] += 1
+    got[3, 5] += 1
+    assert scratch.differing(got, want) == 2

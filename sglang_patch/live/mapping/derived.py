@@ -31,6 +31,7 @@ from typing import Any, Generator, Iterable, Mapping, Optional
 import torch
 
 from .coordinate_map import as_int_bits
+from .differ import DifferFlags
 
 MIXIN_POST_LOAD = "DeepseekV2WeightLoaderMixin.post_load_weights"
 DERIVABLE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -162,24 +163,26 @@ class MlaDerivation:
 
 class CompareScratch:
     """What comparing a derived tensor with its re-derivation writes into, made once at the proof
-    and shared by every layer: per device one bool per element of the largest derived tensor and
-    one count (a GLM-4.7-Flash layer's w_kc is 4.6M elements: 4.6 MB, not one buffer per layer)."""
+    and shared by every layer: per device the flags of ``differ.DifferFlags`` and their scratch
+    (at most ``differ.CHUNK`` int64, or one row of the largest tensor), not one buffer per layer.
+    No reduction on the way (a CUDA reduction takes a workspace inside the pause); the elements
+    that differ are counted only once the flags say some do."""
 
     def __init__(self, tensors: Iterable[torch.Tensor]) -> None:
-        sizes: dict[torch.device, int] = {}
+        sizes: dict[torch.device, tuple[int, int]] = {}
         for t in tensors:
-            sizes[t.device] = max(sizes.get(t.device, 0), t.numel())
-        # zeros, not empty: written now, so the pause takes no first-touch page faults on them
-        self.differs = {d: torch.zeros(n, dtype=torch.bool, device=d) for d, n in sizes.items()}
-        self.counts = {d: torch.zeros((), dtype=torch.int64, device=d) for d in sizes}
+            n, row = sizes.get(t.device, (0, 1))
+            sizes[t.device] = (max(n, t.numel()), max(row, t[0].numel() if t.dim() and t.shape[0] else 1))
+        self.flags = {d: DifferFlags(d, 1, n, row) for d, (n, row) in sizes.items()}
 
     def differing(self, got: torch.Tensor, want: torch.Tensor) -> int:
         """Elements of ``got`` whose bits differ from ``want``'s (same shape and device)."""
-        differs = self.differs[got.device][:got.numel()].view(got.shape)
-        torch.ne(as_int_bits(got), as_int_bits(want), out=differs)
-        count = self.counts[got.device]
-        torch.sum(differs.view(-1), 0, out=count)
-        return int(count)
+        flags = self.flags[got.device]
+        flags.reset()
+        flags.mark(0, as_int_bits(got), as_int_bits(want))
+        if not bool(flags.differing()[0]):
+            return 0
+        return int(torch.count_nonzero(as_int_bits(got) != as_int_bits(want)))  # some differ: this allocates
 
 
 def prove_steps(model: torch.nn.Module, derived_params: Mapping[str, str],

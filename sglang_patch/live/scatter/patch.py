@@ -47,6 +47,7 @@ import torch
 
 from ..loop_slices import drain
 from ..mapping.coordinate_map import INT_OF_WIDTH, TORCH_DTYPE_OF, CheckpointReader, CoordinateMap, as_int_bits
+from ..mapping.differ import DifferFlags
 from ..mapping.stage import Patch, StagingRefused, positions_through, stage_changes
 from . import host_scatter
 from .device import HostFence, PauseFence, needs_device_copies
@@ -362,24 +363,22 @@ class RestoreBuffers:
         self.host = {w: torch.zeros(n, dtype=INT_OF_WIDTH[w]) for w, n in host.items()}
         self.device = {k: torch.zeros(n, dtype=INT_OF_WIDTH[k[1]], device=k[0]) for k, n in device.items()}
         # the scatter's compare of what it wrote: on the host one bool per element of the largest
-        # patch (numpy's ``!=`` into it); per device one bool buffer and one count per patch there
+        # patch (numpy's ``!=`` into it); per device a pair of flags per patch there, set without
+        # a reduction (``mapping.differ``: a reduction on CUDA takes a workspace in the pause)
         self.host_differs = np.ones(max(host.values(), default=0), dtype=np.bool_)
-        self.device_differs = {d: torch.zeros(n, dtype=torch.bool, device=d)
-                               for d, n in _largest_per_device(device).items()}
-        self.counts_at = {}  # patch position -> its slot in its device's counts
+        self.counts_at = {}  # patch position -> its slot in its device's flags
         slots: dict[str, int] = {}
         for k, p in enumerate(patches):
             if p.device_index is not None:
                 d = str(p.flat.device)
                 self.counts_at[k] = (d, slots.get(d, 0))
                 slots[d] = slots.get(d, 0) + 1
-        self.device_counts = {d: torch.zeros(n, dtype=torch.int64, device=d) for d, n in slots.items()}
-        self.host_counts = {d: torch.zeros(n, dtype=torch.int64) for d, n in slots.items()}  # pageable: see the module doc
+        largest = _largest_per_device(device)
+        self.device_flags = {d: DifferFlags(d, n, largest[d]) for d, n in slots.items()}
 
     @property
     def device_nbytes(self) -> int:
-        return (sum(t.nbytes for t in self.device.values()) + sum(t.nbytes for t in self.device_differs.values())
-                + sum(t.nbytes for t in self.device_counts.values()))
+        return sum(t.nbytes for t in self.device.values()) + sum(f.nbytes for f in self.device_flags.values())
 
     def for_patch(self, p: ParamPatch) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         """(host read-back, device scratch or None), each exactly ``p``'s elements (views)."""
@@ -415,6 +414,8 @@ class ReadBack:
     def __init__(self, patches: list[ParamPatch], buffers: RestoreBuffers) -> None:
         self._patches = patches
         self._buffers = buffers
+        for flags in buffers.device_flags.values():  # a retry after a rollback reuses them
+            flags.reset()
         self.elements = 0  # read back and equal to the staged values
         self._seconds = 0.0  # the read-backs timed apart (numpy's; on a device the launches only)
         self._compiled = host_scatter.ScatterTimings()  # the compiled loop's, whose cost is measured
@@ -434,9 +435,7 @@ class ReadBack:
             _, got = self._buffers.for_patch(p)
             device, slot = self._buffers.counts_at[k]
             torch.index_select(as_int_bits(p.flat), 0, p.device_index, out=got)
-            differs = self._buffers.device_differs[device][:n]
-            torch.ne(got, as_int_bits(p.device_values), out=differs)
-            torch.sum(differs, 0, out=self._buffers.device_counts[device][slot])
+            self._buffers.device_flags[device].mark(slot, got, as_int_bits(p.device_values))
             self.elements += n
             self._seconds += time.perf_counter() - t0
             return
@@ -470,10 +469,9 @@ class ReadBack:
     def verify_device(self) -> None:
         """After the fence's wait: every patch written from device copies held its values."""
         t0 = time.perf_counter()
-        for d, counts in self._buffers.device_counts.items():
-            self._buffers.host_counts[d].copy_(counts)  # synchronous, a few bytes
+        differing = {d: flags.differing() for d, flags in self._buffers.device_flags.items()}  # synchronous, a few bytes
         for k, (d, slot) in self._buffers.counts_at.items():
-            if int(self._buffers.host_counts[d][slot]):
+            if bool(differing[d][slot]):
                 p = self._patches[k]
                 # the failure path: this allocates (the rank restores and the update fails anyway)
                 got = as_int_bits(p.flat).index_select(0, p.device_index).cpu().numpy()
