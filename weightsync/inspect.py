@@ -257,13 +257,38 @@ def verify_local(
     reference = {n: (e.dtype, e.shape) for n, (_, e) in layout_ref.items()}
     if not reference and not _layout_changed(source_dir, version):
         reference = _recorded_seed_layout(source_dir)
-    layout_bad: list[str] = []
-    if reference:
-        from .puller.pull import layout_differences
+    from .puller.pull import layout_differences
 
-        layout_bad = layout_differences({n: (e.dtype, e.shape) for n, (_, e) in local.items()}, reference)
-        layout_bad = [d for d in layout_bad if not d.startswith("lacks tensors")]  # reported as missing
-    return VerifyReport(version, checked, mismatched, unchecked, missing, layout_bad, bool(reference))
+    actual = {n: (e.dtype, e.shape) for n, (_, e) in local.items()}
+    layout_bad: list[str] = []
+    # The layout the version's own full index or anchor records binds every header (ours);
+    # the model's (seed dir, or the run's record) holds unless the layout changed since.
+    for ref in (_recorded_layout_at(source_dir, version), reference):
+        for d in layout_differences(actual, ref or {}) if ref else []:
+            if not d.startswith("lacks tensors") and d not in layout_bad:  # missing ones: reported as missing
+                layout_bad.append(d)
+    checked_layout = bool(reference) or _recorded_layout_at(source_dir, version) is not None
+    return VerifyReport(version, checked, mismatched, unchecked, missing, layout_bad, checked_layout)
+
+
+def _recorded_layout_at(source_dir: str, version: int) -> "dict[str, tuple[str, tuple[int, ...]]] | None":
+    """The layout recorded by the newest full version or bound side anchor at or below
+    ``version`` (deltas never change a layout), or None when that index records none."""
+    anchors = set(list_anchors(source_dir))
+    v = version
+    while v > 0:
+        try:
+            idx = read_version_index(source_dir, v)
+        except WeightSyncError:
+            return None
+        if idx.kind == "full":
+            return idx.layout
+        if v in anchors:
+            check = check_anchor(source_dir, v, idx)
+            if check.state == "bound" and check.index is not None:
+                return check.index.layout
+        v -= 1
+    return None
 
 
 def _recorded_seed_layout(source_dir: str) -> dict[str, tuple[str, tuple[int, ...]]]:

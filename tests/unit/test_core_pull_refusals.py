@@ -205,6 +205,37 @@ def test_verify_fails_a_local_header_retyped_in_place_naming_the_tensor(world):
     assert code == 1 and doc["layout_mismatched"] == report.layout_mismatched
 
 
+def test_a_header_retyped_in_a_version_published_with_allow_layout_change_is_refused_by_its_recorded_layout(world):
+    world.publish(1)
+    t2 = mutate(world.t[1], world.rng, 0.1)
+    t2["c"] = t2["c"].reshape(4, 6)
+    pub = Publisher(world.source, encoding="xor", workers=1)
+    pub.seed_snapshot(t2, version=1)
+    pub.publish(2, t2, full=True, allow_layout_change=True)
+    pub.close()
+    vdir = version_dir(world.source, 2)
+    with open(os.path.join(vdir, INDEX)) as f:
+        index = json.load(f)
+    assert index["layout"]["c"] == ["I16", [4, 6]] and index["layout"]["a"] == ["F32", [32, 16]]
+    retype_header(os.path.join(vdir, index["weight_map"]["a"]), "a")
+    with pytest.raises(errors.LayoutMismatchError, match=r"layout its index records: tensor a is I32\[32, 16\]"):
+        world.pull(2)
+
+
+def test_verify_checks_headers_against_the_layout_the_index_records(world):
+    world.publish(2, full_at={2})
+    world.pull(2)
+    retype_header(_shard_of(world.local, "a"), "a")  # the local copy of the full version's shard
+    os.unlink(os.path.join(world.source, "weightsync-run.json"))  # no run record: only the index's layout is left
+    report = verify_local(world.local, world.source, 2)
+    assert report.layout_checked and report.layout_mismatched == ["tensor a is I32[32, 16], the model's is F32[32, 16]"]
+
+
+def _shard_of(directory: str, tensor: str) -> str:
+    with open(os.path.join(directory, INDEX)) as f:
+        return os.path.join(directory, json.load(f)["weight_map"][tensor])
+
+
 # --- 25.5: "not there" is not "not yet" -------------------------------------------------------------
 
 

@@ -54,6 +54,10 @@ class VersionIndex(msgspec.Struct, frozen=True):
     # older publisher's, or a version that has no anchor), which binds no anchor.
     anchor_commit: str | None = None
     digests: dict[str, str] | None = None
+    # A full version's or an anchor's recorded layout (ours): tensor -> (dtype, shape) as its
+    # shards' headers had them when written. A digest covers a tensor's bytes, never its
+    # header; a seed and verify check the headers against this. None: not recorded.
+    layout: "dict[str, tuple[str, tuple[int, ...]]] | None" = None
 
     def shards(self) -> dict[str, set[str]]:
         """shard file -> tensor names, as the index maps them."""
@@ -186,7 +190,8 @@ def read_version_index(source_dir: str, version: int) -> VersionIndex:
                 raise CorruptArtifactError(f"{ipath} declares version {declared} but lives in the dir of version {version}")
         digests, checksum = _full_digests(obj, meta, wmap, ipath)
         return VersionIndex(version, "full", vdir, dict(wmap), checksum_format=checksum, metadata=str_meta,
-                            anchor_commit=_anchor_commit(meta, ipath), digests=digests)
+                            anchor_commit=_anchor_commit(meta, ipath), digests=digests,
+                            layout=_recorded_layout(obj, wmap, ipath))
     declared = parse_version_number(meta.get("version"), "version", ipath)
     base = parse_version_number(meta.get("base_version"), "base_version", ipath)
     if declared != version:
@@ -274,7 +279,7 @@ def read_anchor_index(source_dir: str, version: int) -> VersionIndex:
     return VersionIndex(
         version, "full", adir, dict(wmap), checksum_format=checksum,
         metadata={str(k): str(v) for k, v in meta.items() if k != ANCHOR_DIGESTS_KEY},
-        anchor_commit=commit, digests=digests,
+        anchor_commit=commit, digests=digests, layout=_recorded_layout(obj, wmap, ipath),
     )
 
 
@@ -293,6 +298,42 @@ def _checked_digests(raw: object, checksum: object, wmap: dict, ipath: str) -> d
     if bad:
         raise MalformedHeaderError(ipath, f"{ANCHOR_DIGESTS_KEY} of {bad[:5]} are not well-formed {checksum} digests")
     return dict(raw)
+
+
+LAYOUT_KEY = "layout"
+
+
+def _recorded_layout(obj: dict, wmap: dict, ipath: str) -> "dict[str, tuple[str, tuple[int, ...]]] | None":
+    """``layout`` of a full or anchor index: ``{name: [dtype, [dims...]]}`` for exactly the
+    tensors of its weight map, or None when absent (an upstream writer's, an older publisher's)."""
+    from .safetensors_io import DTYPE_NBYTES
+
+    raw = obj.get(LAYOUT_KEY)
+    if raw is None:
+        return None
+    if not isinstance(raw, dict) or set(raw) != set(wmap):
+        raise MalformedHeaderError(ipath, f"{LAYOUT_KEY} must map exactly the tensors of weight_map to [dtype, shape]")
+    out: dict[str, tuple[str, tuple[int, ...]]] = {}
+    for name, entry in raw.items():
+        ok = (isinstance(entry, list) and len(entry) == 2 and entry[0] in DTYPE_NBYTES and isinstance(entry[1], list)
+              and all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in entry[1]))
+        if not ok:
+            raise MalformedHeaderError(ipath, f"{LAYOUT_KEY} of {name!r} is not [dtype, shape]: {str(entry)[:80]}")
+        out[name] = (entry[0], tuple(entry[1]))
+    return out
+
+
+def layout_of_shards(directory: str, weight_map: dict[str, str]) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """tensor -> (dtype, shape) from the headers of the shards ``weight_map`` names in
+    ``directory``: what a publisher records in a full or anchor index right after writing them."""
+    from .safetensors_io import local_tensor_table
+
+    table = local_tensor_table(directory, sorted(set(weight_map.values())))
+    return {n: (e.dtype, e.shape) for n, (_, e) in table.items() if n in weight_map}
+
+
+def _layout_json(layout: "dict[str, tuple[str, tuple[int, ...]]]") -> dict[str, list]:
+    return {n: [d, list(s)] for n, (d, s) in sorted(layout.items())}
 
 
 def _full_digests(obj: dict, meta: dict, wmap: dict, ipath: str) -> tuple[dict[str, str] | None, str | None]:
@@ -392,17 +433,22 @@ def _read_indexless_full(vdir: str, version: int) -> VersionIndex:
 
 
 def build_anchor_index(
-    version: int, weight_map: dict[str, str], total_size: int, commit: str, checksum_format: str, digests: dict[str, str]
+    version: int, weight_map: dict[str, str], total_size: int, commit: str, checksum_format: str, digests: dict[str, str],
+    layout: "dict[str, tuple[str, tuple[int, ...]]] | None" = None,
 ) -> bytes:
     """A side anchor's index: an HF index plus its binding (the commit id its version's index
-    names too, and the digest of every tensor's bytes)."""
+    names too, and the digest of every tensor's bytes), and with ``layout`` each tensor's dtype
+    and shape (what binds its headers)."""
     meta: dict[str, object] = {
         "version": format_version(version), "total_size": int(total_size), ANCHOR_COMMIT_KEY: commit,
         "checksum_format": checksum_format,
     }
-    return json.dumps({
+    obj: dict[str, object] = {
         "metadata": meta, "weight_map": dict(sorted(weight_map.items())), ANCHOR_DIGESTS_KEY: dict(sorted(digests.items())),
-    }, indent=1).encode()
+    }
+    if layout is not None:
+        obj[LAYOUT_KEY] = _layout_json(layout)
+    return json.dumps(obj, indent=1).encode()
 
 
 def build_delta_index(
@@ -421,7 +467,7 @@ def build_delta_index(
 
 def build_full_index(
     version: int, weight_map: dict[str, str], total_size: int, checksum_format: str | None = None,
-    digests: dict[str, str] | None = None,
+    digests: dict[str, str] | None = None, layout: "dict[str, tuple[str, tuple[int, ...]]] | None" = None,
 ) -> bytes:
     """An HF index; ``total_size`` is the tensor bytes, an integer (the HF convention). With
     ``digests`` (ours), each tensor's digest, so a seed from this version checks its copy."""
@@ -430,6 +476,8 @@ def build_full_index(
     if digests is not None and checksum_format is not None:
         meta["checksum_format"] = checksum_format
         obj[ANCHOR_DIGESTS_KEY] = dict(sorted(digests.items()))
+    if layout is not None:
+        obj[LAYOUT_KEY] = _layout_json(layout)
     return json.dumps(obj, indent=1).encode()
 
 
@@ -553,5 +601,6 @@ __all__ = [
     "build_full_index",
     "build_anchor_index",
     "anchor_commit_of",
+    "layout_of_shards",
     "INDEX_NAME",
 ]

@@ -59,6 +59,7 @@ from ..format.manifest import (
     build_full_index,
     encode_run_identity,
     is_committed,
+    layout_of_shards,
     anchor_commit_of,
     read_run_id,
 )
@@ -292,7 +293,7 @@ class Committer:
         if anchor_map is not None:
             commit_id = anchor_commit_of(version, self.checksum, digests)
             index = build_anchor_index(version, anchor_map, sum(m.tensor_nbytes for m in manifests), commit_id,
-                                       self.checksum, digests)
+                                       self.checksum, digests, layout_of_shards(adir, anchor_map))
             fence(f"writing the side anchor index of v{version}")
             self._write_index(adir, index)
             anchor_nbytes = sum(m.anchor_nbytes for m in manifests)
@@ -308,7 +309,8 @@ class Committer:
                 full_digests.update(m.digests or {})
             complete = set(full_digests) == set(weight_map)  # manifests not from write() may lack them
             index = build_full_index(version, weight_map, sum(m.tensor_nbytes for m in manifests),
-                                     self.checksum if complete else None, full_digests if complete else None)
+                                     self.checksum if complete else None, full_digests if complete else None,
+                                     layout_of_shards(vdir, weight_map))  # binds the headers (a digest cannot)
             if layout_change is not None:
                 index = _with_metadata(index, {LAYOUT_CHANGE_KEY: layout_change})
         else:

@@ -69,6 +69,8 @@ class SeedSource(msgspec.Struct, frozen=True):
     # Its version was published with --allow-layout-change (``allows_layout_change``): its
     # layout need not be the seed dir's.
     layout_change: bool = False
+    # Each tensor's dtype and shape as its index records them (ours): what its headers must say.
+    layout: "dict[str, tuple[str, tuple[int, ...]]] | None" = None
 
 
 # Index metadata of a full version published with --allow-layout-change: our publisher writes
@@ -265,7 +267,7 @@ def _cheapest_plan(
             idx, nbytes = anchor
             files = tuple(sorted(set(idx.weight_map.values())))
             source = SeedSource("anchor", v, idx.path, files, idx.digests, idx.checksum_format,
-                                allows_layout_change(indexes.get(v)) or allows_layout_change(idx))
+                                allows_layout_change(indexes.get(v)) or allows_layout_change(idx), idx.layout)
             consider(_Candidate(nbytes + tail, v, source,
                                 f"seed from side anchor {anchor_dir_name(v)} (cheaper than the chain; {why})"))
         if v == applied:
@@ -290,7 +292,8 @@ def _cheapest_plan(
         idx = indexes[v]
         if idx.kind == "full":
             files = tuple(sorted(set(idx.weight_map.values())))
-            full = SeedSource("full", v, idx.path, files, idx.digests, idx.checksum_format, allows_layout_change(idx))
+            full = SeedSource("full", v, idx.path, files, idx.digests, idx.checksum_format, allows_layout_change(idx),
+                              idx.layout)
             consider(_Candidate(files_nbytes(idx.path, files) + tail, v, full,
                                 f"seed from {version_dir_name(v)} (newest full version <= v{target}; {why})"))
             break

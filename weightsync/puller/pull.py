@@ -584,10 +584,12 @@ def _seed(plan: PullPlan, local: str, seed_dir: str, origin: Origin, workers: in
         return seed_local_checkpoint(local, seed, seed_dir, origin)
     reference = None if seed.layout_change else seed_layout(seed_dir)
     if seed.kind == "full":
-        check_layout(seed.path, seed.shard_files, reference, f"full version v{seed.version}", seed_dir)  # before any write
+        # Before any write: the source's headers.
+        check_layout(seed.path, seed.shard_files, reference, f"full version v{seed.version}", seed_dir, seed.layout)
 
         def check_full(d: str) -> None:
-            check_layout(d, seed.shard_files, reference, f"the copy of full version v{seed.version}", seed_dir)
+            check_layout(d, seed.shard_files, reference, f"the copy of full version v{seed.version}", seed_dir,
+                         seed.layout)
             if seed.digests is not None:
                 _check_full_copy(d, seed, workers, chunk)
 
@@ -595,11 +597,13 @@ def _seed(plan: PullPlan, local: str, seed_dir: str, origin: Origin, workers: in
     source_dir = os.path.dirname(seed.path.rstrip(os.sep))
 
     def check_anchor_copy(d: str) -> None:
-        check_layout(d, seed.shard_files, reference, f"the copy of side anchor {anchor_dir_name(seed.version)}", seed_dir)
+        check_layout(d, seed.shard_files, reference, f"the copy of side anchor {anchor_dir_name(seed.version)}", seed_dir,
+                     seed.layout)
         _check_anchor_copy(d, seed, workers, chunk)
 
     try:
-        check_layout(seed.path, seed.shard_files, reference, f"side anchor {anchor_dir_name(seed.version)}", seed_dir)
+        check_layout(seed.path, seed.shard_files, reference, f"side anchor {anchor_dir_name(seed.version)}", seed_dir,
+                     seed.layout)
         return seed_local_checkpoint(local, seed, seed_dir, origin, verify=check_anchor_copy)
     except FileNotFoundError as e:  # SourceNotReadyError included: a shard not there
         check = check_anchor(source_dir, seed.version)
@@ -643,19 +647,26 @@ def layout_differences(actual: Layout, reference: Layout) -> list[str]:
     return out
 
 
-def check_layout(directory: str, shard_files, reference: "Layout | None", what: str, seed_dir: str) -> None:
-    """The headers of ``shard_files`` in ``directory`` have exactly the ``reference`` layout
-    (names, dtypes, shapes), else ``LayoutMismatchError`` naming the tensors. None: exempt
-    (a version published with --allow-layout-change); its headers are still parsed."""
+def check_layout(
+    directory: str, shard_files, reference: "Layout | None", what: str, seed_dir: str, recorded: "Layout | None" = None,
+) -> None:
+    """The headers of ``shard_files`` in ``directory`` have exactly the ``reference`` layout (the
+    seed dir's: names, dtypes, shapes) and the one its index ``recorded`` (ours), else
+    ``LayoutMismatchError`` naming the tensors. ``reference`` None: exempt (a version published
+    with --allow-layout-change); the recorded layout still binds its headers."""
     for n in shard_files:
         if not os.path.exists(os.path.join(directory, n)):
             raise SourceNotReadyError(f"{what} names shard {n}, which is not in {directory} yet")
     table = local_tensor_table(directory, list(shard_files))
-    if reference is None:
-        return
-    bad = layout_differences({n: (e.dtype, e.shape) for n, (_, e) in table.items()}, reference)
-    if bad:
-        raise LayoutMismatchError(what, f"the seed dir {seed_dir}", bad)
+    actual = {n: (e.dtype, e.shape) for n, (_, e) in table.items()}
+    if recorded is not None:
+        bad = layout_differences(actual, recorded)
+        if bad:
+            raise LayoutMismatchError(what, "the layout its index records", bad)
+    if reference is not None:
+        bad = layout_differences(actual, reference)
+        if bad:
+            raise LayoutMismatchError(what, f"the seed dir {seed_dir}", bad)
 
 
 def _check_full_copy(local: str, seed: SeedSource, workers: int, chunk: int) -> None:
