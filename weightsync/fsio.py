@@ -6,6 +6,7 @@ their final name instead; the caller keeps the commit order (the index last) eit
 
 from __future__ import annotations
 
+import errno
 import os
 from typing import Callable, Iterable
 
@@ -73,6 +74,9 @@ def copy_file(src: str, dst: str, progress: "Callable[[int], None] | None" = Non
     return os.path.getsize(dst)
 
 
+_NO_COPY_RANGE = {errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP, errno.EBADF, errno.EPERM}
+
+
 def _copy_in_chunks(src: str, dst: str, progress: "Callable[[int], None]", chunk: int = 64 << 20) -> None:
     fin, fout = os.open(src, os.O_RDONLY), os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
@@ -81,8 +85,10 @@ def _copy_in_chunks(src: str, dst: str, progress: "Callable[[int], None]", chunk
             if in_kernel:
                 try:
                     n = os.copy_file_range(fin, fout, chunk)
-                except OSError:  # a kernel or filesystem without it: read and write from here on
-                    in_kernel = False
+                except OSError as e:
+                    if e.errno not in _NO_COPY_RANGE:
+                        raise  # ENOSPC, EIO...: the caller's to type
+                    in_kernel = False  # a kernel or filesystem without it: read and write from here on
                     continue
             else:
                 data = memoryview(os.read(fin, chunk))

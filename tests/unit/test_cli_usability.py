@@ -250,3 +250,44 @@ def test_a_step_that_fails_midway_leaves_its_line_and_the_error_starts_on_a_new_
             raise OSError("disk gone")
     text = out.getvalue()
     assert text.endswith("seed copy (v0)  40 B / 100 B   40%  40 B/s  ETA 2s\n") and text.count("\n") == 1
+
+
+@pytest.mark.parametrize("kernel_error", [None, "EXDEV", "ENOSYS"])
+def test_a_seed_copy_with_progress_copies_every_byte_in_chunks_and_tells_each_one(tmp_path, monkeypatch, kernel_error):
+    import errno
+
+    from weightsync.fsio import copy_file
+
+    if kernel_error is not None:  # a kernel or filesystem pair without copy_file_range (not causable here)
+        def refuse(*args, **kwargs):
+            raise OSError(getattr(errno, kernel_error), kernel_error)
+
+        monkeypatch.setattr(os, "copy_file_range", refuse)
+    src, dst = tmp_path / "src", tmp_path / "dst"
+    data = np.random.default_rng(1).integers(0, 256, (3 << 20) + 123, dtype=np.uint8).tobytes()
+    src.write_bytes(data)
+    dst.write_bytes(b"old bytes")
+    told: list[int] = []
+    import weightsync.fsio as fsio
+
+    monkeypatch.setattr(fsio, "_copy_in_chunks", lambda s, d, p, chunk=1 << 20, f=fsio._copy_in_chunks: f(s, d, p, chunk))
+    assert copy_file(str(src), str(dst), told.append) == len(data)
+    assert dst.read_bytes() == data and sum(told) == len(data) and len(told) == 4
+
+
+def test_a_seed_copy_that_runs_out_of_disk_says_so_instead_of_retrying_another_way(tmp_path, monkeypatch):
+    import errno
+
+    from weightsync.fsio import copy_file
+
+    calls = []
+
+    def full(*args, **kwargs):
+        calls.append(args)
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "copy_file_range", full)
+    (tmp_path / "src").write_bytes(b"x" * 1000)
+    with pytest.raises(OSError) as raised:
+        copy_file(str(tmp_path / "src"), str(tmp_path / "dst"), lambda n: None)
+    assert raised.value.errno == errno.ENOSPC and len(calls) == 1
