@@ -259,15 +259,16 @@ def verify_local(
         reference = _recorded_seed_layout(source_dir)
     from .puller.pull import layout_differences
 
-    actual = {n: (e.dtype, e.shape) for n, (_, e) in local.items()}
+    local_layout = {n: (e.dtype, e.shape) for n, (_, e) in local.items()}
+    recorded = _recorded_layout_at(source_dir, version)
     layout_bad: list[str] = []
     # The layout the version's own full index or anchor records binds every header (ours);
     # the model's (seed dir, or the run's record) holds unless the layout changed since.
-    for ref in (_recorded_layout_at(source_dir, version), reference):
-        for d in layout_differences(actual, ref or {}) if ref else []:
+    for ref in (recorded, reference):
+        for d in layout_differences(local_layout, ref) if ref else []:
             if not d.startswith("lacks tensors") and d not in layout_bad:  # missing ones: reported as missing
                 layout_bad.append(d)
-    checked_layout = bool(reference) or _recorded_layout_at(source_dir, version) is not None
+    checked_layout = bool(reference) or recorded is not None
     return VerifyReport(version, checked, mismatched, unchecked, missing, layout_bad, checked_layout)
 
 
