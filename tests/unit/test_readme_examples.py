@@ -28,6 +28,16 @@ def readme_section(title: str) -> str:
     return text[start : end if end >= 0 else len(text)]
 
 
+def test_the_readme_starts_with_make_demo_and_make_test_then_reads_in_a_users_order():
+    text = README.read_text()
+    assert text.split("\n```bash\n", 1)[1].startswith("make demo\nmake test\n```")  # the developers' guide asks it
+    headings = re.findall(r"^## (.+)$", text, re.M)
+    users_order = ["Install", "Quickstart", "From any PyTorch trainer", "The trainer side", "Guarantees"]
+    positions = [next(i for i, h in enumerate(headings) if h.startswith(title)) for title in users_order]
+    assert positions == sorted(positions), headings
+    assert positions[0] == 0  # what it is: the lines before the first heading
+
+
 def write_bf16_checkpoint(directory: Path, tensors: dict) -> None:
     directory.mkdir(parents=True, exist_ok=True)
     (directory / "config.json").write_text(json.dumps({"model_type": "toy"}))
