@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 from typing import Sequence
 
@@ -113,10 +114,16 @@ def _long_reason(args, reason: str | None) -> str:
 
 
 def _emit(args, obj, table: str) -> None:
-    if args.json:
-        print(json.dumps(msgspec.to_builtins(obj), indent=1))
-    else:
-        print(table)
+    try:
+        if args.json:
+            print(json.dumps(msgspec.to_builtins(obj), indent=1))
+        else:
+            print(table)
+        sys.stdout.flush()
+    except BrokenPipeError:
+        # `weightsync inspect SRC | head`: the reader left, which is no error of ours (and no
+        # traceback); stdout goes to /dev/null so that the interpreter's exit flush stays quiet.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
 
 
 def _count_progress(args, label: str):

@@ -291,3 +291,13 @@ def test_a_seed_copy_that_runs_out_of_disk_says_so_instead_of_retrying_another_w
     with pytest.raises(OSError) as raised:
         copy_file(str(tmp_path / "src"), str(tmp_path / "dst"), lambda n: None)
     assert raised.value.errno == errno.ENOSPC and len(calls) == 1
+
+
+def test_a_reader_that_stops_early_gets_no_traceback(world, capsys):
+    """`weightsync inspect SRC --json | head -1`: the pipe closes under the command."""
+    publish_v1(world, capsys)
+    cmd = [sys.executable, "-m", "weightsync.cli", "inspect", world["source"], "--version", "1", "--tensors", "--json"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=os.getcwd())
+    proc.stdout.close()  # the reader is gone before the first byte
+    assert proc.wait(timeout=120) == 0
+    assert b"Traceback" not in proc.stderr.read()
