@@ -92,3 +92,23 @@ def test_the_readmes_torch_bf16_recipe_makes_a_raw_tensor_the_core_publishes_byt
     for name, tensor in t1.items():
         assert torch.equal(got[name].view(torch.int16), tensor.view(torch.int16)), name
     assert not torch.equal(t0["model.layers.0.mlp.up_proj.weight"], got["model.layers.0.mlp.up_proj.weight"])
+
+
+def test_torch_weight_syncs_source_dir_is_the_run_dir_the_command_line_reads(tmp_path, capsys):
+    """The README's "From any PyTorch trainer": ``sync.source_dir`` is what to hand to
+    ``weightsync inspect`` / ``verify --source-dir``."""
+    from miles_updater.torch_publish import TorchWeightSync
+    from testbed.tiny_qwen3 import make_tiny_qwen3, perturb_state_dict, read_state_dict
+    from weightsync.cli import main
+
+    assert "sync.source_dir" in readme_section("From any PyTorch trainer")
+    hf = make_tiny_qwen3(tmp_path / "qwen3")
+    sync = TorchWeightSync(str(tmp_path / "shared"), hf)
+    sync.publish(perturb_state_dict(read_state_dict(hf), 1))
+    sync.close()
+    assert os.path.dirname(sync.source_dir) == str(tmp_path / "shared")
+    assert main(["inspect", sync.source_dir, "--json"]) == 0
+    assert [v["version"] for v in json.loads(capsys.readouterr().out)] == [1]
+    local = str(tmp_path / "local")
+    pull(local, seed_dir=hf, source_dir=sync.source_dir, target_version=1)
+    assert main(["verify", local, "--source-dir", sync.source_dir, "--version", "1", "--seed-dir", hf]) == 0
