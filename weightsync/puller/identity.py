@@ -43,7 +43,7 @@ SAMPLE_NBYTES = 4096
 TENSOR_SAMPLE_NBYTES = 64
 JOIN_GAP_NBYTES = 4096
 MAX_JOINED_NBYTES = 1 << 18
-FULL_HASH_CHUNK_NBYTES = 8 << 20
+FULL_HASH_CHUNK_NBYTES = 1 << 20
 NO_SEED = "none"  # the fingerprint of a seed dir that is not a readable checkpoint
 
 
@@ -102,14 +102,21 @@ def _fingerprint(seed_dir: str) -> str:
 def _hash_whole(h, fd: int, size: int) -> None:
     """Every byte of a file on a memory filesystem (tmpfs, ramfs, hugetlbfs): a write through a
     shared writable mapping there moves neither mtime nor ctime, and may land anywhere, so no
-    sample can stand for the file. Reading memory costs about a second per 10 GiB."""
+    sample can stand for the file. Read with pread into one reused buffer, never mapped (a file
+    cut short under a map is a SIGBUS): 512 MiB took 0.3-0.5 s on the shared 2-core CI box
+    (about 1.5 GiB/s; xxh3 alone ran at 2.9 GiB/s there)."""
+    buf = bytearray(min(FULL_HASH_CHUNK_NBYTES, max(size, 1)))
+    view = memoryview(buf)
     at = 0
-    while at < size:
-        chunk = os.pread(fd, min(FULL_HASH_CHUNK_NBYTES, size - at), at)
-        if not chunk:
-            break
-        h.update(chunk)
-        at += len(chunk)
+    try:
+        while at < size:
+            k = os.preadv(fd, [view[: min(len(buf), size - at)]], at)
+            if k == 0:
+                break
+            h.update(view[:k])
+            at += k
+    finally:
+        view.release()
 
 
 def _stat_line(name: str, st: os.stat_result) -> bytes:
