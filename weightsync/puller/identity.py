@@ -19,6 +19,9 @@ source dir path.
   from the page cache on the 2-core CI box (a cold network mount pays its latency per read).
   A touched, chmod'ed or hard-linked file costs one needless reseed (the safe side), and so
   does a seed dir re-extracted to new inodes.
+- On a memory filesystem (tmpfs, ramfs, hugetlbfs) a write through a shared writable mapping
+  keeps inode, size, mtime and ctime (no page_mkwrite hook moves the times), so there every
+  byte of each weight file is hashed instead of the samples (``_hash_whole``).
 - The *run id* is a random id that our publisher writes once into a fresh source dir
   (``weightsync-run.json``). A source dir without it (an upstream writer's) is known by its
   real path alone.
