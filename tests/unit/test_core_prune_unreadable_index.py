@@ -58,7 +58,7 @@ def chain(fast_tmp_path, rng):
 
 
 DAMAGE = {
-    "damaged": lambda raw: raw[:40] + b"#" + raw[41:],  # a byte in the middle: complete, not JSON
+    "damaged": lambda raw: raw[:1] + b"#" + raw[1:],  # a byte inserted: complete, not JSON
     "nested too deeply": lambda raw: b'{"metadata": ' + b"[" * 200_000 + b"]" * 200_000 + b"}",
 }
 

@@ -5,15 +5,20 @@ anchors due every two deltas, pruning after every commit), a publish whose proce
 before or in the middle of any one of its file writes (a real death: a forked child calls
 ``os._exit`` there, so no cleanup code runs), a publisher restart, explicit pruning, one
 flipped byte in any shard of any anchor or version, a repair of that damage, a host joining,
-a pull on any host to any version, and a seed dir edited in place (size and mtime kept)
-followed by a new run from the edited model.
+a pull on any host to any version, a seed dir edited in place (size and mtime kept)
+followed by a new run from the edited model, a second publisher of the same run (a real forked
+process) committing the next version while the first one holds written shards or is about to
+publish it (the first one's attempt must fail loud and never land), and a prune while one index
+is unreadable (damaged, nested too deeply, or absent mid-restore), restored after.
 
 What must hold after every step:
 - every pull that returns success holds exactly the bytes the trainer meant for its target,
   and its marker names that target;
 - every failure is a ``WeightSyncError``, and one the model can explain: the target pruned,
   a backwards pull, or damage in the source dir; a retry after the damage is repaired pulls
-  the exact bytes. With nothing damaged, a pull of a published version never fails.
+  the exact bytes. With nothing damaged, a pull of a published version never fails;
+- a publish refused because its base does not match what the source dir records happens only
+  over damage (a shard header holds the digests it reads).
 
 Default profile: a handful of short sequences (CI); ``WEIGHTSYNC_HYPOTHESIS_PROFILE=thorough``
 runs many more and longer ones. Every run adds its count of sequences and steps to
@@ -29,6 +34,7 @@ import shutil
 import tempfile
 
 import numpy as np
+import pytest
 from hypothesis import event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition, rule
@@ -43,6 +49,7 @@ INDEX = "model.safetensors.index.json"
 MAX_VERSIONS = 8
 MAX_HOSTS = 3
 DIED = 77  # a forked publisher's exit code when it died at the chosen write
+BASE_REFUSED = 78  # a forked publisher's exit code when its base check refused (over damage only)
 SPEC = {"embed": ("float32", (48, 16)), "layer.w": ("float16", (64, 8)), "norm": ("float32", (16,)), "step": ("int32", (1,))}
 SEQUENCES = {"sequences": 0, "steps": 0}
 
@@ -96,7 +103,18 @@ class SourceDirModel(RuleBasedStateMachine):
             self.pub = self._new_publisher(encoding)
         v = self.latest + 1
         new = self._next_tensors(pick, density)
-        result = self.pub.publish(v, new, full={"delta": False, "full": True, "auto": None}[how])
+        full = {"delta": False, "full": True, "auto": None}[how]
+        try:
+            result = self.pub.publish(v, new, full=full)
+        except errors.BaseMismatchError:
+            # The check read a digest from a damaged shard header: only over damage, and a
+            # publish after the repair goes through.
+            assert self._live_damage(), "a base refused with nothing damaged"
+            event("publish refused over damage (base check)")
+            self._repair()
+            self.pub.close()
+            self.pub = self._new_publisher(encoding)
+            result = self.pub.publish(v, new, full=full)
         assert result.version == v
         self.tensors[v] = new
         event(f"published {result.kind}{' + anchor' if result.anchor_nbytes else ''}")
@@ -128,6 +146,11 @@ class SourceDirModel(RuleBasedStateMachine):
                 os._exit(code)
         _, status = os.waitpid(pid, 0)
         code = os.waitstatus_to_exitcode(status)
+        if code == BASE_REFUSED:
+            assert self._live_damage(), "the forked publisher's base was refused with nothing damaged"
+            event("forked publisher refused over damage (base check)")
+            self._repair()
+            return
         assert code in (0, DIED), f"the forked publisher failed otherwise (exit {code})"
         committed = os.path.exists(os.path.join(self.source, f"weight_v{v:06d}", INDEX))
         if committed:  # the index landed before the death (or nothing died): v is published
@@ -174,6 +197,86 @@ class SourceDirModel(RuleBasedStateMachine):
         self.tensors = {0: t0}
         self.runs += 1
         event("seed dir edited in place, new run")
+
+    # --- a second publisher of the run -------------------------------------------------------------
+
+    @precondition(lambda self: self.latest < MAX_VERSIONS)
+    @rule(first_wrote=st.booleans(), encoding=st.sampled_from(supported_encodings()),
+          density=st.sampled_from([0.02, 0.3]), pick=st.integers(0, 2**32 - 2))
+    def a_second_publisher_of_the_run(self, first_wrote, encoding, density, pick):
+        """A restarted trainer (a forked process) publishes the next version while the first
+        publisher has written its shards of that version (``first_wrote``) or is about to publish
+        it: the first one's attempt fails loud and never lands; the second one's version stands."""
+        self._step()
+        self._repair()  # the base checks of both read the source dir: no damage in this step
+        if self.pub is None:
+            self.pub = self._new_publisher(encoding)
+        v = self.latest + 1
+        prev = self.tensors[self.latest]
+        old = mutate(prev, np.random.default_rng(pick), density)
+        new = mutate(prev, np.random.default_rng(pick + 1), density)
+        written = None
+        if first_wrote:
+            prepared = self.pub.prepare(v, old)
+            kind, _ = self.pub.choose_kind(v, prepared.delta_nbytes, prepared.full_nbytes)
+            written = (kind, self.pub.write(prepared, kind))
+        pid = os.fork()
+        if pid == 0:  # the second publisher: never returns into pytest
+            code = 1
+            try:
+                second = Publisher(self.source, encoding=encoding, workers=1, anchor_max_deltas=2, keep_versions=2,
+                                   prune=True)
+                second.seed_snapshot(prev, version=self.latest)
+                second.publish(v, new)
+                second.close()
+                code = 0
+            finally:
+                os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0, "the second publisher failed"
+        self.tensors[v] = new
+        index = os.path.join(self.source, f"weight_v{v:06d}", INDEX)
+        with open(index, "rb") as f:
+            landed = f.read()
+        if written is not None:
+            with pytest.raises(errors.SupersededPublisherError):
+                self.pub.commit(v, written[0], [written[1]])
+        else:
+            with pytest.raises((errors.VersionConflictError, errors.SupersededPublisherError)):
+                self.pub.publish(v, old)
+        with open(index, "rb") as f:
+            assert f.read() == landed, "the superseded publisher rewrote the committed index"
+        self.pub.close()
+        self.pub = None  # the superseded trainer is gone; the next publish is a restarted one
+        event(f"second publisher committed; the first {'had written' if first_wrote else 'had not written'}")
+
+    # --- an index unreadable during a prune ----------------------------------------------------
+
+    @rule(data=st.data(), keep=st.integers(1, 3), how=st.sampled_from(["damaged", "nested", "absent"]))
+    def prune_while_an_index_is_unreadable(self, data, keep, how):
+        """One version's index is unreadable while a prune runs (damaged, nested too deeply, or
+        moved away mid-restore); it is restored after (if its dir is still there)."""
+        self._step()
+        indexes = sorted(glob.glob(os.path.join(self.source, "weight_v*", INDEX)))
+        if not indexes:
+            return
+        path = data.draw(st.sampled_from(indexes), label="index")
+        with open(path, "rb") as f:
+            good = f.read()
+        if how == "absent":
+            os.unlink(path)
+        else:
+            # (a byte flipped inside a key can leave JSON that parses to another index: not this step)
+            bad = good[:1] + b"#" + good[1:] if how == "damaged" else b"[" * 50_000 + b"]" * 50_000
+            with open(path, "wb") as f:
+                f.write(bad)
+        prune_versions(self.source, keep)
+        if os.path.isdir(os.path.dirname(path)):
+            with open(path, "wb") as f:
+                f.write(good)
+            event(f"prune with an index {how}: version kept")
+        else:
+            event(f"prune with an index {how}: version pruned")
 
     # --- damage ---------------------------------------------------------------------------------
 
@@ -307,7 +410,10 @@ def _publish_until_death(source: str, base: dict, base_version: int, v: int, new
     publish_mod.write_file, publish_mod.write_bytes = write_file, write_bytes
     pub = Publisher(source, encoding=encoding, workers=1, anchor_max_deltas=2, keep_versions=2, prune=True)
     pub.seed_snapshot(base, version=base_version)
-    pub.publish(v, new, full=False)
+    try:
+        pub.publish(v, new, full=False)
+    except errors.BaseMismatchError:
+        return BASE_REFUSED
     pub.close()
     return 0
 

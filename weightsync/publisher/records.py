@@ -162,7 +162,7 @@ def _stop_at_full(version, digests, blocked, idx, want_layout, reached) -> Recor
     for n, d in (idx.digests or {}).items():
         if n not in digests and n not in blocked:
             digests[n] = (idx.checksum_format or "xxh3-128", d)
-    layout = _full_layout(idx) if want_layout else None
+    layout = (getattr(idx, "layout", None) or _full_layout(idx)) if want_layout else None  # the index's record, else the headers
     return RecordedState(version, digests, frozenset(idx.weight_map), layout, reached)
 
 
