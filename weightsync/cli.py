@@ -19,6 +19,7 @@ import json
 import logging
 import os
 import sys
+import textwrap
 from typing import Sequence
 
 import msgspec
@@ -315,7 +316,7 @@ def _common_options(*, top: bool) -> argparse.ArgumentParser:
 
 def _add_command(sub, name: str, help: str, description: str, examples: str):
     return sub.add_parser(
-        name, help=help, description=description, parents=[_common_options(top=False)],
+        name, help=help, description=textwrap.fill(description, 96), parents=[_common_options(top=False)],
         formatter_class=_HelpFormatter, epilog="examples:\n" + examples + "\n" + exit_code_help(),
     )
 
