@@ -13,6 +13,7 @@ need them (``gather``, ``updater``, ``cpu_trainer``), not here.
     engines      the sglang HTTP client (timeouts, retries) and engine groups (threads, Ray)
     engine_sync  EngineSync: the engine call order, live apply or reload, SyncMetrics (no torch)
     updater      DiskDeltaWeightUpdater (every rank): gather, publish (with retries), then EngineSync
+    engine_wait  the other ranks' wait for rank 0's engine phase: the store, a heartbeat, no collective
     runs         run dirs under the disk dir: numbering across restarts, retention
     torch_publish TorchWeightSync: the same from any PyTorch model or state dict (no Megatron)
     megatron_cpu CPU scaffolding: Megatron's CPU shims, a GPTModel from an HF config

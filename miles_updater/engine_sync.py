@@ -497,7 +497,8 @@ def as_engine_group(engines: Any, names: Sequence[str] | None = None,
 
     With ``timeouts`` (the trainer's flags), every engine's client takes them, whoever built it:
     clients are built from URLs with them, clients and actors passed in are set to them (an
-    engine that cannot take them fails here, naming it). Without, each keeps its own.
+    engine object or actor without ``set_timeouts`` keeps its own, with a warning naming it).
+    Without ``timeouts``, each keeps its own.
     """
     if hasattr(engines, "submit_to") and hasattr(engines, "settle"):
         group, owned = engines, False
@@ -518,14 +519,13 @@ def as_engine_group(engines: Any, names: Sequence[str] | None = None,
 
 def _set_timeouts(group: EngineGroup, timeouts: EngineTimeouts) -> None:
     setter = getattr(group, "set_timeouts", None)
-    if setter is None:
-        raise TypeError(f"engine group {type(group).__name__} has no set_timeouts: the timeout flags "
-                        f"({timeouts}) cannot reach its engines' clients")
-    try:
-        setter(timeouts)
-    except EngineSyncError as e:
-        raise EngineSyncError("set_timeouts", e.errors) from None
-    log.info("engine clients of %s use %s", ", ".join(group.names), timeouts)
+    unable = list(group.names) if setter is None else setter(timeouts)
+    if unable:
+        # Not fatal: the other ranks' wait does not depend on these timeouts (a heartbeat), but
+        # an explicit --update-weight-engine-wait-timeout-s was checked against them.
+        log.warning("engines %s cannot take the timeout flags (%s): no set_timeouts (not an SGLangEngineClient "
+                    "or make_engine_actor_class actor); their calls keep timeouts of their own", unable, timeouts)
+    log.info("engine clients of %s use %s", ", ".join(n for n in group.names if n not in unable), timeouts)
 
 
 __all__ = ["APPLY_MODES", "DEFAULT_HISTORY_SIZE", "EngineSync", "SyncHistory", "SyncMetrics", "SyncTotals",

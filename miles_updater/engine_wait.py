@@ -4,11 +4,11 @@ Role: only rank 0 drives the engines (``engine_sync``); every other trainer rank
 word, then returns rank 0's metrics or raises its error. The wait is not a collective: a gloo
 group with a timeout breaks for good after its first timeout, and a timeout derived from the
 engine calls misses whatever the derivation forgot. Instead, through the process group's store
-(the c10d TCPStore every rank already reaches):
+(the c10d TCPStore every rank already reaches, over a connection of the wait's own):
 
     rank 0:  begin(): a thread adds 1 to ``<round>/beat`` every ``beat_s`` while the phase runs
              finish(value): stop beating, set ``<round>/done`` = pickled value, add 1 to ``<round>/seen``
-    others:  finish(None): wait on ``<round>/done``; give up when ``<round>/beat`` has not moved for
+    others:  finish(None): a blocking store wait on ``<round>/done``; give up when ``<round>/beat`` has not moved for
              ``heartbeat_timeout_s`` (rank 0 hung or gone) or after ``cap_s`` (an explicit cap);
              then add 1 to ``<round>/seen``
 
@@ -23,6 +23,7 @@ beating; a timeout leaves nothing behind that fails a later round.
 
 from __future__ import annotations
 
+import datetime
 import logging
 import pickle
 import threading
@@ -33,6 +34,21 @@ from typing import Any
 log = logging.getLogger(__name__)
 
 BEAT_S = 1.0  # rank 0's heartbeat period
+
+
+def connect_store(store, timeout_s: float = 120.0):
+    """A connection of this process's own to the TCPStore behind ``store`` (PrefixStores unwrapped),
+    so a waiting rank's long blocking wait never holds the lock of the connection torch itself
+    uses (NCCL's monitor reads the default store); another kind of store is used as it is."""
+    import torch.distributed as dist
+
+    inner = store
+    while isinstance(inner, dist.PrefixStore):
+        inner = inner.underlying_store
+    if not isinstance(inner, dist.TCPStore):
+        return store
+    return dist.TCPStore(inner.host, inner.port, is_master=False, timeout=datetime.timedelta(seconds=timeout_s),
+                         wait_for_workers=False)
 
 
 class EngineWaitTimeout(RuntimeError):
@@ -116,19 +132,27 @@ class RankZeroWait:
             self._seen(n)
 
     def _wait_done(self, n: int) -> bytes:
-        # Polled with check(), not a blocking store wait: each timed-out wait logs two c10d warnings.
+        # A blocking store wait returns as soon as rank 0 posts (a polled check() would add its
+        # period to every sync); it wakes every half heartbeat timeout to read the beat.
         done, beat = self._key(n, "done"), self._key(n, "beat")
         start = last_move = time.monotonic()
         last_beat = self.store.add(beat, 0)
-        poll_s = max(0.05, min(self.heartbeat_timeout_s / 4, 1.0))
-        while not self.store.check([done]):
-            time.sleep(poll_s)
+        while True:
+            now = time.monotonic()
+            deadline = last_move + self.heartbeat_timeout_s
+            if self.cap_s is not None:
+                deadline = min(deadline, start + self.cap_s)
+            window = max(0.01, min(self.heartbeat_timeout_s / 2, deadline - now))
+            try:
+                self.store.wait([done], datetime.timedelta(seconds=window))
+                return self.store.get(done)
+            except RuntimeError as e:  # DistStoreError; anything but a timed-out wait is the store failing
+                if "timeout" not in str(e).lower():
+                    raise
             beats = self.store.add(beat, 0)
             now = time.monotonic()
             if beats != last_beat:
                 last_beat, last_move = beats, now
-            if self.store.check([done]):
-                break
             if self.cap_s is not None and now - start >= self.cap_s:
                 raise EngineWaitTimeout(
                     f"rank 0's engine phase did not end within --update-weight-engine-wait-timeout-s "
@@ -136,10 +160,9 @@ class RankZeroWait:
                     f"version (update_engines_to brings them)")
             if now - last_move >= self.heartbeat_timeout_s:
                 raise EngineWaitTimeout(
-                    f"rank 0 said nothing for {now - last_move:.0f} s (--update-weight-engine-heartbeat-timeout-s "
+                    f"rank 0 said nothing for {now - last_move:.1f} s (--update-weight-engine-heartbeat-timeout-s "
                     f"{self.heartbeat_timeout_s:g}) while driving the engines ({beats} beat(s) in all): it hung or "
                     f"is gone")
-        return self.store.get(done)
 
     def _seen(self, n: int) -> None:
         """Count this rank out of round ``n``; the last one deletes the round's keys."""
@@ -155,4 +178,4 @@ class RankZeroWait:
         self._stop_beating()
 
 
-__all__ = ["RankZeroWait", "EngineWaitTimeout", "BEAT_S"]
+__all__ = ["RankZeroWait", "EngineWaitTimeout", "BEAT_S", "connect_store"]

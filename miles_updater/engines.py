@@ -261,9 +261,9 @@ class EngineGroup(Protocol):
     def wait(self, pending: Pending) -> list[Any]:
         """Results in engine order; raises ``EngineSyncError`` listing every engine that failed."""
 
-    def set_timeouts(self, timeouts: EngineTimeouts) -> None:
-        """Every engine's client takes ``timeouts``; raises ``EngineSyncError`` naming an engine
-        that cannot (a Ray actor without ``set_timeouts``: its calls would keep other timeouts)."""
+    def set_timeouts(self, timeouts: EngineTimeouts) -> list[str]:
+        """Every engine's client takes ``timeouts``; returns the engines that cannot (an engine
+        object or Ray actor without ``set_timeouts``: its calls keep timeouts of their own)."""
 
     def close(self) -> None:
         """Release what the group holds (threads); the engines themselves are not touched."""
@@ -325,9 +325,14 @@ class ThreadEngineGroup(_GroupBase):
         self.names = [c.name for c in self.clients]
         self._pool = ThreadPoolExecutor(max(4, 2 * len(self.clients)), thread_name_prefix="engine-call")
 
-    def set_timeouts(self, timeouts: EngineTimeouts) -> None:
-        for client in self.clients:
-            client.set_timeouts(timeouts)
+    def set_timeouts(self, timeouts: EngineTimeouts) -> list[str]:
+        unable = []
+        for name, client in zip(self.names, self.clients):
+            if hasattr(client, "set_timeouts"):
+                client.set_timeouts(timeouts)
+            else:
+                unable.append(name)
+        return unable
 
     def submit_to(self, indices, method: str, *args, **kwargs) -> Pending:
         indices = list(indices)
@@ -354,8 +359,14 @@ class RayEngineGroup(_GroupBase):
         self.handles = list(handles)
         self.names = list(names) if names else [f"engine{i}" for i in range(len(self.handles))]
 
-    def set_timeouts(self, timeouts: EngineTimeouts) -> None:
-        self.wait(self.submit("set_timeouts", timeouts))
+    def set_timeouts(self, timeouts: EngineTimeouts) -> list[str]:
+        pending = self.submit("set_timeouts", timeouts)
+        outcomes = self.settle(pending)
+        failed = {self.names[i]: err for i, (_, err) in zip(pending.indices, outcomes) if err is not None}
+        unable = [name for name, err in failed.items() if isinstance(err, AttributeError)]
+        if len(unable) < len(failed):  # an actor that has the method and failed: a real failure
+            raise EngineSyncError("set_timeouts", {n: e for n, e in failed.items() if n not in unable})
+        return unable
 
     def submit_to(self, indices, method: str, *args, **kwargs) -> Pending:
         indices = list(indices)

@@ -52,7 +52,7 @@ from weightsync.format.layout import version_dir
 
 from .args import DiskDeltaConfig, check_engine_wait
 from .engine_sync import EngineSync, SyncHistory, SyncMetrics, as_engine_group
-from .engine_wait import EngineWaitTimeout, RankZeroWait
+from .engine_wait import EngineWaitTimeout, RankZeroWait, connect_store
 from .gather import HFWeightGatherer
 from .runs import RunStart, plan_run_start, prune_runs, run_dir
 
@@ -62,7 +62,7 @@ log = logging.getLogger(__name__)
 def _engine_wait(group, rank: int, token: str, config: DiskDeltaConfig) -> RankZeroWait:
     """The other ranks' wait for rank 0's engine phase, through the default store (no collective:
     a gloo group's timeout would break it for good, and the training group's is too short)."""
-    store = dist.distributed_c10d._get_default_store()  # noqa: SLF001 - the one store every rank reaches
+    store = connect_store(dist.distributed_c10d._get_default_store())  # noqa: SLF001 - the store every rank reaches
     return RankZeroWait(store, f"weightsync/engine-wait/{token}", rank, dist.get_world_size(group),
                         heartbeat_timeout_s=config.engine_heartbeat_timeout_s, cap_s=config.wait_timeout_s)
 

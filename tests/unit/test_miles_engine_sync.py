@@ -15,8 +15,14 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from miles_updater.engine_sync import APPLY_MODES, EngineSync, SyncMetrics
-from miles_updater.engines import EngineCallError, EngineSyncError, SGLangEngineClient, ThreadEngineGroup
+from miles_updater.engine_sync import APPLY_MODES, EngineSync, SyncHistory, SyncMetrics, as_engine_group
+from miles_updater.engines import (
+    EngineCallError,
+    EngineSyncError,
+    EngineTimeouts,
+    SGLangEngineClient,
+    ThreadEngineGroup,
+)
 
 CALLS: list = []  # (engine, path, body, time) across engines, in arrival order
 
@@ -28,6 +34,7 @@ class EngineDouble:
         self.name = name
         self.script: dict[str, list[tuple[int, dict]]] = {}
         self.pull_gate = None  # a callable run inside the pull handler before it answers
+        self.delay: dict[str, float] = {}  # path -> seconds the answer takes (a slow engine)
         self.has_live_route = True
         self.weight_version = "default"
         outer = self
@@ -50,6 +57,7 @@ class EngineDouble:
                 CALLS.append((outer.name, path, body, time.monotonic()))
                 if path == "/pull_weights" and outer.pull_gate is not None:
                     outer.pull_gate()
+                time.sleep(outer.delay.get(path, 0.0))
                 queue = outer.script.get(path) or []
                 status, reply = queue.pop(0) if queue else (200, {"success": True})
                 if path == "/update_weights_from_pulled" and not outer.has_live_route:
@@ -437,3 +445,77 @@ def test_the_sync_error_keeps_what_it_carries_through_pickling():
     err = EngineSyncError("update_weights_from_disk", {"e1": RuntimeError("x")}, served={"e0": 2, "e1": 1}, version=2)
     again = pickle.loads(pickle.dumps(err))
     assert (again.served, again.version, str(again)) == (err.served, err.version, str(err))
+
+
+# --- the timeout flags reach the clients (issue 28 point 13) ----------------------------------------
+
+
+@pytest.mark.parametrize("given", ["urls", "clients"])
+def test_the_timeout_flags_reach_every_engine_client_however_the_engines_were_given(doubles, given):
+    timeouts = EngineTimeouts(engine_timeout_s=0.3, pull_timeout_s=5.0, not_ready_retry_s=0.2)
+    # Clients built by the caller keep their own defaults (120 s, 60 s of "not ready") until set.
+    engines = [d.url for d in doubles] if given == "urls" else [SGLangEngineClient(d.url, name=d.name) for d in doubles]
+    group, owned = as_engine_group(engines, [d.name for d in doubles], timeouts=timeouts)
+    sync = EngineSync(group, source_dir="/shared/run-x", local_checkpoint_dir="/local/ckpt", owns_engines=owned)
+    not_ready = (404, {"success": False, "error_type": "source_not_ready", "message": "no index yet"})
+    doubles[1].script["/pull_weights"] = [not_ready] * 1000
+    with pytest.raises(EngineSyncError, match=r"engine e1: pull_weights failed .*still not ready after \d+ attempts "
+                                              r"over 0.2s"):
+        sync.update(1, "/v1", SyncMetrics(version=1))
+    doubles[1].script["/pull_weights"] = []
+    doubles[0].delay["/pause_generation"] = 1.0  # past the flag's 0.3 s, far within a client default
+    with pytest.raises(EngineSyncError, match=r"engine e0: pause_generation failed \(no reply\): no reply within 0.3s"):
+        sync.update(1, "/v1", SyncMetrics(version=1))
+    assert paths_of("e0")[-1] == "/continue_generation"
+    sync.close()
+
+
+# --- the metrics kept stay bounded (issue 28 point 14) ----------------------------------------------
+
+
+def _metrics_of_a_sync_at_64_engines(version: int) -> SyncMetrics:
+    names = [f"engine{i}" for i in range(64)]
+    m = SyncMetrics(version=version, kind="delta", wire_nbytes=1000, pause_s=0.5, total_s=2.0, apply_mode="live",
+                    elements_scattered=64)
+    m.pulls = [dict(engine=n, applied_version=version, seconds=1.5, actions=["chain"], nbytes_read=1 << 20,
+                    message=f"pulled v{version} " + "x" * 200) for n in names]
+    m.applies = [dict(engine=n, mode="live", call="update_weights_from_pulled", reason="", elements_scattered=1,
+                      engine_pause_s=0.01, call_s=None) for n in names]
+    m.served = {n: version for n in names}
+    return m
+
+
+def test_a_sync_history_keeps_the_last_n_syncs_and_totals_of_all_in_bounded_memory():
+    import tracemalloc
+
+    def held_nbytes() -> int:  # what the metrics built here still hold (other threads' allocations aside)
+        snapshot = tracemalloc.take_snapshot().filter_traces([tracemalloc.Filter(True, __file__)])
+        return sum(stat.size for stat in snapshot.statistics("filename"))
+
+    history = SyncHistory(size=8)
+    tracemalloc.start()
+    try:
+        before = held_nbytes()
+        one = _metrics_of_a_sync_at_64_engines(0)
+        one_sync_nbytes = held_nbytes() - before
+        del one
+        for v in range(1, 101):
+            history.append(_metrics_of_a_sync_at_64_engines(v))
+        after_100 = held_nbytes()
+        for v in range(101, 2001):
+            history.append(_metrics_of_a_sync_at_64_engines(v))
+        after_2000 = held_nbytes()
+    finally:
+        tracemalloc.stop()
+    assert one_sync_nbytes > 20_000  # the metrics the issue measured: tens of KiB per sync
+    assert after_2000 - after_100 < one_sync_nbytes  # 1900 more syncs cost less than one more sync's metrics
+    assert len(history) == 8 and [m.version for m in history] == list(range(1993, 2001))
+    assert history[-1].version == 2000 and [m.version for m in history[-2:]] == [1999, 2000]
+    t = history.totals
+    assert (t.syncs, t.first_version, t.last_version, t.wire_nbytes) == (2000, 1, 2000, 2_000_000)
+    assert t.kinds == {"delta": 2000} and t.apply_modes == {"live": 2000} and t.max_pause_s == 0.5
+
+
+def test_a_sync_history_of_no_syncs_is_refused():
+    with pytest.raises(ValueError, match="at least one sync"):
+        SyncHistory(size=0)

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from miles_updater.torch_publish import StateDictStager, TorchPublishError, TorchWeightSync
+from weightsync.errors import HostResourceError
 
 
 @pytest.fixture(scope="module")
@@ -368,7 +369,7 @@ def test_a_publish_failing_before_any_shard_was_written_publishes_that_number_wi
 
     sync.publisher.encoder.prepare = encoder_out_of_memory
     _step(model, 1)
-    with pytest.raises(MemoryError):
+    with pytest.raises(HostResourceError, match="ran out of memory"):  # the core types it (a retryable OSError)
         sync.publish(model)
     assert sync.publisher.pending_version is None  # nothing was written: nothing to finish
     sync.publisher.encoder.prepare = real
@@ -376,4 +377,32 @@ def test_a_publish_failing_before_any_shard_was_written_publishes_that_number_wi
     m = sync.publish(model)
     assert (m.version, m.kind) == (1, "delta")
     _assert_pulls_to(tmp_path / "local", hf, sync.source_dir, 1, _bf16(model))
+    sync.close()
+
+
+def test_the_timeout_flags_reach_the_clients_torch_weight_sync_builds(hf, tmp_path):
+    sync = TorchWeightSync(str(tmp_path / "shared"), hf, local_checkpoint_dir=str(tmp_path / "local"),
+                           engines=["http://127.0.0.1:9", "http://127.0.0.1:10"], engine_timeout_s=7.0,
+                           pull_timeout_s=70.0, not_ready_retry_s=0.7)
+    assert [(c.timeout_s, c.pull_timeout_s, c.not_ready_retry_s) for c in sync.engine_sync.engines.clients] == [
+        (7.0, 70.0, 0.7)] * 2
+    sync.close()
+
+
+def test_the_metrics_kept_over_many_publishes_are_the_last_n_and_totals_of_all(hf, model, tmp_path):
+    import gc
+    import weakref
+
+    sync = TorchWeightSync(str(tmp_path / "shared"), hf, history_size=3)
+    m = sync.publish(model)
+    first, wire = weakref.ref(m), m.wire_nbytes
+    for k in range(1, 40):
+        _step(model, k)
+        wire += sync.publish(model).wire_nbytes
+    del m
+    gc.collect()
+    assert first() is None  # the first sync's metrics are gone, not kept forever
+    assert [m.version for m in sync.history] == [38, 39, 40]
+    t = sync.history.totals
+    assert (t.syncs, t.first_version, t.last_version, t.wire_nbytes) == (40, 1, 40, wire)  # the dropped ones too
     sync.close()
