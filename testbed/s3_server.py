@@ -188,3 +188,93 @@ class S3Server:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+class ThrottlingProxy:
+    """A loopback TCP proxy in front of the S3 server that answers ``503 SlowDown`` to the first
+    ``refuse`` ranged GETs, and passes everything else through, one request per connection:
+    what a throttled store does. Signatures stay valid: the client signs
+    for the proxy's host, and the server checks the Host header it receives."""
+
+    def __init__(self, upstream_port: int, refuse: int):
+        import threading
+
+        self.upstream_port = upstream_port
+        self.refuse = refuse
+        self.refused = 0
+        self._lock = threading.Lock()
+        self._sock = socket.socket()
+        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self._sock.bind(("127.0.0.1", 0))
+        self._sock.listen(64)
+        self.port = self._sock.getsockname()[1]
+        self._stop = False
+        self._thread = threading.Thread(target=self._serve, daemon=True, name="s3-throttle")
+        self._thread.start()
+
+    @property
+    def endpoint(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def _serve(self) -> None:
+        import threading
+
+        while not self._stop:
+            try:
+                conn, _ = self._sock.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._handle, args=(conn,), daemon=True).start()
+
+    def _handle(self, conn: socket.socket) -> None:
+        import threading
+
+        try:
+            head = b""
+            while b"\r\n\r\n" not in head:
+                chunk = conn.recv(65536)
+                if not chunk:
+                    conn.close()
+                    return
+                head += chunk
+            first, _, rest = head.partition(b"\r\n")
+            is_ranged_get = first.startswith(b"GET ") and b"\r\nrange:" in (b"\r\n" + rest.lower())
+            with self._lock:
+                throttle = is_ranged_get and self.refused < self.refuse
+                if throttle:
+                    self.refused += 1
+            if throttle:
+                body = b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>SlowDown</Code><Message>Please reduce your request rate.</Message></Error>'
+                conn.sendall(b"HTTP/1.1 503 Slow Down\r\nContent-Type: application/xml\r\nContent-Length: "
+                             + str(len(body)).encode() + b"\r\nConnection: close\r\n\r\n" + body)
+                conn.close()
+                return
+            up = socket.create_connection(("127.0.0.1", self.upstream_port))
+            # One request per connection (Connection is not a signed header), so every request
+            # passes the filter above instead of riding a kept-alive connection.
+            up.sendall(first + b"\r\nconnection: close\r\n" + rest)
+
+            def pump(src: socket.socket, dst: socket.socket) -> None:
+                try:
+                    while True:
+                        data = src.recv(1 << 20)
+                        if not data:
+                            break
+                        dst.sendall(data)
+                except OSError:
+                    pass
+                finally:
+                    for s in (src, dst):
+                        try:
+                            s.shutdown(socket.SHUT_RDWR)
+                        except OSError:
+                            pass
+
+            threading.Thread(target=pump, args=(up, conn), daemon=True).start()
+            pump(conn, up)
+        except OSError:
+            conn.close()
+
+    def close(self) -> None:
+        self._stop = True
+        self._sock.close()

@@ -111,3 +111,36 @@ def test_an_object_replaced_mid_read_is_changed_retry_and_never_applied(bucket_r
     assert marker_version(local) is None
     obstore.put(src.store, shard, original)  # put back: the retry pulls the published bytes
     bucket_run.assert_pulls(1, local)
+
+
+def test_throttling_503_slowdown_is_retried_with_backoff_to_the_published_bytes(bucket_run, small_ranges, monkeypatch):
+    from testbed.s3_server import ThrottlingProxy
+
+    pub = bucket_run.publisher()
+    bucket_run.publish_versions(pub, 1, full_at={1})
+    proxy = ThrottlingProxy(bucket_run.s3.s3, refuse=6)
+    try:
+        monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.endpoint)  # every request now passes the throttle
+        result = bucket_run.assert_pulls(1)
+        assert proxy.refused == 6 and result.applied_version == 1
+    finally:
+        proxy.close()
+
+
+def test_throttling_past_the_deadline_is_a_retryable_typed_error(bucket_run, small_ranges, monkeypatch):
+    from testbed.s3_server import ThrottlingProxy
+
+    pub = bucket_run.publisher()
+    bucket_run.publish_versions(pub, 1, full_at={1})
+    proxy = ThrottlingProxy(bucket_run.s3.s3, refuse=10**9)
+    monkeypatch.setenv("WEIGHTSYNC_BUCKET_DEADLINE_S", "2")
+    monkeypatch.setenv("WEIGHTSYNC_BUCKET_RETRY_TIMEOUT_S", "1")
+    local = bucket_run.fresh_local()
+    try:
+        monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.endpoint)
+        with pytest.raises(errors.BucketUnavailableError) as e:
+            bucket_run.assert_pulls(1, local)
+        assert e.value.retryable and e.value.http_status == 503
+        assert marker_version(local) is None
+    finally:
+        proxy.close()
