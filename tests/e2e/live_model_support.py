@@ -19,7 +19,13 @@ sequence of steps:
 - ``kill_helper``: every rank's pull helper killed: mid-pull where the server has a pre-read hook
   gate (the pull is held at the hook), else between pulls; then pull + update;
 - ``reload_fault``: another path served, then an update (which must reload) with one rank's
-  reload failing once (repeated on every rank) or twice (a failure; then the retry).
+  reload failing once (repeated on every rank) or twice (a failure; then the retry);
+- ``other_writer``: another writer of the engine's weights (sglang's reload of another dir, its
+  ``/weights_checker reset_tensors``, or release and resume of memory occupation) lands between
+  two steps of an update's transaction, generation paused: before the vote, between the vote and
+  the apply (or the reload), or between the apply and the commit (held there by the tokenizer's
+  test gate, ``WEIGHTSYNC_TEST_TXN_GATE``, where the server has one; else between the pull and the
+  update). The update must end with every rank on the target (issue 28).
 
 The model tracks which bytes the engine must hold (a content hash of the published tensors) and
 the version it may claim. After every step: every rank's ``/weights_digest`` either equals the
@@ -56,7 +62,7 @@ SEED_ENV = "WEIGHTSYNC_LIVE_MODEL_SEED"
 SEED_BASE_ENV = "WEIGHTSYNC_LIVE_MODEL_SEED_BASE"  # another set of sequences than CI's
 
 KINDS = ("pull", "update", "disk_other", "new_run", "seed_replaced", "reseed_full", "reseed_anchor", "fault",
-         "kill_helper", "reload_fault")
+         "kill_helper", "reload_fault", "other_writer")
 ENCODINGS = ("xor", "overwrite", "sparse-v1")
 
 
@@ -183,6 +189,8 @@ class Sequence:
     alternative: Optional[Served] = None  # after a failed update: the target, if the engine reloaded it and says so
     last_digests: Optional[dict] = None
     counts: dict = field(default_factory=dict)
+    txn_gate: Optional[Path] = None  # the tokenizer's transaction gate (WEIGHTSYNC_TEST_TXN_GATE), if the server has one
+    writers: tuple = ("reload", "reset_tensors", "release_resume")  # a writer the server refuses is dropped
 
     def note(self, line: str) -> None:
         self.log.append(line)
@@ -456,6 +464,98 @@ def step_kill_helper(seq: Sequence) -> None:
     update(seq)
 
 
+# Where another writer lands: the phases held (the first the transaction reaches is where it
+# waits; after a vote for reload the reload phase comes next, after a failed apply the rollback).
+WRITER_WINDOWS = {
+    "before the vote": ("vote",),
+    "between the vote and the apply": ("apply", "reload"),
+    "between the apply and the commit": ("commit", "rollback", "reload"),
+}
+
+
+def write_weights_as_another_writer(seq: Sequence) -> str:
+    """One of sglang's other writers of the weights; what it did."""
+    while True:
+        writer = seq.rng.choice(seq.writers)
+        if writer == "reload":
+            from testbed.tiny_qwen3 import perturb_state_dict
+
+            tensors = perturb_state_dict(seq.contents[seq.served.key], seq.rng.randrange(1, 10**6),
+                                         seed=seq.rng.randrange(10**6))
+            path = write_checkpoint(seq, seq.root / "other_writer", tensors)
+            status, body = post(seq, "/update_weights_from_disk", {"model_path": path})
+            assert status == 200 and body.get("success") is not False, body
+            return f"update_weights_from_disk {path}"
+        if writer == "reset_tensors":
+            status, body = post(seq, "/weights_checker", {"action": "reset_tensors"})
+            assert status == 200, body
+            return "weights_checker reset_tensors"
+        status, body = post(seq, "/release_memory_occupation", {})
+        if status != 200:  # not on this build: never drawn again
+            seq.writers = tuple(w for w in seq.writers if w != writer)
+            seq.note(f"  release_memory_occupation refused ({status}): dropped from the writers")
+            continue
+        status, body = post(seq, "/resume_memory_occupation", {})
+        assert status == 200, f"resume_memory_occupation after a release: {status} {body}"
+        return "release + resume_memory_occupation"
+
+
+def step_other_writer(seq: Sequence) -> None:
+    """Another writer between two steps of an update's transaction, paused; every rank must end
+    on the target (the transaction reloads it when it finds the weights moved)."""
+    from testbed.live import wait_until_map_proven
+
+    wait_until_map_proven(seq.server)  # so that the update would go live but for the writer
+    if seq.local_holds == (seq.run.number, seq.run.top) or seq.local_holds is None:
+        seq.run.publish_next(seq.rng.choice(ENCODINGS))
+    pull(seq, seq.run.top)
+    target = seq.local_holds[1]
+    if seq.txn_gate is None:  # no gate: between the pull (and its staging) and the update
+        seq.note(f"  {write_weights_as_another_writer(seq)} between the pull and the update")
+        update(seq)
+        return
+    window = seq.rng.choice(sorted(WRITER_WINDOWS))
+    holds = [seq.txn_gate / f"hold-{phase}" for phase in WRITER_WINDOWS[window]]
+    reached = [seq.txn_gate / f"at-{phase}" for phase in WRITER_WINDOWS[window]]
+    status, body = post(seq, "/pause_generation", {"mode": "in_place"})
+    assert status == 200, body
+    reply: dict = {}
+    thread, where = None, None
+    try:
+        for f in reached:
+            f.unlink(missing_ok=True)
+        for f in holds:
+            f.touch()
+        thread = threading.Thread(target=lambda: reply.setdefault("r", post(
+            seq, "/update_weights_from_pulled", {"local_checkpoint_dir": seq.local, "target_version": target})))
+        thread.start()
+        deadline = time.monotonic() + 120
+        while not any(f.exists() for f in reached) and thread.is_alive():
+            assert time.monotonic() < deadline, f"the update never reached {window}"
+            time.sleep(0.02)
+        where = next((f.name[len("at-"):] for f in reached if f.exists()), None)
+        what = write_weights_as_another_writer(seq)
+        seq.note(f"  {what} {'held before the ' + where if where else 'after the update (no phase reached)'} "
+                 f"({window})")
+    finally:
+        for f in holds:
+            f.unlink(missing_ok=True)
+        if thread is not None:
+            thread.join(300)
+        status_c, body_c = post(seq, "/continue_generation", {})
+    assert not thread.is_alive(), "the update got no reply"
+    assert status_c == 200, body_c
+    status, body = reply["r"]
+    seq.note(f"  update v{target}: {status} mode={body.get('mode')} reason={body.get('reason') or body.get('message')!r}"[:400])
+    if where is None:  # the writer came after the reply: the engine holds the writer's bytes
+        assert status == 200 and body.get("weight_version") == target, body
+        update(seq)  # and the next update brings the target back (the live version is unknown)
+        return
+    assert status == 200 and body.get("success") is True and body.get("weight_version") == target, body
+    assert body.get("mode") == "reload", f"a {body.get('mode')} success over weights another writer moved: {body}"
+    served_after_success(seq, body, target)
+
+
 STEPS: dict[str, Callable[[Sequence], None]] = {
     "pull": step_pull,
     "update": step_update,
@@ -467,6 +567,7 @@ STEPS: dict[str, Callable[[Sequence], None]] = {
     "fault": step_fault,
     "kill_helper": step_kill_helper,
     "reload_fault": step_reload_fault,
+    "other_writer": step_other_writer,
 }
 
 
@@ -532,8 +633,11 @@ def run_sequence(seq: Sequence, kinds: list) -> None:
 
 
 def run_model_sequences(server: Any, *, root: Path, seed_dir: str, local: str, faults: Path, default_seed: int,
-                        gate: Optional[Path] = None, names=None, model_kwargs: Optional[dict] = None) -> dict:
-    """Run the profile's sequences on ``server``; returns what ran (for the test's report)."""
+                        gate: Optional[Path] = None, names=None, model_kwargs: Optional[dict] = None,
+                        txn_gate: Optional[Path] = None) -> dict:
+    """Run the profile's sequences on ``server``; returns what ran (for the test's report).
+    ``txn_gate``: the server's ``WEIGHTSYNC_TEST_TXN_GATE`` dir, if any (``other_writer`` then lands
+    inside the transaction)."""
     seeds, steps = profile(default_seed)
     template = root / "template"
     shutil.rmtree(template, ignore_errors=True)
@@ -548,7 +652,7 @@ def run_model_sequences(server: Any, *, root: Path, seed_dir: str, local: str, f
         kinds = draw_kinds(rng, steps)
         seq = Sequence(server=server, root=root, seed_dir=seed_dir, local=local, source_dir=str(root / "model_src"),
                        ranks=ranks, rng=rng, names=names, gate=gate, faults=faults, model_kwargs=model_kwargs or {},
-                       template=template)
+                       template=template, txn_gate=txn_gate)
         t0 = time.monotonic()
         try:
             run_sequence(seq, kinds)

@@ -40,9 +40,10 @@ def env(tmp_path_factory, server_factory):
     (allowed / "shared").mkdir(parents=True)
     faults = root / "faults"
     faults.mkdir()
-    gate, reload_gate = root / "gate", root / "reload_gate"
+    gate, reload_gate, txn_gate = root / "gate", root / "reload_gate", root / "txn_gate"
     gate.mkdir()
     reload_gate.mkdir()
+    txn_gate.mkdir()
     (gate / "release").touch()  # the pre-read hook passes through unless a test removes this
     server = server_factory(
         model,
@@ -55,7 +56,8 @@ def env(tmp_path_factory, server_factory):
             "--custom-pull-weights-pre-read-hook", "testbed.hooks.record_pre_read",
         ],
         env={"WEIGHTSYNC_TEST_FAULT_DIR": str(faults), "WEIGHTSYNC_TEST_POST_LOAD_TRANSFORM": TRANSFORMED,
-             "TESTBED_PRE_READ_HOOK_GATE": str(gate), "WEIGHTSYNC_TEST_RELOAD_GATE": str(reload_gate)},
+             "TESTBED_PRE_READ_HOOK_GATE": str(gate), "WEIGHTSYNC_TEST_RELOAD_GATE": str(reload_gate),
+             "WEIGHTSYNC_TEST_TXN_GATE": str(txn_gate)},
     )  # fmt: skip
 
     class Env:
@@ -63,7 +65,7 @@ def env(tmp_path_factory, server_factory):
 
     e = Env()
     e.server, e.model, e.faults, e.root, e.gate, e.reload_gate = server, model, faults, root, gate, reload_gate
-    e.allowed = allowed
+    e.allowed, e.txn_gate = allowed, txn_gate
     e.local = str(allowed / "local")
     e.feed = VersionFeed(model, allowed / "shared")
     e.others = sorted(n for n in e.feed.expected[0] if n != TRANSFORMED)
@@ -434,12 +436,13 @@ def test_a_huge_target_version_is_a_400_and_a_non_json_content_type_a_415_with_t
 
 def test_every_step_of_a_random_sequence_leaves_every_rank_equal_to_a_reload_of_the_claimed_version(env):
     """Pulls, live applies, reloads of another path, new runs, a replaced seed dir, reseeds from a
-    full version or an anchor, faults mid-scatter, killed pull helpers and a reload that fails on
-    one rank once or twice, in a seeded random order (tests/e2e/live_model_support.py; WEIGHTSYNC_LIVE_MODEL_STEPS for the long profile)."""
+    full version or an anchor, faults mid-scatter, killed pull helpers, a reload that fails on
+    one rank once or twice, and another writer of the weights inside a transaction (a reload,
+    reset_tensors, release/resume of memory, held between two phases), in a seeded random order (tests/e2e/live_model_support.py; WEIGHTSYNC_LIVE_MODEL_STEPS for the long profile)."""
     from tests.e2e.live_model_support import run_model_sequences
 
     ran = run_model_sequences(env.server, root=env.allowed / "live_model", seed_dir=env.model, local=env.local,
                               faults=env.faults, gate=env.gate, names=env.others, model_kwargs=TIED_PADDED_VOCAB,
-                              default_seed=1900)
+                              default_seed=1900, txn_gate=env.txn_gate)
     print(f"\n[measured] live model TP=2: {ran}")
     assert ran["steps"] >= 9 and ran["sequences"] >= 1
