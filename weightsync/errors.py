@@ -861,3 +861,25 @@ class SupersededPublisherError(ConflictError):
 __all__ += [
     "VersionNumberError", "BaseMismatchError", "LayoutChangeError", "VersionConflictError", "SupersededPublisherError",
 ]
+
+
+class SeedDirMismatchError(InvalidRequestError):
+    """A pull's seed dir is not the model the run started from: tensors of it differ from the
+    digests the run recorded for version 0 (``weightsync-run.json``, key ``seed``). Not the
+    published artifact's fault; nothing is marked as pulled."""
+
+    error_type = "seed_dir_mismatch"
+
+    def __init__(self, seed_dir: str, source_dir: str, mismatches: Sequence[tuple[str, str, str]]):
+        self.seed_dir = seed_dir
+        self.source_dir = source_dir
+        self.mismatches = list(mismatches)  # (tensor, digest the run recorded, digest of the seed dir's bytes)
+        shown = "; ".join(f"{n}: run records {e}, seed dir holds {a}" for n, e, a in self.mismatches[:3])
+        super().__init__(
+            f"the seed dir {seed_dir} is not the model the run in {source_dir} started from: "
+            f"{len(self.mismatches)} tensor(s) differ from the run's seed digests ({shown}). The published versions "
+            "are not to blame: pass the model the trainer started from as --seed-dir (the engine's own model)."
+        )
+
+
+__all__ += ["SeedDirMismatchError"]

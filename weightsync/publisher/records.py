@@ -20,30 +20,15 @@ from __future__ import annotations
 import os
 from typing import NamedTuple
 
-import msgspec
-
 from ..errors import WeightSyncError
-from ..format.layout import anchor_dir, list_versions, run_path, version_dir
+from ..format.layout import anchor_dir, list_versions, version_dir
 from ..format.manifest import check_anchor, is_committed, read_version_index
 from ..format.safetensors_io import read_header
+from ..format.seed_record import SeedRecord, encode_run_file_with_seed, read_seed_record
 
 # A walk back stops after this many versions (a run with anchors off and no full version for
 # this long): what lies further back stays unknown, as for a pruned chain.
 MAX_WALK = 4096
-
-
-class SeedRecord(msgspec.Struct, frozen=True):
-    """The seed's per-tensor digests and layout (``weightsync-run.json`` key ``seed``)."""
-
-    checksum_format: str
-    digests: dict[str, str]
-    layout: dict[str, tuple[str, tuple[int, ...]]] = {}  # name -> (safetensors dtype, shape)
-
-
-class _RunFile(msgspec.Struct):
-    run_id: str
-    created_unix_s: float = 0.0
-    seed: SeedRecord | None = None
 
 
 class RecordedState(NamedTuple):
@@ -62,32 +47,6 @@ def newest_committed_version(source_dir: str) -> int:
         if is_committed(version_dir(source_dir, v)):
             return v
     return 0
-
-
-def read_seed_record(source_dir: str) -> SeedRecord | None:
-    """The run's seed digests, or None (no run file, an older one without them, unreadable)."""
-    try:
-        with open(run_path(source_dir), "rb") as f:
-            raw = f.read(1 << 26)
-        return msgspec.json.decode(raw, type=_RunFile).seed
-    except (OSError, msgspec.DecodeError, msgspec.ValidationError, RecursionError):
-        return None
-
-
-def encode_run_file_with_seed(source_dir: str, seed: SeedRecord) -> bytes | None:
-    """The run file's bytes with ``seed`` added (every other key kept), or None when the run
-    file is absent, unreadable or already records a seed (it is recorded once)."""
-    import json
-
-    try:
-        with open(run_path(source_dir), "rb") as f:
-            obj = json.loads(f.read(1 << 26))
-    except (OSError, ValueError, RecursionError):
-        return None
-    if not isinstance(obj, dict) or not isinstance(obj.get("run_id"), str) or "seed" in obj:
-        return None
-    obj["seed"] = msgspec.to_builtins(seed)
-    return json.dumps(obj, separators=(",", ":")).encode()
 
 
 def _full_layout(idx) -> dict[str, tuple[str, tuple[int, ...]]] | None:

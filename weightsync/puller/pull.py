@@ -517,9 +517,26 @@ def _pull_locked(
             "pull v%d: %d tensor(s) still fail after a fresh seed; replaying once more, verifying every version, "
             "to name the bad one", target, len(second.mismatches),
         )
-        result, pending = _replay(local, seed_dir, source_dir, target, workers, chunk, deferred, progress, origin, tries, each_version=True)
+        try:
+            result, pending = _replay(local, seed_dir, source_dir, target, workers, chunk, deferred, progress, origin,
+                                      tries, each_version=True)
+        except CorruptArtifactError as e:
+            if tries.last_seed == seed_dir:  # the failing replay grew from the seed dir (not an anchor)
+                _raise_if_wrong_seed_dir(seed_dir, source_dir, e)  # issue 25.3's pull-side message: one call site
+            raise
     result.reseeded = True
     return result, pending
+
+
+def _raise_if_wrong_seed_dir(seed_dir: str, source_dir: str, cause: Exception) -> None:
+    """A replay that still fails after a fresh seed: when the run records its seed's digests
+    and the seed dir holds other bytes, the seed dir is wrong, not the published delta."""
+    from ..errors import SeedDirMismatchError
+    from ..format.seed_record import seed_dir_differences
+
+    differ = seed_dir_differences(source_dir, seed_dir)
+    if differ:
+        raise SeedDirMismatchError(seed_dir, source_dir, differ) from cause
 
 
 def _replay(
