@@ -140,3 +140,33 @@ def test_a_store_that_ignores_conditional_create_is_refused_at_start(bucket_run,
     monkeypatch.setattr(source_mod.BucketSource, "create", create_always)
     with pytest.raises(errors.ConditionalWritesUnsupportedError):
         bucket_run.publisher()
+
+
+def test_a_replay_after_local_damage_reaches_unfetched_shards_through_the_full_fetch_fallback(bucket_run):
+    from core_support import flip_local_byte
+
+    pub = bucket_run.publisher()
+    bucket_run.publish_versions(pub, 3, full_at={1})
+    local = bucket_run.fresh_local()
+    bucket_run.assert_pulls(2, local)  # the mirror now holds v1's shards as placeholders again
+    flip_local_byte(local, "layers.0.w", 7)  # a bad disk: the chain's verification fails, the pull reseeds
+    # The replay plans a seed from v1, whose shards are placeholders: the pull fails typed, every
+    # shard up to v3 is fetched, and the pull runs again on a complete mirror.
+    result = bucket_run.assert_pulls(3, local)
+    assert result.action == "seed+chain"
+
+
+def test_a_missing_client_is_a_typed_error_that_names_the_extra(bucket_run, monkeypatch):
+    import sys
+
+    from weightsync import pull
+
+    monkeypatch.setitem(sys.modules, "obstore.store", None)  # as if obstore were not installed
+    from weightsync.storage import client
+
+    monkeypatch.setattr(client, "_stores", {})
+    with pytest.raises(errors.BucketClientMissingError) as e:
+        pull(bucket_run.fresh_local(), bucket_run.seed, bucket_run.url, 1)
+    assert "weightsync[bucket]" in str(e.value)
+    with pytest.raises(errors.BucketClientMissingError):
+        bucket_run.publisher()
