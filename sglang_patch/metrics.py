@@ -23,6 +23,7 @@ Metrics (glossary of docs/FORMAT.md):
 | ``weightsync_live_weight_version`` | gauge | | the version the engine serves (0: the model it started from) |
 | ``weightsync_reseeds_total`` | counter | ``host`` | pulls that found the local state torn or corrupt and reseeded |
 | ``weightsync_weight_update_pause_seconds`` | histogram | ``mode`` | how long a weight update held generation: ``reload`` (``/update_weights_from_disk``) or ``live`` |
+| ``weightsync_update_mode_choices_total`` | counter | ``mode``, ``by`` | how each ``/update_weights_from_pulled`` chose its mode (``live.results.decide_mode``): by ``vote``, ``nothing to write``, ``unmeasured``, ``estimate`` or ``probe`` (the losing mode measured again) |
 | ``weightsync_update_checks_total`` | counter | ``outcome`` | ranks' checks of the live weights after a ``/update_weights_from_pulled`` (``live.check``): ``ok``, ``mismatch``, ``failed`` (the check could not run: the reply is not a success), or ``unchecked`` (no sample drawn: the detail says why) |
 | ``weightsync_update_check_mismatches_total`` | counter | | parameter elements those checks found different from the published bytes |
 | ``weightsync_update_check_reloads_total`` | counter | | live applies whose check found a mismatch, after which every rank reloaded |
@@ -79,6 +80,10 @@ class _Metrics:
             "weightsync_weight_update_pause_seconds",
             "How long a weight update held generation, by mode (reload: /update_weights_from_disk; live).",
             ["mode"], buckets=PAUSE_SECONDS_BUCKETS,
+        )  # fmt: skip
+        self.mode_choices = Counter(
+            "weightsync_update_mode_choices",
+            "How each update from a pulled checkpoint chose its mode (vote, estimate, probe...).", ["mode", "by"],
         )  # fmt: skip
         self.update_checks = Counter(
             "weightsync_update_checks", "Ranks' checks of the live weights after an update, by outcome.", ["outcome"]
@@ -177,6 +182,7 @@ def observe_update_from_pulled(reply: Mapping[str, Any]) -> None:
     """
     try:
         _record_checks(reply)
+        _record_mode_choice(reply)
         if not reply.get("success"):
             return
         mode = reply.get("mode")
@@ -215,6 +221,14 @@ def _record_checks(reply: Mapping[str, Any]) -> None:
                 float(_field(check, "sample_before_pause_s", 0.0) or 0.0))
     if reply.get("reloaded_after_check"):
         metrics.update_check_reloads.inc()
+
+
+def _record_mode_choice(reply: Mapping[str, Any]) -> None:
+    choice = reply.get("mode_choice")
+    metrics = _get()
+    if metrics is None or not isinstance(choice, Mapping):
+        return
+    metrics.mode_choices.labels(str(choice.get("mode")), str(choice.get("by"))).inc()
 
 
 def _check_key(check: Any) -> tuple:

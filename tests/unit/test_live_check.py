@@ -391,13 +391,18 @@ metrics.observe_update_from_pulled({"success": True, "mode": "live", "pause_s": 
 metrics.observe_update_from_pulled({"success": True, "mode": "reload", "pause_s": 0.3, "weight_version": 3,
                                     "reloaded_after_check": True, "failed_checks": [bad],
                                     "hosts": [{"host": "h/node0", "checks": [ok, ok]}]})
+# a reload whose own check could not run: the reply repeats it in failed_checks (counted once)
+failed = {"rank": "dp0/tp0", "failed": True, "detail": "the check failed: KeyError: 'w'"}
+metrics.observe_update_from_pulled({"success": False, "mode": "reload", "weight_version": 3,
+                                    "mode_choice": {"mode": "reload", "by": "probe"}, "failed_checks": [failed],
+                                    "hosts": [{"host": "h/node0", "checks": [failed]}]})
 
 from prometheus_client import CollectorRegistry
 from prometheus_client.multiprocess import MultiProcessCollector
 registry = CollectorRegistry()
 MultiProcessCollector(registry)
 print(json.dumps({f"{s.name}{sorted(s.labels.items())}": s.value
-                  for fam in registry.collect() for s in fam.samples if s.name.startswith("weightsync_update_check")}))
+                  for fam in registry.collect() for s in fam.samples if s.name.startswith("weightsync_update_")}))
 """
 
 
@@ -417,6 +422,8 @@ def test_metrics_count_each_ranks_check_its_mismatches_and_the_reloads_they_caus
     assert got["weightsync_update_checks_total[('outcome', 'ok')]"] == 3
     assert got["weightsync_update_checks_total[('outcome', 'mismatch')]"] == 1
     assert got["weightsync_update_checks_total[('outcome', 'unchecked')]"] == 1
+    assert got["weightsync_update_checks_total[('outcome', 'failed')]"] == 1
+    assert got["weightsync_update_mode_choices_total[('by', 'probe'), ('mode', 'reload')]"] == 1
     assert got["weightsync_update_check_mismatches_total[]"] == 3
     assert got["weightsync_update_check_reloads_total[]"] == 1
     # what the checks cost inside the pause, per part: each check that compared such elements
