@@ -107,6 +107,12 @@ class VersionChains(RuleBasedStateMachine):
         try:
             pub.seed_snapshot(prev, version=version - 1)
             result = pub.publish(version, new, full={"auto": None, "delta": False, "full": True}[how])
+        except errors.VersionNumberError:
+            # The newest version's index is hidden (not committed): the publisher refuses the
+            # number after it, before writing anything (issue 25 point 2).
+            assert self.latest in self.hidden
+            event("publish refused: the newest version is not committed")
+            return
         finally:
             pub.close()
         with open(os.path.join(self._vdir(version), INDEX)) as f:

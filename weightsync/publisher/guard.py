@@ -74,10 +74,10 @@ class PublishGuard:
         wanted = [n for n in names if n in rec.digests or base == 0]
         actual = dict(self.pool.map(lambda n: (n, self._digest(snapshot, n, rec)), wanted))
         mismatches = [(n, rec.digests[n][1], actual[n][1]) for n in names if n in rec.digests and rec.digests[n][1] != actual[n][1]]
-        missing: Iterable[str] = ()
-        extra: Iterable[str] = ()
+        missing: list[str] = []
+        extra: list[str] = []
         if rec.names is not None and self.world_size == 1:  # one rank holds every tensor
-            missing, extra = rec.names - set(names), set(names) - rec.names
+            missing, extra = sorted(rec.names - set(names)), sorted(set(names) - rec.names)
         if mismatches or missing or extra:
             fmt = rec.digests[mismatches[0][0]][0] if mismatches else ""
             raise BaseMismatchError(version, base, mismatches, missing, extra, fmt)
