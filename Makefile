@@ -6,7 +6,7 @@ PY_SGLANG0516 := .venv-sglang0516/bin/python
 # The pull module's last test is a live apply and a rolled-back one (issue 19: live apply runs on 0.5.16 too).
 # A pull from a bucket (s3://) runs on both too (issue 26).
 SGLANG_MATRIX_TESTS := tests/e2e/test_engine_pull_tp2.py tests/e2e/test_live_map_models.py tests/e2e/test_live_other_writers.py \
-  tests/e2e/test_bucket_engine_pull.py
+  tests/e2e/test_bucket_engine_pull.py tests/e2e/test_live_update_check_failure.py
 export PYTHONUNBUFFERED := 1
 
 .PHONY: setup setup-main demo test test-sglang0516 test-fast bench clean
