@@ -170,3 +170,17 @@ def test_a_missing_client_is_a_typed_error_that_names_the_extra(bucket_run, monk
     assert "weightsync[bucket]" in str(e.value)
     with pytest.raises(errors.BucketClientMissingError):
         bucket_run.publisher()
+
+
+def test_a_seed_dir_changed_since_the_marker_still_pulls_the_published_bytes(bucket_run):
+    from core_support import write_hf_checkpoint
+
+    pub = bucket_run.publisher()
+    bucket_run.publish_versions(pub, 3, full_at={1})
+    local = bucket_run.fresh_local()
+    bucket_run.assert_pulls(2, local)
+    # The same model written again (new inodes): its fingerprint moves, so the local state no
+    # longer counts and the pull seeds, past what a plan on the old marker fetched.
+    write_hf_checkpoint(bucket_run.seed, bucket_run.tensors[0])
+    result = bucket_run.assert_pulls(3, local)
+    assert result.action in ("seed", "seed+chain")

@@ -18,12 +18,13 @@ from ..errors import (
     VersionMissingError,
     WeightSyncError,
 )
-from ..format.layout import INDEX_NAME, version_dir_name
+from ..format.layout import INDEX_NAME, run_path, state_path, version_dir_name
+from ..format.manifest import read_applied_state, read_run_id
 from ..hooks import load_callable
 from ..storage.mirror import Mirror, mirror_dir
 from ..storage.source import BucketSource
 from ..storage.url import parse_bucket_url
-from .identity import source_origin
+from .identity import Origin, source_origin
 from .plan import check_target_version, plan_pull
 
 log = logging.getLogger(__name__)
@@ -59,8 +60,18 @@ def pull_from_bucket(
     mirror = Mirror(source, root, fetch_progress)
     mirror.sync_run_file()  # before the no-op check: a new run under the URL is seen
 
+    def planning_origin() -> Origin:
+        # The seed's fingerprint as the marker recorded it, when there is one: the pull computes
+        # the real one right after this hook (reading a tmpfs seed in full), so computing it here
+        # too would double that cost. Should the seed have changed since, the pull plans a
+        # reseed past what was fetched, fails typed, and the fallback below fetches everything.
+        state = read_applied_state(state_path(local_checkpoint_dir))
+        if state is not None and state.seed:
+            return Origin(os.path.realpath(root), read_run_id(run_path(root)), state.seed)
+        return source_origin(root, seed_dir)
+
     def plan_keys(target: int) -> tuple[set[str], str]:
-        plan, indexes = plan_pull(local_checkpoint_dir, seed_dir, root, target, origin=source_origin(root, seed_dir))
+        plan, indexes = plan_pull(local_checkpoint_dir, seed_dir, root, target, origin=planning_origin())
         keys: set[str] = set()
         for v in plan.deltas:
             keys |= {f"{version_dir_name(v)}/{f}" for f in set(indexes[v].weight_map.values())}
