@@ -9,11 +9,13 @@ a pull on any host to any version, a seed dir edited in place (size and mtime ke
 followed by a new run from the edited model, a second publisher of the same run (a real forked
 process) committing the next version while the first one holds written shards or is about to
 publish it (the first one's attempt must fail loud and never land), and a prune while one index
-is unreadable (damaged, nested too deeply, or absent mid-restore), restored after.
+is unreadable (damaged, nested too deeply, or absent mid-restore), restored after, and a
+shard header of a full version or an anchor whose dtype is changed to another of the same width
+(every digest still matches).
 
 What must hold after every step:
 - every pull that returns success holds exactly the bytes the trainer meant for its target,
-  and its marker names that target;
+  under the headers (dtype, shape) it meant, and its marker names that target;
 - every failure is a ``WeightSyncError``, and one the model can explain: the target pruned,
   a backwards pull, or damage in the source dir; a retry after the damage is repaired pulls
   the exact bytes. With nothing damaged, a pull of a published version never fails;
@@ -43,7 +45,17 @@ import weightsync.publisher.publish as publish_mod
 from weightsync import Publisher, errors, pull, supported_encodings
 from weightsync.publisher.prune import prune_versions
 
-from core_support import THOROUGH, marker_version, mutate, read_checkpoint_bytes, tensor_bytes, write_hf_checkpoint
+from core_support import (
+    ST_OF_NP,
+    THOROUGH,
+    checkpoint_files,
+    marker_version,
+    mutate,
+    raw_header,
+    read_checkpoint_bytes,
+    tensor_bytes,
+    write_hf_checkpoint,
+)
 
 INDEX = "model.safetensors.index.json"
 MAX_VERSIONS = 8
@@ -301,6 +313,39 @@ class SourceDirModel(RuleBasedStateMachine):
         self.damage[path] = (os.stat(path).st_ino, original)
         event("damaged an anchor" if "/anchor_v" in path else "damaged a version's shard")
 
+    @rule(data=st.data())
+    def retype_a_header(self, data):
+        """One tensor's dtype in a shard header changed to another of the same width (F32 to
+        I32, F16 to BF16, I32 to F32): every byte count and every digest still match, only the
+        meaning changes. A pull must not serve it (issue 28, point 6)."""
+        self._step()
+        same_width = {b'"F32"': b'"I32"', b'"I32"': b'"F32"', b'"F16"': b'"BF16"'}
+        candidates = []
+        for path in self._shards():
+            if path in self.damage:
+                continue
+            with open(path, "rb") as f:
+                n = int.from_bytes(f.read(8), "little")
+                raw = f.read(n)
+            candidates += [(path, at, old) for old in same_width for at in _find_all(raw, old)]
+        if not candidates:
+            return
+        path, at, old = data.draw(st.sampled_from(candidates), label="header dtype")
+        with open(path, "rb") as f:
+            original = f.read()
+        new = same_width[old]
+        head = original[8:8 + int.from_bytes(original[:8], "little")]
+        raw = head[:at] + new + head[at + len(old):]
+        if len(raw) != len(head):  # F16 -> BF16 is one byte longer: take a padding space
+            if not raw.endswith(b" "):
+                return
+            raw = raw[:-1]
+        with open(path, "r+b") as f:
+            f.seek(8)
+            f.write(raw)
+        self.damage[path] = (os.stat(path).st_ino, original)
+        event("retyped a header of an anchor" if "/anchor_v" in path else "retyped a header of a version's shard")
+
     def _live_damage(self) -> list[str]:
         """The damaged files still there as damaged (not pruned, not replaced by a republish)."""
         live = []
@@ -374,7 +419,28 @@ class SourceDirModel(RuleBasedStateMachine):
         expected = tensor_bytes(self.tensors[target])
         bad = sorted(n for n in set(actual) | set(expected) if actual.get(n) != expected.get(n))
         assert not bad, f"{os.path.basename(local)} reports v{target} ({result.action}) but differs in {bad}"
+        # The same bytes under another dtype are other weights: the headers must match too.
+        layout = _local_layout(local)
+        want = {n: (ST_OF_NP[a.dtype.name], list(a.shape)) for n, a in self.tensors[target].items()}
+        assert layout == want, f"{os.path.basename(local)} reports v{target} ({result.action}) with other headers"
         return result.action + (" (reseeded)" if result.reseeded else "")
+
+
+def _find_all(raw: bytes, needle: bytes) -> list[int]:
+    out, at = [], raw.find(needle)
+    while at >= 0:
+        out.append(at)
+        at = raw.find(needle, at + 1)
+    return out
+
+
+def _local_layout(local: str) -> dict[str, tuple[str, list[int]]]:
+    """name -> (dtype, shape) from the local checkpoint's headers, parsed by hand."""
+    out = {}
+    for fname in checkpoint_files(local):
+        _, hdr = raw_header(os.path.join(local, fname))
+        out.update({n: (e["dtype"], e["shape"]) for n, e in hdr.items() if n != "__metadata__"})
+    return out
 
 
 def _publish_until_death(source: str, base: dict, base_version: int, v: int, new: dict, encoding: str,
