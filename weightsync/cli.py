@@ -37,6 +37,7 @@ EXIT_CODES = [
     (errors.CorruptArtifactError, 4),
     (errors.InvalidRequestError, 2),
     (errors.PublishError, 2),
+    (errors.BucketUnavailableError, 3),  # the store did not answer within the deadline: retry later
     (errors.WeightSyncError, 2),
 ]
 
@@ -427,6 +428,18 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _refuse_a_bucket_where_unsupported(args) -> None:
+    """``publish`` and ``pull`` take a bucket URL (docs/BUCKETS.md); the commands that read a
+    source dir's files directly do not yet, and say so instead of calling the URL missing."""
+    from .storage.url import is_bucket_url
+
+    if args.func in (cmd_inspect, cmd_verify, cmd_prune) and is_bucket_url(getattr(args, "source_dir", None)):
+        raise errors.InvalidRequestError(
+            f"{args.source_dir} is a bucket: this command reads a source dir's files directly and does not take a "
+            "bucket URL yet (publish and pull do). Run it on a local copy of the prefix (same layout)."
+        )
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
@@ -436,6 +449,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.encoding = DEFAULT_ENCODING
     try:
         with progress.reporting(progress.reporter_for(json=args.json, verbose=args.verbose)):
+            _refuse_a_bucket_where_unsupported(args)
             return args.func(args)
     except errors.WeightSyncError as e:
         code = next(c for cls, c in EXIT_CODES if isinstance(e, cls))

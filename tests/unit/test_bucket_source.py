@@ -184,3 +184,19 @@ def test_a_seed_dir_changed_since_the_marker_still_pulls_the_published_bytes(buc
     write_hf_checkpoint(bucket_run.seed, bucket_run.tensors[0])
     result = bucket_run.assert_pulls(3, local)
     assert result.action in ("seed", "seed+chain")
+
+
+def test_the_command_line_pulls_from_a_bucket_and_refuses_one_where_it_cannot_yet(bucket_run, capsys):
+    from weightsync.cli import main
+
+    pub = bucket_run.publisher()
+    bucket_run.publish_versions(pub, 2, full_at={1})
+    local = bucket_run.fresh_local()
+    rc = main(["pull", local, "--seed-dir", bucket_run.seed, "--source-dir", bucket_run.url, "--version", "2", "--json"])
+    assert rc == 0, capsys.readouterr()
+    from core_support import assert_checkpoint_is
+
+    assert_checkpoint_is(local, bucket_run.expected[2])
+    capsys.readouterr()
+    assert main(["inspect", bucket_run.url, "--json"]) == 2
+    assert "does not take a bucket URL yet" in capsys.readouterr().out
