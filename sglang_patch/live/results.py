@@ -18,10 +18,11 @@ Invariants:
   (``mode_choice``).
 - The choice keeps measuring both modes (``decide_mode``): an estimate of the mode that keeps
   losing only ages, so the losing mode is probed again once the pauses spent since it was last
-  measured pay for the probe many times over (``PROBE_SHARE``), and a reload is probed once after
-  a full window of live applies when none was measured since start-up. Without that, one slow
-  live apply followed by a reload made every later update reload for the engine's life, and
-  before any reload every update went live at any cost.
+  measured pay for the probe many times over (``PROBE_SHARE``), and a reload is probed once when
+  none was measured since start-up and the live pauses since add up to a large reload's worth
+  (``FIRST_RELOAD_PROBE_AFTER_S``). Without that, one slow live apply followed by a reload made
+  every later update reload for the engine's life, and before any reload every update went live
+  at any cost.
 """
 
 from __future__ import annotations
@@ -290,9 +291,13 @@ def engine_ages(decisions: Sequence[LiveDecision]) -> Optional[MeasureAges]:
 PROBE_SHARE = 0.1
 PROBE_BACKOFF_LIMIT = 10  # at most 2**10 times the first probe's wait
 PROBE_MIN_UPDATES = PauseCosts.STALE_AFTER  # and never sooner than this many updates after its last measurement
-# No reload measured since start-up: one is probed after this many live applies (a full window
-# of them measured), once; its cost cannot be guessed from a live apply's.
+# No reload measured since start-up: its cost cannot be guessed from a live apply's, so one is
+# probed once a full window of live applies was measured and their pauses add up to
+# FIRST_RELOAD_PROBE_AFTER_S: a reload reads and copies every tensor, tens of seconds for the
+# largest models, so the probe costs about as much again as the live pauses spent, once per
+# engine life; where live applies are cheap it comes late, and could gain little anyway.
 FIRST_RELOAD_PROBE_AFTER = PauseCosts.WINDOW
+FIRST_RELOAD_PROBE_AFTER_S = 60.0
 
 
 def decide_mode(decisions: Sequence[LiveDecision]) -> dict:
@@ -319,10 +324,11 @@ def decide_mode(decisions: Sequence[LiveDecision]) -> dict:
     if not any(d.elements for d in decisions):
         return choice(LIVE, "nothing to write")  # already serving it
     if reload is None:
-        if ages is not None and live is not None and ages.reload_updates >= FIRST_RELOAD_PROBE_AFTER:
+        if (ages is not None and live is not None and ages.reload_updates >= FIRST_RELOAD_PROBE_AFTER
+                and ages.reload_pause_s >= FIRST_RELOAD_PROBE_AFTER_S):
             return choice(RELOAD, "probe", (
                 f"probing a reload's pause: none measured since start-up, {ages.reload_updates} live applies since "
-                f"(live estimated {live:.4f}s)"), probe=True)
+                f"pausing {ages.reload_pause_s:.1f}s in all (live estimated {live:.4f}s)"), probe=True)
         return choice(LIVE, "unmeasured")  # the changed-fraction cap bounds it
     if live is None:
         return choice(LIVE, "unmeasured")
