@@ -226,7 +226,10 @@ def verify_local(
     checkpoint lacks fails the check by name. The local headers are checked against the
     model's layout (the seed dir's, else an upstream full version's), since a digest covers a
     tensor's bytes, never its dtype or shape. A local file that cannot be read (a header cut
-    short or damaged) is a local fault (``LocalFileDamagedError``), not the artifact's."""
+    short or damaged) is a local fault (``LocalFileDamagedError``), not the artifact's. A
+    version that is not there is told as a pull tells it (a wrong dir, pruned, not yet)."""
+    if version > 0:
+        check_version_there(source_dir, version)
     local = _local_table(local_checkpoint_dir)
     want, base_dir = expected_digests(source_dir, version, seed_dir)
     base = local_tensor_table(base_dir, checkpoint_weight_files(base_dir)) if base_dir else {}

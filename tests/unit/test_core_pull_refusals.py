@@ -563,3 +563,14 @@ def test_an_anchor_pruned_while_a_first_pull_plans_is_not_ready_not_unusable(fas
     monkeypatch.setattr(plan, "check_anchor", real)
     assert w.pull(9).applied_version == 9  # the retry plans from what is kept
     assert_checkpoint_is(w.local, tensor_bytes(w.t[9]))
+
+
+def test_verify_of_a_pruned_version_or_a_wrong_source_dir_says_so(world):
+    world.publish(6, full_at={4}, keep=2)
+    world.pull(6)
+    code, doc, _ = cli("verify", world.local, "--source-dir", world.source, "--version", "1")
+    assert code == 2 and "was pruned" in doc["message"]
+    code, doc, _ = cli("verify", world.local, "--source-dir", os.path.join(world.root, "typo"), "--version", "6")
+    assert code == 2 and "does not exist" in doc["message"]
+    code, _, _ = cli("verify", world.local, "--source-dir", world.source, "--version", "6")
+    assert code == 0
