@@ -574,3 +574,20 @@ def test_verify_of_a_pruned_version_or_a_wrong_source_dir_says_so(world):
     assert code == 2 and "does not exist" in doc["message"]
     code, _, _ = cli("verify", world.local, "--source-dir", world.source, "--version", "6")
     assert code == 0
+
+
+def test_a_side_anchor_whose_index_nests_too_deeply_is_passed_over(fast_tmp_path):
+    w = World(str(fast_tmp_path))
+    pub = Publisher(w.source, encoding="xor", workers=1, anchor_max_deltas=3, keep_versions=0)
+    pub.seed_snapshot(w.t[0])
+    for v in range(1, 8):
+        w.t.append(mutate(w.t[-1], w.rng, 0.05))
+        pub.publish(v, w.t[v])
+    pub.close()
+    anchors = sorted(int(n[len("anchor_v"):]) for n in os.listdir(w.source) if n.startswith("anchor_v"))
+    a = anchors[-1]
+    with open(os.path.join(w.source, f"anchor_v{a:06d}", INDEX), "w") as f:
+        f.write('{"metadata": ' + "[" * 200_000 + "]" * 200_000 + "}")
+    result = w.pull(7)
+    assert f"anchor_v{a:06d}" not in result.reason or "failed" in result.reason, result.reason
+    assert_checkpoint_is(w.local, tensor_bytes(w.t[7]))
