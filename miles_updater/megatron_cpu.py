@@ -49,13 +49,14 @@ def causal_attention_mask(seq_len: int) -> torch.Tensor:
 
 def init_distributed_cpu(
     rank: int, world_size: int, master_port: int, *, tp: int = 1, pp: int = 1, ep: int = 1, seed: int = 1234,
-    backend: str = "gloo", timeout_s: float | None = None,
+    backend: str = "gloo", timeout_s: float | None = None, etp: int | None = None,
 ) -> None:
     """Process group on 127.0.0.1 + Megatron model-parallel groups (CPU shims applied for gloo).
 
     ``backend="nccl"`` is for the GPU test (one GPU per rank, already selected); no shims then.
     ``timeout_s``: the collective timeout of the world and of Megatron's groups (default: 10 minutes
     for the world, Megatron's own default for its groups); whole minutes for Megatron's groups.
+    ``etp``: the experts' tensor-parallel size (default: ``tp``; 1 lets EP span the TP ranks).
     """
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
@@ -69,6 +70,7 @@ def init_distributed_cpu(
         )
     ps.initialize_model_parallel(
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, expert_model_parallel_size=ep,
+        **({} if etp is None else {"expert_tensor_parallel_size": etp}),
         **({} if timeout_s is None else {"distributed_timeout_minutes": max(1, round(timeout_s / 60))}),
     )
     torch.manual_seed(seed)
@@ -113,7 +115,7 @@ def transformer_config_from_hf(hf: dict, *, params_dtype: torch.dtype = torch.fl
         gated_linear_unit=True,
         activation_func=torch.nn.functional.silu,
         add_bias_linear=False,
-        add_qkv_bias=bool(hf.get("attention_bias", False)),
+        add_qkv_bias=bool(hf.get("attention_bias", arch.startswith("Qwen2"))),  # Qwen2/2.5: always q/k/v biases
         qk_layernorm=arch.startswith("Qwen3"),
         use_cpu_initialization=True,
         params_dtype=params_dtype,
@@ -128,6 +130,7 @@ def transformer_config_from_hf(hf: dict, *, params_dtype: torch.dtype = torch.fl
         tensor_model_parallel_size=_ps_size("tp"),
         pipeline_model_parallel_size=_ps_size("pp"),
         expert_model_parallel_size=_ps_size("ep"),
+        expert_tensor_parallel_size=_ps_size("etp"),
         **moe,
     )
 
@@ -141,6 +144,7 @@ def _ps_size(which: str) -> int:
         "tp": ps.get_tensor_model_parallel_world_size,
         "pp": ps.get_pipeline_model_parallel_world_size,
         "ep": ps.get_expert_model_parallel_world_size,
+        "etp": ps.get_expert_tensor_parallel_world_size,
     }[which]()
 
 

@@ -1,0 +1,184 @@
+"""Shared harness of the per-family tests: real Megatron ranks on gloo publish a tiny checkpoint of one
+family through a converter, and the parent checks the version against an independent gather.
+
+Role: ``run_family`` starts one process per rank (this file's ``__main__``). Each rank builds the
+family's GPTModel, loads the seed checkpoint, gathers it back unchanged (``roundtrip``), moves every
+weight (bf16-rounded, identical where Megatron replicates it), publishes v1 with
+``DiskDeltaWeightUpdater`` and the converter, saves its raw parameters (with their partition dims),
+publishes v2 after a sparse step (a delta an engine applies live) and, at PP=1, Megatron's logits
+for v1. ``independent_gather`` rebuilds the
+full tensors from those raw parameters by itself (no ``gather.py`` code) and runs the converter on
+them: what v1 must hold.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parents[2]
+sys.path.insert(0, str(REPO / "tests" / "unit"))
+from megatron_support import free_port, move_weights, run_gloo_ranks  # noqa: E402
+
+GATED_FC1 = re.compile(r"linear_fc1\.(weight|bias)$")
+LOCAL_EXPERT = re.compile(r"^(.*\.mlp\.experts\.)local_experts\.(\d+)\.(linear_fc[12])\.(weight|bias)$")
+
+
+def run_family(hf_dir: str, out_dir: str, *, tp: int = 2, pp: int = 1, ep: int = 1, etp: int | None = None,
+               converter: str = "builtin", logits: bool = True) -> list[dict]:
+    cfg = dict(hf_dir=hf_dir, out_dir=out_dir, port=free_port(), tp=tp, pp=pp, ep=ep, etp=etp,
+               converter=converter, logits=logits, world=tp * pp)
+    seen, _ = run_gloo_ranks(__file__, cfg, ranks=tp * pp)
+    return seen
+
+
+def read_dir(path) -> dict:
+    from safetensors.torch import load_file
+
+    merged = {}
+    for f in sorted(Path(path).glob("*.safetensors")):
+        merged.update(load_file(str(f)))
+    return merged
+
+
+def bytes_equal(a, b) -> bool:
+    import torch
+
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(
+        a.contiguous().view(-1).view(torch.uint8), b.contiguous().view(-1).view(torch.uint8))
+
+
+def differing(got: dict, want: dict) -> list[str]:
+    assert sorted(got) == sorted(want), (sorted(set(got) ^ set(want)))[:10]
+    return [n for n in want if not bytes_equal(got[n], want[n])]
+
+
+def independent_gather(out_dir: str, world: int, converter, specs: dict) -> dict:
+    """The HF tensors v1 must hold, from the ranks' raw parameters (PP=1; TP, and EP with ETP=1).
+
+    Shards of one parameter are concatenated in TP rank order on their partition dim, a gated
+    ``linear_fc1`` as [every rank's gate; every rank's up]; EP rank r's local expert k is global
+    expert r * n_local + k; then the converter, vocab rows trimmed, cast to the checkpoint's dtype.
+    """
+    import torch
+
+    from miles_updater.gather import ST_TO_TORCH
+
+    ranks = [torch.load(Path(out_dir) / f"params-rank{r}.pt") for r in range(world)]
+    meta = [json.loads((Path(out_dir) / f"rank{r}.json").read_text()) for r in range(world)]
+    full: dict[str, torch.Tensor] = {}
+    for name, info in meta[0]["params"].items():
+        m = LOCAL_EXPERT.match(name)
+        if m:  # not TP-split (ETP=1): one tensor per EP rank
+            prefix, local, fc, kind = m.groups()
+            for r in range(world):
+                n_local, ep_rank = meta[r]["n_local_experts"], meta[r]["ep_rank"]
+                full[f"{prefix}{fc}.{kind}{ep_rank * n_local + int(local)}"] = ranks[r][name]
+            continue
+        shards = [ranks[r][name] for r in range(world)]
+        if info["pdim"] is None:
+            full[name] = shards[0]
+        elif GATED_FC1.search(name):
+            halves = [s.chunk(2, dim=0) for s in shards]
+            full[name] = torch.cat([h[0] for h in halves] + [h[1] for h in halves])
+        else:
+            full[name] = torch.cat(shards, dim=info["pdim"])
+    if hasattr(converter, "reset"):
+        converter.reset()
+    out = {}
+    for name, t in full.items():
+        for hf, x in converter(name, t):
+            spec = specs[hf]
+            if x.shape[0] > spec.shape[0] and name in ("embedding.word_embeddings.weight", "output_layer.weight"):
+                x = x[: spec.shape[0]]
+            out[hf] = x.to(ST_TO_TORCH[spec.dtype]).contiguous()
+    return out
+
+
+def transformers_logits(model_dir: str, ids):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    model.eval()
+    with torch.no_grad():
+        return model(torch.tensor(ids)).logits
+
+
+# --- the rank process ---------------------------------------------------------------------------
+
+
+def _perturb(model, tp_rank: int, ep_rank: int) -> None:
+    """Move every weight by a name-seeded amount, identical on the ranks that replicate it, rounded to
+    bf16 so the bf16 checkpoint loses nothing Megatron's fp32 forward uses."""
+    import torch
+
+    from miles_updater.gather import iter_params
+
+    with torch.no_grad():
+        for i, ref in enumerate(iter_params([model])):
+            p = ref.param
+            split = int(bool(getattr(p, "tensor_model_parallel", False)))
+            expert = int(".mlp.experts." in ref.name)
+            g = torch.Generator().manual_seed(1000 + i + 17 * tp_rank * split + 31 * ep_rank * expert)
+            p.add_(torch.randn(p.shape, generator=g).to(p.dtype) * 0.05)
+            p.copy_(p.to(torch.bfloat16).to(p.dtype))
+
+
+def _worker(rank: int, cfg: dict) -> None:
+    import torch
+    import torch.distributed as dist
+    from safetensors.torch import save_file
+
+    from miles_updater.args import DiskDeltaConfig
+    from miles_updater.gather import ST_TO_TORCH, HFWeightGatherer, iter_params, load_hf_checkpoint
+    from miles_updater.megatron_cpu import build_gpt_model, causal_attention_mask, init_distributed_cpu
+    from miles_updater.updater import DiskDeltaWeightUpdater
+
+    init_distributed_cpu(rank, cfg["world"], cfg["port"], tp=cfg["tp"], pp=cfg["pp"], ep=cfg["ep"], etp=cfg["etp"])
+    from megatron.core import parallel_state as ps
+
+    out = Path(cfg["out_dir"])
+    model = build_gpt_model(cfg["hf_dir"])
+    load_hf_checkpoint([model], cfg["hf_dir"])
+    gatherer = HFWeightGatherer([model], cfg["hf_dir"], converter=cfg["converter"])
+    tensors = gatherer.gather()
+    if tensors:
+        save_file({n: torch.frombuffer(bytearray(t.data.tobytes()), dtype=ST_TO_TORCH[t.dtype]).reshape(t.shape)
+                   for n, t in tensors.items()}, str(out / f"roundtrip-rank{rank}.safetensors"))
+    _perturb(model, ps.get_tensor_model_parallel_rank(), ps.get_expert_model_parallel_rank())
+    config = DiskDeltaConfig(source_dir=str(out / "shared"), local_checkpoint_dir=str(out / "unused"),
+                             hf_checkpoint=cfg["hf_dir"], converter=cfg["converter"])
+    updater = DiskDeltaWeightUpdater(config, [model])
+    updater.start()
+    seen = {"source_dir": updater.source_dir, "version": updater.update_weights(update_engines=False).version,
+            "converter": updater.gatherer.converter_name, "ep_rank": ps.get_expert_model_parallel_rank(),
+            "n_local_experts": gatherer.num_local_experts,
+            "params": {ref.name: {"pdim": getattr(ref.param, "partition_dim", 0)
+                                  if getattr(ref.param, "tensor_model_parallel", False) else None}
+                       for ref in iter_params([model])}}
+    torch.save({ref.name: ref.param.detach().clone() for ref in iter_params([model])}, out / f"params-rank{rank}.pt")
+    if cfg["logits"] and cfg["pp"] == 1:
+        torch.manual_seed(0)
+        ids = torch.randint(0, 200, (1, 12))
+        with torch.no_grad():
+            logits = model(ids, torch.arange(12)[None], causal_attention_mask(12))
+        parts = [torch.empty_like(logits) for _ in range(cfg["tp"])]
+        dist.all_gather(parts, logits.contiguous(), group=ps.get_tensor_model_parallel_group())
+        if rank == 0:
+            torch.save(torch.cat(parts, dim=-1), out / "logits.pt")
+            seen["ids"] = ids.tolist()
+    move_weights(model, 2)  # a sparse step: v2 is a delta an engine can apply live
+    seen["version2"] = updater.update_weights(update_engines=False).version
+    updater.close()
+    (out / f"rank{rank}.json").write_text(json.dumps(seen))
+    dist.barrier()
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    _worker(int(sys.argv[1]), json.loads(sys.argv[2]))
