@@ -591,3 +591,15 @@ def test_a_side_anchor_whose_index_nests_too_deeply_is_passed_over(fast_tmp_path
     result = w.pull(7)
     assert f"anchor_v{a:06d}" not in result.reason or "failed" in result.reason, result.reason
     assert_checkpoint_is(w.local, tensor_bytes(w.t[7]))
+
+
+def test_a_shard_that_is_a_directory_is_a_typed_corrupt_artifact(world):
+    world.publish(1)
+    vdir = version_dir(world.source, 1)
+    shard = _shard_of(vdir, "a")
+    os.unlink(shard)
+    os.mkdir(shard)
+    with pytest.raises(errors.CorruptArtifactError, match="Is a directory"):
+        world.pull(1)
+    code, doc, err = cli("pull", world.local, "--seed-dir", world.seed, "--source-dir", world.source, "--version", "1")
+    assert code == 4 and doc["error_type"] == "corrupt_artifact" and "Traceback" not in err

@@ -13,6 +13,7 @@ never points at bytes that were not verified and flushed to disk.
 from __future__ import annotations
 
 import contextlib
+import errno
 import functools
 import json
 import logging
@@ -210,11 +211,33 @@ def _typed_resource_errors(fn: Callable[..., PullResult]) -> Callable[..., PullR
             return fn(*args, **kwargs)
         except (OSError, MemoryError) as e:
             typed = host_resource_error(e)
+            if typed is None and isinstance(e, OSError) and len(args) >= 3:
+                typed = _path_error(e, *args[:3])
             if typed is None:
                 raise
             raise typed from e
 
     return wrapper
+
+
+def _path_error(e: OSError, local: object, seed_dir: object, source_dir: object) -> WeightSyncError | None:
+    """The typed error of an OS error on a path of the pull's dirs, by whose path it is: the
+    source's (a file where the index names a shard is a directory: the version is malformed;
+    a file this host may not read: the request cannot be served), the seed dir's, or the local
+    dir's. None: not one of them, or a FileNotFoundError (decided where it is raised)."""
+    if isinstance(e, (WeightSyncError, FileNotFoundError)) or not all(isinstance(d, str) for d in (local, seed_dir, source_dir)):
+        return None
+    what = f"{type(e).__name__}: {e.strerror or e} ({os.fsdecode(e.filename) if e.filename is not None else '?'})"
+    if _inside(e, str(source_dir)):
+        if e.errno in (errno.EISDIR, errno.ENOTDIR, errno.ELOOP):
+            return CorruptArtifactError(f"the source dir holds something other than a file where a version names one: {what}. "
+                                        "Republish the version.")
+        return SourceDirUnusableError(str(source_dir), f"cannot be read on this host ({what})")
+    if _inside(e, str(seed_dir)):
+        return SeedDirUnusableError(str(seed_dir), what)
+    if _inside(e, str(local)):
+        return LocalDirUnusableError(str(local), what)
+    return None
 
 
 @_typed_resource_errors
