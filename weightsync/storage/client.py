@@ -90,8 +90,16 @@ def open_store(url: BucketURL):
                 "retry_timeout": timedelta(seconds=float(RETRY_TIMEOUT_S.get())),
                 "backoff": {"init_backoff": timedelta(milliseconds=100), "max_backoff": timedelta(seconds=5), "base": 2},
             }
+            config: dict = {}
+            if url.scheme == "s3":
+                # SigV4 over the payload costs a SHA-256 of every uploaded byte (~1 CPU-s/GB here);
+                # TLS already protects it in transit and the index's digests check every byte at
+                # pull time, so over HTTPS the payload goes unsigned (as the AWS SDKs do).
+                # WEIGHTSYNC_BUCKET_UNSIGNED_PAYLOAD=0/1 decides either way.
+                choice = os.environ.get("WEIGHTSYNC_BUCKET_UNSIGNED_PAYLOAD", "")
+                config["unsigned_payload"] = _truthy(choice) if choice else not client_options.get("allow_http", False)
             try:
-                store = from_url(str(url), client_options=client_options, retry_config=retry)  # type: ignore[arg-type,call-overload]
+                store = from_url(str(url), config=config or None, client_options=client_options, retry_config=retry)  # type: ignore[arg-type,call-overload]
             except Exception as e:
                 raise BucketUnavailableError(str(url), "configuring the client", str(e).splitlines()[0]) from e
             _stores[key] = store
