@@ -42,6 +42,7 @@ from .client import (
 from .url import BucketURL, parse_bucket_url
 
 Progress = Callable[[int, int], None]
+CHUNK_NBYTES = 4 << 20  # a streamed body is written in chunks of about this size
 
 
 class ObjectInfo(msgspec.Struct, frozen=True):
@@ -202,65 +203,71 @@ class BucketSource:
 
     def fetch(self, obj: ObjectInfo, dst: str, progress: "Progress | None" = None, deadline: "Deadline | None" = None) -> int:
         """``obj`` into ``dst`` (created or truncated): ranged GETs of FETCH_RANGE_NBYTES, up to
-        FETCH_IN_FLIGHT at once, each with ``If-Match: <ETag>`` and an exact-length check,
-        written with pwrite at their offsets. Memory: in-flight x range size. A changed
-        object raises ``SourceChangedError``; a range that fails for a transient reason (the
-        server gone, a short body) is asked again until the deadline, then
-        ``BucketUnavailableError``. Never returns over partial bytes."""
+        FETCH_IN_FLIGHT at once, each with ``If-Match: <ETag>``, their bodies streamed in chunks
+        and written with pwrite at their offsets (memory: in flight x one chunk, never a whole
+        range or object). A range that breaks or comes back short (the server gone, a dropped
+        connection) is asked again from where it stopped until the deadline, then
+        ``BucketUnavailableError``; a changed object raises ``SourceChangedError``. Returns only
+        once every byte of every range was written: never over partial bytes."""
         deadline = deadline or Deadline.from_knob()
         rng = int(FETCH_RANGE_NBYTES.get())
         ranges = [(s, min(s + rng, obj.size)) for s in range(0, obj.size, rng)]
         done_lock = threading.Lock()
         done = [0]
+
+        def wrote(n: int) -> None:
+            with done_lock:
+                done[0] += n
+                if progress is not None:
+                    progress(done[0], obj.size)
+
         fd = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
             if obj.size:
                 os.ftruncate(fd, obj.size)
-
-            def one(r: tuple[int, int]) -> None:
-                data = self._get_range(obj, r, deadline)
-                view = memoryview(data)
-                off = 0
-                while off < len(view):
-                    off += os.pwrite(fd, view[off:], r[0] + off)
-                with done_lock:
-                    done[0] += len(view)
-                    if progress is not None:
-                        progress(done[0], obj.size)
-
             workers = max(1, min(int(FETCH_IN_FLIGHT.get()), len(ranges)))
             if workers == 1:
                 for r in ranges:
-                    one(r)
+                    self._fetch_range(fd, obj, r, deadline, wrote)
             else:
                 with ThreadPoolExecutor(workers, thread_name_prefix="weightsync-fetch") as pool:
-                    for f in [pool.submit(one, r) for r in ranges]:
+                    for f in [pool.submit(self._fetch_range, fd, obj, r, deadline, wrote) for r in ranges]:
                         f.result()
         finally:
             os.close(fd)
+        if done[0] != obj.size:  # cannot happen: every range returns only when complete
+            raise BucketUnavailableError(self.name, f"GET {obj.key}", f"{done[0]} of {obj.size} bytes written")
         return obj.size
 
-    def _get_range(self, obj: ObjectInfo, r: tuple[int, int], deadline: Deadline):
+    def _fetch_range(self, fd: int, obj: ObjectInfo, r: tuple[int, int], deadline: Deadline, wrote) -> None:
         import obstore
         from obstore.exceptions import PreconditionError
 
-        start, end = r
-        opts: dict = {"range": (start, end)}
-        if obj.tag:
-            opts["if_match"] = obj.tag
+        pos, end = r
         backoff = 0.1
-        while True:
+        while pos < end:
+            opts: dict = {"range": (pos, end)}
+            if obj.tag:
+                opts["if_match"] = obj.tag
             try:
                 res = obstore.get(self.store, obj.key, options=opts)  # type: ignore[arg-type]
                 tag = res.meta.get("e_tag")
                 if obj.tag and tag and tag != obj.tag:
                     raise SourceChangedError(self.name, obj.key, f" (ETag {tag}, planned {obj.tag})")
-                data = res.bytes()
-                if len(data) == end - start:
-                    return data
-                why = f"a short body: {len(data)} of {end - start} bytes for range {start}-{end}"
                 if res.meta.get("size") is not None and int(res.meta["size"]) != obj.size:
                     raise SourceChangedError(self.name, obj.key, f" (now {res.meta['size']} bytes, listed {obj.size})")
+                for chunk in res.stream(min_chunk_size=CHUNK_NBYTES):
+                    view = memoryview(chunk)
+                    if len(view) > end - pos:
+                        raise SourceChangedError(self.name, obj.key, f" (a body longer than the range {r[0]}-{end})")
+                    off = 0
+                    while off < len(view):
+                        off += os.pwrite(fd, view[off:], pos + off)
+                    pos += len(view)
+                    wrote(len(view))
+                if pos >= end:
+                    return
+                why = f"a short body: the range {r[0]}-{end} stopped at {pos}"
             except PreconditionError:
                 raise SourceChangedError(self.name, obj.key) from None
             except FileNotFoundError:
@@ -269,7 +276,7 @@ class BucketSource:
                     "Retry the pull: it plans from what is published now."
                 ) from None
             except Exception as e:
-                typed = typed_error(e, self.url, f"GET {obj.key} bytes {start}-{end}")
+                typed = typed_error(e, self.url, f"GET {obj.key} bytes {pos}-{end}")
                 if not isinstance(typed, TRANSIENT):
                     raise typed from e
                 why = str(e).splitlines()[0][:300]
