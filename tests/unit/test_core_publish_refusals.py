@@ -308,3 +308,31 @@ def test_out_of_disk_through_the_api_is_a_typed_error_and_the_version_stays_retr
     assert pub.publish(1, run.t[1]).kind == "delta"
     run.assert_pulls(1)
     pub.close()
+
+
+def test_several_ranks_cannot_drop_a_tensor_in_a_full_version_unless_allowed(run):
+    """Each rank checks its own tensors' dtypes and shapes at write(); the tensor set is known
+    only from every rank's manifest, so rank 0 refuses it at commit, before any index."""
+    owners = {"embed": 0, "layers.0.w": 1, "norm": 1}
+    run.next()
+    pubs = [Publisher(run.source, rank=r, world_size=2, workers=1) for r in (0, 1)]
+    for r, pub in enumerate(pubs):
+        pub.seed_snapshot({n: a for n, a in run.t[0].items() if owners[n] == r})
+    for v in (1,):
+        prepared = [pub.prepare(v, {n: a for n, a in run.t[v].items() if owners[n] == r}) for r, pub in enumerate(pubs)]
+        manifests = [pub.write(p, "delta") for pub, p in zip(pubs, prepared)]
+        pubs[0].commit(v, "delta", manifests)
+        pubs[1].confirm(v)
+    # rank 1 restarted without "norm" (a checkpoint that lost it): a full v2 would drop it
+    pubs[1] = Publisher(run.source, rank=1, world_size=2, workers=1)
+    pubs[1].seed_snapshot({"layers.0.w": run.t[1]["layers.0.w"]}, version=1)
+    prepared = [pub.prepare(2, {}, kind="full") for pub in pubs]
+    manifests = [pub.write(p, "full") for pub, p in zip(pubs, prepared)]
+    with pytest.raises(errors.LayoutChangeError, match=r"drops tensor norm"):
+        pubs[0].commit(2, "full", manifests)
+    assert not os.path.exists(os.path.join(run.source, "weight_v000002", INDEX))
+    pubs[0].commit(2, "full", manifests, allow_layout_change=True)  # the caller says the model changed
+    with open(os.path.join(run.source, "weight_v000002", INDEX)) as f:
+        assert "layout_change" in json.load(f)["metadata"]
+    for pub in pubs:
+        pub.close()

@@ -588,6 +588,8 @@ class Publisher:
             return self._recognise_landed(staged)
         if (staged is None or staged.version != version) and version >= 1 and is_committed(vdir):
             return self._already_published(version, tensors)
+        if staged is None:  # before the encode, a refused number costs nothing (a pending version is told first)
+            self.guard.check_number(version, full=bool(full) or self._full_by_schedule(version) or self._full_reason is not None)
         prepared = self.prepare(version, tensors, kind="full" if full else None)
         kind, reason = self.choose_kind(
             version, prepared.delta_nbytes, prepared.full_nbytes, prepared.changed_elements, prepared.total_elements,
@@ -683,7 +685,8 @@ class Publisher:
             self._check_same_bytes(staged, tensors)
             return staged.prepared
         encode = kind != "full" and not self._full_by_schedule(version) and self._full_reason is None
-        self.guard.check_number(version, full=not encode)
+        if version <= self._committed and is_committed(version_dir(self.source_dir, version)):
+            raise VersionAlreadyPublishedError(version, self.source_dir)
         if version != self._committed + 1:
             raise PublishError(
                 f"version {version} does not follow the snapshot's version {self._committed}; "
@@ -770,6 +773,8 @@ class Publisher:
                 return staged.manifest  # its index landed (a failure was reported after): commit() recognises it
             raise VersionConflictError(prepared.version, self.source_dir, (
                 " by another writer while this publisher prepared it; this publisher wrote nothing into it"))
+        if not retry:
+            self.guard.check_number(prepared.version, full=kind == "full")
         if kind == "full":
             self.guard.check_layout(prepared.version, [(t.name, t.dtype, tuple(t.shape)) for t in prepared.tensors],
                                     complete=self.world_size == 1, allowed=allow_layout_change)
