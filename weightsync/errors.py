@@ -883,3 +883,33 @@ class SeedDirMismatchError(InvalidRequestError):
 
 
 __all__ += ["SeedDirMismatchError"]
+
+
+class HttpSourceURLError(InvalidRequestError):
+    """An HTTP(S) source URL that cannot name a source (user info, a query, a fragment, '..')."""
+
+    def __init__(self, url: str, detail: str):
+        self.url = url
+        self.detail = detail
+        super().__init__(
+            f"HTTP source URL {url!r} cannot be used: {detail}. Expected http(s)://host[:port]/path/to/run; "
+            "the origin behind a cache comes from WEIGHTSYNC_HTTP_ORIGIN, never from the request."
+        )
+
+
+class PayloadFileMismatchError(CorruptArtifactError):
+    """A payload file read from the origin itself does not match the size and digest its index
+    records (``file_digests``): the published version is damaged, not a cache in front of it."""
+
+    def __init__(self, url: str, key: str, expected: str, actual: str):
+        self.url = url
+        self.key = key
+        self.expected = expected
+        self.actual = actual
+        super().__init__(
+            f"{url}/{key} read from the origin is {actual}, its index records {expected}: the published "
+            "file is damaged (a cache's copy was already passed over). Nothing was applied; republish the version."
+        )
+
+
+__all__ += ["HttpSourceURLError", "PayloadFileMismatchError"]

@@ -136,6 +136,10 @@ def test_delta_index_and_shard_metadata_spell_the_upstream_fields(tmp_path, enco
     vdir = _publish_golden(tmp_path, encoding, checksum)
     with open(os.path.join(vdir, "model.safetensors.index.json")) as f:
         index = json.load(f)
+    # Ours beside the upstream fields (FORMAT.md: upstream readers ignore the key): each payload
+    # file's size and xxh3-128, for readers behind a cache.
+    files = index.pop("file_digests")
+    assert set(files) == set(index["weight_map"].values())
     assert index == {
         "metadata": {
             "version": "000001",
