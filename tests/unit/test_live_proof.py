@@ -106,6 +106,40 @@ def test_a_proof_holds_the_pull_lock_at_most_half_of_a_pulls_wait_for_it(monkeyp
     assert proof.proof_lock_hold_s() == 15.0
 
 
+def test_the_proofs_hold_of_the_pull_lock_ends_at_the_first_step_past_its_limit_and_the_steps_run_on(tmp_path):
+    from sglang_patch.live.proof import BoundedPullLockHold
+    from weightsync.puller.lock import acquire_host_lock
+
+    now = [0.0]
+    hold = BoundedPullLockHold(str(tmp_path), 10.0, clock=lambda: now[0])
+
+    def pull_gets_the_lock() -> bool:
+        held = acquire_host_lock(str(tmp_path), timeout_s=0)  # one try
+        held.release()
+        return True
+
+    ran = []
+
+    def steps():
+        for k in range(4):
+            ran.append(k)
+            yield
+        return "proven"
+
+    bounded = hold.bound(steps())
+    next(bounded)
+    with pytest.raises(Exception, match="lock"):
+        pull_gets_the_lock()  # within the limit: a pull waits
+    now[0] = 10.0
+    next(bounded)  # the first step boundary past the limit releases it
+    assert hold.released_early and pull_gets_the_lock()
+    with pytest.raises(StopIteration) as done:
+        while True:
+            next(bounded)
+    assert done.value.value == "proven" and ran == [0, 1, 2, 3]
+    hold.release()  # the proof's end: idempotent
+
+
 def test_a_pull_during_a_proof_past_its_lock_hold_gets_the_lock_and_the_proof_it_overtook_records_nothing(
         tmp_path, monkeypatch):
     """A proof that outlives its hold of the host's pull lock (a large model) lets a pull in
