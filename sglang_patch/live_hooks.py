@@ -49,7 +49,7 @@ def make_state(scheduler: Any) -> LiveApplyState:
     ctx = rank_context_of(scheduler)
     options = options_of(scheduler.server_args)
     gather = tx.StageGather(pp_rank=ctx.pp_rank, pp_size=ctx.pp_size, leader=ctx.leader, channel=ctx.channel,
-                            send=compat.control_output_sender(scheduler), timeout_s=tx.stage_timeout_s())
+                            send=compat.control_output_sender(scheduler))
     return LiveApplyState(
         scheduler=scheduler,
         group=ctx.group,

@@ -35,7 +35,6 @@ dropped, never read as a later round's (issue 28, point 3: a repeated reload reu
 from __future__ import annotations
 
 import logging
-import os
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -49,18 +48,10 @@ VOTE, APPLY, COMMIT, ROLLBACK, RELOAD = "vote", "apply", "commit", "rollback", "
 PHASES = (VOTE, APPLY, COMMIT, ROLLBACK, RELOAD)
 STAGE_TIMEOUT_S = 300.0  # a later stage's writes of a large model; only a dead stage takes this long
 STAGE_CHECK_INTERVAL_S = 0.002  # the store round trip is a syscall: not on every busy-loop iteration
-STAGE_TIMEOUT_ENV = "WEIGHTSYNC_TEST_STAGE_TIMEOUT_S"  # test-only: a shorter stage deadline
 LATE_POSTS_KEPT = 64  # the rounds whose missing stages' late posts are still awaited, to be dropped
 
 
 # --- the scheduler side: one phase's items from every stage of a DP group ------------------------
-
-
-def stage_timeout_s() -> float:
-    """How long stage 0 waits for a later stage's items (``WEIGHTSYNC_TEST_STAGE_TIMEOUT_S``, test-only:
-    a test makes a stage miss its deadline without waiting 300 s)."""
-    value = os.environ.get(STAGE_TIMEOUT_ENV)
-    return float(value) if value else STAGE_TIMEOUT_S
 
 
 @dataclass

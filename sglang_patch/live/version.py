@@ -202,16 +202,13 @@ def _test_reload_delay() -> None:
 
 
 def _wait_at_reload_gate(rank: str, timeout_s: float = 120.0) -> None:
-    """Test-only (``WEIGHTSYNC_TEST_RELOAD_GATE``, a dir holding a file ``hold``, or
-    ``hold-<rank>`` for one rank): between a reload's load and its reading of the dir's identity,
-    create ``reloaded-<rank>`` there and wait until the hold is gone, so a test can make a pull
-    rewrite the dir in that window, or make one pipeline stage report late."""
+    """Test-only (``WEIGHTSYNC_TEST_RELOAD_GATE``, a dir holding a file ``hold``): between a
+    reload's load and its reading of the dir's identity, create ``reloaded-<rank>`` there and
+    wait until ``hold`` is gone, so a test can make a pull rewrite the dir in that window."""
     directory = os.environ.get(RELOAD_GATE_ENV)
-    label = rank.replace("/", "_")
-    holds = [os.path.join(directory, name) for name in ("hold", f"hold-{label}")] if directory else []
-    if not any(os.path.exists(h) for h in holds):
+    if not directory or not os.path.exists(os.path.join(directory, "hold")):
         return
-    open(os.path.join(directory, "reloaded-" + label), "w").close()
+    open(os.path.join(directory, "reloaded-" + rank.replace("/", "_")), "w").close()
     deadline = time.monotonic() + timeout_s
-    while any(os.path.exists(h) for h in holds) and time.monotonic() < deadline:
+    while os.path.exists(os.path.join(directory, "hold")) and time.monotonic() < deadline:
         time.sleep(0.02)
