@@ -46,6 +46,9 @@ CHILD = textwrap.dedent('''
                 kind, _ = pub.choose_kind(v, prepared.delta_nbytes, prepared.full_nbytes)
                 staged[v] = (kind, pub.write(prepared, kind))
                 out = {"ok": True, "step": "write"}
+            elif step == "discard":
+                pub.discard_pending()
+                out = {"ok": True, "step": "discard"}
             elif step == "commit":
                 kind, manifest = staged[v]
                 pub.commit(v, kind, [manifest])
@@ -171,4 +174,17 @@ def test_a_publisher_that_never_wrote_cannot_publish_over_what_another_committed
     assert identical["ok"] and identical["reason"].startswith("already published, identical")
     old.close()
     assert world.files(2) == before
+    world.pulls_exactly(os.path.join(world.root, "host"), 2, "2new")
+
+
+def test_a_superseded_publisher_cannot_discard_the_files_of_the_version_the_new_one_writes(world):
+    old = Writer(world, base=1)
+    assert old.step("write", 2, "2old")["ok"]  # pending v2 on the old one
+    new = Writer(world, base=1)
+    assert new.step("write", 2, "2new")["ok"]  # the new one writes v2 too (not committed yet)
+    answer = old.step("discard", 2, "-")
+    assert not answer["ok"] and answer["error_type"] == "publisher_superseded", answer
+    assert new.step("commit", 2, "2new")["ok"]
+    new.close()
+    old.close()
     world.pulls_exactly(os.path.join(world.root, "host"), 2, "2new")

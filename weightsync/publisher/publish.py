@@ -43,7 +43,6 @@ from ..errors import (
     host_resource_error,
 )
 from ..format.checksum import DEFAULT_CHECKSUM, new_hasher, supported_checksums
-from ..format.file_digests import with_file_digests
 from ..format.layout import (
     INDEX_NAME,
     anchor_dir,
@@ -358,9 +357,6 @@ class Committer:
         return "sparse-v1" if self.encoding == AUTO else self.encoding
 
     def _write_index(self, directory: str, index: bytes) -> None:
-        # The digest of each payload file (FORMAT.md "file_digests"): what a cache or a peer that
-        # serves the files is checked against before a puller uses their bytes.
-        index = with_file_digests(directory, index)
         fsync_dir(directory)
         write_bytes(os.path.join(directory, INDEX_NAME), index, atomic=self.atomic)
         fsync_dir(directory)
@@ -652,6 +648,9 @@ class Publisher:
         vdir = version_dir(self.source_dir, version)
         if is_committed(vdir):
             raise VersionAlreadyPublishedError(version, self.source_dir, " (its index landed: it cannot be discarded)")
+        if self.rank == 0 and self.guard.lease is not None:
+            # A superseded publisher must not delete the files a newer one is writing under the same number.
+            self.guard.hold_lease(f"discarding v{version}")
         adir = anchor_dir(self.source_dir, version)
         for index in (os.path.join(adir, INDEX_NAME), os.path.join(vdir, INDEX_NAME)):
             if os.path.lexists(index):  # an anchor's index lands before the version's: it goes first
