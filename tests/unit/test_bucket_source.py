@@ -200,3 +200,44 @@ def test_the_command_line_pulls_from_a_bucket_and_refuses_one_where_it_cannot_ye
     capsys.readouterr()
     assert main(["inspect", bucket_run.url, "--json"]) == 2
     assert "does not take a bucket URL yet" in capsys.readouterr().out
+
+
+def test_two_publishers_racing_for_one_version_exactly_one_commits_and_its_bytes_are_served(bucket_run, monkeypatch, fast_tmp_path):
+    import threading
+
+    from core_support import assert_checkpoint_is, mutate, tensor_bytes
+    from weightsync.storage import source as source_mod
+
+    a = bucket_run.publisher()
+    monkeypatch.setenv("WEIGHTSYNC_BUCKET_STAGING_DIR", str(fast_tmp_path / "staging-b"))
+    b = bucket_run.publisher()
+    tensors = {"a": mutate(bucket_run.tensors[0], bucket_run.rng, 0.3), "b": mutate(bucket_run.tensors[0], bucket_run.rng, 0.3)}
+    create, gate = source_mod.BucketSource.create, threading.Barrier(2)
+
+    def create_together(self, key, data):
+        if key == f"weight_v000001/{INDEX}":
+            gate.wait(30)  # both have uploaded their shards: the two index creates race
+        return create(self, key, data)
+
+    monkeypatch.setattr(source_mod.BucketSource, "create", create_together)
+    outcome: dict = {}
+
+    def run(name, pub):
+        try:
+            pub.publish(1, tensors[name], full=True)
+            outcome[name] = "committed"
+        except errors.BucketConflictError as e:
+            outcome[name] = e
+
+    threads = [threading.Thread(target=run, args=item) for item in (("a", a), ("b", b))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    winners = [n for n, o in outcome.items() if o == "committed"]
+    assert len(winners) == 1 and len(outcome) == 2, outcome
+    local = bucket_run.fresh_local()
+    from weightsync import pull
+
+    pull(local, bucket_run.seed, bucket_run.url, 1)
+    assert_checkpoint_is(local, tensor_bytes(tensors[winners[0]]))
