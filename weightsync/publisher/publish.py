@@ -43,6 +43,7 @@ from ..errors import (
     host_resource_error,
 )
 from ..format.checksum import DEFAULT_CHECKSUM, new_hasher, supported_checksums
+from ..format.file_digests import with_file_digests
 from ..format.layout import (
     INDEX_NAME,
     anchor_dir,
@@ -357,6 +358,9 @@ class Committer:
         return "sparse-v1" if self.encoding == AUTO else self.encoding
 
     def _write_index(self, directory: str, index: bytes) -> None:
+        # The digest of each payload file (FORMAT.md "file_digests"): what a cache or a peer that
+        # serves the files is checked against before a puller uses their bytes.
+        index = with_file_digests(directory, index)
         fsync_dir(directory)
         write_bytes(os.path.join(directory, INDEX_NAME), index, atomic=self.atomic)
         fsync_dir(directory)
