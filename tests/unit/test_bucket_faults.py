@@ -144,3 +144,22 @@ def test_throttling_past_the_deadline_is_a_retryable_typed_error(bucket_run, sma
         assert marker_version(local) is None
     finally:
         proxy.close()
+
+
+def test_a_version_pruned_while_the_pull_fetches_it_is_not_ready_and_nothing_is_applied(bucket_run, small_ranges):
+    pub = bucket_run.publisher()
+    bucket_run.publish_versions(pub, 1, full_at={1})
+    src = BucketSource(bucket_run.url)
+    listing = src.list("weight_v000001/")
+    index = "weight_v000001/model.safetensors.index.json"
+    rest = [k for k in listing if k != index]
+
+    def prune() -> None:  # what a publisher's pruning does: the index first, then the rest
+        src.delete([index])
+        src.delete(rest)
+
+    local = bucket_run.fresh_local()
+    with pytest.raises(errors.SourceNotReadyError) as e:
+        pull_from_bucket(local, bucket_run.seed, bucket_run.url, 1, fetch_progress=once_after(1024, prune))
+    assert e.value.retryable
+    assert marker_version(local) is None
