@@ -241,3 +241,50 @@ def test_two_publishers_racing_for_one_version_exactly_one_commits_and_its_bytes
 
     pull(local, bucket_run.seed, bucket_run.url, 1)
     assert_checkpoint_is(local, tensor_bytes(tensors[winners[0]]))
+
+
+def test_a_restarted_publisher_with_its_staging_copy_goes_on_where_it_stopped(bucket_run):
+    from weightsync import Publisher
+    from weightsync.publisher.snapshot import as_raw
+
+    pub = bucket_run.publisher()
+    bucket_run.publish_versions(pub, 2, full_at={1})
+    pub.close()
+    again = Publisher(bucket_run.url, template_dir=bucket_run.seed, encoding="sparse-v1", workers=1)
+    again.seed_snapshot({n: as_raw(a) for n, a in bucket_run.tensors[2].items()}, version=2)
+    assert again.run_id == pub.run_id
+    bucket_run.publish_versions(again, 1)
+    bucket_run.assert_pulls(3)
+
+
+def test_an_index_in_the_bucket_naming_a_shard_outside_its_version_is_refused_before_any_write(bucket_run):
+    pub = bucket_run.publisher()
+    bucket_run.publish_versions(pub, 1, full_at={1})
+    src = BucketSource(bucket_run.url)
+    key = f"weight_v000002/{INDEX}"
+    index = json.loads(src.read(f"weight_v000001/{INDEX}"))
+    index["weight_map"] = {n: "../../../../../escaped.safetensors" for n in index["weight_map"]}
+    assert src.create(key, json.dumps(index).encode())
+    local = bucket_run.fresh_local()
+    bucket_run.assert_pulls(1, local)
+    with pytest.raises(errors.WeightSyncError) as e:
+        bucket_run.assert_pulls(2, local)
+    assert isinstance(e.value, errors.UnsafeNameError)
+    assert not any("escaped" in f for _, _, files in os.walk(bucket_run.root) for f in files)
+    bucket_run.assert_pulls(1, local)  # still the verified v1
+
+
+def test_a_shard_replaced_in_the_bucket_after_its_commit_is_a_corrupt_artifact_never_a_success(bucket_run):
+    pub = bucket_run.publisher()
+    bucket_run.publish_versions(pub, 2, full_at={1})
+    src = BucketSource(bucket_run.url)
+    shard = next(k for k in src.list("weight_v000002/") if k.endswith(".safetensors"))
+    data = bytearray(src.read(shard))
+    data[-3] ^= 0xFF  # a payload byte: the header still parses
+    obstore.put(src.store, shard, bytes(data))
+    local = bucket_run.fresh_local()
+    bucket_run.assert_pulls(1, local)
+    with pytest.raises(errors.CorruptArtifactError):
+        from weightsync import pull
+
+        pull(local, bucket_run.seed, bucket_run.url, 2)
