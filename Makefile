@@ -9,7 +9,7 @@ SGLANG_MATRIX_TESTS := tests/e2e/test_engine_pull_tp2.py tests/e2e/test_live_map
   tests/e2e/test_bucket_engine_pull.py tests/e2e/test_live_update_check_failure.py
 export PYTHONUNBUFFERED := 1
 
-.PHONY: setup setup-main demo test test-sglang0516 test-fast bench clean
+.PHONY: setup setup-main demo test test-sglang0516 test-fast bench bench-fleet clean
 
 setup:
 	bash scripts/setup_env.sh
@@ -35,6 +35,11 @@ bench: setup-main
 	$(PY) benchmarks/bench_sync.py
 	$(PY) benchmarks/bench_engine.py
 	$(PY) benchmarks/bench_read_back.py --append
+
+# Time to fleet (issue 29, docs/FLEET.md): 8 and 16 hosts in network namespaces (root), direct
+# against the nginx caching tier; appends its table to benchmarks/RESULTS.md.
+bench-fleet: setup-main
+	$(PY) benchmarks/bench_fleet.py --hosts 8,16 --repeats 3 --append
 
 clean:
 	rm -rf .venv .venv-sglang0516 .pytest_cache .hypothesis

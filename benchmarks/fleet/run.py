@@ -1,0 +1,232 @@
+"""One time-to-fleet run: publish a model and one delta, build the fabric, then per mode and
+repeat bring every host from nothing to the version with our real pull, and report.
+
+Modes (same version, same data, same run):
+  direct  every host pulls from the origin (today's "every host reads the source");
+  cache   ``caches`` hosts also run the nginx caching tier (benchmarks/fleet/nginx-cache.conf.template);
+          host i pulls through cache i % caches, with WEIGHTSYNC_HTTP_ORIGIN naming the origin.
+
+Time to fleet = max over hosts of (the time its pull returned the verified version) - the common
+start. Each mode starts from fresh local dirs and fresh caches. Every host's tensors are then
+read back and compared with the trainer's (xxh3-128 per tensor): ``all_ok``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+import xxhash
+
+from .netns import Fabric
+from .nginx import NginxCache
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+PY = sys.executable
+ORIGIN_PORT, CACHE_PORT = 8000, 8080
+
+
+def model_times(hosts: int, caches: int, d_mb: float, host_mbps: float, src_mbps: float) -> dict[str, float]:
+    """The note's transport lower bounds (MB, MB/s): direct max(H D/S, D/b); the cache tier with
+    nginx's store-and-forward lock max(C D/S, D/b) + (H/C - 1) D/b."""
+    per_cache = -(-hosts // caches) if caches else hosts
+    return {
+        "direct": max(hosts * d_mb / src_mbps, d_mb / host_mbps),
+        "cache": max(caches * d_mb / src_mbps, d_mb / host_mbps) + max(per_cache - 1, 0) * d_mb / host_mbps if caches else float("nan"),
+    }
+
+
+def build_run(work: str, model_mb: float, changed: float, seed: int = 0) -> tuple[str, str, dict[str, str], int]:
+    """A seed checkpoint and a run with v1 (a sparse-v1 delta: ``changed`` of the elements moved
+    a little). Returns (www root, seed dir, tensor -> xxh3-128 of v1's bytes, delta bytes)."""
+    sys.path.insert(0, os.path.join(ROOT, "tests", "unit"))
+    try:
+        from core_support import write_hf_checkpoint
+    finally:
+        sys.path.pop(0)
+    from weightsync import Publisher
+
+    rng = np.random.default_rng(seed)
+    n = int(model_mb * (1 << 20)) // 4 // 4
+    t0 = {f"layers.{i}.w": rng.standard_normal(n, dtype=np.float32).reshape(-1, 256) for i in range(4)}
+    seed_dir = os.path.join(work, "seed")
+    write_hf_checkpoint(seed_dir, t0)
+    www = os.path.join(work, "www")
+    pub = Publisher(os.path.join(www, "run"), template_dir=seed_dir, encoding="sparse-v1", workers=1)
+    pub.seed_snapshot(t0)
+    t1 = {}
+    for k, v in t0.items():
+        v = v.copy()
+        flat = v.reshape(-1)
+        moved = rng.random(flat.size) < changed
+        flat[moved] += rng.standard_normal(int(moved.sum()), dtype=np.float32) * np.float32(1e-3)
+        t1[k] = v
+    pub.publish(1, t1, full=False)
+    pub.close()
+    vdir = os.path.join(www, "run", "weight_v000001")
+    with open(os.path.join(vdir, "model.safetensors.index.json")) as f:
+        files = set(json.load(f)["weight_map"].values())
+    delta = sum(os.path.getsize(os.path.join(vdir, f)) for f in files)
+    expected = {k: xxhash.xxh3_128_hexdigest(np.ascontiguousarray(v).tobytes()) for k, v in t1.items()}
+    return www, seed_dir, expected, delta
+
+
+def check_host(local: str, expected: dict[str, str]) -> bool:
+    """The host's tensors, read back from its local checkpoint, hash to the trainer's."""
+    from weightsync import read_checkpoint_tensors
+
+    try:
+        got = read_checkpoint_tensors(local)
+    except Exception:
+        return False
+    return set(got) == set(expected) and all(
+        xxhash.xxh3_128_hexdigest(got[k].bytes_view().tobytes()) == d for k, d in expected.items())
+
+
+def origin_bytes(log_path: str) -> int:
+    try:
+        with open(log_path) as f:
+            return sum(json.loads(line)[2] for line in f if line.strip())
+    except FileNotFoundError:
+        return 0
+
+
+def run_mode(fab: Fabric, mode: str, caches: int, work: str, url_path: str, seeds: list[str],
+             expected: dict[str, str], origin_log: str, timeout_s: float) -> dict:
+    n = fab.n
+    mdir = os.path.join(work, f"mode-{mode}-{time.monotonic_ns()}")
+    os.makedirs(mdir)
+    tier: list[NginxCache] = []
+    before = origin_bytes(origin_log)
+    try:
+        if mode == "cache":
+            for j in range(caches):
+                tier.append(NginxCache(os.path.join(mdir, f"nginx{j}"), fab.host_ip(j), CACHE_PORT,
+                                       f"{fab.source_ip}:{ORIGIN_PORT}", netns=fab.host(j)).start())
+        go = os.path.join(mdir, "go")
+        procs = []
+        for i in range(n):
+            hdir = os.path.join(mdir, f"h{i}")
+            os.makedirs(hdir)
+            env = dict(os.environ, WEIGHTSYNC_APPLY_WORKERS="1", PYTHONPATH=ROOT)
+            if mode == "cache":
+                url = f"http://{fab.host_ip(i % caches)}:{CACHE_PORT}{url_path}"
+                env["WEIGHTSYNC_HTTP_ORIGIN"] = f"http://{fab.source_ip}:{ORIGIN_PORT}"
+            else:
+                url = f"http://{fab.source_ip}:{ORIGIN_PORT}{url_path}"
+                env.pop("WEIGHTSYNC_HTTP_ORIGIN", None)
+            procs.append(fab.spawn(fab.host(i), [
+                PY, "-m", "benchmarks.fleet.host", "--local", os.path.join(hdir, "local"), "--seed", seeds[i],
+                "--url", url, "--version", "1", "--ready", os.path.join(hdir, "ready"), "--go", go,
+                "--result", os.path.join(hdir, "result.json"), "--wait-s", str(timeout_s)], env=env, cwd=ROOT))
+        _wait_for([os.path.join(mdir, f"h{i}", "ready") for i in range(n)], procs, timeout_s, "host start-up")
+        t0 = time.time() + 0.5
+        with open(go + ".tmp", "w") as f:
+            f.write(repr(t0))
+        os.replace(go + ".tmp", go)
+        _wait_for([os.path.join(mdir, f"h{i}", "result.json") for i in range(n)], procs, timeout_s, f"{mode} pulls")
+        for p in procs:
+            p.wait(timeout=30)
+    finally:
+        for c in tier:
+            c.stop()
+    results = []
+    for i in range(n):
+        with open(os.path.join(mdir, f"h{i}", "result.json")) as f:
+            r = json.load(f)
+        r["bytes_ok"] = check_host(os.path.join(mdir, f"h{i}", "local"), expected)
+        results.append(r)
+    finishes = sorted((r["finish"] - r["t0"]) if r.get("finish") else float("inf") for r in results)
+    out = {
+        "mode": mode, "fleet_s": round(finishes[-1], 3), "p50_s": round(finishes[len(finishes) // 2], 3),
+        "first_s": round(finishes[0], 3), "all_ok": all(r["ok"] and r["bytes_ok"] for r in results),
+        "origin_bytes": origin_bytes(origin_log) - before,
+        "errors": sorted({r["error"] for r in results if r.get("error")})[:3],
+    }
+    shutil.rmtree(mdir, ignore_errors=True)
+    return out
+
+
+def _wait_for(paths: list[str], procs: list[subprocess.Popen], timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not all(os.path.exists(p) for p in paths):
+        dead = [p for p in procs if p.poll() not in (None, 0)]
+        if dead:
+            raise RuntimeError(f"{what}: a host process exited with {dead[0].returncode}")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what}: {sum(not os.path.exists(p) for p in paths)} host(s) not done in {timeout_s:.0f}s")
+        time.sleep(0.05)
+
+
+def run_fleet(hosts: int, caches: int, model_mb: float, changed: float, host_mbit: float, src_mbit: float,
+              modes: "list[str]", repeats: int, work: "str | None" = None, timeout_s: float = 300,
+              log=print) -> dict:
+    """Everything, torn down at the end (also on failure). Returns rows and a summary."""
+    base = work or tempfile.mkdtemp(prefix="ws-fleet-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+    os.makedirs(base, exist_ok=True)
+    try:
+        www, seed_dir, expected, delta = build_run(base, model_mb, changed)
+        seeds = []
+        for i in range(hosts):  # each host its own seed dir (hard links: the same bytes, no more memory)
+            d = os.path.join(base, f"seed-h{i}")
+            shutil.copytree(seed_dir, d, copy_function=os.link)
+            seeds.append(d)
+        d_mb = delta / 1e6
+        b, s = host_mbit / 8, src_mbit / 8
+        model = model_times(hosts, caches, d_mb, b, s)
+        shape = {"hosts": hosts, "caches": caches, "delta_MB": round(d_mb, 2), "model_MB": model_mb,
+                 "host_MBps": b, "src_MBps": s, "H_b_over_S": round(hosts * b / s, 2), "D_over_b_s": round(d_mb / b, 2)}
+        log(json.dumps({"shape": shape}))
+        rows = []
+        origin_log = os.path.join(base, "origin.log")
+        with Fabric(hosts, host_mbit, src_mbit) as fab:
+            fab.spawn(fab.source, [PY, "-m", "benchmarks.fleet.origin", www, "--bind", fab.source_ip, "--port",
+                                   str(ORIGIN_PORT), "--log", origin_log], cwd=ROOT,
+                      env=dict(os.environ, PYTHONPATH=ROOT), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            _wait_port(fab, fab.source, fab.source_ip, ORIGIN_PORT)
+            for rep in range(repeats):
+                for mode in modes:
+                    load = os.getloadavg()[0]
+                    r = run_mode(fab, mode, caches, base, "/run", seeds, expected, origin_log, timeout_s)
+                    r.update(rep=rep, model_s=round(model[mode], 2), load_avg=round(load, 1))
+                    rows.append(r)
+                    log(json.dumps(r))
+        return {"shape": shape, "rows": rows, "summary": summarise(rows, modes, model)}
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+
+
+def _wait_port(fab: Fabric, ns: str, ip: str, port: int, wait_s: float = 20) -> None:
+    probe = ("import socket,sys\ntry:\n socket.create_connection((sys.argv[1], int(sys.argv[2])), 0.3).close()\n"
+             "except OSError:\n sys.exit(1)")
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        if subprocess.run(["ip", "netns", "exec", ns, PY, "-c", probe, ip, str(port)], capture_output=True).returncode == 0:
+            return
+        time.sleep(0.2)
+    raise TimeoutError(f"nothing listens on {ip}:{port} in {ns} after {wait_s}s")
+
+
+def summarise(rows: list[dict], modes: list[str], model: dict[str, float]) -> dict:
+    def median(xs: list[float]) -> float:
+        xs = sorted(xs)
+        return xs[len(xs) // 2]
+
+    out = {}
+    base = median([r["fleet_s"] for r in rows if r["mode"] == "direct"]) if any(r["mode"] == "direct" for r in rows) else None
+    for m in modes:
+        v = [r["fleet_s"] for r in rows if r["mode"] == m]
+        if not v:
+            continue
+        med = median(v)
+        out[m] = {"fleet_median_s": med, "spread_s": [min(v), max(v)], "model_s": round(model[m], 2),
+                  "ratio_vs_direct": round(med / base, 2) if base else None,
+                  "all_ok": all(r["all_ok"] for r in rows if r["mode"] == m),
+                  "origin_MB_median": round(median([r["origin_bytes"] for r in rows if r["mode"] == m]) / 1e6, 2)}
+    return out
