@@ -438,6 +438,12 @@ def _refuse_a_bucket_where_unsupported(args) -> None:
             f"{args.source_dir} is a bucket: this command reads a source dir's files directly and does not take a "
             "bucket URL yet (publish and pull do). Run it on a local copy of the prefix (same layout)."
         )
+    source_dir = getattr(args, "source_dir", None)
+    if args.func is not cmd_pull and isinstance(source_dir, str) and source_dir.startswith(("http://", "https://")):
+        raise errors.InvalidRequestError(
+            f"{source_dir} is an HTTP(S) source: only pull reads one (docs/FLEET.md). Run this command on the "
+            "directory that server serves."
+        )
 
 
 def main(argv: Sequence[str] | None = None) -> int:

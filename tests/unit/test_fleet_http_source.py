@@ -284,3 +284,24 @@ def test_a_corrupted_entry_in_the_nginx_cache_is_refetched_from_the_origin_and_t
         assert len(gets(origin, shard)) == 2  # the cache's fill, then the checked refetch
     finally:
         cache.stop()
+
+
+def test_publishing_to_an_http_source_is_refused_before_anything_is_written(fast_tmp_path, monkeypatch):
+    from weightsync.errors import InvalidRequestError
+
+    monkeypatch.chdir(fast_tmp_path)
+    with pytest.raises(InvalidRequestError, match="read-only"):
+        Publisher("http://127.0.0.1:9/run")
+    assert os.listdir(fast_tmp_path) == []
+
+
+def test_the_command_line_pulls_from_an_http_source_and_refuses_one_where_only_a_dir_works(served, origin, capsys):
+    from weightsync.cli import main
+
+    served.publish(1)
+    url = f"{origin.base_url}/run"
+    local = served.local()
+    assert main(["pull", local, "--seed-dir", served.seed, "--source-dir", url, "--version", "1"]) == 0
+    assert_checkpoint_is(local, served.expected[1])
+    assert main(["--json", "verify", local, "--source-dir", url, "--version", "1", "--seed-dir", served.seed]) == 2
+    assert "only pull reads one" in json.loads(capsys.readouterr().out.strip().splitlines()[-1])["message"]

@@ -481,6 +481,14 @@ class Publisher:
         if not 0 <= rank < world_size:
             raise PublishError(f"rank {rank} is not in [0, {world_size})")
         self.bucket = None
+        if isinstance(source_dir, str) and source_dir.startswith(("http://", "https://")):
+            # An HTTP(S) source is read-only (docs/FLEET.md): publish into the dir or bucket it serves.
+            from ..errors import InvalidRequestError
+
+            raise InvalidRequestError(
+                f"{source_dir} is an HTTP(S) source, which is read-only: publish into the directory or bucket "
+                "that server (or cache) serves, and let the engines pull from the URL"
+            )
         if is_bucket_url(source_dir):
             # A bucket (s3://, gs://, az://): this publisher works on a host-local staging copy, and
             # each commit is uploaded (shards, then the index created only if absent).
