@@ -140,7 +140,7 @@ _MEMORY_FS_MAGIC = {
 }
 
 
-def memory_filesystem(path: str) -> str | None:
+def find_memory_filesystem(path: str) -> str | None:
     """The name of the memory-backed filesystem ``path`` lives on (tmpfs, ramfs, hugetlbfs), or
     None (another filesystem, or statfs unavailable: the caller's cheaper path then applies)."""
     import ctypes

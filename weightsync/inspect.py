@@ -260,7 +260,7 @@ def verify_local(
     reference = {n: (e.dtype, e.shape) for n, (_, e) in layout_ref.items()}
     if not reference and not _layout_changed(source_dir, version):
         reference = _recorded_seed_layout(source_dir)
-    from .puller.pull import layout_differences
+    from .puller.pull import diff_layouts
 
     local_layout = {n: (e.dtype, e.shape) for n, (_, e) in local.items()}
     recorded = _recorded_layout_at(source_dir, version)
@@ -268,7 +268,7 @@ def verify_local(
     # The layout the version's own full index or anchor records binds every header (ours);
     # the model's (seed dir, or the run's record) holds unless the layout changed since.
     for ref in (recorded, reference):
-        for d in layout_differences(local_layout, ref) if ref else []:
+        for d in diff_layouts(local_layout, ref) if ref else []:
             if not d.startswith("lacks tensors") and d not in layout_bad:  # missing ones: reported as missing
                 layout_bad.append(d)
     checked_layout = bool(reference) or recorded is not None

@@ -23,7 +23,7 @@ import pytest
 from weightsync import Publisher, errors, pull
 from weightsync.format.layout import version_dir
 from weightsync.format.manifest import encode_run_identity
-from weightsync.fsio import memory_filesystem
+from weightsync.fsio import find_memory_filesystem
 from weightsync.inspect import verify_local
 
 import interop_writer
@@ -403,7 +403,7 @@ def test_a_seed_edited_through_a_shared_mapping_on_tmpfs_is_not_taken_for_versio
     # A file larger than the fingerprint's four 4 KiB file samples, so the edit lands in
     # bytes that only a full hash reads.
     world = World(str(fast_tmp_path), {"a": ("float32", (256, 256)), "b": ("float32", (64,))})
-    if memory_filesystem(world.seed) is None:
+    if find_memory_filesystem(world.seed) is None:
         pytest.skip("the seed dir is not on a memory filesystem here")
     assert world.pull(0).action == "seed"
     path = os.path.join(world.seed, SINGLE)

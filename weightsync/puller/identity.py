@@ -40,7 +40,7 @@ from ..format.checksum import new_hasher
 from ..format.layout import INDEX_NAME, SINGLE_FILE_NAME, checked_join, index_path, run_path
 from ..format.manifest import AppliedState, checkpoint_weight_files, read_run_id
 from ..format.safetensors_io import parse_header
-from ..fsio import memory_filesystem
+from ..fsio import find_memory_filesystem
 
 SAMPLE_NBYTES = 4096
 TENSOR_SAMPLE_NBYTES = 64
@@ -61,14 +61,14 @@ class Origin(msgspec.Struct, frozen=True):
 def seed_fingerprint(seed_dir: str) -> str:
     """A cheap digest that changes when the seed dir holds another model or a file of it was
     written to (see the module doc); ``NO_SEED`` when it is not a complete, readable checkpoint
-    (``seed_dir_problem`` says why)."""
+    (``explain_seed_dir`` says why)."""
     try:
         return _fingerprint(seed_dir)
     except (OSError, ValueError, RecursionError):
         return NO_SEED
 
 
-def seed_dir_problem(seed_dir: str) -> str | None:
+def explain_seed_dir(seed_dir: str) -> str | None:
     """Why the seed dir has no fingerprint (not a dir, an index naming a missing shard, a
     header that does not parse), or None when it has one."""
     if not os.path.isdir(seed_dir):
@@ -95,7 +95,7 @@ def _fingerprint(seed_dir: str) -> str:
         with open(path, "rb") as f:
             st = os.fstat(f.fileno())
             h.update(_stat_line(name, st))
-            if memory_filesystem(path) is not None:
+            if find_memory_filesystem(path) is not None:
                 _hash_whole(h, f.fileno(), st.st_size)
             else:
                 _hash_samples(h, f.fileno(), path, st.st_size)
@@ -201,4 +201,4 @@ def mismatch(state: AppliedState, applied: int, origin: Origin) -> str | None:
     return None
 
 
-__all__ = ["Origin", "seed_fingerprint", "seed_dir_problem", "source_origin", "mismatch", "NO_SEED"]
+__all__ = ["Origin", "seed_fingerprint", "explain_seed_dir", "source_origin", "mismatch", "NO_SEED"]

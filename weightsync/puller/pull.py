@@ -76,7 +76,7 @@ from .apply import (
     load_delta,
     local_table,
 )
-from .identity import NO_SEED, Origin, seed_dir_problem, source_origin
+from .identity import NO_SEED, Origin, explain_seed_dir, source_origin
 from .lock import HeldLock, acquire_host_lock
 from .plan import PullPlan, SeedSource, check_target_version, files_nbytes, plan_pull, read_applied_version
 from .seed import invalidate_marker, seed_local_checkpoint, write_marker
@@ -213,7 +213,7 @@ def _typed_resource_errors(fn: Callable[..., PullResult]) -> Callable[..., PullR
         except (OSError, MemoryError) as e:
             typed = host_resource_error(e)
             if typed is None and isinstance(e, OSError) and len(args) >= 3:
-                typed = _path_error(e, *args[:3])
+                typed = _type_path_error(e, *args[:3])
             if typed is None:
                 raise
             raise typed from e
@@ -221,7 +221,7 @@ def _typed_resource_errors(fn: Callable[..., PullResult]) -> Callable[..., PullR
     return wrapper
 
 
-def _path_error(e: OSError, local: object, seed_dir: object, source_dir: object) -> WeightSyncError | None:
+def _type_path_error(e: OSError, local: object, seed_dir: object, source_dir: object) -> WeightSyncError | None:
     """The typed error of an OS error on a path of the pull's dirs, by whose path it is: the
     source's (a file where the index names a shard is a directory: the version is malformed;
     a file this host may not read: the request cannot be served), the seed dir's, or the local
@@ -319,7 +319,7 @@ def pull(
             _read_target_index(source_dir, target_version)
     origin = source_origin(source_dir, seed_dir)
     if origin.seed == NO_SEED:
-        raise SeedDirUnusableError(seed_dir, seed_dir_problem(seed_dir) or "it is not a readable checkpoint")
+        raise SeedDirUnusableError(seed_dir, explain_seed_dir(seed_dir) or "it is not a readable checkpoint")
     with _local_faults(local_checkpoint_dir):
         os.makedirs(local_checkpoint_dir, exist_ok=True)
     peer: list[int] = []
@@ -368,7 +368,7 @@ def pull(
         except VersionMissingError as e:
             if e.version != target_version:
                 raise
-            raise _missing_target(source_dir, target_version, e) from None
+            raise _explain_missing_target(source_dir, target_version, e) from None
         except FileNotFoundError as e:
             vanished = _vanished_from_source(e, source_dir)
             if vanished is None:
@@ -464,10 +464,10 @@ def _read_target_index(source_dir: str, target: int):
     try:
         return read_version_index(source_dir, target)
     except VersionMissingError as e:
-        raise _missing_target(source_dir, target, e) from None
+        raise _explain_missing_target(source_dir, target, e) from None
 
 
-def _missing_target(source_dir: str, target: int, e: VersionMissingError) -> WeightSyncError:
+def _explain_missing_target(source_dir: str, target: int, e: VersionMissingError) -> WeightSyncError:
     """The target's dir is not there: pruned when a newer version is committed (versions
     commit in order, so it was published once), else not published yet."""
     newer = [v for v in list_versions(source_dir) if v > target and is_committed(version_dir(source_dir, v))]
@@ -630,7 +630,7 @@ def _seed(plan: PullPlan, local: str, seed_dir: str, origin: Origin, workers: in
     assert seed is not None
     if seed.kind == "seed_dir":
         return seed_local_checkpoint(local, seed, seed_dir, origin)
-    reference = None if seed.layout_change else seed_layout(seed_dir)
+    reference = None if seed.layout_change else read_seed_layout(seed_dir)
     if seed.kind == "full":
         # Before any write: the source's headers.
         check_layout(seed.path, seed.shard_files, reference, f"full version v{seed.version}", seed_dir, seed.layout)
@@ -668,7 +668,7 @@ def _seed(plan: PullPlan, local: str, seed_dir: str, origin: Origin, workers: in
 Layout = dict[str, tuple[str, tuple[int, ...]]]
 
 
-def seed_layout(seed_dir: str) -> Layout:
+def read_seed_layout(seed_dir: str) -> Layout:
     """name -> (dtype, shape) of every tensor of the seed dir: the layout a full version or a
     side anchor must have (a version with fewer tensors would leave the engine serving the old
     weights of the missing ones beside the new ones: weights of no published version)."""
@@ -679,7 +679,7 @@ def seed_layout(seed_dir: str) -> Layout:
     return {n: (e.dtype, e.shape) for n, (_, e) in table.items()}
 
 
-def layout_differences(actual: Layout, reference: Layout) -> list[str]:
+def diff_layouts(actual: Layout, reference: Layout) -> list[str]:
     """Each way ``actual`` differs from ``reference``: missing and extra tensors, then each
     tensor whose dtype or shape differs, by name."""
     out = []
@@ -708,11 +708,11 @@ def check_layout(
     table = local_tensor_table(directory, list(shard_files))
     actual = {n: (e.dtype, e.shape) for n, (_, e) in table.items()}
     if recorded is not None:
-        bad = layout_differences(actual, recorded)
+        bad = diff_layouts(actual, recorded)
         if bad:
             raise LayoutMismatchError(what, "the layout its index records", bad)
     if reference is not None:
-        bad = layout_differences(actual, reference)
+        bad = diff_layouts(actual, reference)
         if bad:
             raise LayoutMismatchError(what, f"the seed dir {seed_dir}", bad)
 
