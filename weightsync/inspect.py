@@ -150,6 +150,8 @@ def check_version_there(source_dir: str, version: int) -> None:
     version, one not published yet), as a pull would; a version that is there returns."""
     from .puller.pull import _read_target_index, check_source_dir
 
+    if isinstance(version, bool) or not isinstance(version, int) or version < 1:
+        raise InvalidRequestError(f"version must be an integer >= 1 (version 0 is the seed dir, never published), got {version!r}")
     check_source_dir(source_dir)
     try:
         _read_target_index(source_dir, version)
