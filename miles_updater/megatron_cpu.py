@@ -91,19 +91,39 @@ def read_hf_config(hf_dir: str) -> dict:
 
 
 def transformer_config_from_hf(hf: dict, *, params_dtype: torch.dtype = torch.float32):
-    """A Megatron TransformerConfig for an HF Qwen3 / Llama config (CPU-friendly: no fusions)."""
-    from megatron.core.transformer.transformer_config import TransformerConfig
+    """A Megatron TransformerConfig for an HF Qwen2/3, Llama, GLM-4.5 MoE or DeepSeek-V3 (MLA) config
+    (CPU-friendly: no fusions)."""
+    from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
     arch = (hf.get("architectures") or [""])[0]
     heads = hf["num_attention_heads"]
-    moe = {}
-    # transformers 5 writes num_local_experts; older Qwen3-MoE configs say num_experts.
-    num_experts = hf.get("num_local_experts") or hf.get("num_experts")
+    moe: dict = {}
+    # transformers 5 writes num_local_experts; older Qwen3-MoE configs say num_experts; GLM/DeepSeek n_routed_experts.
+    num_experts = hf.get("num_local_experts") or hf.get("num_experts") or hf.get("n_routed_experts")
     if num_experts:
         moe = dict(num_moe_experts=num_experts, moe_router_topk=hf.get("num_experts_per_tok", 2),
                    moe_ffn_hidden_size=hf["moe_intermediate_size"], moe_grouped_gemm=False,
                    moe_token_dispatcher_type="allgather", moe_router_load_balancing_type="none")
-    return TransformerConfig(
+    if hf.get("n_routed_experts"):  # GLM-4.5 / DeepSeek-V3: sigmoid routing with a per-expert bias, shared experts
+        first_dense, layers = hf.get("first_k_dense_replace", 0), hf["num_hidden_layers"]
+        groups = hf.get("n_group") or 1
+        moe.update(
+            moe_layer_freq=[0] * first_dense + [1] * (layers - first_dense),
+            moe_shared_expert_intermediate_size=(hf.get("n_shared_experts") or 0) * hf["moe_intermediate_size"] or None,
+            moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
+            moe_router_topk_scaling_factor=hf.get("routed_scaling_factor") or 1.0, moe_router_dtype="fp32",
+            **({"moe_router_num_groups": groups, "moe_router_group_topk": hf.get("topk_group")} if groups > 1 else {}),
+        )
+    extra: dict = {}
+    cls = TransformerConfig
+    if hf.get("kv_lora_rank"):  # multi-latent attention (DeepSeek-V2/V3, Kimi-K2, GLM-4.7-Flash)
+        cls = MLATransformerConfig
+        rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+        extra = dict(q_lora_rank=hf.get("q_lora_rank"), kv_lora_rank=hf["kv_lora_rank"],
+                     qk_head_dim=hf["qk_nope_head_dim"], qk_pos_emb_head_dim=hf["qk_rope_head_dim"],
+                     v_head_dim=hf["v_head_dim"], rope_type="rope", rotary_base=rope.get("rope_theta", 10000),
+                     rotary_interleaved=bool(hf.get("rope_interleave", False)))
+    return cls(
         num_layers=hf["num_hidden_layers"],
         hidden_size=hf["hidden_size"],
         num_attention_heads=heads,
@@ -116,7 +136,7 @@ def transformer_config_from_hf(hf: dict, *, params_dtype: torch.dtype = torch.fl
         activation_func=torch.nn.functional.silu,
         add_bias_linear=False,
         add_qkv_bias=bool(hf.get("attention_bias", arch.startswith("Qwen2"))),  # Qwen2/2.5: always q/k/v biases
-        qk_layernorm=arch.startswith("Qwen3"),
+        qk_layernorm=arch.startswith("Qwen3") or bool(hf.get("use_qk_norm")) or bool(hf.get("kv_lora_rank")),
         use_cpu_initialization=True,
         params_dtype=params_dtype,
         pipeline_dtype=params_dtype,
@@ -132,6 +152,7 @@ def transformer_config_from_hf(hf: dict, *, params_dtype: torch.dtype = torch.fl
         expert_model_parallel_size=_ps_size("ep"),
         expert_tensor_parallel_size=_ps_size("etp"),
         **moe,
+        **extra,
     )
 
 
@@ -158,9 +179,16 @@ def build_gpt_model(hf_dir: str, *, params_dtype: torch.dtype = torch.float32):
         apply_cpu_shims()
     hf = read_hf_config(hf_dir)
     config = transformer_config_from_hf(hf, params_dtype=params_dtype)
-    spec = get_gpt_layer_local_spec(
-        num_experts=config.num_moe_experts, qk_layernorm=config.qk_layernorm, normalization="RMSNorm",
-    )
+    if isinstance(config.moe_layer_freq, list):  # dense and MoE layers mixed (GLM-4.5, DeepSeek-V3)
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+
+        spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm")
+    else:
+        spec = get_gpt_layer_local_spec(
+            num_experts=config.num_moe_experts, qk_layernorm=config.qk_layernorm, normalization="RMSNorm",
+            multi_latent_attention=bool(getattr(config, "multi_latent_attention", False)),
+        )
+    rope = hf.get("rope_parameters") or {}
     return GPTModel(
         config, spec,
         vocab_size=hf["vocab_size"],
@@ -169,5 +197,6 @@ def build_gpt_model(hf_dir: str, *, params_dtype: torch.dtype = torch.float32):
         post_process=ps.is_pipeline_last_stage(),
         share_embeddings_and_output_weights=bool(hf.get("tie_word_embeddings", False)),
         position_embedding_type="rope",
-        rotary_base=int(hf.get("rope_theta") or (hf.get("rope_parameters") or {}).get("rope_theta", 10000)),
+        rotary_base=int(hf.get("rope_theta") or rope.get("rope_theta", 10000)),
+        rotary_percent=float(hf.get("partial_rotary_factor") or rope.get("partial_rotary_factor") or 1.0),
     )

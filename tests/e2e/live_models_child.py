@@ -141,7 +141,7 @@ def patch_like_a_reload(model: torch.nn.Module, v0: dict, *, seed: int = 1, befo
     for n in sorted(cmap.placements):
         flat = v1[n].view(-1)
         pos = torch.randperm(flat.numel(), generator=g)[:5].sort().values
-        flat[pos] = (flat[pos].float() + 1.0).to(torch.bfloat16)
+        flat[pos] = (flat[pos].float() + 1.0).to(flat.dtype)  # bf16, or fp32 (GLM's e_score_correction_bias)
         changed[n] = pos.numpy().astype("int64")
 
     class Reader:
@@ -432,10 +432,43 @@ CASES = {
 }
 
 
+PUBLISHED_CLASSES = {  # architecture -> sglang module
+    "Qwen2ForCausalLM": "qwen2", "Qwen3MoeForCausalLM": "qwen3_moe", "Glm4MoeForCausalLM": "glm4_moe",
+    "DeepseekV3ForCausalLM": "deepseek_v2",
+}
+
+
+def published(model_dir: str) -> dict:
+    """A checkpoint our trainer published (``tests/e2e/megatron``): sglang's own class for its architecture
+    loads every tensor of it, and the map proven on it patches live bit-identical to a reload."""
+    import glob
+    import importlib
+
+    from safetensors.torch import load_file
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.from_pretrained(model_dir)
+    arch = cfg.architectures[0]
+    if arch == "DeepseekV3ForCausalLM":  # fields sglang reads that transformers' config lacks
+        cfg.moe_layer_freq = 1
+        cfg.scoring_func, cfg.topk_method = "sigmoid", "noaux_tc"
+    cls = getattr(importlib.import_module(f"sglang.srt.models.{PUBLISHED_CLASSES[arch]}"), arch)
+    v0 = {}
+    for f in sorted(glob.glob(os.path.join(model_dir, "*.safetensors"))):
+        v0.update(load_file(f))
+    torch.manual_seed(0)
+    return patch_like_a_reload(cls(cfg).to(torch.float32), v0)
+
+
 def main() -> None:
     init_one_rank(int(sys.argv[1]))
     out = {}
     wanted = sys.argv[2:] or list(CASES)
+    for name in [w for w in wanted if w.startswith("published=")]:
+        try:
+            out[name] = published(name.split("=", 1)[1])
+        except Exception as exc:
+            out[name] = {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()[-3000:]}
     for name, case in CASES.items():
         if name not in wanted:
             continue

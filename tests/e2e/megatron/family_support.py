@@ -165,6 +165,7 @@ def _worker(rank: int, cfg: dict) -> None:
     if cfg["logits"] and cfg["pp"] == 1:
         torch.manual_seed(0)
         ids = torch.randint(0, 200, (1, 12))
+        model.eval()  # Megatron's MoE refuses TP without sequence parallelism in training mode
         with torch.no_grad():
             logits = model(ids, torch.arange(12)[None], causal_attention_mask(12))
         parts = [torch.empty_like(logits) for _ in range(cfg["tp"])]
