@@ -197,15 +197,6 @@ NOT_WEIGHT_WRITING_MANAGER_METHODS: dict[str, str] = {
 # ``WeightChecker.handle``'s actions that only read (the others are CheckWeightsReqInput's writing_actions).
 READ_ONLY_WEIGHT_CHECKER_ACTIONS = ("snapshot", "compare", "checksum")
 
-# The manager's calls that move or replace weights behind live apply's back (compat with callers
-# of the older name): every manager-owned writer except the witnessed reload.
-WEIGHT_MOVING_CALLS = tuple(w.method for w in WEIGHT_WRITERS if w.owner == "manager" and w.request != RELOAD_REQUEST)
-
-
-def weight_moving_calls(manager_cls: Any) -> list[str]:
-    """The ``WEIGHT_MOVING_CALLS`` this release's manager class has (a hook on a missing one fails)."""
-    return [name for name in WEIGHT_MOVING_CALLS if callable(getattr(manager_cls, name, None))]
-
 
 def weight_writers_of(owner_cls: Any, owner: str) -> list[WeightWriter]:
     """The writers (other than the witnessed reload) this release's ``owner`` class has."""
