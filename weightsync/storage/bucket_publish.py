@@ -165,6 +165,7 @@ class BucketTarget:
             if key not in there or there[key].size != os.path.getsize(path):
                 self.source.put_file(key, path)  # config, tokenizer: small, the same in every version
         index["weight_map"] = {t: keys[f] for t, f in index["weight_map"].items()}
+        _rename_file_digests(index, keys)
         ours = json.dumps(index, indent=1).encode()
         if not self.source.create(index_key, ours):
             self._check_ours(name, index_key, ours)
@@ -206,6 +207,7 @@ class BucketTarget:
         index["weight_map"] = {
             t: content_key(f, os.path.join(local, f)) for t, f in index.get("weight_map", {}).items()
         }
+        _rename_file_digests(index, {f: content_key(f, os.path.join(local, f)) for f in index.get("file_digests", {})})
         return json.dumps(index, indent=1).encode()
 
     # --- after pruning --------------------------------------------------------------------
@@ -221,6 +223,14 @@ class BucketTarget:
             self.source.delete(rest)
             self.uploaded.discard(name)
             log.info("%s/%s pruned (%d key(s))", self.url, name, len(rest) + 1)
+
+
+def _rename_file_digests(index: dict, keys: dict[str, str]) -> None:
+    """The index's ``file_digests`` (FORMAT.md) under the bucket's names of the files, as its
+    ``weight_map`` names them: what a reader behind a cache checks each file against."""
+    files = index.get("file_digests")
+    if isinstance(files, dict):
+        index["file_digests"] = {keys.get(f, f): d for f, d in files.items()}
 
 
 def _run_id_of(data: bytes) -> str | None:
