@@ -525,7 +525,8 @@ def apply_chain(
     shards = _ShardMaps(max(1, int(payloads_per_pass or knobs.PAYLOADS_PER_PASS.get())), workers)
     maps = _Maps()
     try:
-        with ThreadPoolExecutor(workers, thread_name_prefix="weightsync-apply") as pool:
+        pool = ThreadPoolExecutor(workers, thread_name_prefix="weightsync-apply")
+        try:
             groups = [[d] for d in deltas] if verify_each_version else [deltas]
             for group in groups:
                 jobs = _jobs(group, table)
@@ -537,6 +538,13 @@ def apply_chain(
                         raise ChecksumMismatchError(last.version, bad, last.checksum_format or "")
                     versions = {j.name: j.version for j in jobs}
                     raise VerifyFailed(bad, max(versions[n] for n, _, _ in bad), last.checksum_format or "")
+        except BaseException:
+            # Interrupted (Ctrl-C) or failed: the tensors not started yet are not applied (the
+            # marker is cleared, so nothing trusts a partial apply), and the running ones are
+            # waited for before the maps they write through are closed below.
+            pool.shutdown(wait=True, cancel_futures=True)
+            raise
+        pool.shutdown(wait=True)
         if flush:
             maps.flush()
         return maps.paths()
