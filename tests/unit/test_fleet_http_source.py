@@ -305,3 +305,17 @@ def test_the_command_line_pulls_from_an_http_source_and_refuses_one_where_only_a
     assert_checkpoint_is(local, served.expected[1])
     assert main(["--json", "verify", local, "--source-dir", url, "--version", "1", "--seed-dir", served.seed]) == 2
     assert "only pull reads one" in json.loads(capsys.readouterr().out.strip().splitlines()[-1])["message"]
+
+
+def test_a_pull_on_a_local_state_reads_only_the_indexes_above_it_from_the_origin(served, origin):
+    served.publish(4)
+    url = f"{origin.base_url}/run"
+    local = served.local()
+    assert pull(local, served.seed, url, 3).applied_version == 3
+    origin.served.clear()
+    r = pull(local, served.seed, url, 4)
+    assert r.applied_version == 4 and r.action == "chain" and r.deltas_applied == 1
+    assert_checkpoint_is(local, served.expected[4])
+    read = sorted(p.split("/")[2] for m, p, _ in origin.served if m == "GET" and p.endswith(INDEX))
+    # v4's index and a probe for its side anchor; nothing below the local version
+    assert "weight_v000004" in read and set(read) <= {"weight_v000004", "anchor_v000004"}
