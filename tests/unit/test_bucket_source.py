@@ -288,3 +288,16 @@ def test_a_shard_replaced_in_the_bucket_after_its_commit_is_a_corrupt_artifact_n
         from weightsync import pull
 
         pull(local, bucket_run.seed, bucket_run.url, 2)
+
+
+def test_the_pre_read_hook_gets_the_url_and_runs_only_when_there_is_work(bucket_run):
+    from weightsync import pull
+
+    pub = bucket_run.publisher()
+    bucket_run.publish_versions(pub, 2, full_at={1})
+    calls = []
+    local = bucket_run.fresh_local()
+    r = pull(local, bucket_run.seed, bucket_run.url, 2, lambda src, v: calls.append((src, v)))
+    assert r.hook_ran and calls == [(bucket_run.url, 2)]
+    r = pull(local, bucket_run.seed, bucket_run.url, 2, lambda src, v: calls.append((src, v)))
+    assert r.action == "noop" and not r.hook_ran and len(calls) == 1
