@@ -69,19 +69,26 @@ def test_shards_uploaded_but_no_index_is_not_ready(bucket_run):
     bucket_run.assert_pulls(1, local)  # the local state was not touched
 
 
-def test_a_pull_fetches_only_what_its_plan_reads_and_evicts_the_last_pulls_shards(bucket_run):
+def test_a_pull_fetches_only_what_its_plan_reads_and_empties_its_spool_after_the_apply(bucket_run):
     pub = bucket_run.publisher()
     bucket_run.publish_versions(pub, 3, full_at={1})
     local = bucket_run.fresh_local()
     bucket_run.assert_pulls(1, local)
-    bucket_run.assert_pulls(3, local)
+    fetched = []
+    from weightsync.puller.bucket import pull_from_bucket
+    from weightsync.puller.pull import _check_local_dir, pull as run_pull
+
+    pull_from_bucket(run_pull, _check_local_dir, local, bucket_run.seed, bucket_run.url, 3,
+                     fetch_progress=lambda done, total: fetched.append(total))
+    delta_nbytes = sum(o.size for k, o in keys(bucket_run.url).items()
+                       if k.startswith(("weight_v000002/", "weight_v000003/")) and k.endswith(".safetensors"))
+    assert set(fetched) == {delta_nbytes}  # the two deltas' shards, nothing of v1
     root = mirror_dir(local, parse_bucket_url(bucket_run.url))
-    v1 = os.path.join(root, "weight_v000001")
-    shards1 = [f for f in os.listdir(v1) if f.endswith(".safetensors")]
-    assert shards1 and all(is_placeholder(os.path.join(v1, f)) for f in shards1)
-    for v in (2, 3):
+    for v in (1, 2, 3):  # every shard is a placeholder again: the spool holds nothing after the apply
         d = os.path.join(root, f"weight_v{v:06d}")
-        assert not any(is_placeholder(os.path.join(d, f)) for f in os.listdir(d) if f.endswith(".safetensors"))
+        shards = [f for f in os.listdir(d) if f.endswith(".safetensors")]
+        assert shards and all(is_placeholder(os.path.join(d, f)) for f in shards)
+    bucket_run.assert_pulls(3, local)
 
 
 def test_wrong_credentials_are_a_typed_error_that_says_so(bucket_run, monkeypatch):

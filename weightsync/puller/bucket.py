@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 from typing import Callable
 
 from ..errors import (
     BucketCredentialsError,
     BucketUnavailableError,
     InvalidRequestError,
+    LockTimeoutError,
     SourceNotReadyError,
     VersionMissingError,
     WeightSyncError,
@@ -25,6 +27,7 @@ from ..storage.mirror import Mirror, mirror_dir
 from ..storage.source import BucketSource
 from ..storage.url import parse_bucket_url
 from .identity import Origin, source_origin
+from .lock import acquire_host_lock
 from .plan import check_target_version, plan_pull
 
 log = logging.getLogger(__name__)
@@ -100,7 +103,36 @@ def pull_from_bucket(
         mirror.materialize_all = True
         result = run_pull(local_checkpoint_dir, seed_dir, root, target_version, hook, **kwargs)
     result.hook_ran = result.hook_ran and user_hook is not None
+    _empty_the_spool(local_checkpoint_dir, mirror, deferred=not result.durable)
     return result
+
+
+def _empty_the_spool(local: str, mirror: Mirror, deferred: bool) -> None:
+    """The fetched shards go back to placeholders once the pull no longer needs them, under the
+    host lock (another pull may be reading the mirror). After a sync pull: now, if the lock is
+    free (else the next pull's refresh does it). After a deferred one, whose flush holds the lock
+    until the marker is written: from a thread that waits for it."""
+
+    def evict(timeout_s: float) -> None:
+        try:
+            held = acquire_host_lock(local, timeout_s)
+        except (LockTimeoutError, OSError):
+            return
+        if held is None:
+            return
+        try:
+            freed = mirror.evict_fetched()
+            if freed:
+                log.info("%s: spool emptied (%d bytes)", mirror.source.name, freed)
+        except OSError as e:
+            log.warning("%s: emptying the spool failed (%s); the next pull does it", mirror.source.name, e)
+        finally:
+            held.release()
+
+    if deferred:
+        threading.Thread(target=evict, args=(600.0,), name="weightsync-spool", daemon=True).start()
+    else:
+        evict(0.0)
 
 
 def _check_published(source: BucketSource, version: int) -> None:

@@ -144,6 +144,23 @@ class Mirror:
         self.fetch_s += time.perf_counter() - t
         self.fetched_nbytes += total
 
+    def evict_fetched(self) -> int:
+        """Every fetched shard back to a placeholder (the spool emptied); bytes freed. Call with
+        the host lock held: a pull in progress reads these files."""
+        fetched = self._load_fetched()
+        freed = 0
+        for k in sorted(fetched):
+            path = self._path(k)
+            try:
+                size = os.path.getsize(path)
+            except FileNotFoundError:
+                continue
+            if not is_placeholder(path):
+                _write_placeholder(path, size)
+                freed += size
+        self._save_fetched({})
+        return freed
+
     def has_placeholders(self) -> bool:
         for name in os.listdir(self.root):
             d = os.path.join(self.root, name)
