@@ -104,6 +104,8 @@ class RankWrites:
         """Write ``staged`` (what this rank voted on) and keep the undo log; commit nothing yet."""
         if staged is None:
             return self.failure("this rank voted for no live update", txn.start)
+        if txn.generation is None:  # driven without our vote (``state`` always records it): from now on
+            txn.generation = self.weights.generation
         moved = self._moved(txn)
         if moved is not None:  # before any write: the staged patch extends bytes the weights no longer hold
             txn.restore_failure = f"not restored: {moved} (nothing was written)"
