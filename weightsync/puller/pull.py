@@ -211,7 +211,7 @@ def _typed_resource_errors(fn: Callable[..., PullResult]) -> Callable[..., PullR
         try:
             return fn(*args, **kwargs)
         except (OSError, MemoryError) as e:
-            typed = host_resource_error(e)
+            typed: WeightSyncError | None = host_resource_error(e)
             if typed is None and isinstance(e, OSError) and len(args) >= 3:
                 typed = _type_path_error(e, *args[:3])
             if typed is None:
