@@ -127,9 +127,23 @@ def test_a_lost_reply_to_the_index_create_is_recognised_as_ours(bucket_run):
     bucket_run.assert_pulls(2)
 
 
-def test_pruning_removes_the_index_first_then_the_shards(bucket_run):
+def test_pruning_removes_the_index_first_then_the_shards(bucket_run, monkeypatch):
+    from weightsync.storage import source as source_mod
+
+    deletes: list[list[str]] = []
+    delete = source_mod.BucketSource.delete
+
+    def recorded(self, keys):
+        keys = list(keys)
+        deletes.append(keys)
+        return delete(self, keys)
+
+    monkeypatch.setattr(source_mod.BucketSource, "delete", recorded)
     pub = bucket_run.publisher(keep_versions=2, full_every=3)
     bucket_run.publish_versions(pub, 7, full_at={1})
+    pruned_v1 = [i for i, ks in enumerate(deletes) if any(k.startswith("weight_v000001/") for k in ks)]
+    assert pruned_v1 and deletes[pruned_v1[0]] == [f"weight_v000001/{INDEX}"]  # alone, and first
+    assert any(k.endswith(".safetensors") for i in pruned_v1[1:] for k in deletes[i])  # then the shards, in bulk
     listing = keys(bucket_run.url)
     staged = {n for n in os.listdir(pub.source_dir) if n.startswith("weight_v")}
     in_bucket = {k.split("/")[0] for k in listing if k.startswith("weight_v")}
