@@ -336,3 +336,17 @@ def test_several_ranks_cannot_drop_a_tensor_in_a_full_version_unless_allowed(run
         assert "layout_change" in json.load(f)["metadata"]
     for pub in pubs:
         pub.close()
+
+
+def test_the_next_number_after_an_upstream_index_less_full_version_is_accepted(run):
+    """An upstream writer's full version may be one ``model.safetensors`` without an index: it is
+    published (FORMAT.md), so the number after it is the next one, not a gap."""
+    from safetensors.numpy import save_file
+
+    run.next()
+    vdir = os.path.join(run.source, "weight_v000001")
+    os.makedirs(vdir)
+    save_file({n: np.ascontiguousarray(a) for n, a in run.t[1].items()}, os.path.join(vdir, "model.safetensors"))
+    run.next()
+    assert run.publish_delta(2) == 0
+    run.assert_pulls(2)

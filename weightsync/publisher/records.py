@@ -21,7 +21,7 @@ import os
 from typing import NamedTuple
 
 from ..errors import WeightSyncError
-from ..format.layout import anchor_dir, list_versions, version_dir
+from ..format.layout import INDEX_NAME, anchor_dir, list_versions, version_dir
 from ..format.manifest import check_anchor, is_committed, read_version_index
 from ..format.safetensors_io import read_header
 from ..format.seed_record import SeedRecord, encode_run_file_with_seed, read_seed_record
@@ -42,10 +42,18 @@ class RecordedState(NamedTuple):
 
 
 def newest_committed_version(source_dir: str) -> int:
-    """The newest version whose index is complete (0: none)."""
+    """The newest published version (0: none): a complete index, or an upstream writer's
+    index-less full version (one complete ``model.safetensors``)."""
     for v in reversed(list_versions(source_dir)):
-        if is_committed(version_dir(source_dir, v)):
+        vdir = version_dir(source_dir, v)
+        if is_committed(vdir):
             return v
+        if not os.path.lexists(os.path.join(vdir, INDEX_NAME)):
+            try:
+                read_version_index(source_dir, v)  # index-less: published only as a complete single file
+                return v
+            except (WeightSyncError, OSError):
+                pass
     return 0
 
 
