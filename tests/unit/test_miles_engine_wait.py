@@ -25,8 +25,8 @@ def store():
 
 def _ranks(store, world: int, **kw) -> list[RankZeroWait]:
     """Each rank with a connection of its own, as in a trainer (``connect_store``)."""
-    return [RankZeroWait(connect_store(store) if store is not None else None, "weightsync/engine-wait/test", r, world, **kw)
-            for r in range(world)]
+    return [RankZeroWait(connect_store(store) if store is not None else None, "weightsync/engine-wait/test", r, world,
+                         **kw) for r in range(world)]
 
 
 def _finish_in_thread(wait: RankZeroWait) -> tuple[threading.Thread, list]:

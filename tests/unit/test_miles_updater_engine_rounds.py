@@ -186,7 +186,8 @@ def _worker(rank: int, cfg: dict) -> None:
     load_hf_checkpoint([model], cfg["hf_dir"])
     store = dist.distributed_c10d._get_default_store()
     seen: dict = {"a": [], "b": [], "seconds": [], "served_equals_published": {}}
-    engines = [SlowEngine(n, cfg["hf_dir"], {"pull": PULL_S, "engine": ENGINE_S}) for n in ("e0", "e1")] if rank == 0 else []
+    timeouts = {"pull": PULL_S, "engine": ENGINE_S}
+    engines = [SlowEngine(n, cfg["hf_dir"], timeouts) for n in ("e0", "e1")] if rank == 0 else []
 
     def sync(updater, part: str, step: int) -> None:
         move_weights(model, step)
@@ -199,7 +200,8 @@ def _worker(rank: int, cfg: dict) -> None:
         seen["seconds"].append(round(time.monotonic() - t, 1))
         if rank == 0 and seen[part][-1]["outcome"] == "ok" and part == "a":
             published = updater.gatherer.owned_tensors()  # TP=2, PP=1: rank 0 owns every tensor
-            seen["served_equals_published"][str(m.version)] = {e.name: _same_bytes(e.served, published) for e in engines}
+            seen["served_equals_published"][str(m.version)] = {
+                e.name: _same_bytes(e.served, published) for e in engines}
 
     # Part A: every engine call at 0.9x its timeout; the others' only timeout is the heartbeat's.
     a = DiskDeltaConfig(source_dir=cfg["disk_dir"], local_checkpoint_dir=cfg["local_dir"], hf_checkpoint=cfg["hf_dir"],
@@ -232,7 +234,8 @@ def _worker(rank: int, cfg: dict) -> None:
 
     # Part B: the smallest cap the updater accepts, passed by a slow post-write hook on the first sync.
     b = DiskDeltaConfig(source_dir=cfg["disk_dir"], local_checkpoint_dir=cfg["local_dir"], hf_checkpoint=cfg["hf_dir"],
-                        apply_mode="reload", pull_timeout_s=B_PULL_S, engine_timeout_s=B_ENGINE_S, not_ready_retry_s=0.0,
+                        apply_mode="reload", pull_timeout_s=B_PULL_S, engine_timeout_s=B_ENGINE_S,
+                        not_ready_retry_s=0.0,
                         engine_wait_timeout_s=3 * (2 * B_PULL_S) + 10 * B_ENGINE_S,
                         post_write_path=f"{Path(__file__).stem}.slow_first_hook")
     updater = DiskDeltaWeightUpdater(b, [model], group=dist.group.WORLD)

@@ -321,7 +321,8 @@ class UpdatersUnderFaults(RuleBasedStateMachine):
 
     def versions_on_disk_hold_the_weights_of_a_step_that_published_them_and_never_change(self):
         source = self.sync.source_dir
-        committed = sorted(int(d[len("weight_v"):]) for d in os.listdir(source)
+        names = os.listdir(source) if os.path.isdir(source) else []  # made by the first publish
+        committed = sorted(int(d[len("weight_v"):]) for d in names
                            if d.startswith("weight_v") and os.path.isfile(os.path.join(source, d, INDEX_NAME)))
         for v in committed:
             files = _dir_fingerprint(os.path.join(source, f"weight_v{v:06d}"))
