@@ -26,10 +26,9 @@ from ..errors import (
     VersionNumberError,
 )
 from ..format.checksum import new_hasher
-from ..format.layout import version_dir
-from ..format.manifest import is_committed, read_version_index
+from ..format.manifest import read_version_index
 from .lease import Lease, check_lease, take_lease
-from .records import RecordedState, SeedRecord, newest_committed_version, recorded_layout, recorded_state
+from .records import RecordedState, SeedRecord, is_published, newest_committed_version, recorded_layout, recorded_state
 from .snapshot import EncodeJob, Snapshot
 
 LAYOUT_CHANGE_KEY = "layout_change"  # a full version's index metadata: the caller allowed a layout change
@@ -55,7 +54,7 @@ class PublishGuard:
             raise VersionNumberError(version, newest + 1, newest, self.source_dir, "; version 0 is the seed dir "
                                      "(the engine's own model) and is never published")
         if version <= newest:
-            if is_committed(version_dir(self.source_dir, version)):
+            if is_published(self.source_dir, version):
                 raise VersionAlreadyPublishedError(version, self.source_dir)
             raise VersionNumberError(version, newest + 1, newest, self.source_dir,
                                      f"; v{version} is below it and no longer on disk (pruned)")

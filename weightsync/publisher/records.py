@@ -41,19 +41,26 @@ class RecordedState(NamedTuple):
     reached: str  # what the walk ended at ("full version v3", "the seed record", "v2 pruned", ...)
 
 
+def is_published(source_dir: str, version: int) -> bool:
+    """A complete index, or an upstream writer's index-less full version (one complete
+    ``model.safetensors``): what a publisher must never write again."""
+    vdir = version_dir(source_dir, version)
+    if is_committed(vdir):
+        return True
+    if os.path.isdir(vdir) and not os.path.lexists(os.path.join(vdir, INDEX_NAME)):
+        try:
+            read_version_index(source_dir, version)  # index-less: published only as a complete single file
+            return True
+        except (WeightSyncError, OSError):
+            return False
+    return False
+
+
 def newest_committed_version(source_dir: str) -> int:
-    """The newest published version (0: none): a complete index, or an upstream writer's
-    index-less full version (one complete ``model.safetensors``)."""
+    """The newest published version (``is_published``; 0: none)."""
     for v in reversed(list_versions(source_dir)):
-        vdir = version_dir(source_dir, v)
-        if is_committed(vdir):
+        if is_published(source_dir, v):
             return v
-        if not os.path.lexists(os.path.join(vdir, INDEX_NAME)):
-            try:
-                read_version_index(source_dir, v)  # index-less: published only as a complete single file
-                return v
-            except (WeightSyncError, OSError):
-                pass
     return 0
 
 
