@@ -8,6 +8,8 @@ this module). megatron-core 0.19.2 assumes CUDA in three places a tiny CPU model
    null context;
 3. the fused/causal mask path needs an explicit boolean causal ``attention_mask``
    (``causal_attention_mask``) on the CPU;
+5. megatron-core 0.19.2's local MLA spec passes ``k_channels``/``v_channels`` to ``DotProductAttention``,
+   which does not take them: ``build_gpt_model`` swaps in ``_MLADotProductAttention``;
 4. with tied embeddings and PP > 1, the first/last-stage copies are all-reduced after
    ``weight.data.cuda()``: ``Tensor.cuda`` must be a no-op on a machine without CUDA.
 ``apply_cpu_shims`` installs 1, 2 and 4 (idempotent); callers pass 3.
@@ -121,8 +123,9 @@ def transformer_config_from_hf(hf: dict, *, params_dtype: torch.dtype = torch.fl
         rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
         extra = dict(q_lora_rank=hf.get("q_lora_rank"), kv_lora_rank=hf["kv_lora_rank"],
                      qk_head_dim=hf["qk_nope_head_dim"], qk_pos_emb_head_dim=hf["qk_rope_head_dim"],
-                     v_head_dim=hf["v_head_dim"], rope_type="rope", rotary_base=rope.get("rope_theta", 10000),
-                     rotary_interleaved=bool(hf.get("rope_interleave", False)))
+                     v_head_dim=hf["v_head_dim"], rope_type="rope", rotary_base=rope.get("rope_theta", 10000))
+        # Megatron's MLA rope always takes the rotary dims interleaved, as DeepSeek's checkpoints hold them
+        # (transformers: rope_interleave=True, its default)
     return cls(
         num_layers=hf["num_hidden_layers"],
         hidden_size=hf["hidden_size"],
@@ -188,6 +191,8 @@ def build_gpt_model(hf_dir: str, *, params_dtype: torch.dtype = torch.float32):
             num_experts=config.num_moe_experts, qk_layernorm=config.qk_layernorm, normalization="RMSNorm",
             multi_latent_attention=bool(getattr(config, "multi_latent_attention", False)),
         )
+    if getattr(config, "multi_latent_attention", False):
+        _use_mla_core_attention(spec)
     rope = hf.get("rope_parameters") or {}
     return GPTModel(
         config, spec,
@@ -200,3 +205,32 @@ def build_gpt_model(hf_dir: str, *, params_dtype: torch.dtype = torch.float32):
         rotary_base=int(hf.get("rope_theta") or rope.get("rope_theta", 10000)),
         rotary_percent=float(hf.get("partial_rotary_factor") or rope.get("partial_rotary_factor") or 1.0),
     )
+
+
+def _mla_dot_product_attention():
+    import copy
+
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    class _MLADotProductAttention(DotProductAttention):
+        """Megatron's unfused attention for MLA: its output has ``v_channels`` per head (the q/k head size
+        only enters the softmax scale, which MLA passes)."""
+
+        def __init__(self, config, *args, k_channels=None, v_channels=None, **kwargs):
+            if v_channels is not None:
+                config = copy.copy(config)
+                config.kv_channels = v_channels
+            super().__init__(config, *args, **kwargs)
+
+    return _MLADotProductAttention
+
+
+def _use_mla_core_attention(spec) -> None:
+    """Swap the MLA layers' core attention in a layer or block spec (see the module docstring, 5)."""
+    layers = getattr(spec, "layer_specs", None) or [spec]
+    cls = _mla_dot_product_attention()
+    for layer in layers:
+        attn = getattr(layer.submodules, "self_attention", None)
+        sub = getattr(attn, "submodules", None)
+        if sub is not None and hasattr(sub, "core_attention"):
+            sub.core_attention = cls

@@ -452,6 +452,10 @@ def published(model_dir: str) -> dict:
     if arch == "DeepseekV3ForCausalLM":  # fields sglang reads that transformers' config lacks
         cfg.moe_layer_freq = 1
         cfg.scoring_func, cfg.topk_method = "sigmoid", "noaux_tc"
+        # sglang's CPU MLA rope is built only for yarn: factor 1 leaves the weights' meaning as it is
+        cfg.rope_parameters = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 1.0, "beta_fast": 32.0,
+                               "original_max_position_embeddings": cfg.max_position_embeddings,
+                               "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0}
     cls = getattr(importlib.import_module(f"sglang.srt.models.{PUBLISHED_CLASSES[arch]}"), arch)
     v0 = {}
     for f in sorted(glob.glob(os.path.join(model_dir, "*.safetensors"))):
