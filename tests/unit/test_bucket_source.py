@@ -322,3 +322,29 @@ def test_the_pre_read_hook_gets_the_url_and_runs_only_when_there_is_work(bucket_
     assert r.hook_ran and calls == [(bucket_run.url, 2)]
     r = pull(local, bucket_run.seed, bucket_run.url, 2, lambda src, v: calls.append((src, v)))
     assert r.action == "noop" and not r.hook_ran and len(calls) == 1
+
+
+@pytest.mark.parametrize("kinds", [("full", "delta"), ("full", "full")])
+def test_two_ranks_sharing_a_staging_dir_publish_one_version_that_rank_0_uploads_and_commits(bucket_run, kinds):
+    from weightsync import Publisher, pull
+
+    from core_support import assert_checkpoint_is
+
+    owners = {n: i % 2 for i, n in enumerate(sorted(bucket_run.tensors[0]))}
+    pubs = []
+    for r in (0, 1):  # one staging dir for both (WEIGHTSYNC_BUCKET_STAGING_DIR, as on one node)
+        pub = Publisher(bucket_run.url, encoding="xor", rank=r, world_size=2, workers=1, template_dir=bucket_run.seed)
+        pub.seed_snapshot({n: a for n, a in bucket_run.tensors[0].items() if owners[n] == r})
+        pubs.append(pub)
+    assert pubs[0].run_id == pubs[1].run_id
+    for v, kind in enumerate(kinds, start=1):
+        new = bucket_run.next_tensors()
+        prepared = [pub.prepare(v, {n: a for n, a in new.items() if owners[n] == r}) for r, pub in enumerate(pubs)]
+        manifests = [pub.write(p, kind) for pub, p in zip(pubs, prepared)]
+        pubs[0].commit(v, kind, manifests)
+        pubs[1].confirm(v)
+        local = bucket_run.fresh_local()
+        assert pull(local, bucket_run.seed, bucket_run.url, v).applied_version == v
+        assert_checkpoint_is(local, bucket_run.expected[v])
+    index = json.loads(BucketSource(bucket_run.url).read(f"weight_v000002/{INDEX}"))
+    assert {f.split("-")[1] for f in index["weight_map"].values()} == {"r00000", "r00001"}

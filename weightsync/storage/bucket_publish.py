@@ -54,8 +54,15 @@ def default_staging_dir(url: BucketURL) -> str:
     return os.path.join(base, hashlib.sha256(str(url).encode()).hexdigest()[:16])
 
 
+_CONTENT_NAMED = re.compile(r"-[0-9a-f]{16}\.safetensors$")
+
+
 def content_key(name: str, path: str) -> str:
-    """``name`` with 16 hex digits of the xxh3-128 of the file's bytes before its extension."""
+    """The bucket key of a shard: its name when the publisher already named it by its content
+    (``format.layout``'s shard names end in a hash of what the shard holds), else ``name`` with
+    16 hex digits of the xxh3-128 of the file's bytes before its extension."""
+    if _CONTENT_NAMED.search(name):
+        return name
     h = xxhash.xxh3_128()
     with open(path, "rb") as f:
         while True:
@@ -119,6 +126,22 @@ class BucketTarget:
                     f"({STAGING_ENV}) or another prefix"
                 )
         write_bytes(local, theirs)
+
+    def adopt_run_identity(self, world_size: int, timeout_s: float = 120.0) -> None:
+        """Another rank than 0: take the run file rank 0 creates (waiting for it a while)."""
+        import time
+
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                theirs = self.source.read(RUN_NAME)
+                break
+            except FileNotFoundError:
+                if time.monotonic() > deadline:
+                    raise PublishError(f"{self.url}: rank 0 of {world_size} has not created the run file within {timeout_s:.0f}s") from None
+                time.sleep(0.2)
+        os.makedirs(self.staging_dir, exist_ok=True)
+        write_bytes(os.path.join(self.staging_dir, RUN_NAME), theirs)
 
     # --- after each commit ----------------------------------------------------------------
 
@@ -242,15 +265,14 @@ def _run_id_of(data: bytes) -> str | None:
 
 
 def open_bucket_target(url: str, rank: int, world_size: int) -> BucketTarget:
-    """What ``Publisher(url)`` does first for a bucket URL: refuse several ranks (not yet
-    supported) and a store without conditional create, then settle the run identity (rank 0)."""
-    if world_size != 1:
-        raise PublishError(
-            f"publishing to {url} with several ranks is not supported yet: publish from one rank "
-            "(gather the tensors first), or publish into a shared dir"
-        )
+    """What ``Publisher(url)`` does first for a bucket URL: refuse a store without conditional
+    create, then settle the run identity (rank 0; the other ranks wait until it is there).
+    Several ranks share one staging dir (give each the same ``WEIGHTSYNC_BUCKET_STAGING_DIR``: a
+    node-local dir when they share a node, else a shared one): rank 0 commits and uploads from it."""
     target = BucketTarget(url)
     target.check_conditional_create()
     if rank == 0:
         target.sync_run_identity()
+    else:
+        target.adopt_run_identity(world_size)
     return target
