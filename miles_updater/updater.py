@@ -376,6 +376,9 @@ class DiskDeltaWeightUpdater:
             except Exception as e:  # noqa: BLE001
                 log.error("engine update to v%d failed: %s", version, e)
                 error = f"engines: {e}"
+            except BaseException:  # interrupted: stop beating, so the others give up instead of waiting on
+                self._engine_wait.close()
+                raise
         m = self._share(m, error, t_start)
         if self.rank == 0:
             log.info("weight sync %s", m.summary())
