@@ -97,18 +97,47 @@ def origin_bytes(log_path: str) -> int:
         return 0
 
 
+def tear_cached_copies(fab: Fabric, tier: "list[NginxCache]", url_path: str, files: list[str]) -> int:
+    """The fault "a cache serves a torn object": each cache fetches ``files`` once (from inside
+    its host), then a byte of each cached body is flipped on disk; nginx serves it as it is.
+    Returns how many cached copies were torn."""
+    torn = 0
+    for j, cache in enumerate(tier):
+        for name in files:
+            url = f"{cache.base_url}{url_path}/{name}"
+            subprocess.run(["ip", "netns", "exec", fab.host(j), PY, "-c",
+                            "import sys, urllib.request; urllib.request.urlopen(sys.argv[1], timeout=120).read()", url],
+                           check=True, capture_output=True)
+            base = os.path.basename(name)
+            for entry in cache.cache_files():
+                with open(entry, "rb") as f:
+                    head = f.read(4096)
+                if base.encode() in head:
+                    with open(entry, "r+b") as f:
+                        f.seek(-7, os.SEEK_END)
+                        b = f.read(1)
+                        f.seek(-7, os.SEEK_END)
+                        f.write(bytes([b[0] ^ 0xFF]))
+                    torn += 1
+    return torn
+
+
 def run_mode(fab: Fabric, mode: str, caches: int, work: str, url_path: str, seeds: list[str],
-             expected: dict[str, str], origin_log: str, timeout_s: float) -> dict:
+             expected: dict[str, str], origin_log: str, timeout_s: float, fault: "str | None" = None,
+             payload_files: "list[str] | None" = None) -> dict:
     n = fab.n
     mdir = os.path.join(work, f"mode-{mode}-{time.monotonic_ns()}")
     os.makedirs(mdir)
     tier: list[NginxCache] = []
+    torn = 0
     before = origin_bytes(origin_log)
     try:
         if mode == "cache":
             for j in range(caches):
                 tier.append(NginxCache(os.path.join(mdir, f"nginx{j}"), fab.host_ip(j), CACHE_PORT,
                                        f"{fab.source_ip}:{ORIGIN_PORT}", netns=fab.host(j)).start())
+            if fault == "torn_cache":
+                torn = tear_cached_copies(fab, tier, url_path, payload_files or [])
         go = os.path.join(mdir, "go")
         procs = []
         for i in range(n):
@@ -149,6 +178,8 @@ def run_mode(fab: Fabric, mode: str, caches: int, work: str, url_path: str, seed
         "origin_bytes": origin_bytes(origin_log) - before,
         "errors": sorted({r["error"] for r in results if r.get("error")})[:3],
     }
+    if fault:
+        out.update(fault=fault, torn_copies=torn)
     shutil.rmtree(mdir, ignore_errors=True)
     return out
 
@@ -166,12 +197,16 @@ def _wait_for(paths: list[str], procs: list[subprocess.Popen], timeout_s: float,
 
 def run_fleet(hosts: int, caches: int, model_mb: float, changed: float, host_mbit: float, src_mbit: float,
               modes: "list[str]", repeats: int, work: "str | None" = None, timeout_s: float = 300,
-              log=print) -> dict:
+              log=print, fault: "str | None" = None) -> dict:
+    """``fault="torn_cache"``: in cache mode every cache holds a torn copy of each payload file
+    before the hosts start (``tear_cached_copies``)."""
     """Everything, torn down at the end (also on failure). Returns rows and a summary."""
     base = work or tempfile.mkdtemp(prefix="ws-fleet-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
     os.makedirs(base, exist_ok=True)
     try:
         www, seed_dir, expected, delta = build_run(base, model_mb, changed)
+        with open(os.path.join(www, "run", "weight_v000001", "model.safetensors.index.json")) as f:
+            payload_files = [f"weight_v000001/{n}" for n in sorted(set(json.load(f)["weight_map"].values()))]
         seeds = []
         for i in range(hosts):  # each host its own seed dir (hard links: the same bytes, no more memory)
             d = os.path.join(base, f"seed-h{i}")
@@ -193,7 +228,8 @@ def run_fleet(hosts: int, caches: int, model_mb: float, changed: float, host_mbi
             for rep in range(repeats):
                 for mode in modes:
                     load = os.getloadavg()[0]
-                    r = run_mode(fab, mode, caches, base, "/run", seeds, expected, origin_log, timeout_s)
+                    r = run_mode(fab, mode, caches, base, "/run", seeds, expected, origin_log, timeout_s,
+                                 fault, payload_files)
                     r.update(rep=rep, model_s=round(model[mode], 2), load_avg=round(load, 1))
                     rows.append(r)
                     log(json.dumps(r))

@@ -71,3 +71,16 @@ def test_a_fabric_left_by_an_exception_inside_it_is_deleted():
             1 / 0
     assert our_namespaces(tag) == []
     assert not _processes_mentioning(marker)
+
+
+def test_caches_serving_torn_copies_slow_the_fleet_but_every_host_holds_the_published_bytes(fast_tmp_path):
+    work = str(fast_tmp_path / "fleet-torn")
+    report = run_fleet(3, 1, model_mb=4, changed=0.3, host_mbit=80, src_mbit=80, modes=["cache"], repeats=1,
+                       work=work, timeout_s=120, log=lambda s: None, fault="torn_cache")
+    (row,) = report["rows"]
+    assert row["torn_copies"] >= 1
+    assert row["all_ok"], row
+    delta = report["shape"]["delta_MB"] * 1e6
+    # the cache's fill, then each of the three hosts refetched the torn file from the origin
+    assert row["origin_bytes"] >= 4 * delta * 0.99
+    assert not _processes_mentioning(work)
