@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 import uuid
 from dataclasses import dataclass
@@ -146,8 +147,6 @@ async def _wait_at_txn_gate(phase: str, timeout_s: float = 120.0) -> None:
     """Test-only (``WEIGHTSYNC_TEST_TXN_GATE``, a dir): while it holds ``hold-<phase>``, the
     transaction waits before it sends ``phase`` (after it created ``at-<phase>`` there), so a test
     can land another writer of the weights, or a ``continue_generation``, between two phases."""
-    import os
-
     directory = os.environ.get(TXN_GATE_ENV)
     if not directory or not os.path.exists(os.path.join(directory, f"hold-{phase}")):
         return
@@ -184,7 +183,11 @@ async def update_weights_from_pulled(tokenizer_manager: Any, request):
         return tx.PhaseReplies(votes=[v for r in replies for v in r.votes], reports=[x for r in replies for x in r.reports])
 
     async def transaction() -> dict:
-        async with live_transaction_lock(tokenizer_manager):
+        lock_ = live_transaction_lock(tokenizer_manager)
+        gate = os.environ.get(TXN_GATE_ENV)
+        if gate and lock_.locked():  # test-only: tell the test that this transaction waits for another
+            open(os.path.join(gate, "txn-waiting"), "w").close()
+        async with lock_:
             async with tokenizer_manager.is_pause_cond:
                 paused = tokenizer_manager.is_pause
             lock = tokenizer_manager.model_update_lock.writer_lock if not paused else nullcontext()
@@ -222,8 +225,6 @@ async def _around_continue_generation(original, tokenizer_manager, *args, **kwar
     """sglang's ``continue_generation``, once no live-apply transaction is open: paused, the
     transaction holds no writer lock, and serving resumed between its apply and its commit would
     send tokens of uncommitted, unchecked writes."""
-    import os
-
     lock = live_transaction_lock(tokenizer_manager)
     gate = os.environ.get(TXN_GATE_ENV)
     if gate and lock.locked():  # test-only: tell the test that it waits

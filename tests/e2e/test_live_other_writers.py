@@ -5,7 +5,8 @@ real sglang CPU server at TP=2 (both releases: the Makefile's ``SGLANG_MATRIX_TE
   the staged update is void, the next update reloads;
 - generation paused (the RL flow): a reload between the vote and the apply, ``reset_tensors``
   between the apply and the commit: every rank reloads the target instead of a "live" success for
-  a version the engine does not hold; ``continue_generation`` waits until the transaction is over.
+  a version the engine does not hold; ``continue_generation`` waits until the transaction is over;
+  two updates of our own run one after the other.
 
 The transaction is held between two phases by the test-only gate of ``tokenizer_side``
 (``WEIGHTSYNC_TEST_TXN_GATE``: ``hold-<phase>`` / ``at-<phase>``), so the other writer lands in the
@@ -161,4 +162,30 @@ def test_reset_tensors_between_the_apply_and_the_commit_while_paused_reloads_and
     assert body["success"] and body["mode"] == "reload" and body["weight_version"] == new, body
     assert body["reloaded_after_check"] and "reset_tensors" in body["reason"], body
     assert "between the apply and the commit" in body["reason"], body["reason"]
+    assert_serves_exactly_a_reload_of(env, new)
+
+
+def test_two_paused_updates_of_our_own_run_one_after_the_other_and_both_succeed(env):
+    """Paused, sglang's writer lock is not taken: without a lock of our own, the second update's
+    vote replaced the first's transaction on every rank and the first's commit failed."""
+    _, new = serve_newest_then_pull_next(env, pull)
+    post_ok(env, "/pause_generation", {"mode": "in_place"})
+    second: dict = {}
+    waiter = None
+    try:
+        (env.gate / "txn-waiting").unlink(missing_ok=True)
+        held = HeldTransaction(env, new, "commit")  # the first: applied, not committed
+        try:
+            waiter = threading.Thread(target=lambda: second.setdefault("body", update_from_pulled(env, new)))
+            waiter.start()
+            wait_for(lambda: (env.gate / "txn-waiting").exists(), "the second update never reached the lock")
+        finally:
+            first = held.release()
+            if waiter is not None:
+                waiter.join(300)
+    finally:
+        post_ok(env, "/continue_generation", {})
+    assert first["success"] and first["mode"] == "live" and first["weight_version"] == new, first
+    body = second["body"]  # after the first committed: already serving it, nothing to write
+    assert body["success"] and body["weight_version"] == new and body["elements_scattered"] == 0, body
     assert_serves_exactly_a_reload_of(env, new)
