@@ -130,6 +130,8 @@ def _perturb(model, tp_rank: int, ep_rank: int) -> None:
 
 
 def _worker(rank: int, cfg: dict) -> None:
+    from types import SimpleNamespace
+
     import torch
     import torch.distributed as dist
     from safetensors.torch import save_file
@@ -145,7 +147,11 @@ def _worker(rank: int, cfg: dict) -> None:
     out = Path(cfg["out_dir"])
     model = build_gpt_model(cfg["hf_dir"])
     load_hf_checkpoint([model], cfg["hf_dir"])
-    gatherer = HFWeightGatherer([model], cfg["hf_dir"], converter=cfg["converter"])
+    mc = model.config  # the fields miles' and slime's converters read from their args
+    args = SimpleNamespace(hf_checkpoint=cfg["hf_dir"], num_attention_heads=mc.num_attention_heads,
+                           num_query_groups=mc.num_query_groups, kv_channels=mc.kv_channels,
+                           hidden_size=mc.hidden_size, num_layers=mc.num_layers)
+    gatherer = HFWeightGatherer([model], cfg["hf_dir"], converter=cfg["converter"], args=args)
     tensors = gatherer.gather()
     if tensors:
         save_file({n: torch.frombuffer(bytearray(t.data.tobytes()), dtype=ST_TO_TORCH[t.dtype]).reshape(t.shape)
@@ -153,7 +159,7 @@ def _worker(rank: int, cfg: dict) -> None:
     _perturb(model, ps.get_tensor_model_parallel_rank(), ps.get_expert_model_parallel_rank())
     config = DiskDeltaConfig(source_dir=str(out / "shared"), local_checkpoint_dir=str(out / "unused"),
                              hf_checkpoint=cfg["hf_dir"], converter=cfg["converter"])
-    updater = DiskDeltaWeightUpdater(config, [model])
+    updater = DiskDeltaWeightUpdater(config, [model], args=args)
     updater.start()
     seen = {"source_dir": updater.source_dir, "version": updater.update_weights(update_engines=False).version,
             "converter": updater.gatherer.converter_name, "ep_rank": ps.get_expert_model_parallel_rank(),
