@@ -8,9 +8,9 @@ engine calls misses whatever the derivation forgot. Instead, through the process
 
     rank 0:  begin(): a thread adds 1 to ``<round>/beat`` every ``beat_s`` while the phase runs
              finish(value): stop beating, set ``<round>/done`` = pickled value, add 1 to ``<round>/seen``
-    others:  finish(None): a blocking store wait on ``<round>/done``; give up when ``<round>/beat`` has not moved for
-             ``heartbeat_timeout_s`` (rank 0 hung or gone) or after ``cap_s`` (an explicit cap);
-             then add 1 to ``<round>/seen``
+    others:  finish(None): a blocking store wait on ``<round>/done``; give up when ``<round>/beat``
+             has not moved for ``heartbeat_timeout_s`` (rank 0 hung or gone) or after ``cap_s``
+             (an explicit cap); then add 1 to ``<round>/seen``
 
 Whoever brings ``seen`` to the world size (every rank read or gave up, and rank 0 posted)
 deletes the round's keys, so the store holds at most a few keys per round in flight. Rounds
@@ -173,6 +173,15 @@ class RankZeroWait:
                         self.store.delete_key(self._key(n, what))
         except Exception as e:  # noqa: BLE001 - cleanup only: never fails a sync
             log.warning("engine-wait cleanup of round %d failed: %s", n, e)
+
+    def abandon(self) -> None:
+        """Rank 0, when its phase is interrupted: stop beating and leave the round (the others give
+        up on it), so the next round is numbered as theirs."""
+        self._stop_beating()
+        n = self.round
+        self.round += 1
+        if self.world_size > 1:
+            self._seen(n)
 
     def close(self) -> None:
         self._stop_beating()

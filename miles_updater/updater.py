@@ -377,7 +377,7 @@ class DiskDeltaWeightUpdater:
                 log.error("engine update to v%d failed: %s", version, e)
                 error = f"engines: {e}"
             except BaseException:  # interrupted: stop beating, so the others give up instead of waiting on
-                self._engine_wait.close()
+                self._engine_wait.abandon()
                 raise
         m = self._share(m, error, t_start)
         if self.rank == 0:

@@ -106,3 +106,17 @@ def test_a_single_rank_needs_no_store(store):
     (only,) = _ranks(None, 1, heartbeat_timeout_s=1.0)
     only.begin()
     assert only.finish("alone") == "alone"
+
+
+def test_an_interrupted_rank_0_is_given_up_on_and_the_next_round_stays_in_step(store):
+    base = store.num_keys()
+    r0, r1 = _ranks(store, 2, heartbeat_timeout_s=0.5)
+    r0.begin()
+    r0.abandon()  # e.g. a KeyboardInterrupt the trainer caught in the engine phase
+    with pytest.raises(EngineWaitTimeout, match="rank 0 said nothing"):
+        r1.finish(None)
+    t, box = _finish_in_thread(r1)
+    r0.begin()
+    r0.finish("next round")
+    t.join()
+    assert box == ["next round"] and store.num_keys() == base
