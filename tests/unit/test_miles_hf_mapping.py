@@ -103,3 +103,66 @@ def test_a_qkv_that_does_not_fit_the_layout_is_refused_naming_the_layout():
     with pytest.raises(MappingError, match=r"8 attention heads in 1 KV group\(s\) of head_dim 4") as e:
         to_hf("decoder.layers.0.self_attention.linear_qkv.weight", [torch.zeros(18, 4), torch.zeros(18, 4)], 0, att)
     assert "36 rows, expected" in str(e.value) and "= 40" in str(e.value)
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4])
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_the_builtin_converter_on_the_full_tensor_equals_the_mapping_on_the_shards(name, tp):
+    """The hook gets full TP=1 tensors ([gate of every rank; up of every rank] for a gated fc1)."""
+    from miles_updater.converters import BuiltinConverter
+
+    pdim, shapes = CASES[name]
+    g = torch.Generator().manual_seed(hash(name) % 1000)
+    hf = {n: torch.randn(s, generator=g).to(torch.bfloat16) for n, s in shapes.items()}
+    shards = [shard_for_rank(name, from_hf(name, hf, ATT), pdim, r, tp) for r in range(tp)]
+    if pdim is None:
+        full = shards[0]
+    elif name.endswith("linear_fc1.weight"):
+        halves = [s.chunk(2) for s in shards]
+        full = torch.cat([h[0] for h in halves] + [h[1] for h in halves])
+    else:
+        full = torch.cat(shards, pdim)
+    hook = dict(BuiltinConverter(ATT, tied_embeddings=False)(name, full))
+    assert list(hook) == list(shapes)
+    for n, t in dict(to_hf(name, shards, pdim, ATT)).items():
+        assert torch.equal(hook[n].view(torch.int16), t.view(torch.int16)), n
+
+
+FAMILY_NAMES = [
+    # (family, megatron name, hf names)
+    ("glm4_moe", "decoder.layers.3.mlp.router.expert_bias", ["model.layers.3.mlp.gate.e_score_correction_bias"]),
+    ("qwen3_moe", "decoder.layers.3.mlp.router.expert_bias", ["model.layers.3.mlp.gate.e_score_correction_bias"]),
+    ("glm4_moe", "decoder.layers.3.mlp.shared_experts.linear_fc1.weight",
+     ["model.layers.3.mlp.shared_experts.gate_proj.weight", "model.layers.3.mlp.shared_experts.up_proj.weight"]),
+    ("glm4_moe", "decoder.layers.3.mlp.shared_experts.linear_fc2.weight",
+     ["model.layers.3.mlp.shared_experts.down_proj.weight"]),
+    ("qwen2_moe", "decoder.layers.3.mlp.shared_experts.linear_fc2.weight",
+     ["model.layers.3.mlp.shared_expert.down_proj.weight"]),
+    ("glm4_moe", "decoder.layers.3.self_attention.q_layernorm.weight", ["model.layers.3.self_attn.q_norm.weight"]),
+    ("deepseek_v3", "decoder.layers.3.self_attention.q_layernorm.weight",
+     ["model.layers.3.self_attn.q_a_layernorm.weight"]),
+    ("deepseek_v3", "decoder.layers.3.self_attention.linear_q_down_proj.weight",
+     ["model.layers.3.self_attn.q_a_proj.weight"]),
+    ("deepseek_v3", "decoder.layers.3.self_attention.linear_q_up_proj.weight",
+     ["model.layers.3.self_attn.q_b_proj.weight"]),
+    ("deepseek_v3", "decoder.layers.3.self_attention.linear_q_proj.weight", ["model.layers.3.self_attn.q_proj.weight"]),
+    ("deepseek_v3", "decoder.layers.3.self_attention.linear_kv_down_proj.weight",
+     ["model.layers.3.self_attn.kv_a_proj_with_mqa.weight"]),
+    ("deepseek_v3", "decoder.layers.3.self_attention.kv_layernorm.weight",
+     ["model.layers.3.self_attn.kv_a_layernorm.weight"]),
+    ("deepseek_v3", "decoder.layers.3.self_attention.linear_kv_up_proj.weight",
+     ["model.layers.3.self_attn.kv_b_proj.weight"]),
+    ("glm4_moe_lite", "decoder.layers.3.self_attention.linear_kv_up_proj.weight",
+     ["model.layers.3.self_attn.kv_b_proj.weight"]),
+    ("deepseek_v3", "decoder.layers.3.mlp.experts.linear_fc2.weight17", ["model.layers.3.mlp.experts.17.down_proj.weight"]),
+]
+
+
+@pytest.mark.parametrize("family,name,hf", FAMILY_NAMES)
+def test_each_familys_megatron_names_map_to_its_checkpoint_names(family, name, hf):
+    assert to_hf_names(name, ATT, family=family) == hf
+
+
+def test_mla_names_are_refused_for_a_family_without_mla():
+    with pytest.raises(MappingError):
+        to_hf_names("decoder.layers.0.self_attention.linear_kv_up_proj.weight", ATT, family="qwen3")
