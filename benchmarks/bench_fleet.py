@@ -18,6 +18,7 @@ import argparse
 import datetime
 import json
 import os
+import signal
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -40,6 +41,8 @@ def main() -> int:
     ap.add_argument("--append", action="store_true", help="append the table to benchmarks/RESULTS.md")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
+    # A SIGTERM unwinds like Ctrl-C, so the harness's teardown (processes, then namespaces) runs.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     ok, why = namespaces_usable()
     if not ok:
         print(f"bench_fleet: cannot run here: {why}", file=sys.stderr)

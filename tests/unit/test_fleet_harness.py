@@ -17,7 +17,7 @@ from benchmarks.fleet.netns import Fabric, our_namespaces, namespaces_usable
 from benchmarks.fleet.run import run_fleet
 
 _usable, _why = namespaces_usable()
-pytestmark = pytest.mark.skipif(not _usable, reason=f"network namespaces refused here: {_why}")
+pytestmark = [pytest.mark.skipif(not _usable, reason=f"network namespaces refused here: {_why}"), pytest.mark.slow]
 
 
 def _processes_mentioning(text: str) -> list[int]:
@@ -84,3 +84,31 @@ def test_caches_serving_torn_copies_slow_the_fleet_but_every_host_holds_the_publ
     # the cache's fill, then each of the three hosts refetched the torn file from the origin
     assert row["origin_bytes"] >= 4 * delta * 0.99
     assert not _processes_mentioning(work)
+
+
+def test_a_benchmark_stopped_with_sigterm_mid_run_leaves_no_namespace_or_process(fast_tmp_path):
+    import signal
+    import subprocess
+    import time
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    before = set(our_namespaces())
+    proc = subprocess.Popen([sys.executable, os.path.join(root, "benchmarks", "bench_fleet.py"), "--hosts", "2",
+                             "--caches", "1", "--model-mb", "1", "--repeats", "50", "--host-mbit", "8", "--src-mbit", "8"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, cwd=root)
+    try:
+        deadline = time.monotonic() + 120
+        while not _processes_mentioning("benchmarks.fleet.host"):  # hosts up: mid-run
+            assert proc.poll() is None, proc.stderr.read().decode()[-2000:] if proc.stderr else ""
+            assert time.monotonic() < deadline, "the benchmark never started its hosts"
+            time.sleep(0.1)
+        ours = set(our_namespaces()) - before
+        assert ours
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 143
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert not (set(our_namespaces()) & ours)
+    assert not _processes_mentioning("benchmarks.fleet.host") and not _processes_mentioning("benchmarks.fleet.origin")
