@@ -319,3 +319,17 @@ def test_a_pull_on_a_local_state_reads_only_the_indexes_above_it_from_the_origin
     read = sorted(p.split("/")[2] for m, p, _ in origin.served if m == "GET" and p.endswith(INDEX))
     # v4's index and a probe for its side anchor; nothing below the local version
     assert "weight_v000004" in read and set(read) <= {"weight_v000004", "anchor_v000004"}
+
+
+def test_a_shard_its_index_names_but_the_origin_lacks_is_not_ready_and_nothing_changes(served, origin):
+    from weightsync.errors import SourceNotReadyError
+
+    served.publish(2)
+    url = f"{origin.base_url}/run"
+    local = served.local()
+    assert pull(local, served.seed, url, 1).applied_version == 1
+    os.remove(served.shards(2)[0])  # pruned while a host planned from the index, say
+    with pytest.raises(SourceNotReadyError) as e:
+        pull(local, served.seed, url, 2)
+    assert e.value.retryable
+    assert_checkpoint_is(local, served.expected[1])

@@ -48,7 +48,13 @@ from urllib.parse import quote
 import msgspec
 import xxhash
 
-from ..errors import BucketUnavailableError, HttpSourceURLError, PayloadFileMismatchError, SourceChangedError
+from ..errors import (
+    BucketUnavailableError,
+    HttpSourceURLError,
+    PayloadFileMismatchError,
+    SourceChangedError,
+    SourceNotReadyError,
+)
 from ..format.file_digests import FileDigest, read_file_digests
 from ..format.layout import INDEX_NAME, RUN_NAME, anchor_dir_name, version_dir_name
 from ..knobs import Knob
@@ -112,6 +118,21 @@ def origin_of(url: HttpURL) -> HttpURL:
         return url
     base = parse_http_url(raw, what=ORIGIN_ENV)
     return HttpURL(base.scheme, base.netloc, base.path + url.path)
+
+
+def _monotonic(progress: "Callable[[int, int], None] | None") -> "Callable[[int, int], None] | None":
+    """``progress`` told only of bytes beyond what it was told already: a file fetched again
+    from the origin after a bad cached copy does not move it backwards."""
+    if progress is None:
+        return None
+    told = [0]
+
+    def report(done: int, total: int) -> None:
+        if done > told[0]:
+            told[0] = done
+            progress(done, total)
+
+    return report
 
 
 class _Answer(msgspec.Struct):
@@ -214,6 +235,15 @@ class HttpSource:
         fetched again from the origin and checked again. Never returns over unchecked bytes
         when a digest is recorded."""
         deadline = deadline or Deadline.from_knob()
+        try:
+            return self._fetch_checked(obj, dst, _monotonic(progress), deadline)
+        except FileNotFoundError:
+            raise SourceNotReadyError(
+                f"{self.origin}/{obj.key} is not on the origin, though its index names it (pruned while the pull "
+                "was reading it?); nothing local changed. Retry the pull: it plans from what is published now."
+            ) from None
+
+    def _fetch_checked(self, obj: ObjectInfo, dst: str, progress, deadline: Deadline) -> int:
         expected = self.digests.get(obj.key)
         if expected is None:
             log.info("%s: %s has no file digest in its index: read from the origin %s", self.name, obj.key, self.origin)
@@ -419,7 +449,6 @@ def pull_from_http(
     from ..format.manifest import parse_version_number, read_applied_state
     from ..hooks import load_callable
     from ..puller.plan import check_target_version, plan_pull
-    from ..errors import SourceNotReadyError
     from .mirror import Mirror, mirror_dir
 
     url = parse_http_url(source_url)
