@@ -912,4 +912,22 @@ class PayloadFileMismatchError(CorruptArtifactError):
         )
 
 
-__all__ += ["HttpSourceURLError", "PayloadFileMismatchError"]
+class HttpSourceUnavailableError(BucketUnavailableError):
+    """An HTTP(S) source (or its origin) did not answer, or kept answering 5xx/429, within the
+    fetch's deadline, after retries. Nothing partial was kept: retry later."""
+
+    error_type = "source_unavailable"
+
+    def __init__(self, url: str, operation: str, detail: str):
+        self.url = url
+        self.operation = operation
+        self.detail = detail
+        WeightSyncError.__init__(
+            self,
+            f"the HTTP source {url} did not complete {operation}: {detail}. Retried within the deadline "
+            "(WEIGHTSYNC_BUCKET_DEADLINE_S); nothing partial was kept. Retry later (is the server up? "
+            "WEIGHTSYNC_HTTP_ORIGIN?).",
+        )
+
+
+__all__ += ["HttpSourceURLError", "PayloadFileMismatchError", "HttpSourceUnavailableError"]

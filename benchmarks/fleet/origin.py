@@ -28,6 +28,7 @@ class OriginServer(ThreadingHTTPServer):
         self.root = os.path.realpath(root)
         self.log_path = log_path
         self.served: list[tuple[str, str, int]] = []  # (method, path, body bytes)
+        self.throttle = 0  # the next this-many requests for a payload file get 503 SlowDown (a test's fault)
         self.lock = threading.Lock()
         super().__init__(addr, _Handler)
 
@@ -74,6 +75,19 @@ class _Handler(BaseHTTPRequestHandler):
         self._serve(head=False)
 
     def _serve(self, head: bool):
+        with self.server.lock:
+            throttled = self.server.throttle > 0 and self.path.endswith(".safetensors")
+            if throttled:
+                self.server.throttle -= 1
+        if throttled:
+            body = b"SlowDown"
+            self.send_response(503)
+            self.send_header("Retry-After", "0")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+            self.server.record(self.command, self.path + " 503", 0)
+            return
         full = self._file()
         if full is None:
             self.send_response(404)

@@ -333,3 +333,27 @@ def test_a_shard_its_index_names_but_the_origin_lacks_is_not_ready_and_nothing_c
         pull(local, served.seed, url, 2)
     assert e.value.retryable
     assert_checkpoint_is(local, served.expected[1])
+
+
+def test_an_origin_that_throttles_is_asked_again_and_the_pull_is_bit_exact(served, origin):
+    served.publish(1)
+    origin.throttle = 3  # 503 SlowDown for the next three payload requests
+    local = served.local()
+    assert pull(local, served.seed, f"{origin.base_url}/run", 1).applied_version == 1
+    assert_checkpoint_is(local, served.expected[1])
+    assert sum(p.endswith(" 503") for _, p, _ in origin.served) == 3
+
+
+def test_an_origin_throttling_past_the_deadline_is_a_retryable_typed_error_and_nothing_changes(served, origin, monkeypatch):
+    from weightsync.errors import HttpSourceUnavailableError
+
+    served.publish(2)
+    url = f"{origin.base_url}/run"
+    local = served.local()
+    assert pull(local, served.seed, url, 1).applied_version == 1
+    monkeypatch.setenv("WEIGHTSYNC_BUCKET_DEADLINE_S", "1")
+    origin.throttle = 10**6
+    with pytest.raises(HttpSourceUnavailableError) as e:
+        pull(local, served.seed, url, 2)
+    assert e.value.retryable and e.value.http_status == 503
+    assert_checkpoint_is(local, served.expected[1])

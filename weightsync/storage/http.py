@@ -50,6 +50,7 @@ import xxhash
 
 from ..errors import (
     BucketUnavailableError,
+    HttpSourceUnavailableError,
     HttpSourceURLError,
     PayloadFileMismatchError,
     SourceChangedError,
@@ -375,7 +376,7 @@ class HttpSource:
     def _get(self, base: HttpURL, key: str, headers: dict[str, str], *, method: str = "GET",
              deadline: "Deadline | None" = None, ok: tuple[int, ...] = (200,)) -> _Answer:
         """One request, asked again on a transient failure until the deadline. 404/410:
-        ``FileNotFoundError``; another 4xx: ``BucketUnavailableError`` at once."""
+        ``FileNotFoundError``; another 4xx: ``HttpSourceUnavailableError`` at once."""
         deadline = deadline or Deadline.from_knob()
         path = base.path + "/" + quote(key)
         backoff = 0.1
@@ -388,11 +389,11 @@ class HttpSource:
                     return ans
                 if ans.status >= 500 or ans.status == 429:
                     raise _Transient(f"HTTP {ans.status}")
-                raise BucketUnavailableError(str(base), f"{method} {key}", f"HTTP {ans.status} {ans.body[:200]!r}")
+                raise HttpSourceUnavailableError(str(base), f"{method} {key}", f"HTTP {ans.status} {ans.body[:200]!r}")
             except _Transient as e:
                 why = str(e)
             if deadline.expired():
-                raise BucketUnavailableError(str(base), f"{method} {key}", f"{why}; gave up after {deadline.limit_s:.0f}s")
+                raise HttpSourceUnavailableError(str(base), f"{method} {key}", f"{why}; gave up after {deadline.limit_s:.0f}s")
             time.sleep(min(backoff, max(0.0, deadline.left())))
             backoff = min(backoff * 2, 2.0)
 
