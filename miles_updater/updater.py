@@ -347,6 +347,10 @@ class DiskDeltaWeightUpdater:
         """After this run's first published version, old run dirs go (rank 0; never fails a sync)."""
         if self.rank != 0:
             return
+        # The other ranks may already wait for the engine phase that follows: removing a large run
+        # dir can take longer than their heartbeat timeout, so rank 0 beats from here (until the
+        # round's finish, whatever comes between).
+        self._engine_wait.begin()
         try:
             prune_runs(self.config.source_dir, self.config.keep_runs, self.source_dir)
         except OSError as e:
