@@ -37,7 +37,7 @@ INDEX = "model.safetensors.index.json"
 class Served:
     """A run published into ``<root>/www/run`` and a list of each version's exact bytes."""
 
-    def __init__(self, root: str, rng: np.random.Generator):
+    def __init__(self, root: str, rng: np.random.Generator, **publisher_kw):
         self.root, self.rng = root, rng
         self.www = os.path.join(root, "www")
         self.run = os.path.join(self.www, "run")
@@ -45,7 +45,7 @@ class Served:
         self.tensors = [random_tensors(rng, SIZES)]
         write_hf_checkpoint(self.seed, self.tensors[0])
         self.expected = [tensor_bytes(self.tensors[0])]
-        self.pub = Publisher(self.run, template_dir=self.seed, encoding="sparse-v1", workers=1)
+        self.pub = Publisher(self.run, template_dir=self.seed, encoding="sparse-v1", workers=1, **publisher_kw)
         self.pub.seed_snapshot(self.tensors[0])
         self.locals = 0
 
@@ -357,3 +357,22 @@ def test_an_origin_throttling_past_the_deadline_is_a_retryable_typed_error_and_n
         pull(local, served.seed, url, 2)
     assert e.value.retryable and e.value.http_status == 503
     assert_checkpoint_is(local, served.expected[1])
+
+
+def test_a_fresh_host_seeds_from_a_side_anchor_served_over_http(fast_tmp_path, rng):
+    served = Served(str(fast_tmp_path), rng, anchor_fraction=0, anchor_max_deltas=2)
+    server = OriginServer(served.www, ("127.0.0.1", 0))
+    server.start_in_thread()
+    try:
+        served.publish(5)
+        anchors = sorted(n for n in os.listdir(served.run) if n.startswith("anchor_v"))
+        assert anchors, "the publisher wrote no side anchor"
+        local = served.local()
+        r = pull(local, served.seed, f"{server.base_url}/run", 5)
+        assert r.applied_version == 5 and "anchor" in r.reason
+        assert_checkpoint_is(local, served.expected[5])
+        newest = anchors[-1]
+        assert [p for m, p, n in server.served if m == "GET" and f"/{newest}/" in p and p.endswith(".safetensors")]
+    finally:
+        server.shutdown()
+        server.server_close()
