@@ -12,13 +12,11 @@ import threading
 from typing import Callable
 
 from ..errors import (
-    BucketCredentialsError,
-    BucketUnavailableError,
+    CorruptArtifactError,
     InvalidRequestError,
+    LocalStateError,
     LockTimeoutError,
-    SourceNotReadyError,
     VersionMissingError,
-    WeightSyncError,
 )
 from ..format.layout import INDEX_NAME, run_path, state_path, version_dir_name
 from ..format.manifest import read_applied_state, read_run_id
@@ -92,9 +90,9 @@ def pull_from_bucket(
 
     try:
         result = run_pull(local_checkpoint_dir, seed_dir, root, target_version, hook, **kwargs)
-    except (SourceNotReadyError, InvalidRequestError, BucketCredentialsError, BucketUnavailableError):
-        raise
-    except WeightSyncError as first:
+    except (CorruptArtifactError, LocalStateError) as first:
+        # What reading a placeholder gives (a header that cannot be one); anything else (not
+        # ready, a bad request, the lock, the store) is the pull's own answer.
         if not mirror.has_placeholders():
             raise
         # A fallback inside the pull (a replay, another anchor) planned past what was fetched.
