@@ -361,6 +361,8 @@ class DiskDeltaWeightUpdater:
 
         Safe to repeat: a pull whose work is done returns at once, and one interrupted midway
         (a killed process, a torn local checkpoint) is redone from a verified state by the core.
+        The other ranks wait for rank 0's word as in a sync: rank 0 must reach this call within
+        ``--update-weight-engine-heartbeat-timeout-s`` of them (it beats once it is here).
         """
         version = self.version if version is None else version
         first = self._first_version_in_dir()
