@@ -175,6 +175,14 @@ def test_fp8_tensors_arrive_in_the_checkpoints_dtype_and_static_tensors_keep_the
     assert not _bytes_equal(pulled[FP8_NAME], seed[FP8_NAME])  # the step moved it
     assert _bytes_equal(pulled[VISION], seed[VISION])
     assert s["static"] == [VISION] and seen[1]["static"] == []
+    # v2, a delta after a sparse step: the F8 tensor's changed bytes travel the delta codec as bytes
+    local2 = tmp_path / "engine2"
+    assert pull(str(local2), fp8_hf, s["source_dir"], s["version2"]).applied_version == s["version2"]
+    pulled2 = _read(local2)
+    q2, scale2 = quantize_e4m3(torch.load(out / "params2-rank0.pt")["decoder.layers.0.mlp.linear_fc2.weight"])
+    assert _bytes_equal(pulled2[FP8_NAME], q2) and _bytes_equal(pulled2[FP8_NAME + "_scale_inv"], scale2)
+    assert not _bytes_equal(pulled2[FP8_NAME], pulled[FP8_NAME]) and _bytes_equal(pulled2[VISION], seed[VISION])
+    assert s["kind2"] == "delta", s["kind2"]
 
 
 # --- the rank process ---------------------------------------------------------------------------
@@ -301,22 +309,28 @@ def _worker(rank: int, cfg: dict) -> None:
     fp8["bf16"] = False
     seen.update(source_dir=updater.source_dir, version=updater.update_weights(update_engines=False).version,
                 static=updater.gatherer.plan.static)
-    updater.close()
     torch.save({n: p.detach().clone() for n, p in model.named_parameters()}, out / f"params-rank{rank}.pt")
+    move_decoder_weights(model, 2, fraction=0.01)  # a sparse step: v2 is a delta, the F8 bytes go through the codec
+    m2 = updater.update_weights(update_engines=False)
+    seen.update(version2=m2.version, kind2=getattr(m2, "kind", None))
+    updater.close()
+    torch.save({n: p.detach().clone() for n, p in model.named_parameters()}, out / f"params2-rank{rank}.pt")
     (out / f"rank{rank}.json").write_text(json.dumps(seen))
     dist.barrier()
 
 
-def move_decoder_weights(model, step: int) -> None:
-    """An "optimizer step" of the decoder layers (the tied embedding copies stay equal, as Megatron's
-    embedding-group all-reduce keeps them)."""
+def move_decoder_weights(model, step: int, fraction: float = 1.0) -> None:
+    """An "optimizer step" of the decoder layers, on ``fraction`` of each one's elements (the tied
+    embedding copies stay equal, as Megatron's embedding-group all-reduce keeps them)."""
     import torch
 
     with torch.no_grad():
         for i, (name, p) in enumerate(model.named_parameters()):
             if name.startswith("decoder.layers."):
                 g = torch.Generator().manual_seed(10_000 * step + i)
-                p.add_(torch.randn(p.shape, generator=g) * 0.05)
+                flat = p.view(-1)
+                idx = torch.randperm(flat.numel(), generator=g)[: max(1, int(flat.numel() * fraction))]
+                flat[idx] += torch.randn(idx.numel(), generator=g) * 0.05
 
 
 def _quantize(t):
