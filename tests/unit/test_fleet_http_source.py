@@ -376,3 +376,16 @@ def test_a_fresh_host_seeds_from_a_side_anchor_served_over_http(fast_tmp_path, r
     finally:
         server.shutdown()
         server.server_close()
+
+
+def test_a_local_file_cut_short_under_its_marker_reseeds_through_the_full_walk_bit_exact(served, origin):
+    served.publish(3)
+    url = f"{origin.base_url}/run"
+    local = served.local()
+    assert pull(local, served.seed, url, 2).applied_version == 2
+    weights = os.path.join(local, "model.safetensors")
+    with open(weights, "r+b") as f:
+        f.truncate(os.path.getsize(weights) - 8)
+    r = pull(local, served.seed, url, 3)  # the walk stops at v2 first; the reseed needs v1 too
+    assert r.applied_version == 3 and r.action == "seed+chain"
+    assert_checkpoint_is(local, served.expected[3])

@@ -446,8 +446,9 @@ def pull_from_http(
         VersionMissingError,
         WeightSyncError,
     )
-    from ..format.layout import state_path
-    from ..format.manifest import parse_version_number, read_applied_state
+    from ..format.layout import run_path, state_path
+    from ..format.manifest import parse_version_number, read_applied_state, read_run_id
+    from ..puller.identity import Origin, source_origin
     from ..hooks import load_callable
     from ..puller.plan import check_target_version, plan_pull
     from .mirror import Mirror, mirror_dir
@@ -483,8 +484,16 @@ def pull_from_http(
         except WeightSyncError:
             source.floor = None
 
+    def planning_origin() -> Origin:
+        # As the bucket's pull does: the seed's fingerprint as the marker recorded it (the pull
+        # computes the real one right after this hook; a changed seed plans past what was
+        # fetched, fails typed, and the full walk below runs).
+        if state is not None and state.seed:
+            return Origin(os.path.realpath(root), read_run_id(run_path(root)), state.seed)
+        return source_origin(root, seed_dir)
+
     def plan_keys(target: int) -> tuple[set[str], str]:
-        plan, indexes = plan_pull(local_checkpoint_dir, seed_dir, root, target)
+        plan, indexes = plan_pull(local_checkpoint_dir, seed_dir, root, target, origin=planning_origin())
         keys: set[str] = set()
         for v in plan.deltas:
             keys |= {f"{version_dir_name(v)}/{f}" for f in set(indexes[v].weight_map.values())}

@@ -119,7 +119,10 @@ class Mirror:
         listing = self.source.list()
         committed = self._refresh(listing, target)
         fetched = self._load_fetched()
-        fetched = {k: t for k, t in fetched.items() if k in listing and listing[k].tag == t and os.path.exists(self._path(k))}
+        # A key whose file is a placeholder again (its dir was dropped and rebuilt by _refresh:
+        # an HTTP source's walk lists only the versions above the local one) is not fetched.
+        fetched = {k: t for k, t in fetched.items() if k in listing and listing[k].tag == t and os.path.exists(self._path(k))
+                   and not is_placeholder(self._path(k))}
         if self.materialize_all:
             needed = {k for k, o in listing.items() if self._is_shard_of(k, committed)}
             why = f"every shard up to v{target} (the fallback after a pull reached an unfetched one)"
