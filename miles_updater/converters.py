@@ -30,6 +30,7 @@ import importlib
 import json
 import logging
 import os
+import re
 from typing import Any, Callable, Iterable
 
 import torch
@@ -55,20 +56,38 @@ def hf_model_type(hf_checkpoint: str) -> str:
         return ""
 
 
+_MTP_RE = re.compile(r"^mtp\.layers\.(\d+)\.(.+)$")
+_MTP_OWN = ("enorm.weight", "hnorm.weight", "eh_proj.weight")
+_MTP_INNER = ("mtp_model_layer.", "transformer_layer.")  # megatron-core 0.19 / older
+
+
 class BuiltinConverter:
     """``hf_mapping`` as the hook: Qwen2/2.5, Qwen3 (dense and MoE), Llama, GLM-4.5-style MoE and
-    DeepSeek-V3-style MLA names.
+    DeepSeek-V3-style MLA names, and their MTP layers (HF layer ``num_layers + i``, as DeepSeek-V3 and
+    GLM-4.5 checkpoints number them).
 
     Stateless: every Megatron parameter maps to its HF tensors on its own (a full tensor is one
     shard, so the same qkv and gate/up splits apply).
     """
 
-    def __init__(self, att: AttentionLayout, *, tied_embeddings: bool, model_type: str = ""):
+    def __init__(self, att: AttentionLayout, *, tied_embeddings: bool, model_type: str = "",
+                 num_layers: int | None = None):
         self.att = att
         self.tied_embeddings = tied_embeddings
         self.model_type = model_type
+        self.num_layers = num_layers
 
     def __call__(self, name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+        m = _MTP_RE.match(name)
+        if m and self.num_layers is not None:
+            layer, rest = self.num_layers + int(m.group(1)), m.group(2)
+            if rest in _MTP_OWN:
+                return [(f"model.layers.{layer}.{rest}", tensor)]
+            if rest == "final_layernorm.weight":
+                return [(f"model.layers.{layer}.shared_head.norm.weight", tensor)]
+            for inner in _MTP_INNER:
+                if rest.startswith(inner):
+                    name = f"decoder.layers.{layer}.{rest[len(inner):]}"
         return to_hf(name, [tensor], None, self.att, tied_embeddings=self.tied_embeddings,
                      family=self.model_type)
 
@@ -142,11 +161,12 @@ def _hf_config(hf_checkpoint: str):
 
 
 def resolve_converter(spec: str | MegatronToHF | None, *, args: Any = None, hf_checkpoint: str,
-                      att: AttentionLayout, tied_embeddings: bool) -> MegatronToHF:
+                      att: AttentionLayout, tied_embeddings: bool, num_layers: int | None = None) -> MegatronToHF:
     """The converter a flag value names: ``builtin`` (default), ``trainer``, ``pkg.mod.fn`` (called
     as ``fn(args)``, it returns the converter), or a converter itself."""
     if spec is None or spec == "builtin":
-        return BuiltinConverter(att, tied_embeddings=tied_embeddings, model_type=hf_model_type(hf_checkpoint))
+        return BuiltinConverter(att, tied_embeddings=tied_embeddings, model_type=hf_model_type(hf_checkpoint),
+                                num_layers=num_layers)
     if callable(spec):
         return spec
     if spec == "trainer":

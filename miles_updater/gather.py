@@ -254,7 +254,7 @@ class HFWeightGatherer:
         error = None
         try:
             self.converter = resolve_converter(converter, args=args, hf_checkpoint=hf_checkpoint, att=self.att,
-                                               tied_embeddings=self.tied)
+                                               tied_embeddings=self.tied, num_layers=self.config.num_layers)
         except Exception as e:  # noqa: BLE001 - reported on every rank below
             error = f"binding the converter {converter!r}: {type(e).__name__}: {e}"
         all_ranks_ok(error, self.group)

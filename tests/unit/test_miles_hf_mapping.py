@@ -166,3 +166,22 @@ def test_each_familys_megatron_names_map_to_its_checkpoint_names(family, name, h
 def test_mla_names_are_refused_for_a_family_without_mla():
     with pytest.raises(MappingError):
         to_hf_names("decoder.layers.0.self_attention.linear_kv_up_proj.weight", ATT, family="qwen3")
+
+
+MTP_NAMES = [
+    ("mtp.layers.0.enorm.weight", ["model.layers.4.enorm.weight"]),
+    ("mtp.layers.0.hnorm.weight", ["model.layers.4.hnorm.weight"]),
+    ("mtp.layers.0.eh_proj.weight", ["model.layers.4.eh_proj.weight"]),
+    ("mtp.layers.0.final_layernorm.weight", ["model.layers.4.shared_head.norm.weight"]),
+    ("mtp.layers.1.mtp_model_layer.input_layernorm.weight", ["model.layers.5.input_layernorm.weight"]),
+    ("mtp.layers.0.transformer_layer.mlp.router.expert_bias", ["model.layers.4.mlp.gate.e_score_correction_bias"]),
+    ("mtp.layers.0.mtp_model_layer.mlp.experts.linear_fc2.weight3", ["model.layers.4.mlp.experts.3.down_proj.weight"]),
+]
+
+
+@pytest.mark.parametrize("name,hf", MTP_NAMES)
+def test_mtp_layers_map_after_the_decoders_layers_as_deepseek_and_glm_checkpoints_number_them(name, hf):
+    from miles_updater.converters import BuiltinConverter
+
+    conv = BuiltinConverter(ATT, tied_embeddings=False, model_type="glm4_moe", num_layers=4)
+    assert [n for n, _ in conv(name, torch.zeros(4))] == hf
