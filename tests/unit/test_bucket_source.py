@@ -348,3 +348,24 @@ def test_two_ranks_sharing_a_staging_dir_publish_one_version_that_rank_0_uploads
         assert_checkpoint_is(local, bucket_run.expected[v])
     index = json.loads(BucketSource(bucket_run.url).read(f"weight_v000002/{INDEX}"))
     assert {f.split("-")[1] for f in index["weight_map"].values()} == {"r00000", "r00001"}
+
+
+def test_after_a_deferred_pull_the_spool_is_emptied_once_the_flush_lets_go_of_the_lock(bucket_run):
+    import time
+
+    from weightsync import pull
+    from weightsync.puller.pull import wait_until_durable
+
+    pub = bucket_run.publisher()
+    bucket_run.publish_versions(pub, 2, full_at={1})
+    local = bucket_run.fresh_local()
+    r = pull(local, bucket_run.seed, bucket_run.url, 2, durability="deferred")
+    assert r.applied_version == 2
+    assert wait_until_durable(local, 60)
+    root = mirror_dir(local, parse_bucket_url(bucket_run.url))
+    shards = [os.path.join(root, d, f) for d in ("weight_v000001", "weight_v000002")
+              for f in os.listdir(os.path.join(root, d)) if f.endswith(".safetensors")]
+    deadline = time.monotonic() + 30
+    while not all(is_placeholder(p) for p in shards) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert shards and all(is_placeholder(p) for p in shards)
