@@ -158,11 +158,6 @@ class HttpSource:
         self.digests: dict[str, FileDigest] = {}  # key -> what the index records for that file
         self._indexes: dict[str, bytes] = {}  # key -> index bytes read by the last list()
         self._local = threading.local()
-        # What the pull did, for its caller and the benchmark.
-        self.refetched: list[tuple[str, str]] = []  # (key, why the cache's copy was passed over)
-        self.origin_nbytes = 0
-        self.cache_nbytes = 0
-        self._count = threading.Lock()
 
     # --- the Source operations the mirror uses ------------------------------------------
 
@@ -260,8 +255,6 @@ class HttpSource:
             if why is None:
                 return obj.size
             log.warning("%s: the cache's copy of %s %s: fetching it from the origin %s", self.name, obj.key, why, self.origin)
-            with self._count:
-                self.refetched.append((obj.key, why))
         self._fetch_from(self.origin, obj, dst, progress, deadline, NO_CACHE)
         why = self._mismatch(dst, expected)
         if why is not None:
@@ -315,7 +308,6 @@ class HttpSource:
                 if len(whole) != obj.size:
                     raise SourceChangedError(str(base), obj.key, f" ({len(whole)} bytes, planned {obj.size})")
                 put(0, whole)
-                self._counted(base, len(whole))
                 return obj.size
             put(ranges[0][0], first)
             rest = ranges[1:]
@@ -334,17 +326,9 @@ class HttpSource:
                 with ThreadPoolExecutor(workers, thread_name_prefix="weightsync-http") as pool:
                     for f in [pool.submit(one, r) for r in rest]:
                         f.result()
-            self._counted(base, obj.size)
         finally:
             os.close(fd)
         return obj.size
-
-    def _counted(self, base: HttpURL, n: int) -> None:
-        with self._count:
-            if base == self.origin:
-                self.origin_nbytes += n
-            else:
-                self.cache_nbytes += n
 
     def _get_range(self, base: HttpURL, obj: ObjectInfo, r: tuple[int, int], deadline: Deadline,
                    headers: dict[str, str]) -> "bytes | None":
