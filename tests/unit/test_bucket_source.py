@@ -369,3 +369,15 @@ def test_after_a_deferred_pull_the_spool_is_emptied_once_the_flush_lets_go_of_th
     while not all(is_placeholder(p) for p in shards) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert shards and all(is_placeholder(p) for p in shards)
+
+
+def test_a_version_of_many_shards_uploads_them_in_parallel_and_pulls_to_the_published_bytes(bucket_run, monkeypatch):
+    monkeypatch.setenv("WEIGHTSYNC_FULL_SHARD_NBYTES", "4096")  # several shards per version
+    monkeypatch.setenv("WEIGHTSYNC_DELTA_SHARD_NBYTES", "512")
+    monkeypatch.setenv("WEIGHTSYNC_BUCKET_OBJECTS_IN_FLIGHT", "3")
+    pub = bucket_run.publisher()
+    bucket_run.publish_versions(pub, 3, full_at={1})
+    assert sum(k.startswith("weight_v000001/") and k.endswith(".safetensors") for k in keys(bucket_run.url)) > 2
+    local = bucket_run.fresh_local()
+    bucket_run.assert_pulls(1, local)
+    bucket_run.assert_pulls(3, local)

@@ -32,6 +32,7 @@ import logging
 import os
 import re
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 
 import xxhash
 
@@ -39,6 +40,7 @@ from ..errors import BucketConflictError, ConditionalWritesUnsupportedError, Pub
 from ..format.layout import INDEX_NAME, RUN_NAME, is_weight_file
 from ..format.manifest import is_committed, read_run_id
 from ..fsio import write_bytes
+from .client import OBJECTS_IN_FLIGHT
 from .source import BucketSource
 from .url import BucketURL, parse_bucket_url
 
@@ -172,14 +174,15 @@ class BucketTarget:
             self.uploaded.add(name)
             return
         keys: dict[str, str] = {}
+        uploads: list[tuple[str, str]] = []
         for fname in sorted(set(index.get("weight_map", {}).values())):
             path = os.path.join(local, fname)
             key = f"{name}/{content_key(fname, path)}"
             keys[fname] = key.split("/", 1)[1]
-            size = os.path.getsize(path)
-            if key in there and there[key].size == size:
+            if key in there and there[key].size == os.path.getsize(path):
                 continue  # the same bytes, uploaded by an earlier attempt
-            self.source.put_file(key, path)
+            uploads.append((key, path))
+        self._put_all(uploads)
         for entry in sorted(os.listdir(local)):
             path = os.path.join(local, entry)
             if entry == INDEX_NAME or is_weight_file(entry) or entry.startswith(".") or not os.path.isfile(path):
@@ -200,6 +203,21 @@ class BucketTarget:
             self.source.delete(leftovers)
         self.uploaded.add(name)
         log.info("%s/%s committed (%d shard(s))", self.url, name, len(keys))
+
+    def _put_all(self, uploads: list[tuple[str, str]]) -> None:
+        """Upload (key, path) pairs, WEIGHTSYNC_BUCKET_OBJECTS_IN_FLIGHT at once (each itself a
+        multipart upload of a few parts in flight); all finish before the first error is raised."""
+        workers = max(1, min(int(OBJECTS_IN_FLIGHT.get()), len(uploads)))
+        if workers <= 1:
+            for key, path in uploads:
+                self.source.put_file(key, path)
+            return
+        with ThreadPoolExecutor(workers, thread_name_prefix="weightsync-upload") as pool:
+            futures = [pool.submit(self.source.put_file, key, path) for key, path in uploads]
+            errors = [f.exception() for f in futures]
+        first = next((e for e in errors if e is not None), None)
+        if first is not None:
+            raise first
 
     def _check_ours(self, name: str, index_key: str, ours: bytes | None) -> None:
         """The bucket's index of ``name`` is ours (byte-equal to what we would write), else a conflict."""
