@@ -11,6 +11,7 @@ generates from the same weights.
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
 
 import pytest
@@ -40,6 +41,7 @@ def s3():
             else:
                 os.environ[k] = v
         server.stop()
+        shutil.rmtree(root, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")
