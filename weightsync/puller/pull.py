@@ -298,7 +298,7 @@ def pull(
                                 progress=progress, force=force)
     if is_http_url(source_dir):
         # An HTTP(S) source (a static server, or a caching tier in front of one): the same mirror.
-        from ..storage.http import pull_from_http
+        from .http import pull_from_http
 
         return pull_from_http(pull, _check_local_dir, local_checkpoint_dir, seed_dir, source_dir, target_version,
                               pre_read_hook, lock_timeout_s=lock_timeout_s, workers=workers, durability=durability,
