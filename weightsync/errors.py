@@ -931,3 +931,31 @@ class HttpSourceUnavailableError(BucketUnavailableError):
 
 
 __all__ += ["HttpSourceURLError", "PayloadFileMismatchError", "HttpSourceUnavailableError"]
+
+
+class SwarmUnavailableError(InvalidRequestError, ImportError):
+    """The BitTorrent swarm (``weightsync[swarm]``, docs/FLEET.md) was asked for, but its optional
+    package, libtorrent, is not installed. Raised before anything is written."""
+
+    def __init__(self, what: str, cause: str = ""):
+        self.what = what
+        self.package = "libtorrent"
+        self.cause = cause
+        super().__init__(
+            f"{what} needs the optional package 'libtorrent' (the BitTorrent v2 swarm), which this install "
+            f"lacks{': ' + cause if cause else ''}. pip install 'weightsync[swarm]' (or libtorrent), or leave the "
+            "swarm off (no WEIGHTSYNC_SWARM_PEERS / WEIGHTSYNC_PUBLISH_TORRENT): the source alone serves every host."
+        )
+
+
+class SwarmConfigError(InvalidRequestError):
+    """A swarm setting (a peer address, the listen address, a tracker URL) that cannot be used."""
+
+    def __init__(self, setting: str, value: object, expected: str):
+        self.setting = setting
+        self.value = value
+        self.expected = expected
+        super().__init__(f"swarm setting {setting}={value!r} cannot be used: expected {expected}.")
+
+
+__all__ += ["SwarmUnavailableError", "SwarmConfigError"]

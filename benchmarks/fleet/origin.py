@@ -4,7 +4,7 @@ served: the source dir of the fleet benchmark and of the HTTP source's tests.
 Python's ``http.server`` ignores ``Range``; this one answers ``bytes=a-b`` with 206 and a
 ``Content-Range``, and streams bodies in 1 MiB writes so a rate-limited link paces it.
 
-    python -m benchmarks.fleet.origin DIR --bind 10.77.0.1 --port 8000 [--log FILE]
+    python -m benchmarks.fleet.origin DIR --bind 10.77.0.1 --port 8000 [--log FILE] [--throttle N]
 """
 
 from __future__ import annotations
@@ -140,8 +140,10 @@ def main() -> None:
     ap.add_argument("--bind", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=8000)
     ap.add_argument("--log", default=None, help="append one JSON line per request: [method, path, bytes]")
+    ap.add_argument("--throttle", type=int, default=0, help="answer 503 SlowDown to the first N payload requests")
     a = ap.parse_args()
     server = OriginServer(a.root, (a.bind, a.port), a.log)
+    server.throttle = a.throttle
     try:
         server.serve_forever()
     except KeyboardInterrupt:

@@ -4,7 +4,15 @@ repeat bring every host from nothing to the version with our real pull, and repo
 Modes (same version, same data, same run):
   direct  every host pulls from the origin (today's "every host reads the source");
   cache   ``caches`` hosts also run the nginx caching tier (benchmarks/fleet/nginx-cache.conf.template);
-          host i pulls through cache i % caches, with WEIGHTSYNC_HTTP_ORIGIN naming the origin.
+          host i pulls through cache i % caches, with WEIGHTSYNC_HTTP_ORIGIN naming the origin;
+  swarm   every host joins the version's BitTorrent v2 swarm (``weightsync.storage.swarm``; the
+          publisher wrote ``payload.torrent``), the origin as web seed, the fleet's roster as peers,
+          and keeps seeding until the whole fleet is done.
+
+Faults (``fault=``, issue 29.4): ``torn_cache`` (cache mode), ``bad_peer`` (an extra fleet member
+serving corrupted pieces: benchmarks/fleet/bad_peer.py), ``half_killed`` (every odd host killed as
+soon as any host holds swarm bytes; the survivors are judged), ``throttled_source`` (the origin
+answers 503 SlowDown to the first 2·H payload requests, in every mode).
 
 Time to fleet = max over hosts of (the time its pull returned the verified version) - the common
 start. Each mode starts from fresh local dirs and fresh caches. Every host's tensors are then
@@ -34,17 +42,20 @@ ORIGIN_PORT, CACHE_PORT = 8000, 8080
 
 def model_times(hosts: int, caches: int, d_mb: float, host_mbps: float, src_mbps: float) -> dict[str, float]:
     """The note's transport lower bounds (MB, MB/s): direct max(H D/S, D/b); the cache tier with
-    nginx's store-and-forward lock max(C D/S, D/b) + (H/C - 1) D/b."""
+    nginx's store-and-forward lock max(C D/S, D/b) + (H/C - 1) D/b; the swarm
+    max(D/S, D/b, H D/(S + H b)) (the note measured about 1.2 D/b + 3 s of start-up on this box)."""
     per_cache = -(-hosts // caches) if caches else hosts
     return {
+        "swarm": max(d_mb / src_mbps, d_mb / host_mbps, hosts * d_mb / (src_mbps + hosts * host_mbps)),
         "direct": max(hosts * d_mb / src_mbps, d_mb / host_mbps),
         "cache": max(caches * d_mb / src_mbps, d_mb / host_mbps) + max(per_cache - 1, 0) * d_mb / host_mbps if caches else float("nan"),
     }
 
 
-def build_run(work: str, model_mb: float, changed: float, seed: int = 0) -> tuple[str, str, dict[str, str], int]:
+def build_run(work: str, model_mb: float, changed: float, seed: int = 0, torrent: bool = False) -> tuple[str, str, dict[str, str], int]:
     """A seed checkpoint and a run with v1 (a sparse-v1 delta: ``changed`` of the elements moved
-    a little). Returns (www root, seed dir, tensor -> xxh3-128 of v1's bytes, delta bytes)."""
+    a little; with ``torrent``, published with its payload.torrent). Returns (www root, seed dir,
+    tensor -> xxh3-128 of v1's bytes, delta bytes)."""
     sys.path.insert(0, os.path.join(ROOT, "tests", "unit"))
     try:
         from core_support import write_hf_checkpoint
@@ -58,9 +69,24 @@ def build_run(work: str, model_mb: float, changed: float, seed: int = 0) -> tupl
     seed_dir = os.path.join(work, "seed")
     write_hf_checkpoint(seed_dir, t0)
     www = os.path.join(work, "www")
-    pub = Publisher(os.path.join(www, "run"), template_dir=seed_dir, encoding="sparse-v1", workers=1)
+    if torrent:
+        os.environ["WEIGHTSYNC_PUBLISH_TORRENT"] = "1"
+    try:
+        pub = Publisher(os.path.join(www, "run"), template_dir=seed_dir, encoding="sparse-v1", workers=1)
+        _publish_v1(pub, t0, t1 := {}, rng, changed)
+    finally:
+        if torrent:
+            os.environ.pop("WEIGHTSYNC_PUBLISH_TORRENT", None)
+    vdir = os.path.join(www, "run", "weight_v000001")
+    with open(os.path.join(vdir, "model.safetensors.index.json")) as f:
+        files = set(json.load(f)["weight_map"].values())
+    delta = sum(os.path.getsize(os.path.join(vdir, f)) for f in files)
+    expected = {k: xxhash.xxh3_128_hexdigest(np.ascontiguousarray(v).tobytes()) for k, v in t1.items()}
+    return www, seed_dir, expected, delta
+
+
+def _publish_v1(pub, t0: dict, t1: dict, rng, changed: float) -> None:
     pub.seed_snapshot(t0)
-    t1 = {}
     for k, v in t0.items():
         v = v.copy()
         flat = v.reshape(-1)
@@ -69,12 +95,6 @@ def build_run(work: str, model_mb: float, changed: float, seed: int = 0) -> tupl
         t1[k] = v
     pub.publish(1, t1, full=False)
     pub.close()
-    vdir = os.path.join(www, "run", "weight_v000001")
-    with open(os.path.join(vdir, "model.safetensors.index.json")) as f:
-        files = set(json.load(f)["weight_map"].values())
-    delta = sum(os.path.getsize(os.path.join(vdir, f)) for f in files)
-    expected = {k: xxhash.xxh3_128_hexdigest(np.ascontiguousarray(v).tobytes()) for k, v in t1.items()}
-    return www, seed_dir, expected, delta
 
 
 def check_host(local: str, expected: dict[str, str]) -> bool:
@@ -122,15 +142,21 @@ def tear_cached_copies(fab: Fabric, tier: "list[NginxCache]", url_path: str, fil
     return torn
 
 
+SWARM_PORT = 6881
+
+
 def run_mode(fab: Fabric, mode: str, caches: int, work: str, url_path: str, seeds: list[str],
              expected: dict[str, str], origin_log: str, timeout_s: float, fault: "str | None" = None,
-             payload_files: "list[str] | None" = None) -> dict:
-    n = fab.n
+             payload_files: "list[str] | None" = None, www: "str | None" = None) -> dict:
+    n = len(seeds)  # the fabric may hold one more namespace: the bad peer's
     mdir = os.path.join(work, f"mode-{mode}-{time.monotonic_ns()}")
     os.makedirs(mdir)
     tier: list[NginxCache] = []
     torn = 0
+    killed: list[int] = []
     before = origin_bytes(origin_log)
+    linger = os.path.join(mdir, "fleet.done")
+    roster = [f"{fab.host_ip(i)}:{SWARM_PORT}" for i in range(n)]
     try:
         if mode == "cache":
             for j in range(caches):
@@ -138,35 +164,54 @@ def run_mode(fab: Fabric, mode: str, caches: int, work: str, url_path: str, seed
                                        f"{fab.source_ip}:{ORIGIN_PORT}", netns=fab.host(j)).start())
             if fault == "torn_cache":
                 torn = tear_cached_copies(fab, tier, url_path, payload_files or [])
+        if mode == "swarm" and fault == "bad_peer":
+            ready = os.path.join(mdir, "bad_peer.ready")
+            vdir = os.path.join(www or "", url_path.strip("/"), "weight_v000001")
+            fab.spawn(fab.host(n), [PY, "-m", "benchmarks.fleet.bad_peer", "--torrent", os.path.join(vdir, "payload.torrent"),
+                                    "--files", vdir, "--listen", f"{fab.host_ip(n)}:{SWARM_PORT}",
+                                    "--work", os.path.join(mdir, "bad_peer"), "--ready", ready],
+                      cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT))
+            _wait_for([ready], [], timeout_s, "the bad peer's start-up")
+            roster.insert(0, f"{fab.host_ip(n)}:{SWARM_PORT}")  # first in every host's list
         go = os.path.join(mdir, "go")
         procs = []
         for i in range(n):
             hdir = os.path.join(mdir, f"h{i}")
             os.makedirs(hdir)
             env = dict(os.environ, WEIGHTSYNC_APPLY_WORKERS="1", PYTHONPATH=ROOT)
+            extra: list[str] = []
             if mode == "cache":
                 url = f"http://{fab.host_ip(i % caches)}:{CACHE_PORT}{url_path}"
                 env["WEIGHTSYNC_HTTP_ORIGIN"] = f"http://{fab.source_ip}:{ORIGIN_PORT}"
             else:
                 url = f"http://{fab.source_ip}:{ORIGIN_PORT}{url_path}"
                 env.pop("WEIGHTSYNC_HTTP_ORIGIN", None)
+            if mode == "swarm":
+                extra = ["--swarm-listen", f"{fab.host_ip(i)}:{SWARM_PORT}", "--swarm-peers", ",".join(roster),
+                         "--linger-until", linger]
             procs.append(fab.spawn(fab.host(i), [
                 PY, "-m", "benchmarks.fleet.host", "--local", os.path.join(hdir, "local"), "--seed", seeds[i],
                 "--url", url, "--version", "1", "--ready", os.path.join(hdir, "ready"), "--go", go,
-                "--result", os.path.join(hdir, "result.json"), "--wait-s", str(timeout_s)], env=env, cwd=ROOT))
+                "--result", os.path.join(hdir, "result.json"), "--wait-s", str(timeout_s), *extra], env=env, cwd=ROOT))
         _wait_for([os.path.join(mdir, f"h{i}", "ready") for i in range(n)], procs, timeout_s, "host start-up")
         t0 = time.time() + 0.5
         with open(go + ".tmp", "w") as f:
             f.write(repr(t0))
         os.replace(go + ".tmp", go)
-        _wait_for([os.path.join(mdir, f"h{i}", "result.json") for i in range(n)], procs, timeout_s, f"{mode} pulls")
-        for p in procs:
-            p.wait(timeout=30)
+        if fault == "half_killed":
+            killed = _kill_half_mid_swarm(mdir, procs, timeout_s)
+        alive = [i for i in range(n) if i not in killed]
+        _wait_for([os.path.join(mdir, f"h{i}", "result.json") for i in alive], [procs[i] for i in alive], timeout_s,
+                  f"{mode} pulls")
+        with open(linger, "w") as f:
+            f.write("1")
+        for i in alive:
+            procs[i].wait(timeout=30)
     finally:
         for c in tier:
             c.stop()
     results = []
-    for i in range(n):
+    for i in alive:
         with open(os.path.join(mdir, f"h{i}", "result.json")) as f:
             r = json.load(f)
         r["bytes_ok"] = check_host(os.path.join(mdir, f"h{i}", "local"), expected)
@@ -178,10 +223,47 @@ def run_mode(fab: Fabric, mode: str, caches: int, work: str, url_path: str, seed
         "origin_bytes": origin_bytes(origin_log) - before,
         "errors": sorted({r["error"] for r in results if r.get("error")})[:3],
     }
+    if mode == "swarm":
+        sw = [r.get("swarm") or {} for r in results]
+        out["swarm"] = {k: sum(x.get(k, 0) for x in sw) for k in ("delivered", "fell_back", "rejected", "hash_failures")}
+        out["swarm"]["why"] = sorted({x.get("why") for x in sw if x.get("why")})[:3]
     if fault:
-        out.update(fault=fault, torn_copies=torn)
+        out.update(fault=fault, torn_copies=torn, killed=len(killed), hosts_judged=len(results))
     shutil.rmtree(mdir, ignore_errors=True)
     return out
+
+
+def _kill_half_mid_swarm(mdir: str, procs: list[subprocess.Popen], timeout_s: float) -> list[int]:
+    """Every odd host killed (SIGKILL, its process group) once any host holds swarm bytes and
+    before every host is done: mid-swarm."""
+    import signal
+
+    n = len(procs)
+    deadline = time.monotonic() + timeout_s
+
+    def swarm_bytes(i: int) -> int:
+        total = 0
+        for root, _dirs, files in os.walk(os.path.join(mdir, f"h{i}", "local", ".weight_sync", "swarm")):
+            for f in files:
+                try:
+                    total += os.stat(os.path.join(root, f)).st_blocks
+                except FileNotFoundError:
+                    pass
+        return total
+
+    while not any(swarm_bytes(i) for i in range(n)):
+        if time.monotonic() > deadline:
+            raise TimeoutError("half_killed: no host received a swarm byte")
+        time.sleep(0.02)
+    victims = [i for i in range(1, n, 2)]
+    for i in victims:
+        try:
+            os.killpg(procs[i].pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    for i in victims:
+        procs[i].wait(timeout=30)
+    return victims
 
 
 def _wait_for(paths: list[str], procs: list[subprocess.Popen], timeout_s: float, what: str) -> None:
@@ -198,13 +280,15 @@ def _wait_for(paths: list[str], procs: list[subprocess.Popen], timeout_s: float,
 def run_fleet(hosts: int, caches: int, model_mb: float, changed: float, host_mbit: float, src_mbit: float,
               modes: "list[str]", repeats: int, work: "str | None" = None, timeout_s: float = 300,
               log=print, fault: "str | None" = None) -> dict:
-    """``fault="torn_cache"``: in cache mode every cache holds a torn copy of each payload file
-    before the hosts start (``tear_cached_copies``)."""
-    """Everything, torn down at the end (also on failure). Returns rows and a summary."""
+    """Everything, torn down at the end (also on failure). Returns rows and a summary.
+
+    ``fault``: ``torn_cache`` (in cache mode every cache holds a torn copy of each payload file
+    before the hosts start: ``tear_cached_copies``), ``bad_peer``, ``half_killed``,
+    ``throttled_source`` (the module's doc)."""
     base = work or tempfile.mkdtemp(prefix="ws-fleet-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
     os.makedirs(base, exist_ok=True)
     try:
-        www, seed_dir, expected, delta = build_run(base, model_mb, changed)
+        www, seed_dir, expected, delta = build_run(base, model_mb, changed, torrent="swarm" in modes)
         with open(os.path.join(www, "run", "weight_v000001", "model.safetensors.index.json")) as f:
             payload_files = [f"weight_v000001/{n}" for n in sorted(set(json.load(f)["weight_map"].values()))]
         seeds = []
@@ -220,16 +304,17 @@ def run_fleet(hosts: int, caches: int, model_mb: float, changed: float, host_mbi
         log(json.dumps({"shape": shape}))
         rows = []
         origin_log = os.path.join(base, "origin.log")
-        with Fabric(hosts, host_mbit, src_mbit) as fab:
+        throttle = ["--throttle", str(2 * hosts)] if fault == "throttled_source" else []
+        with Fabric(hosts + (1 if fault == "bad_peer" else 0), host_mbit, src_mbit) as fab:
             fab.spawn(fab.source, [PY, "-m", "benchmarks.fleet.origin", www, "--bind", fab.source_ip, "--port",
-                                   str(ORIGIN_PORT), "--log", origin_log], cwd=ROOT,
+                                   str(ORIGIN_PORT), "--log", origin_log, *throttle], cwd=ROOT,
                       env=dict(os.environ, PYTHONPATH=ROOT), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             _wait_port(fab, fab.source, fab.source_ip, ORIGIN_PORT)
             for rep in range(repeats):
                 for mode in modes:
                     load = os.getloadavg()[0]
                     r = run_mode(fab, mode, caches, base, "/run", seeds, expected, origin_log, timeout_s,
-                                 fault, payload_files)
+                                 fault, payload_files, www)
                     r.update(rep=rep, model_s=round(model[mode], 2), load_avg=round(load, 1))
                     rows.append(r)
                     log(json.dumps(r))

@@ -20,6 +20,7 @@ same version number, giving the same bytes.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shutil
@@ -43,7 +44,8 @@ from ..errors import (
     host_resource_error,
 )
 from ..format.checksum import DEFAULT_CHECKSUM, new_hasher, supported_checksums
-from ..format.file_digests import with_file_digests
+from ..format.file_digests import read_file_digests, with_file_digests
+from ..storage.swarm import check_publish_torrent, write_version_torrent
 from ..format.layout import (
     INDEX_NAME,
     anchor_dir,
@@ -361,6 +363,9 @@ class Committer:
         # The digest of each payload file (FORMAT.md "file_digests"): what a cache or a peer that
         # serves the files is checked against before a puller uses their bytes.
         index = with_file_digests(directory, index)
+        # Opt-in (WEIGHTSYNC_PUBLISH_TORRENT=1): a BitTorrent v2 torrent of the payload files for
+        # the fleet's swarm (storage.swarm), written before the index commits the version.
+        write_version_torrent(directory, sorted(read_file_digests(json.loads(index))))
         fsync_dir(directory)
         write_bytes(os.path.join(directory, INDEX_NAME), index, atomic=self.atomic)
         fsync_dir(directory)
@@ -478,6 +483,7 @@ class Publisher:
         if checksum not in supported_checksums():
             raise UnsupportedFormatError("checksum_format", checksum, supported_checksums())
         new_hasher(checksum)  # blake3 without its package fails here, not mid-publish
+        check_publish_torrent()  # WEIGHTSYNC_PUBLISH_TORRENT=1 without libtorrent fails here, not mid-publish
         if not 0 <= rank < world_size:
             raise PublishError(f"rank {rank} is not in [0, {world_size})")
         self.bucket = None

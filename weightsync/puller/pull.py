@@ -22,7 +22,7 @@ import os
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Callable, Literal
+from typing import TYPE_CHECKING, Callable, Literal
 
 import msgspec
 import numpy as np
@@ -66,6 +66,9 @@ from ..fsio import is_pid_alive, write_bytes
 from ..hooks import load_callable
 from ..storage.url import is_bucket_url
 from ..storage.http import is_http_url
+
+if TYPE_CHECKING:
+    from ..storage.swarm import SwarmConfig
 from .apply import (
     VerifyFailed,
     _close_map,
@@ -254,6 +257,7 @@ def pull(
     durability: Durability = "sync",
     progress: "Callable[[int, int], None] | None" = None,
     force: bool = False,
+    swarm: "SwarmConfig | bool | None" = None,
 ) -> PullResult:
     """Bring ``local_checkpoint_dir`` to ``target_version``.
 
@@ -276,6 +280,9 @@ def pull(
         progress: ``fn(tensors_done, tensors_total)``, called as tensors are applied.
         force: pull into a non-empty dir that weightsync did not write (no ``.weight_sync/``),
             replacing its files; refused otherwise (``LocalDirNotOursError``).
+        swarm: an HTTP(S) source only: fetch the version's payload files from the fleet's
+            BitTorrent v2 swarm first (``storage.swarm``, docs/FLEET.md), the source as web seed and
+            fallback. None: as ``WEIGHTSYNC_SWARM_PEERS`` says (off when unset); False: off.
 
     Returns:
         PullResult with the plan's action and reason, and timings.
@@ -298,6 +305,11 @@ def pull(
                                 progress=progress, force=force)
     if is_http_url(source_dir):
         # An HTTP(S) source (a static server, or a caching tier in front of one): the same mirror.
+        swarm_cfg = _swarm_config(swarm)
+        if swarm_cfg is not None:  # the fleet's swarm first, the source as web seed and fallback
+            return _pull_with_swarm(swarm_cfg, local_checkpoint_dir, seed_dir, source_dir, target_version, pre_read_hook,
+                                    lock_timeout_s=lock_timeout_s, workers=workers, durability=durability,
+                                    progress=progress, force=force)
         from .http import pull_from_http
 
         return pull_from_http(pull, _check_local_dir, local_checkpoint_dir, seed_dir, source_dir, target_version,
@@ -390,6 +402,42 @@ def pull(
         " (after a reseed)" if result.reseeded else "",
     )
     return result
+
+
+def _swarm_config(swarm: "SwarmConfig | bool | None") -> "SwarmConfig | None":
+    if swarm is False:
+        return None
+    from ..storage.swarm import SwarmConfig
+
+    if swarm is None or swarm is True:
+        cfg = SwarmConfig.from_env()
+        if cfg is None and swarm is True:
+            raise InvalidRequestError("swarm=True needs WEIGHTSYNC_SWARM_PEERS or WEIGHTSYNC_SWARM_TRACKER (whom to ask)")
+        return cfg
+    if not isinstance(swarm, SwarmConfig):
+        raise InvalidRequestError(f"swarm must be a SwarmConfig, True, False or None, got {swarm!r}")
+    return swarm
+
+
+def _pull_with_swarm(cfg: "SwarmConfig", local: str, seed_dir: str, source_url: str, target: int, hook, **kw) -> PullResult:
+    """The HTTP pull with the swarm as the mirror's first step: what it delivers (checked against
+    the index's file digests) is not fetched from the source; the per-tensor verification decides."""
+    from ..storage.http import parse_http_url
+    from ..storage.mirror import PREFETCH
+    from ..storage.swarm import mirror_prefetcher
+
+    try:
+        from .http import pull_from_http
+    except ImportError:
+        from ..storage.http import pull_from_http  # type: ignore[no-redef,attr-defined]
+    if not isinstance(local, str) or not local:
+        raise InvalidRequestError(f"local_checkpoint_dir must be a non-empty path, got {local!r}")
+    url = parse_http_url(source_url)
+    token = PREFETCH.set(mirror_prefetcher(cfg, local, str(url)))
+    try:
+        return pull_from_http(pull, _check_local_dir, local, seed_dir, source_url, target, hook, **kw)
+    finally:
+        PREFETCH.reset(token)
 
 
 def _check_local_dir(local: str, force: bool) -> None:

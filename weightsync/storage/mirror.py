@@ -31,6 +31,7 @@ import shutil
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from contextvars import ContextVar
 from typing import Callable
 
 from ..errors import SourceNotReadyError
@@ -47,6 +48,12 @@ PLACEHOLDER_MAGIC = b"WSYNC-NOT-FETCHED\n"  # as a little-endian u64 header leng
 # the shards whose bytes are in the mirror, and of every file the mirror has.
 _FETCHED_NAME = ".fetched.json"
 _DIR_RE = re.compile(r"^(weight_v|anchor_v)(\d{6,})$")
+
+
+# An optional step before the fetch (the fleet swarm, ``storage.swarm``): ``fn(mirror, objs,
+# deadline_left_s)`` puts what it can of ``objs`` into the mirror, each checked against the index's
+# file digests, and returns their keys; the rest is fetched from the source as before.
+PREFETCH: "ContextVar[Callable | None]" = ContextVar("weightsync_mirror_prefetch", default=None)
 
 
 def mirror_dir(local_checkpoint_dir: str, url: BucketURL) -> str:
@@ -80,6 +87,7 @@ class Mirror:
         self.fetch_progress = fetch_progress
         self.materialize_all = False
         self.fetched_nbytes = 0
+        self.prefetched_nbytes = 0
         self.fetch_s = 0.0
 
     # --- the run file (outside the lock: one GET, so a changed run is seen before the no-op check)
@@ -140,6 +148,15 @@ class Mirror:
             _write_placeholder(self._path(k), listing[k].size)
             del fetched[k]
         self._save_fetched(fetched)
+        prefetch = PREFETCH.get()
+        if prefetch is not None and missing:
+            got = prefetch(self, missing, Deadline.from_knob().left())
+            for o in missing:
+                if o.key in got:
+                    fetched[o.key] = o.tag
+            self._save_fetched(fetched)
+            self.prefetched_nbytes += sum(o.size for o in missing if o.key in got)
+            missing = [o for o in missing if o.key not in got]
         total = sum(o.size for o in missing)
         log.info("%s: fetching %d object(s), %d bytes, for: %s", self.source.name, len(missing), total, why)
         t = time.perf_counter()
@@ -163,6 +180,31 @@ class Mirror:
                 freed += size
         self._save_fetched({})
         return freed
+
+    def hand_over(self, src: str, dst: str) -> "int | None":
+        """A fetched shard moved to ``dst`` (a seed's final file in the local checkpoint: its bytes
+        are written once, by the fetch, not fetched and then copied), fsynced; its entry here is a
+        placeholder again. None when ``src`` is not a fetched shard of this mirror, or cannot be
+        moved there (another filesystem): the seed then copies it. Call with the host lock held."""
+        root = os.path.realpath(self.root)
+        real = os.path.realpath(src)
+        if not real.startswith(root + os.sep):
+            return None
+        key = os.path.relpath(real, root).replace(os.sep, "/")
+        fetched = self._load_fetched()
+        if key not in fetched or is_placeholder(real):
+            return None
+        size = os.path.getsize(real)
+        with open(real, "rb+") as f:
+            os.fsync(f.fileno())
+        try:
+            os.replace(real, dst)  # a new inode at dst, as the seed's copy gives
+        except OSError:
+            return None
+        del fetched[key]
+        self._save_fetched(fetched)
+        _write_placeholder(real, size)
+        return size
 
     def has_placeholders(self) -> bool:
         for name in os.listdir(self.root):
