@@ -189,3 +189,44 @@ def _worker(rank: int, cfg: dict) -> None:
 if __name__ == "__main__":
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     _worker(int(sys.argv[1]), json.loads(sys.argv[2]))
+
+
+MILES_ENV = "MILES_RL_DIR"  # an unpacked miles-rl wheel (pip download miles-rl --no-deps; unzip)
+MILES_FILES = {"qwen2": "convert_qwen2_to_hf", "qwen3moe": "convert_qwen3moe_to_hf",
+               "glm4moe": "convert_glm4moe_to_hf", "deepseekv3": "convert_deepseekv3_to_hf"}
+
+
+def miles_converter(family: str, args):
+    """miles' own per-family converter as the hook (``module.module.`` prefixed names, its args fields),
+    loaded by file path: those files import only ``re`` and ``torch`` (miles' package needs ray, a GPU
+    sglang and triton). Local-spec norm names are given their Transformer Engine names first (below).
+    Skips the calling test when ``MILES_RL_DIR`` is not set."""
+    import importlib.util
+
+    import pytest
+
+    root = os.environ.get(MILES_ENV)
+    if not root:
+        pytest.skip(f"{MILES_ENV} is not set (an unpacked miles-rl wheel)")
+    path = Path(root) / "miles" / "backends" / "megatron_utils" / "megatron_to_hf" / f"{family}.py"
+    spec = importlib.util.spec_from_file_location(f"miles_{family}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    fn = getattr(module, MILES_FILES[family])
+    te = dict(TE_NORM_NAMES, **(TE_MLA_NORM_NAMES if family == "deepseekv3" else {}))
+
+    def convert(name, t):
+        m = re.match(r"^(decoder\.layers\.\d+\.)(.+)$", name)
+        if m and m.group(2) in te:
+            name = m.group(1) + te[m.group(2)]
+        return fn(args, "module.module." + name, t)
+
+    return convert
+
+
+# miles trains with Transformer Engine's layer spec, where these norms are fused into the next linear and
+# named after it; our CPU ranks use Megatron's local spec (same tensors, separate modules)
+TE_NORM_NAMES = {"input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
+                 "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight"}
+TE_MLA_NORM_NAMES = {"self_attention.q_layernorm.weight": "self_attention.linear_q_up_proj.layer_norm_weight",
+                     "self_attention.kv_layernorm.weight": "self_attention.linear_kv_up_proj.layer_norm_weight"}

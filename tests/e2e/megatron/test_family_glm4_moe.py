@@ -21,7 +21,8 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from family_support import differing, independent_gather, read_dir, run_family, transformers_logits  # noqa: E402
+from family_support import (  # noqa: E402
+    differing, independent_gather, miles_converter, read_dir, run_family, transformers_logits)
 
 pytestmark = pytest.mark.slow
 BIAS = "model.layers.1.mlp.gate.e_score_correction_bias"
@@ -124,3 +125,19 @@ def test_sglangs_glm4_moe_class_loads_every_published_tensor_and_patches_live_eq
     assert out["unused_tensors"] == [] and out["proven"] and not out["reload_only_tensors"], out
     assert BIAS in out["placements"]
     assert out["written"] == out["changed"] > 0 and out["differ_from_reload"] == []
+
+
+def test_miles_own_glm4moe_converter_on_an_independent_gather_equals_what_we_published(family, tmp_path):
+    """Facts carry over: miles' ``convert_glm4moe_to_hf`` (skipped without ``MILES_RL_DIR``) on the same
+    trainer weights gives the bytes v1 holds."""
+    from types import SimpleNamespace
+
+    from miles_updater.gather import read_hf_specs
+    from weightsync import pull
+
+    seed, out, seen = family
+    conv = miles_converter("glm4moe", SimpleNamespace(hidden_size=64, num_attention_heads=4, num_query_groups=2, kv_channels=16, num_layers=2))
+    want = independent_gather(str(out), 2, conv, read_hf_specs(seed))
+    local = tmp_path / "local"
+    pull(str(local), seed, seen[0]["source_dir"], seen[0]["version"])
+    assert differing(read_dir(local), want) == []

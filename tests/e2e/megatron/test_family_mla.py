@@ -21,7 +21,8 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from family_support import differing, independent_gather, read_dir, run_family, transformers_logits  # noqa: E402
+from family_support import (  # noqa: E402
+    differing, independent_gather, miles_converter, read_dir, run_family, transformers_logits)
 
 pytestmark = pytest.mark.slow
 BIAS = "model.layers.1.mlp.gate.e_score_correction_bias"
@@ -126,3 +127,19 @@ def test_sglangs_deepseek_v3_class_loads_every_published_mla_tensor_and_patches_
     assert out["placements"]["model.layers.0.self_attn.q_a_proj.weight"] == 1  # fused with kv_a_proj_with_mqa
     assert set(out["derivations"]) == {f"model.layers.{k}.self_attn.kv_b_proj.weight" for k in (0, 1)}
     assert out["written"] == out["changed"] > 0 and out["differ_from_reload"] == []
+
+
+def test_miles_own_deepseekv3_converter_on_an_independent_gather_equals_what_we_published(family, tmp_path):
+    """Facts carry over: miles' ``convert_deepseekv3_to_hf`` (skipped without ``MILES_RL_DIR``) on the same
+    trainer weights gives the bytes v1 holds."""
+    from types import SimpleNamespace
+
+    from miles_updater.gather import read_hf_specs
+    from weightsync import pull
+
+    seed, out, seen = family
+    conv = miles_converter("deepseekv3", SimpleNamespace(hidden_size=64, num_attention_heads=4, num_query_groups=4, kv_channels=16, num_layers=2, q_lora_rank=16))
+    want = independent_gather(str(out), 2, conv, read_hf_specs(seed))
+    local = tmp_path / "local"
+    pull(str(local), seed, seen[0]["source_dir"], seen[0]["version"])
+    assert differing(read_dir(local), want) == []

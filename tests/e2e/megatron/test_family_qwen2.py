@@ -21,7 +21,8 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from family_support import differing, independent_gather, read_dir, run_family, transformers_logits  # noqa: E402
+from family_support import (  # noqa: E402
+    differing, independent_gather, miles_converter, read_dir, run_family, transformers_logits)
 
 pytestmark = pytest.mark.slow
 ADMIN_KEY = "family-admin-key"
@@ -132,3 +133,20 @@ def test_an_sglang_server_applies_the_qwen2_version_live_serves_it_as_transforme
     # "numbers 0 1 2 3" is left out: sglang's Qwen2 and transformers' already disagree on it for the seed
     # checkpoint as transformers wrote it (first step's gap 0.57), whatever the trainer publishes
     assert_server_greedy_equals(server.generate_ids, str(local), prompts=QWEN2_PROMPTS)
+
+
+def test_miles_own_qwen2_converter_on_an_independent_gather_equals_what_we_published(family, tmp_path):
+    """Facts carry over: miles' ``convert_qwen2_to_hf`` (skipped without ``MILES_RL_DIR``) on the same
+    trainer weights gives the bytes v1 holds."""
+    from types import SimpleNamespace
+
+    from miles_updater.gather import read_hf_specs
+    from weightsync import pull
+
+    seed, out, seen = family
+    conv = miles_converter("qwen2", SimpleNamespace(hidden_size=64, num_attention_heads=4, num_query_groups=2, kv_channels=16, num_layers=2))
+    # miles maps a tied model's output layer to lm_head.weight too; at PP=1 Megatron has none
+    want = independent_gather(str(out), 2, conv, read_hf_specs(seed))
+    local = tmp_path / "local"
+    pull(str(local), seed, seen[0]["source_dir"], seen[0]["version"])
+    assert differing(read_dir(local), want) == []
