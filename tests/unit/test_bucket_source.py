@@ -381,3 +381,34 @@ def test_a_version_of_many_shards_uploads_them_in_parallel_and_pulls_to_the_publ
     local = bucket_run.fresh_local()
     bucket_run.assert_pulls(1, local)
     bucket_run.assert_pulls(3, local)
+
+
+def test_a_seed_from_a_full_version_in_the_bucket_writes_each_shard_once_into_the_local_checkpoint(bucket_run, monkeypatch):
+    pub = bucket_run.publisher()
+    bucket_run.publish_versions(pub, 2, full_at={1})
+    from weightsync.puller import seed
+
+    copied = []
+    real_copy = seed.copy_file
+    monkeypatch.setattr(seed, "copy_file", lambda src, dst, *a: copied.append(os.path.basename(dst)) or real_copy(src, dst, *a))
+    local = bucket_run.fresh_local()
+    r = bucket_run.assert_pulls(1, local)
+    assert r.action == "seed" or r.seed_nbytes
+    # the fetched shards became the local files (moved, not copied a second time); side files copy
+    assert copied and not [n for n in copied if n.endswith(".safetensors")], copied
+    root = mirror_dir(local, parse_bucket_url(bucket_run.url))
+    shards = [f for f in os.listdir(os.path.join(root, "weight_v000001")) if f.endswith(".safetensors")]
+    assert shards and all(is_placeholder(os.path.join(root, "weight_v000001", f)) for f in shards)
+    bucket_run.assert_pulls(2, local)  # the chain goes on from the handed-over files
+
+
+def test_a_seed_whose_handed_over_copy_is_damaged_reseeds_through_the_full_fetch_bit_exact(bucket_run):
+    pub = bucket_run.publisher()
+    bucket_run.publish_versions(pub, 2, full_at={1})
+    local = bucket_run.fresh_local()
+    bucket_run.assert_pulls(1, local)
+    shard = next(f for f in os.listdir(local) if f.endswith(".safetensors"))
+    with open(os.path.join(local, shard), "r+b") as f:  # the local copy damaged after the pull
+        f.seek(-4, os.SEEK_END)
+        f.write(b"\xff\xff\xff\xff")
+    bucket_run.assert_pulls(2, local)

@@ -27,6 +27,7 @@ from ..storage.url import parse_bucket_url
 from .identity import Origin, source_origin
 from .lock import acquire_host_lock
 from .plan import check_target_version, plan_pull
+from .seed import HAND_OVER
 
 log = logging.getLogger(__name__)
 
@@ -88,18 +89,23 @@ def pull_from_bucket(
         _check_published(source, version)
         mirror.prepare(version, lambda: plan_keys(version))
 
+    # A seed from a fetched full version or anchor takes the mirror's file (one write, no copy).
+    hand_over = HAND_OVER.set(mirror.hand_over)
     try:
-        result = run_pull(local_checkpoint_dir, seed_dir, root, target_version, hook, **kwargs)
-    except (CorruptArtifactError, LocalStateError) as first:
-        # What reading a placeholder gives (a header that cannot be one); anything else (not
-        # ready, a bad request, the lock, the store) is the pull's own answer.
-        if not mirror.has_placeholders():
-            raise
-        # A fallback inside the pull (a replay, another anchor) planned past what was fetched.
-        log.warning("pull v%d from %s: %s; fetching every shard up to v%d and pulling once more",
-                    target_version, url, first, target_version)
-        mirror.materialize_all = True
-        result = run_pull(local_checkpoint_dir, seed_dir, root, target_version, hook, **kwargs)
+        try:
+            result = run_pull(local_checkpoint_dir, seed_dir, root, target_version, hook, **kwargs)
+        except (CorruptArtifactError, LocalStateError) as first:
+            # What reading a placeholder gives (a header that cannot be one); anything else (not
+            # ready, a bad request, the lock, the store) is the pull's own answer.
+            if not mirror.has_placeholders():
+                raise
+            # A fallback inside the pull (a replay, another anchor) planned past what was fetched.
+            log.warning("pull v%d from %s: %s; fetching every shard up to v%d and pulling once more",
+                        target_version, url, first, target_version)
+            mirror.materialize_all = True
+            result = run_pull(local_checkpoint_dir, seed_dir, root, target_version, hook, **kwargs)
+    finally:
+        HAND_OVER.reset(hand_over)
     result.hook_ran = result.hook_ran and user_hook is not None
     _empty_the_spool(local_checkpoint_dir, mirror, deferred=not result.durable)
     return result

@@ -26,6 +26,7 @@ from ..storage.http import NO_CACHE, HttpSource, parse_http_url
 from ..storage.mirror import Mirror, mirror_dir
 from .identity import Origin, source_origin
 from .plan import check_target_version, plan_pull
+from .seed import HAND_OVER
 
 log = logging.getLogger(__name__)
 
@@ -104,20 +105,25 @@ def pull_from_http(
         check_published(version)
         mirror.prepare(version, lambda: plan_keys(version))
 
+    # A seed from a fetched full version or anchor takes the mirror's file (one write, no copy).
+    hand_over = HAND_OVER.set(mirror.hand_over)
     try:
-        result = run_pull(local_checkpoint_dir, seed_dir, root, target_version, hook, **kwargs)
-    except (InvalidRequestError, BucketCredentialsError, BucketUnavailableError, PayloadFileMismatchError):
-        raise
-    except WeightSyncError as first:
-        if isinstance(first, SourceNotReadyError) and source.floor is None:
+        try:
+            result = run_pull(local_checkpoint_dir, seed_dir, root, target_version, hook, **kwargs)
+        except (InvalidRequestError, BucketCredentialsError, BucketUnavailableError, PayloadFileMismatchError):
             raise
-        if source.floor is None and not mirror.has_placeholders():
-            raise
-        log.warning("pull v%d from %s: %s; listing every version down to a full one and pulling once more",
-                    target_version, url, first)
-        source.floor = None
-        mirror.materialize_all = True
-        result = run_pull(local_checkpoint_dir, seed_dir, root, target_version, hook, **kwargs)
+        except WeightSyncError as first:
+            if isinstance(first, SourceNotReadyError) and source.floor is None:
+                raise
+            if source.floor is None and not mirror.has_placeholders():
+                raise
+            log.warning("pull v%d from %s: %s; listing every version down to a full one and pulling once more",
+                        target_version, url, first)
+            source.floor = None
+            mirror.materialize_all = True
+            result = run_pull(local_checkpoint_dir, seed_dir, root, target_version, hook, **kwargs)
+    finally:
+        HAND_OVER.reset(hand_over)
     result.hook_ran = result.hook_ran and user_hook is not None
     return result
 

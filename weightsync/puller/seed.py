@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+from contextvars import ContextVar
 from typing import Callable
 
 from .. import progress
@@ -21,6 +22,12 @@ from .identity import Origin
 from .plan import SeedSource
 
 log = logging.getLogger(__name__)
+
+# A source that fetched a seed's file into a host-local copy of its own (a bucket's mirror,
+# ``storage.mirror``) may hand that copy over instead of it being copied a second time:
+# ``fn(src, dst)`` moves ``src`` to ``dst`` (a new inode, fsynced) and returns its size, or
+# returns None when ``src`` is not one it can give up. Set around a pull by the bucket's driver.
+HAND_OVER: "ContextVar[Callable[[str, str], int | None] | None]" = ContextVar("weightsync_seed_hand_over", default=None)
 
 
 def invalidate_marker(local_checkpoint_dir: str) -> None:
@@ -100,11 +107,16 @@ def seed_local_checkpoint(
     invalidate_marker(local_checkpoint_dir)
     copied = from_source = 0
     bar = progress.stage(f"seed copy (v{source.version})", sum(os.path.getsize(p) for p in files.values()))
+    hand_over = HAND_OVER.get()
     for name, src in sorted(files.items()):
         dst = os.path.join(local_checkpoint_dir, name)
         want = os.path.getsize(src)
-        got = copy_file(src, dst, bar.advance if bar is not progress.SILENT else None)
-        drop_page_cache(src)
+        got = hand_over(src, dst) if hand_over is not None and source.kind != "seed_dir" else None
+        if got is None:
+            got = copy_file(src, dst, bar.advance if bar is not progress.SILENT else None)
+            drop_page_cache(src)
+        elif bar is not progress.SILENT:
+            bar.advance(got)
         if got != want:
             raise LocalStateError(f"copying {src} -> {dst} gave {got} bytes, expected {want} (disk full?)")
         copied += got

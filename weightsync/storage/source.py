@@ -42,7 +42,9 @@ from .client import (
 from .url import BucketURL, parse_bucket_url
 
 Progress = Callable[[int, int], None]
-CHUNK_NBYTES = 4 << 20  # a streamed body is written in chunks of about this size
+CHUNK_NBYTES = 256 << 10  # a streamed body is written in chunks of about this size (cache-sized: measured
+# on loopback, 256 KiB took ~0.9 client CPU-s/GB against ~1.2 for 4 MiB: the bytes stay in cache from
+# the receive to the pwrite)
 
 
 class ObjectInfo(msgspec.Struct, frozen=True):
