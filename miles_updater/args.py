@@ -113,7 +113,8 @@ def add_update_weight_arguments(parser: argparse.ArgumentParser) -> argparse.Arg
     _add(g, parser, "--update-weight-transport", type=str, default=None,
          help="slime spelling: 'disk' for the shared-filesystem path (the only one delta supports).")
     _add(g, parser, "--update-weight-disk-dir", type=str, default=None,
-         help="Shared source dir every engine host can read; version dirs weight_vNNNNNN/ go here.")
+         help="Shared source dir every engine host can read; version dirs weight_vNNNNNN/ go here. "
+              "A bucket URL (s3://bucket/prefix, gs://, az://) works the same; credentials from the environment.")
     _add(g, parser, "--update-weight-local-checkpoint-dir", type=str, default=None,
          help="Host-local dir on each engine host that holds the engine's current checkpoint.")
     _add(g, parser, "--update-weight-delta-encoding", type=str, default="sparse-v1", choices=ENCODINGS,
@@ -226,6 +227,16 @@ def validate_update_weight_args(args: argparse.Namespace) -> DiskDeltaConfig | N
         raise UpdateWeightArgsError(
             "disk-delta needs --update-weight-disk-dir: a shared directory the trainer writes "
             "versions to and every engine host can read (e.g. an NFS or Lustre path).")
+    if "://" in source_dir:
+        # A bucket (s3://, gs://, az://): the same layout; credentials and endpoint come from
+        # the environment only. A URL that names more than a bucket and a prefix is refused here.
+        from weightsync.errors import WeightSyncError
+        from weightsync.storage.url import parse_bucket_url
+
+        try:
+            source_dir = str(parse_bucket_url(source_dir))
+        except WeightSyncError as e:
+            raise UpdateWeightArgsError(f"--update-weight-disk-dir {source_dir!r}: {e}") from None
     local_dir = g("update_weight_local_checkpoint_dir")
     if not local_dir:
         raise UpdateWeightArgsError(

@@ -29,8 +29,9 @@ import shutil
 
 import msgspec
 
-from weightsync.format.layout import index_path, list_versions, version_dir
+from weightsync.format.layout import INDEX_NAME, VERSION_DIR_RE, index_path, list_versions, version_dir
 from weightsync.format.manifest import is_committed
+from weightsync.storage.url import is_bucket_url
 
 log = logging.getLogger(__name__)
 
@@ -53,11 +54,15 @@ class RunStart(msgspec.Struct, frozen=True):
 def run_dir(disk_dir: str, run_id: str) -> str:
     if not run_id or "/" in run_id or run_id in (".", ".."):
         raise ValueError(f"run id {run_id!r} must be a plain name (it names the dir {RUN_PREFIX}<id>)")
+    if is_bucket_url(disk_dir):
+        return f"{disk_dir.rstrip('/')}/{RUN_PREFIX}{run_id}"
     return os.path.join(disk_dir, f"{RUN_PREFIX}{run_id}")
 
 
 def newest_published_version(source_dir: str) -> int:
     """The newest version of ``source_dir`` with a complete index (0 when none)."""
+    if is_bucket_url(source_dir):
+        return max(_BucketRuns(source_dir).published(""), default=0)
     for v in reversed(list_versions(source_dir)):
         if _is_published(source_dir, v):
             return v
@@ -66,6 +71,8 @@ def newest_published_version(source_dir: str) -> int:
 
 def list_runs(disk_dir: str) -> list[tuple[int, str]]:
     """(newest published version, path) of every run dir, oldest first."""
+    if is_bucket_url(disk_dir):
+        return _BucketRuns(disk_dir).runs()
     try:
         names = sorted(n for n in os.listdir(disk_dir) if n.startswith(RUN_PREFIX))
     except FileNotFoundError:
@@ -91,6 +98,8 @@ def plan_run_start(disk_dir: str, source_dir: str) -> RunStart:
 
 def remove_unpublished_above(source_dir: str, version: int) -> list[str]:
     """Remove version dirs above ``version`` that have no complete index (a crashed write)."""
+    if is_bucket_url(source_dir):
+        return _BucketRuns(source_dir).remove_unpublished_above(version)
     removed = []
     for v in list_versions(source_dir):
         if v > version and not _is_published(source_dir, v):
@@ -107,6 +116,11 @@ def prune_runs(disk_dir: str, keep_runs: int, current: str) -> list[str]:
         return []
     others = [path for _, path in list_runs(disk_dir) if not _same(path, current)]
     doomed = others[: max(0, len(others) - (keep_runs - 1))]
+    if is_bucket_url(disk_dir):
+        for path in doomed:
+            _BucketRuns(disk_dir).remove_run(path)
+            log.info("removed old run %s (keeping the newest %d run(s))", path, keep_runs)
+        return doomed
     for path in doomed:
         for v in list_versions(path):  # index files first: a reader sees "not ready", not half a version
             try:
@@ -125,7 +139,56 @@ def _is_published(source_dir: str, version: int) -> bool:
 
 
 def _same(a: str, b: str) -> bool:
+    if is_bucket_url(a) or is_bucket_url(b):
+        return a.rstrip("/") == b.rstrip("/")
     return os.path.realpath(a) == os.path.realpath(b)
+
+
+class _BucketRuns:
+    """The run dirs under a bucket URL, from one LIST (keys relative to ``url``)."""
+
+    def __init__(self, url: str):
+        from weightsync.storage.source import BucketSource
+
+        self.url = url.rstrip("/")
+        self.source = BucketSource(self.url)
+        self.keys = set(self.source.list())
+
+    def published(self, run: str) -> list[int]:
+        """The versions of ``run`` ("" for the URL itself, "run-x/" for a run under it) whose index exists."""
+        out = []
+        for k in self.keys:
+            if not k.startswith(run):
+                continue
+            d, _, name = k[len(run):].partition("/")
+            m = VERSION_DIR_RE.match(d)
+            if m and name == INDEX_NAME:
+                out.append(int(m.group(1)))
+        return sorted(out)
+
+    def runs(self) -> list[tuple[int, str]]:
+        names = {k.split("/", 1)[0] for k in self.keys if k.startswith(RUN_PREFIX) and "/" in k}
+        return sorted((max(self.published(n + "/"), default=0), f"{self.url}/{n}") for n in names)
+
+    def remove_unpublished_above(self, version: int) -> list[str]:
+        published = set(self.published(""))
+        doomed: dict[str, list[str]] = {}
+        for k in self.keys:
+            d = k.split("/", 1)[0]
+            m = VERSION_DIR_RE.match(d)
+            if m and int(m.group(1)) > version and int(m.group(1)) not in published:
+                doomed.setdefault(d, []).append(k)
+        for d, keys in sorted(doomed.items()):
+            self.source.delete(sorted(keys))
+            log.info("removed %s/%s: never published (no index), left by an earlier trainer", self.url, d)
+        return [f"{self.url}/{d}" for d in sorted(doomed)]
+
+    def remove_run(self, path: str) -> None:
+        run = path.rstrip("/")[len(self.url) + 1:] + "/"
+        keys = sorted(k for k in self.keys if k.startswith(run))
+        # index objects first: a reader sees "not ready", never half a version
+        self.source.delete([k for k in keys if k.endswith("/" + INDEX_NAME)])
+        self.source.delete([k for k in keys if not k.endswith("/" + INDEX_NAME)])
 
 
 __all__ = ["RunStart", "run_dir", "plan_run_start", "prune_runs", "newest_published_version", "list_runs"]
