@@ -1,6 +1,7 @@
 """Time to fleet (issue 29): H simulated engine hosts in network namespaces, rate-limited links
 both ways and a rate-limited origin, every host running our real pull; "every host reads the
-source" against the nginx caching tier, in the same run. docs/FLEET.md. Needs root.
+source" against the nginx caching tier and the BitTorrent v2 swarm (libtorrent), in the same run.
+docs/FLEET.md. Needs root.
 
     python benchmarks/bench_fleet.py                       # 8 and 16 hosts, the note's link shapes
     python benchmarks/bench_fleet.py --hosts 16 --repeats 3 --append   # and write benchmarks/RESULTS.md
@@ -35,7 +36,7 @@ def main() -> int:
     ap.add_argument("--changed", type=float, default=0.3, help="fraction of elements the delta moves")
     ap.add_argument("--host-mbit", type=float, default=20, help="each host's link, both ways (b)")
     ap.add_argument("--src-mbit", type=float, default=40, help="the origin's aggregate rate (S)")
-    ap.add_argument("--modes", default="direct,cache")
+    ap.add_argument("--modes", default="direct,cache,swarm")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--timeout-s", type=float, default=300)
     ap.add_argument("--append", action="store_true", help="append the table to benchmarks/RESULTS.md")
@@ -43,6 +44,13 @@ def main() -> int:
     a = ap.parse_args()
     # A SIGTERM unwinds like Ctrl-C, so the harness's teardown (processes, then namespaces) runs.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    if "swarm" in a.modes.split(","):
+        try:
+            import libtorrent  # noqa: F401
+        except ImportError:
+            print("bench_fleet: the swarm mode needs libtorrent (pip install 'weightsync[swarm]'; scripts/setup_env.sh "
+                  "installs it), or leave it out: --modes direct,cache", file=sys.stderr)
+            return 2
     ok, why = namespaces_usable()
     if not ok:
         print(f"bench_fleet: cannot run here: {why}", file=sys.stderr)

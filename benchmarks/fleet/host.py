@@ -69,6 +69,9 @@ def main() -> None:
     if swarm is not None and a.linger_until:
         while not os.path.exists(a.linger_until) and time.time() < deadline:
             time.sleep(0.05)
+        # Leaving the fleet: libtorrent's session teardown at interpreter exit can wait on peers
+        # (a banned one included); the result is written, so exit at once.
+        os._exit(0)
 
 
 if __name__ == "__main__":

@@ -424,15 +424,13 @@ def _pull_with_swarm(cfg: "SwarmConfig", local: str, seed_dir: str, source_url: 
     the index's file digests) is not fetched from the source; the per-tensor verification decides."""
     from ..storage.http import parse_http_url
     from ..storage.mirror import PREFETCH
-    from ..storage.swarm import mirror_prefetcher
+    from ..storage.swarm import check_swarm_available, mirror_prefetcher
+    from .http import pull_from_http
 
-    try:
-        from .http import pull_from_http
-    except ImportError:
-        from ..storage.http import pull_from_http  # type: ignore[no-redef,attr-defined]
     if not isinstance(local, str) or not local:
         raise InvalidRequestError(f"local_checkpoint_dir must be a non-empty path, got {local!r}")
     url = parse_http_url(source_url)
+    check_swarm_available()  # refused before anything is written
     token = PREFETCH.set(mirror_prefetcher(cfg, local, str(url)))
     try:
         return pull_from_http(pull, _check_local_dir, local, seed_dir, source_url, target, hook, **kw)

@@ -56,6 +56,7 @@ SWARM_PIECE_NBYTES = Knob("WEIGHTSYNC_SWARM_PIECE_NBYTES", 0,
                           "piece size of a published torrent (a power of two >= 16 KiB); 0 = about 1,000 pieces, 64 KiB to 4 MiB")
 SWARM_STALL_S = Knob("WEIGHTSYNC_SWARM_STALL_S", 8, "seconds without a new byte from the swarm before the rest is read from the source")
 SWARM_NO_PEER_S = Knob("WEIGHTSYNC_SWARM_NO_PEER_S", 5, "seconds to find a peer before the source is read directly")
+SWARM_WEB_SEED = Knob("WEIGHTSYNC_SWARM_WEB_SEED", 1, "1: the source is the swarm's web seed; 0: only peers, the source read directly for the rest")
 SWARM_KEEP_VERSIONS = Knob("WEIGHTSYNC_SWARM_KEEP_VERSIONS", 2, "versions a host keeps seeding")
 
 _ADDR_RE = re.compile(r"^(\[[0-9a-fA-F:.]+\]|[A-Za-z0-9.\-_]+):([0-9]{1,5})$")
@@ -67,6 +68,11 @@ def _libtorrent(what: str):
     except ImportError as e:
         raise SwarmUnavailableError(what, str(e)) from None
     return libtorrent
+
+
+def check_swarm_available() -> None:
+    """Refuse, before anything is written, a swarm pull without libtorrent."""
+    _libtorrent(f"a pull through the fleet swarm ({PEERS_ENV} or swarm=)")
 
 
 def torrent_wanted() -> bool:
@@ -103,7 +109,9 @@ def make_version_torrent(directory: str, files: list[str]) -> bytes:
         size = os.path.getsize(os.path.join(directory, f))
         fs.add_file(f"{name}/{f}", size)
         total += size
-    ct = lt.create_torrent(fs, _piece_nbytes(total), flags=lt.create_torrent.v2_only)
+    with warnings.catch_warnings():  # the binding marks this constructor deprecated; 2.1 has no other in Python
+        warnings.simplefilter("ignore", DeprecationWarning)
+        ct = lt.create_torrent(fs, _piece_nbytes(total), flags=lt.create_torrent.v2_only)
     ct.set_priv(True)
     lt.set_piece_hashes(ct, os.path.dirname(os.path.normpath(directory)))
     meta = ct.generate()
@@ -184,18 +192,25 @@ class Swarm:
             # Every peer is a fleet member: no choking games, short timeouts, deep request queues.
             "unchoke_slots_limit": -1, "connections_limit": 500, "allow_multiple_connections_per_ip": True,
             "tick_interval": 100, "request_timeout": 5, "peer_connect_timeout": 3, "urlseed_wait_retry": 2,
+            # The web seed (the source) asked for a few pieces at a time, not 16 MiB runs: hosts then
+            # take different pieces from it and trade the rest, so it sends about one copy, not H.
+            "urlseed_max_request_bytes": 256 << 10,
             "max_out_request_queue": 1500, "max_allowed_in_request_queue": 2000,
             "send_buffer_watermark": 4 << 20, "send_buffer_low_watermark": 1 << 20,
-            "alert_mask": lt.alert_category.error | lt.alert_category.status | lt.alert_category.peer,
+            "alert_mask": lt.alert_category.error | lt.alert_category.status | lt.alert_category.peer | lt.alert_category.storage,
         })
         self.torrents: dict[str, object] = {}  # version dir name -> handle
         self.lock = threading.Lock()
         self.hash_failures = 0
+        self.flushes: dict[str, int] = {}  # v2 info hash -> cache_flushed alerts seen
 
     def _drain_alerts(self) -> None:
         for a in self.session.pop_alerts():
             if isinstance(a, self.lt.hash_failed_alert):
                 self.hash_failures += 1
+            elif isinstance(a, self.lt.cache_flushed_alert):
+                key = str(a.handle.info_hashes().v2)
+                self.flushes[key] = self.flushes.get(key, 0) + 1
 
     def join(self, dir_name: str, torrent: bytes, web_seed: "str | None"):
         """The version's torrent, added once (again for a changed torrent); older versions past
@@ -220,7 +235,7 @@ class Swarm:
             p.save_path = save
             p.flags &= ~lt.torrent_flags.auto_managed
             p.flags &= ~lt.torrent_flags.paused
-            if web_seed:
+            if web_seed and SWARM_WEB_SEED.get():
                 p.url_seeds = [web_seed.rstrip("/") + "/" + (sub + "/" if sub else "")]
             if self.config.tracker:
                 p.trackers = [self.config.tracker]
@@ -338,6 +353,9 @@ def fetch_into_mirror(swarm: Swarm, mirror: "Mirror", objs: "list[ObjectInfo]", 
     pending = {(id(h), i): (h, ti, o) for h, ti, w, _ in jobs for i, o in w.items()}
     last_bytes, last_change = -1, time.monotonic()
     found_peer = False
+    # A piece counts as complete once its hash passed, which can be before libtorrent's disk
+    # thread wrote it to the file: a complete file is read only after a flush asked for then.
+    flushing: dict[tuple, tuple] = {}  # pending key -> (flush count to wait past, asked at)
     while pending:
         now = time.monotonic()
         swarm._drain_alerts()
@@ -346,10 +364,15 @@ def fetch_into_mirror(swarm: Swarm, mirror: "Mirror", objs: "list[ObjectInfo]", 
             fp = h.file_progress(flags=swarm.lt.torrent_handle.piece_granularity)
             st = h.status()
             found_peer = found_peer or st.num_peers > 0
+            ih = str(h.info_hashes().v2)
             for i, o in w.items():
                 got += fp[i]
-                if (id(h), i) in pending and fp[i] == o.size:
-                    del pending[(id(h), i)]
+                k = (id(h), i)
+                if k in pending and fp[i] == o.size and k not in flushing:
+                    flushing[k] = (swarm.flushes.get(ih, 0), now)
+                    h.flush_cache()
+                elif k in flushing and (swarm.flushes.get(ih, 0) > flushing[k][0] or now - flushing[k][1] > 5):
+                    del pending[k], flushing[k]
                     _deliver(os.path.join(save, _files(ti).file_path(i)), mirror, o, digests[o.key], digest_file, out)
         if got != last_bytes:
             last_bytes, last_change = got, now
@@ -416,4 +439,4 @@ def mirror_prefetcher(config: SwarmConfig, local_checkpoint_dir: str, web_seed: 
 
 
 __all__ = ["TORRENT_NAME", "SwarmConfig", "SwarmOutcome", "Swarm", "swarm_for", "stop_swarms", "make_version_torrent",
-           "write_version_torrent", "check_publish_torrent", "torrent_wanted", "fetch_into_mirror", "mirror_prefetcher", "recent_outcomes"]
+           "write_version_torrent", "check_publish_torrent", "check_swarm_available", "torrent_wanted", "fetch_into_mirror", "mirror_prefetcher", "recent_outcomes"]
