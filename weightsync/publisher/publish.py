@@ -25,7 +25,6 @@ import logging
 import os
 import shutil
 import time
-import uuid
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Literal, Mapping
 
@@ -60,7 +59,6 @@ from ..format.manifest import (
     build_anchor_index,
     build_delta_index,
     build_full_index,
-    encode_run_identity,
     is_committed,
     layout_of_shards,
     anchor_commit_of,
@@ -69,6 +67,7 @@ from ..format.manifest import (
 from ..format.safetensors_io import iter_file_chunks
 from ..fsio import fsync_dir, write_bytes, write_file
 from ..hooks import load_callable
+from ..storage.destination import open_destination
 from ..storage.url import is_bucket_url
 from .encode import PreparedTensor, PreparedVersion, Encoder
 from .encoding_choice import AUTO, Cost, EncodingChoice, EncodingChooser, EncodingSample, check_candidates, merge_samples
@@ -486,22 +485,12 @@ class Publisher:
         check_publish_torrent()  # WEIGHTSYNC_PUBLISH_TORRENT=1 without libtorrent fails here, not mid-publish
         if not 0 <= rank < world_size:
             raise PublishError(f"rank {rank} is not in [0, {world_size})")
-        self.bucket = None
-        if isinstance(source_dir, str) and source_dir.startswith(("http://", "https://")):
-            # An HTTP(S) source is read-only (docs/FLEET.md): publish into the dir or bucket it serves.
-            from ..errors import InvalidRequestError
-
-            raise InvalidRequestError(
-                f"{source_dir} is an HTTP(S) source, which is read-only: publish into the directory or bucket "
-                "that server (or cache) serves, and let the engines pull from the URL"
-            )
-        if is_bucket_url(source_dir):
-            # A bucket (s3://, gs://, az://): this publisher works on a host-local staging copy, and
-            # each commit is uploaded (shards, then the index created only if absent).
-            from ..storage.bucket_publish import open_bucket_target
-
-            self.bucket = open_bucket_target(source_dir, rank, world_size)
-            source_dir = self.bucket.staging_dir
+        # Where versions go (``storage.destination``): a directory, or a bucket (s3://, gs://,
+        # az://) through a host-local staging copy whose commits are uploaded (shards, then the
+        # index created only if absent). Everything below writes and commits in its ``dir``.
+        self.destination = open_destination(source_dir, rank, world_size)
+        self.bucket = self.destination if is_bucket_url(source_dir) else None  # its uploads, for tests and tools
+        source_dir = self.destination.dir
         self.source_dir = source_dir
         self.encoding = encoding
         self.checksum = checksum
@@ -801,7 +790,7 @@ class Publisher:
                                     complete=self.world_size == 1, allowed=allow_layout_change)
         if self.rank == 0:
             self.guard.hold_lease(f"writing v{prepared.version}")
-            self._write_run_identity()
+            self.destination.write_run_identity(self.atomic_rename)
         decision = self._decisions.get(prepared.version)
         anchor = kind == "delta" and decision is not None and decision.kind == "delta" and decision.anchor
         full_digests = self._tensor_digests(prepared) if kind == "full" or anchor else None
@@ -931,14 +920,12 @@ class Publisher:
 
     def _after_commit(self, vdir: str) -> None:
         """What follows a commit (repeated by a retry once the index landed): the hook, pruning."""
-        if self.bucket is not None:
-            self.bucket.upload_committed()  # a retry after a failed upload lands here again
+        self.destination.publish_committed()  # a retry after a failed upload lands here again
         if self.post_write_hook is not None:
             self.post_write_hook(vdir)
         if self.prune:
             self.retention.prune()
-            if self.bucket is not None:
-                self.bucket.mirror_pruned()
+            self.destination.mirror_pruned()
 
     def _recognise_landed(self, staged: _Staged) -> PublishResult:
         """The staged version's index is in the source dir: count it published (one rank)."""
@@ -1060,13 +1047,6 @@ class Publisher:
         self._scanned = True
         self.retention.load(upto=self._committed)
         self.budget.since_nbytes, self.budget.since_count = self.retention.since_anchor(self._committed)
-
-    def _write_run_identity(self) -> None:
-        path = run_path(self.source_dir)
-        if os.path.exists(path):
-            return
-        write_bytes(path, encode_run_identity(uuid.uuid4().hex, time.time()), atomic=self.atomic_rename)
-        fsync_dir(self.source_dir)
 
 
 def _remove_orphan_anchor(adir: str, version: int) -> None:

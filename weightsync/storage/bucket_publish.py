@@ -145,6 +145,22 @@ class BucketTarget:
         os.makedirs(self.staging_dir, exist_ok=True)
         write_bytes(os.path.join(self.staging_dir, RUN_NAME), theirs)
 
+    # --- as a destination (``storage.destination``) ------------------------------------------
+
+    @property
+    def dir(self) -> str:
+        """What the publisher writes and commits in: the host-local staging copy."""
+        return self.staging_dir
+
+    def write_run_identity(self, atomic: bool) -> None:
+        # Settled when the target was opened (the bucket's, created only if absent); a staging
+        # copy that lost its run file meanwhile gets the bucket's again, never a new id.
+        if not os.path.exists(os.path.join(self.staging_dir, RUN_NAME)):
+            self.sync_run_identity()
+
+    def publish_committed(self) -> None:
+        self.upload_committed()
+
     # --- after each commit ----------------------------------------------------------------
 
     def upload_committed(self) -> None:
