@@ -309,10 +309,12 @@ class HFWeightGatherer:
         """Collective (every rank, same order): the parameter's full tensors under their global names."""
         group, size, pdim, expert = self._split(ref)
         p = ref.param.detach()
-        full = self._merge(ref, _all_gather(p, group, size) if pdim is not None else [p], pdim)
+        shards = _all_gather(p, group, size) if pdim is not None else [p]
         names = self._full_names(ref)
         if not expert or len(names) == 1:
-            return [(names[0], full)]
+            # only source ranks convert: the others join the collective and skip the concatenation
+            return [(names[0], self._merge(ref, shards, pdim) if self.par.is_source else p)]
+        full = self._merge(ref, shards, pdim)
         # Every EP rank holds the same local expert slots: slot `local` of EP rank r is global r*n_local+local.
         return list(zip(names, _all_gather(full, self.par.ep_group, self.par.ep_size)))
 

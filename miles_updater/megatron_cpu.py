@@ -51,7 +51,7 @@ def causal_attention_mask(seq_len: int) -> torch.Tensor:
 
 def init_distributed_cpu(
     rank: int, world_size: int, master_port: int, *, tp: int = 1, pp: int = 1, ep: int = 1, seed: int = 1234,
-    backend: str = "gloo", timeout_s: float | None = None, etp: int | None = None,
+    backend: str = "gloo", timeout_s: float | None = None, etp: int | None = None, vpp: int | None = None,
 ) -> None:
     """Process group on 127.0.0.1 + Megatron model-parallel groups (CPU shims applied for gloo).
 
@@ -59,6 +59,7 @@ def init_distributed_cpu(
     ``timeout_s``: the collective timeout of the world and of Megatron's groups (default: 10 minutes
     for the world, Megatron's own default for its groups); whole minutes for Megatron's groups.
     ``etp``: the experts' tensor-parallel size (default: ``tp``; 1 lets EP span the TP ranks).
+    ``vpp``: virtual pipeline chunks per rank (build each with ``build_gpt_model(..., vp_stage=i)``).
     """
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
@@ -73,6 +74,7 @@ def init_distributed_cpu(
     ps.initialize_model_parallel(
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, expert_model_parallel_size=ep,
         **({} if etp is None else {"expert_tensor_parallel_size": etp}),
+        **({} if vpp is None else {"virtual_pipeline_model_parallel_size": vpp}),
         **({} if timeout_s is None else {"distributed_timeout_minutes": max(1, round(timeout_s / 60))}),
     )
     torch.manual_seed(seed)
@@ -172,8 +174,9 @@ def _ps_size(which: str) -> int:
     }[which]()
 
 
-def build_gpt_model(hf_dir: str, *, params_dtype: torch.dtype = torch.float32):
-    """This rank's GPTModel stage for the HF checkpoint's architecture (random weights)."""
+def build_gpt_model(hf_dir: str, *, params_dtype: torch.dtype = torch.float32, vp_stage: int | None = None):
+    """This rank's GPTModel stage (its virtual chunk ``vp_stage``) for the HF checkpoint's architecture
+    (random weights)."""
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.models.gpt.gpt_model import GPTModel
@@ -182,6 +185,8 @@ def build_gpt_model(hf_dir: str, *, params_dtype: torch.dtype = torch.float32):
         apply_cpu_shims()
     hf = read_hf_config(hf_dir)
     config = transformer_config_from_hf(hf, params_dtype=params_dtype)
+    if vp_stage is not None:
+        config.virtual_pipeline_model_parallel_size = ps.get_virtual_pipeline_model_parallel_world_size()
     if isinstance(config.moe_layer_freq, list):  # dense and MoE layers mixed (GLM-4.5, DeepSeek-V3)
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
@@ -198,12 +203,13 @@ def build_gpt_model(hf_dir: str, *, params_dtype: torch.dtype = torch.float32):
         config, spec,
         vocab_size=hf["vocab_size"],
         max_sequence_length=hf.get("max_position_embeddings", 4096),
-        pre_process=ps.is_pipeline_first_stage(),
-        post_process=ps.is_pipeline_last_stage(),
+        pre_process=ps.is_pipeline_first_stage(ignore_virtual=vp_stage is None, vp_stage=vp_stage),
+        post_process=ps.is_pipeline_last_stage(ignore_virtual=vp_stage is None, vp_stage=vp_stage),
         share_embeddings_and_output_weights=bool(hf.get("tie_word_embeddings", False)),
         position_embedding_type="rope",
         rotary_base=int(hf.get("rope_theta") or rope.get("rope_theta", 10000)),
         rotary_percent=float(hf.get("partial_rotary_factor") or rope.get("partial_rotary_factor") or 1.0),
+        **({} if vp_stage is None else {"vp_stage": vp_stage}),
     )
 
 

@@ -229,6 +229,26 @@ def test_one_kv_head_at_tp2_publishes_the_trainers_weights(mqa_hf, tmp_path):
     assert not torch.equal(base["model.layers.0.self_attn.k_proj.weight"], published["model.layers.0.self_attn.k_proj.weight"])
 
 
+@pytest.fixture(scope="module")
+def four_layer_hf(tmp_path_factory):
+    from testbed.tiny_qwen3 import make_tiny_qwen3
+
+    return make_tiny_qwen3(tmp_path_factory.mktemp("hf_4l") / "ckpt", seed=8, num_hidden_layers=4)
+
+
+def test_virtual_pipeline_chunks_are_gathered_under_their_global_layers(four_layer_hf, tmp_path):
+    """PP=2 x VPP=2: rank 0 holds layers 0 and 2 in two model chunks, rank 1 layers 1 and 3."""
+    _run_ranks(2, 1, 2, four_layer_hf, str(tmp_path), {"vpp": 2})
+    from safetensors.torch import load_file
+
+    reference = {}
+    for f in Path(four_layer_hf).glob("*.safetensors"):
+        reference.update(load_file(str(f)))
+    _assert_bytes_equal(_gathered(tmp_path), reference)
+    rank0 = set(load_file(str(tmp_path / "gathered-rank0.safetensors")))
+    assert {n.split(".")[2] for n in rank0 if n.startswith("model.layers.")} == {"0", "2"}
+
+
 # --- the rank process ---------------------------------------------------------------------------
 
 
@@ -240,10 +260,19 @@ def _worker(rank: int, cfg: dict) -> None:
     from miles_updater.gather import GatherError, HFWeightGatherer, load_hf_checkpoint
     from miles_updater.megatron_cpu import build_gpt_model, causal_attention_mask, init_distributed_cpu
 
-    init_distributed_cpu(rank, cfg["world"], cfg["port"], tp=cfg["tp"], pp=cfg["pp"], ep=cfg.get("ep", 1))
+    init_distributed_cpu(rank, cfg["world"], cfg["port"], tp=cfg["tp"], pp=cfg["pp"], ep=cfg.get("ep", 1),
+                         vpp=cfg.get("vpp"))
     from megatron.core import parallel_state as ps
 
     out = Path(cfg["out_dir"])
+    if cfg.get("vpp"):  # virtual pipeline chunks: gather them back and stop
+        chunks = [build_gpt_model(cfg["hf_dir"], vp_stage=i) for i in range(cfg["vpp"])]
+        load_hf_checkpoint(chunks, cfg["hf_dir"])
+        tensors = HFWeightGatherer(chunks, cfg["hf_dir"]).gather()
+        save_file({n: torch.frombuffer(bytearray(t.data.tobytes()), dtype=torch.bfloat16).reshape(t.shape)
+                   for n, t in tensors.items()}, str(out / f"gathered-rank{rank}.safetensors"))
+        dist.barrier()
+        return
     model = build_gpt_model(cfg["hf_dir"])
     load_hf_checkpoint([model], cfg["hf_dir"])
     if cfg.get("perturb"):
