@@ -1,10 +1,12 @@
 """The whole loop on one CPU machine: a Megatron trainer on Ray publishes deltas, sglang pulls them.
 
-    python -m miles_updater.demo [--steps 6] [--engines 1] [--workdir DIR]
+    python -m miles_updater.demo [--steps 6] [--engines 1] [--workdir DIR] [--source dir|s3]
 
 What runs (all real, loopback only): a local Ray cluster (2 CPUs); a tiny Qwen3 HF checkpoint
 built offline; a Megatron trainer of TP=2 ranks as Ray actors (gloo), each taking real Adam
-steps; a local directory as the shared filesystem; one or more real sglang CPU servers with the
+steps; a local directory as the shared filesystem (``--source s3``: a bucket of a real S3 server,
+SeaweedFS ``weed mini`` on 127.0.0.1, that the demo starts and stops; its credentials reach the
+trainer and the engines through the environment only); one or more real sglang CPU servers with the
 ``/pull_weights`` plugin. Each step trains, publishes version v (delta or full), has every engine
 pull it while generating, reloads it, and checks that the engine's greedy output equals
 transformers' greedy output on the trainer's published bytes. At the end: a table per version
@@ -48,18 +50,20 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--apply", default="auto", choices=("auto", "live", "reload"),
                    help="--update-weight-apply: live apply of the changed elements, or a full reload")
     p.add_argument("--workdir", default=None, help="where everything goes (default: a fresh temp dir)")
+    p.add_argument("--source", default="dir", choices=("dir", "s3"),
+                   help="where versions are published: a local dir, or a local S3 server the demo starts")
     p.add_argument("--keep", action="store_true", help="keep the workdir of a temp run")
     return p.parse_args(argv)
 
 
-def _updater_config(hf_dir: str, workdir: Path, ns: argparse.Namespace):
+def _updater_config(hf_dir: str, workdir: Path, ns: argparse.Namespace, disk_dir: str | None = None):
     """Build the updater's config through the same flags a miles trainer would parse."""
     from miles_updater.args import add_update_weight_arguments, validate_update_weight_args
 
     parser = add_update_weight_arguments(argparse.ArgumentParser())
     args = parser.parse_args([
         "--update-weight-transfer-mode", "disk-delta",
-        "--update-weight-disk-dir", str(workdir / "shared"),
+        "--update-weight-disk-dir", disk_dir or str(workdir / "shared"),
         "--update-weight-local-checkpoint-dir", str(workdir / "local" / "ckpt"),
         "--update-weight-delta-encoding", ns.encoding,
         "--update-weight-full-every", str(ns.full_every),
@@ -170,11 +174,38 @@ def run(ns: argparse.Namespace) -> list[dict]:
     workdir = Path(ns.workdir or tempfile.mkdtemp(prefix="miles-demo-")).resolve()
     workdir.mkdir(parents=True, exist_ok=True)
     hf_dir = make_tiny_qwen3(workdir / "hf", seed=0)
-    config = _updater_config(hf_dir, workdir, ns)
+    s3, roots = None, [str(workdir)]
+    if getattr(ns, "source", "dir") == "s3":
+        s3 = _start_s3(workdir)
+        roots.append(s3.url("demo"))
+    try:
+        return _run(ns, workdir, temp, hf_dir, roots, s3, SglangCpuServer, find_free_port, read_state_dict)
+    finally:
+        if s3 is not None:
+            s3.stop()
+
+
+def _start_s3(workdir: Path):
+    """A real S3 server on loopback; its credentials and endpoint go into this process's
+    environment, which the engines (subprocesses) and the trainer's Ray actors inherit."""
+    from testbed.s3_server import S3Server
+
+    s3 = S3Server.start(str(workdir / "s3"))
+    os.environ.update(s3.env())
+    # The trainer's ranks share one staging copy of what they upload (one machine here).
+    os.environ["WEIGHTSYNC_BUCKET_STAGING_DIR"] = str(workdir / "staging")
+    _say(f"S3 server (SeaweedFS weed mini) at {s3.endpoint}; publishing to {s3.url('demo/shared')}")
+    return s3
+
+
+def _run(ns, workdir: Path, temp: bool, hf_dir: str, roots: list[str], s3, SglangCpuServer, find_free_port,
+         read_state_dict) -> list[dict]:
+    repo_root = Path(__file__).resolve().parent.parent
+    config = _updater_config(hf_dir, workdir, ns, s3.url("demo/shared") if s3 is not None else None)
     _say(f"workdir {workdir}; tiny Qwen3 at {hf_dir}; shared dir {config.source_dir}")
 
     servers = [
-        SglangCpuServer(hf_dir, extra_args=ENGINE_ARGS + ["--pull-weights-allowed-roots", str(workdir)],
+        SglangCpuServer(hf_dir, extra_args=ENGINE_ARGS + ["--pull-weights-allowed-roots", ",".join(roots)],
                         log_path=workdir / f"sglang-{i}.log").start(wait_healthy=False)
         for i in range(ns.engines)
     ]
@@ -186,8 +217,9 @@ def run(ns: argparse.Namespace) -> list[dict]:
 
     rows: list[dict] = []
     try:
+        bucket_env = {k: v for k, v in os.environ.items() if k.startswith("AWS_") or k == "WEIGHTSYNC_BUCKET_STAGING_DIR"}
         ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
-                 runtime_env={"env_vars": {"RAY_AUTH_MODE": "disabled", "PYTHONPATH": str(repo_root)}})
+                 runtime_env={"env_vars": {"RAY_AUTH_MODE": "disabled", "PYTHONPATH": str(repo_root), **bucket_env}})
         port = find_free_port()
         trainers = [MegatronCPUTrainer.remote(r, ns.tp, port, config, tp=ns.tp, lr=ns.lr)
                     for r in range(ns.tp)]
