@@ -2,8 +2,9 @@
 
 One run of two ranks (one per pipeline stage, each a source rank) does, in order:
 - the builtin mapping as the hook, and a stateful converter that holds a layer's ``o_proj`` back
-  until its ``linear_qkv`` arrives (as slime's MLA converter pairs ``q_a_proj`` with ``kv_a_proj``):
-  both give the checkpoint's bytes (the weights are the checkpoint's);
+  until its ``linear_qkv`` arrives (as slime's MLA converter pairs ``q_a_proj`` with ``kv_a_proj``) and
+  names stage 1's tied output layer ``lm_head.weight`` (as miles' converters do, tied or not): both give
+  the checkpoint's bytes (the weights are the checkpoint's);
 - faults of the converter, each injected into one gather and then removed: it raises on stage 1
   only, emits an unknown name, a wrong shape, a name twice, ``lm_head`` for the tied checkpoint,
   never releases a held tensor. Every rank must raise a ``GatherError`` naming it, and the next
@@ -215,6 +216,8 @@ class FaultyConverter:
             out += list(self.builtin("decoder.layers.0.pre_mlp_layernorm.weight", t.new_ones(t.shape[0])))
         if m == "lm_head_tied" and name == "embedding.word_embeddings.weight":
             out.append(("lm_head.weight", t))
+        if self.pairing and name == "output_layer.weight":
+            return [("lm_head.weight", t)]  # as miles' and slime's converters name it, tied or not
         if self.pairing or m == "withhold":
             layer = name.split(".")[2] if name.startswith("decoder.layers.") else None
             # Megatron registers linear_proj before linear_qkv: hold o_proj back until q/k/v arrive
