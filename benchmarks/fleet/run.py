@@ -117,6 +117,15 @@ def origin_bytes(log_path: str) -> int:
         return 0
 
 
+def origin_refusals(log_path: str) -> int:
+    """How many requests the origin answered 503 SlowDown (the throttled_source fault)."""
+    try:
+        with open(log_path) as f:
+            return sum(json.loads(line)[1].endswith(" 503") for line in f if line.strip())
+    except FileNotFoundError:
+        return 0
+
+
 def tear_cached_copies(fab: Fabric, tier: "list[NginxCache]", url_path: str, files: list[str]) -> int:
     """The fault "a cache serves a torn object": each cache fetches ``files`` once (from inside
     its host), then a byte of each cached body is flipped on disk; nginx serves it as it is.
@@ -155,6 +164,7 @@ def run_mode(fab: Fabric, mode: str, caches: int, work: str, url_path: str, seed
     torn = 0
     killed: list[int] = []
     before = origin_bytes(origin_log)
+    refused_before = origin_refusals(origin_log)
     linger = os.path.join(mdir, "fleet.done")
     roster = [f"{fab.host_ip(i)}:{SWARM_PORT}" for i in range(n)]
     try:
@@ -228,7 +238,8 @@ def run_mode(fab: Fabric, mode: str, caches: int, work: str, url_path: str, seed
         out["swarm"] = {k: sum(x.get(k, 0) for x in sw) for k in ("delivered", "fell_back", "rejected", "hash_failures")}
         out["swarm"]["why"] = sorted({x.get("why") for x in sw if x.get("why")})[:3]
     if fault:
-        out.update(fault=fault, torn_copies=torn, killed=len(killed), hosts_judged=len(results))
+        out.update(fault=fault, torn_copies=torn, killed=len(killed), hosts_judged=len(results),
+                   origin_refusals=origin_refusals(origin_log) - refused_before)
     shutil.rmtree(mdir, ignore_errors=True)
     return out
 
