@@ -30,12 +30,11 @@ import importlib
 import json
 import logging
 import os
-import re
 from typing import Any, Callable, Iterable
 
 import torch
 
-from .hf_mapping import AttentionLayout, MappingError, to_hf
+from .hf_mapping import AttentionLayout, MappingError, mtp_names, to_hf
 
 log = logging.getLogger(__name__)
 
@@ -56,11 +55,6 @@ def hf_model_type(hf_checkpoint: str) -> str:
         return ""
 
 
-_MTP_RE = re.compile(r"^mtp\.layers\.(\d+)\.(.+)$")
-_MTP_OWN = ("enorm.weight", "hnorm.weight", "eh_proj.weight")
-_MTP_INNER = ("mtp_model_layer.", "transformer_layer.")  # megatron-core 0.19 / older
-
-
 class BuiltinConverter:
     """``hf_mapping`` as the hook: Qwen2/2.5, Qwen3 (dense and MoE), Llama, GLM-4.5-style MoE and
     DeepSeek-V3-style MLA names, and their MTP layers (HF layer ``num_layers + i``, as DeepSeek-V3 and
@@ -78,16 +72,11 @@ class BuiltinConverter:
         self.num_layers = num_layers
 
     def __call__(self, name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
-        m = _MTP_RE.match(name)
-        if m and self.num_layers is not None:
-            layer, rest = self.num_layers + int(m.group(1)), m.group(2)
-            if rest in _MTP_OWN:
-                return [(f"model.layers.{layer}.{rest}", tensor)]
-            if rest == "final_layernorm.weight":
-                return [(f"model.layers.{layer}.shared_head.norm.weight", tensor)]
-            for inner in _MTP_INNER:
-                if rest.startswith(inner):
-                    name = f"decoder.layers.{layer}.{rest[len(inner):]}"
+        if self.num_layers is not None and name.startswith("mtp."):
+            decoder, own = mtp_names(name, self.num_layers)
+            if own is not None:
+                return [(own, tensor)]
+            name = decoder or name
         return to_hf(name, [tensor], None, self.att, tied_embeddings=self.tied_embeddings,
                      family=self.model_type)
 

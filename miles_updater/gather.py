@@ -601,7 +601,7 @@ def load_hf_checkpoint(model_chunks, hf_dir: str, parallel: ParallelInfo | None 
     """
     from safetensors import safe_open
 
-    from .hf_mapping import from_hf, shard_for_rank
+    from .hf_mapping import from_hf, mtp_names, shard_for_rank
 
     from megatron.core import parallel_state as ps
 
@@ -632,11 +632,19 @@ def load_hf_checkpoint(model_chunks, hf_dir: str, parallel: ParallelInfo | None 
     hf = _Lazy()
     with torch.no_grad():
         for ref in iter_params(model_chunks):
+            name, global_layer = ref.name, ref.global_layer
+            decoder, own = mtp_names(name, first.config.num_layers)  # MTP: HF layer num_layers + i
+            if own is not None:
+                full = hf[own]
+            else:
+                if decoder is not None:
+                    name, global_layer = decoder, None
+                expert = is_expert_param(name)
+                local = expert_local_index(name) if expert else None
+                gexp = None if local is None else par.ep_rank * n_local + local
+                full = from_hf(name, hf, att, global_layer=global_layer, global_expert=gexp, tied_embeddings=tied,
+                               family=family)
             expert = is_expert_param(ref.name)
-            local = expert_local_index(ref.name) if expert else None
-            gexp = None if local is None else par.ep_rank * n_local + local
-            full = from_hf(ref.name, hf, att, global_layer=ref.global_layer, global_expert=gexp, tied_embeddings=tied,
-                           family=family)
             split = bool(getattr(ref.param, "tensor_model_parallel", False))
             pdim = getattr(ref.param, "partition_dim", 0) if split else None
             size, rank = (par.etp_size, etp_rank) if expert else (par.tp_size, tp_rank)

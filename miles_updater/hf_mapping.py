@@ -272,6 +272,28 @@ def to_hf_names(
     raise MappingError(f"no HF name for Megatron parameter {name!r} (layer part {rest!r})")
 
 
+_MTP_RE = re.compile(r"^mtp\.layers\.(\d+)\.(.+)$")
+_MTP_OWN = ("enorm.weight", "hnorm.weight", "eh_proj.weight")
+_MTP_INNER = ("mtp_model_layer.", "transformer_layer.")  # megatron-core 0.19 / older
+
+
+def mtp_names(name: str, num_layers: int) -> tuple[str | None, str | None]:
+    """An MTP parameter as (its decoder-layer name, or its own HF name), with HF layer ``num_layers + i``
+    as DeepSeek-V3 and GLM-4.5 checkpoints number MTP layers; (None, None) for other names."""
+    m = _MTP_RE.match(name)
+    if not m:
+        return None, None
+    layer, rest = num_layers + int(m.group(1)), m.group(2)
+    if rest in _MTP_OWN:
+        return None, f"model.layers.{layer}.{rest}"
+    if rest == "final_layernorm.weight":
+        return None, f"model.layers.{layer}.shared_head.norm.weight"
+    for inner in _MTP_INNER:
+        if rest.startswith(inner):
+            return f"decoder.layers.{layer}.{rest[len(inner):]}", None
+    return None, None
+
+
 def shard_for_rank(name: str, full: torch.Tensor, partition_dim: int | None, tp_rank: int, tp_size: int) -> torch.Tensor:
     """Cut this rank's shard from a full TP=1 Megatron tensor (gate/up re-interleaved per shard)."""
     if partition_dim is None or tp_size == 1:

@@ -174,9 +174,10 @@ def _ps_size(which: str) -> int:
     }[which]()
 
 
-def build_gpt_model(hf_dir: str, *, params_dtype: torch.dtype = torch.float32, vp_stage: int | None = None):
+def build_gpt_model(hf_dir: str, *, params_dtype: torch.dtype = torch.float32, vp_stage: int | None = None,
+                    mtp_num_layers: int = 0):
     """This rank's GPTModel stage (its virtual chunk ``vp_stage``) for the HF checkpoint's architecture
-    (random weights)."""
+    (random weights), with ``mtp_num_layers`` multi-token-prediction layers after the last stage."""
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.models.gpt.gpt_model import GPTModel
@@ -187,6 +188,8 @@ def build_gpt_model(hf_dir: str, *, params_dtype: torch.dtype = torch.float32, v
     config = transformer_config_from_hf(hf, params_dtype=params_dtype)
     if vp_stage is not None:
         config.virtual_pipeline_model_parallel_size = ps.get_virtual_pipeline_model_parallel_world_size()
+    if mtp_num_layers:
+        config.mtp_num_layers = mtp_num_layers
     if isinstance(config.moe_layer_freq, list):  # dense and MoE layers mixed (GLM-4.5, DeepSeek-V3)
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
@@ -198,6 +201,12 @@ def build_gpt_model(hf_dir: str, *, params_dtype: torch.dtype = torch.float32, v
         )
     if getattr(config, "multi_latent_attention", False):
         _use_mla_core_attention(spec)
+    mtp = {}
+    if mtp_num_layers:
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
+
+        layer = spec.layer_specs[-1] if hasattr(spec, "layer_specs") else spec
+        mtp = {"mtp_block_spec": get_gpt_mtp_block_spec(config, layer, use_transformer_engine=False, vp_stage=vp_stage)}
     rope = hf.get("rope_parameters") or {}
     return GPTModel(
         config, spec,
@@ -210,6 +219,7 @@ def build_gpt_model(hf_dir: str, *, params_dtype: torch.dtype = torch.float32, v
         rotary_base=int(hf.get("rope_theta") or rope.get("rope_theta", 10000)),
         rotary_percent=float(hf.get("partial_rotary_factor") or rope.get("partial_rotary_factor") or 1.0),
         **({} if vp_stage is None else {"vp_stage": vp_stage}),
+        **mtp,
     )
 
 

@@ -249,6 +249,55 @@ def test_virtual_pipeline_chunks_are_gathered_under_their_global_layers(four_lay
     assert {n.split(".")[2] for n in rank0 if n.startswith("model.layers.")} == {"0", "2"}
 
 
+MTP_STATIC = ["model.layers.2.embed_tokens.weight", "model.layers.2.shared_head.head.weight"]
+
+
+@pytest.fixture(scope="module")
+def mtp_hf(tmp_path_factory):
+    """A tiny GLM-4.5-style MoE whose checkpoint carries one MTP layer (HF layer 2, after the 2 decoder
+    layers), with the embedding and head copies DeepSeek-V3 and GLM-4.5 checkpoints keep there."""
+    import torch
+    from safetensors.torch import load_file, save_file
+    from transformers import Glm4MoeConfig, Glm4MoeForCausalLM
+
+    d = tmp_path_factory.mktemp("hf_mtp") / "ckpt"
+    cfg = Glm4MoeConfig(vocab_size=256, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+                        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                        n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1,
+                        n_group=1, topk_group=1, use_qk_norm=True, attention_bias=True, tie_word_embeddings=False,
+                        max_position_embeddings=128, initializer_range=0.3, num_nextn_predict_layers=1)
+    torch.manual_seed(21)
+    Glm4MoeForCausalLM(cfg).to(torch.bfloat16).save_pretrained(str(d))
+    path = d / "model.safetensors"
+    t = load_file(str(path))
+    g = torch.Generator().manual_seed(22)
+    for n in [n for n in t if n.startswith("model.layers.1.")]:
+        t[n.replace("model.layers.1.", "model.layers.2.")] = (t[n].float() + torch.randn(t[n].shape, generator=g)).to(t[n].dtype)
+    for n, shape in (("enorm.weight", (32,)), ("hnorm.weight", (32,)), ("eh_proj.weight", (32, 64)),
+                     ("shared_head.norm.weight", (32,))):
+        t[f"model.layers.2.{n}"] = torch.randn(shape, generator=g).to(torch.bfloat16)
+    t["model.layers.2.embed_tokens.weight"] = t["model.embed_tokens.weight"].clone()
+    t["model.layers.2.shared_head.head.weight"] = t["lm_head.weight"].clone()
+    save_file(t, str(path), metadata={"format": "pt"})
+    return str(d)
+
+
+def test_mtp_layers_are_gathered_as_the_checkpoints_layer_after_the_last_and_its_copies_kept_static(mtp_hf, tmp_path):
+    """TP=2: the MTP layer (its own norms and projection, its MoE layer and expert_bias) round-trips to
+    HF layer 2; the embedding and head copies there, which no parameter produces, are refused until
+    listed static, then keep the seed's bytes."""
+    _run_ranks(2, 2, 1, mtp_hf, str(tmp_path), {"mtp": 1, "static": MTP_STATIC})
+    from safetensors.torch import load_file
+
+    reference = load_file(str(Path(mtp_hf) / "model.safetensors"))
+    gathered = _gathered(tmp_path)
+    _assert_bytes_equal(gathered, reference)
+    assert "model.layers.2.mlp.gate.e_score_correction_bias" in gathered
+    for rank in range(2):
+        error = json.loads((tmp_path / f"rank{rank}.json").read_text())["static_missing"]
+        assert all(n in error for n in MTP_STATIC) and "--update-weight-static-tensors" in error, error
+
+
 # --- the rank process ---------------------------------------------------------------------------
 
 
@@ -273,7 +322,7 @@ def _worker(rank: int, cfg: dict) -> None:
                    for n, t in tensors.items()}, str(out / f"gathered-rank{rank}.safetensors"))
         dist.barrier()
         return
-    model = build_gpt_model(cfg["hf_dir"])
+    model = build_gpt_model(cfg["hf_dir"], mtp_num_layers=cfg.get("mtp", 0))
     load_hf_checkpoint([model], cfg["hf_dir"])
     if cfg.get("perturb"):
         # Move every weight by a name-seeded amount (identical on TP ranks for replicated
@@ -284,15 +333,23 @@ def _worker(rank: int, cfg: dict) -> None:
                                                   * int(getattr(p, "tensor_model_parallel", False)))
                 p.add_(torch.randn(p.shape, generator=g) * 0.05)
                 p.copy_(p.bfloat16().float())
-    gatherer = HFWeightGatherer([model], cfg["hf_dir"])
+    gatherer = HFWeightGatherer([model], cfg["hf_dir"], static_tensors=cfg.get("static", ()))
     tensors = gatherer.gather()
     if tensors:
+        from miles_updater.gather import ST_TO_TORCH
+
         torch_tensors = {
-            n: torch.frombuffer(bytearray(t.data.tobytes()), dtype=torch.bfloat16).reshape(t.shape)
+            n: torch.frombuffer(bytearray(t.data.tobytes()), dtype=ST_TO_TORCH[t.dtype]).reshape(t.shape)
             for n, t in tensors.items()
         }
         save_file(torch_tensors, str(out / f"gathered-rank{rank}.safetensors"))
     seen = {"staging_nbytes": gatherer.staging_nbytes()}
+    if cfg.get("static"):
+        try:
+            HFWeightGatherer([model], cfg["hf_dir"])
+            seen["static_missing"] = ""
+        except GatherError as e:
+            seen["static_missing"] = str(e)
     if cfg.get("bad_hf_dir"):
         try:
             HFWeightGatherer([model], cfg["bad_hf_dir"]).gather()
@@ -319,7 +376,7 @@ def _worker(rank: int, cfg: dict) -> None:
         seen.update(source_dir=updater.source_dir, version=updater.update_weights(update_engines=False).version)
         updater.close()
         torch.save({n: p.detach().clone() for n, p in model.named_parameters()}, out / f"params-rank{rank}.pt")
-    if cfg["pp"] == 1 and not cfg.get("ep"):
+    if cfg["pp"] == 1 and not cfg.get("ep") and not cfg.get("mtp"):
         torch.manual_seed(0)
         ids = torch.randint(0, 1000, (1, 12))
         with torch.no_grad():
