@@ -191,3 +191,26 @@ def test_a_host_that_finds_no_peer_reads_the_source_directly_and_holds_the_publi
     out = recent_outcomes()[-1]
     assert not out.delivered and out.fell_back and "no peer" in out.why
     assert origin.bytes_served(".safetensors") > before  # read from the source instead
+
+
+def test_a_swarm_that_stalls_falls_back_to_the_source_within_the_deadline(published, origin, fast_tmp_path, monkeypatch):
+    # The only peer is a real libtorrent session in the torrent that holds none of it: the host
+    # finds a peer, and no byte ever comes.
+    www, seed, expected = published
+    with open(os.path.join(www, "run", "weight_v000001", TORRENT_NAME), "rb") as f:
+        ti = lt.torrent_info(lt.bdecode(f.read()))
+    empty_port = _free_port()
+    ses = lt.session({"listen_interfaces": f"127.0.0.1:{empty_port}", "enable_dht": False, "enable_lsd": False})
+    p = lt.add_torrent_params()
+    p.ti = ti
+    p.save_path = str(fast_tmp_path / "empty-peer")
+    ses.add_torrent(p)
+    monkeypatch.setenv("WEIGHTSYNC_SWARM_WEB_SEED", "0")
+    monkeypatch.setenv("WEIGHTSYNC_SWARM_STALL_S", "1")
+    monkeypatch.setenv("WEIGHTSYNC_SWARM_NO_PEER_S", "30")  # so the stall, not "no peer", ends the wait
+    local = str(fast_tmp_path / "stalled")
+    r = pull(local, seed, origin.base_url + "/run", 1, swarm=SwarmConfig(f"127.0.0.1:{_free_port()}", [f"127.0.0.1:{empty_port}"]))
+    assert r.applied_version == 1
+    assert_checkpoint_is(local, expected)
+    out = recent_outcomes()[-1]
+    assert not out.delivered and out.fell_back and "no byte" in out.why, out.why
