@@ -237,7 +237,10 @@ def test_two_publishers_racing_for_one_version_exactly_one_commits_and_its_bytes
 
     def create_together(self, key, data):
         if key == f"weight_v000001/{INDEX}":
-            gate.wait(30)  # both have uploaded their shards: the two index creates race
+            try:
+                gate.wait(10)  # both have uploaded their shards: the two index creates race
+            except threading.BrokenBarrierError:
+                pass  # the other one was fenced earlier, by the bucket's writer lease
         return create(self, key, data)
 
     monkeypatch.setattr(source_mod.BucketSource, "create", create_together)
@@ -247,8 +250,8 @@ def test_two_publishers_racing_for_one_version_exactly_one_commits_and_its_bytes
         try:
             pub.publish(1, tensors[name], full=True)
             outcome[name] = "committed"
-        except errors.BucketConflictError as e:
-            outcome[name] = e
+        except (errors.BucketConflictError, errors.SupersededPublisherError) as e:
+            outcome[name] = e  # lost the index create, or the writer lease (the later publisher took it)
 
     threads = [threading.Thread(target=run, args=item) for item in (("a", a), ("b", b))]
     for t in threads:
@@ -412,3 +415,45 @@ def test_a_seed_whose_handed_over_copy_is_damaged_reseeds_through_the_full_fetch
         f.seek(-4, os.SEEK_END)
         f.write(b"\xff\xff\xff\xff")
     bucket_run.assert_pulls(2, local)
+
+
+def test_a_publisher_on_another_host_takes_the_bucket_lease_and_the_older_one_stops_before_writing(bucket_run, monkeypatch, fast_tmp_path):
+    from weightsync.publisher.snapshot import as_raw
+
+    a = bucket_run.publisher()
+    bucket_run.publish_versions(a, 1, full_at={1})
+    # a restarted trainer on another host: its own staging copy (restored from a's, as of v1),
+    # and a's lease file is in a's staging dir only
+    import shutil
+
+    other = fast_tmp_path / "staging-other-host"
+    shutil.copytree(a.source_dir, other / os.path.basename(a.source_dir))
+    os.unlink(other / os.path.basename(a.source_dir) / "weightsync-writer.json")
+    monkeypatch.setenv("WEIGHTSYNC_BUCKET_STAGING_DIR", str(other))
+    b = bucket_run.publisher()
+    b.seed_snapshot({n: as_raw(t) for n, t in bucket_run.tensors[1].items()}, version=1)
+    bucket_run.publish_versions(b, 1)
+    lease = json.loads(BucketSource(bucket_run.url).read("weightsync-writer.json"))
+    assert lease["token"] == b.guard.lease.token
+    before = keys(bucket_run.url)
+    # a's staging copy knows nothing of v2: only the bucket's lease can stop it
+    with pytest.raises(errors.SupersededPublisherError):
+        a.publish(2, bucket_run.next_tensors(0.3))
+    bucket_run.tensors.pop(), bucket_run.expected.pop()
+    assert keys(bucket_run.url) == before  # nothing of a's v2 reached the bucket
+    bucket_run.assert_pulls(2)
+
+
+def test_the_seed_record_reaches_the_bucket_before_v1_and_a_new_hosts_staging_copy_gets_it(bucket_run, monkeypatch, fast_tmp_path):
+    pub = bucket_run.publisher()
+    bucket_run.publish_versions(pub, 1)  # v1 a delta: the run file records the seed's digests first
+    run = json.loads(BucketSource(bucket_run.url).read("weightsync-run.json"))
+    assert run["run_id"] == pub.run_id and set(run["seed"]["digests"]) == set(bucket_run.tensors[0])
+    with open(os.path.join(pub.source_dir, "weightsync-run.json"), "rb") as f:
+        assert json.loads(f.read()) == run
+    monkeypatch.setenv("WEIGHTSYNC_BUCKET_STAGING_DIR", str(fast_tmp_path / "staging-new-host"))
+    other = bucket_run.publisher()
+    from weightsync.format.seed_record import read_seed_record
+
+    assert read_seed_record(other.source_dir) is not None and other.source_dir != pub.source_dir
+    bucket_run.assert_pulls(1)

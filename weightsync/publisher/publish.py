@@ -657,7 +657,7 @@ class Publisher:
             raise VersionAlreadyPublishedError(version, self.source_dir, " (its index landed: it cannot be discarded)")
         if self.rank == 0 and self.guard.lease is not None:
             # A superseded publisher must not delete the files a newer one is writing under the same number.
-            self.guard.hold_lease(f"discarding v{version}")
+            self._hold_lease(f"discarding v{version}")
         adir = anchor_dir(self.source_dir, version)
         for index in (os.path.join(adir, INDEX_NAME), os.path.join(vdir, INDEX_NAME)):
             if os.path.lexists(index):  # an anchor's index lands before the version's: it goes first
@@ -789,7 +789,7 @@ class Publisher:
             self.guard.check_layout(prepared.version, [(t.name, t.dtype, tuple(t.shape)) for t in prepared.tensors],
                                     complete=self.world_size == 1, allowed=allow_layout_change)
         if self.rank == 0:
-            self.guard.hold_lease(f"writing v{prepared.version}")
+            self._hold_lease(f"writing v{prepared.version}")
             self.destination.write_run_identity(self.atomic_rename)
         decision = self._decisions.get(prepared.version)
         anchor = kind == "delta" and decision is not None and decision.kind == "delta" and decision.anchor
@@ -854,7 +854,7 @@ class Publisher:
     def _commit_index(self, version: int, kind: Kind, manifests: list[ShardManifest], *,
                       allow_layout_change: bool = False) -> tuple[str, int]:
         """Write the version's index and count it committed; (version dir, anchor bytes)."""
-        self.guard.hold_lease(f"committing v{version}")  # a superseded publisher stops here, loud
+        self._hold_lease(f"committing v{version}")  # a superseded publisher stops here, loud
         self._scan_once()
         staged = self._staged
         vdir = version_dir(self.source_dir, version)
@@ -881,12 +881,20 @@ class Publisher:
                 layout_change = "allowed by the publisher's caller"
             else:
                 self._check_tensor_set(version, set(_merged(manifests, version, kind, lambda m: m.weight_map)))
-        vdir, anchor_nbytes = self.committer.commit(version, kind, manifests, fence=self.guard.hold_lease,
+        vdir, anchor_nbytes = self.committer.commit(version, kind, manifests, fence=self._hold_lease,
                                                     layout_change=layout_change)
         if staged is not None and staged.version == version:
             self.confirm(version)
         self.retention.record(version, kind, anchor_nbytes > 0)
         return vdir, anchor_nbytes
+
+    def _hold_lease(self, what: str) -> None:
+        """The writer lease: taken in the dir on first use, then checked (``guard``); and held
+        where the destination's readers look (a bucket's lease object), so a publisher started
+        on another host fences this one too."""
+        self.guard.hold_lease(what)
+        assert self.guard.lease is not None
+        self.destination.hold_lease(msgspec.json.encode(self.guard.lease), what)
 
     def _check_tensor_set(self, version: int, names: set[str]) -> None:
         """Several ranks: each checked its tensors' dtypes and shapes at write(); the whole

@@ -36,7 +36,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import xxhash
 
-from ..errors import BucketConflictError, ConditionalWritesUnsupportedError, PublishError
+from ..errors import BucketConflictError, ConditionalWritesUnsupportedError, PublishError, SupersededPublisherError
 from ..format.layout import INDEX_NAME, RUN_NAME, is_weight_file
 from ..format.manifest import is_committed, read_run_id
 from ..fsio import write_bytes
@@ -84,6 +84,8 @@ class BucketTarget:
         self.source = BucketSource(self.url)
         self.staging_dir = staging_dir or default_staging_dir(self.url)
         self.uploaded: set[str] = set()  # dir names this process saw committed in the bucket
+        self.lease_token: str | None = None  # the writer lease this publisher put in the bucket
+        self.lease_epoch = 0
 
     # --- at start -----------------------------------------------------------------------
 
@@ -161,12 +163,84 @@ class BucketTarget:
     def publish_committed(self) -> None:
         self.upload_committed()
 
+    # --- the writer lease, where every host sees it ----------------------------------------
+
+    def hold_lease(self, record: bytes, what: str) -> None:
+        """The publisher's writer lease (``publisher.lease``: a JSON record with an epoch and a
+        token) in the bucket too, beside the run file, so a publisher on another host (its own
+        staging copy) fences this one: put on first use (created if absent, else replaced only
+        if unchanged since read: ``If-Match``), then checked to be still this one's. Checked
+        again before every index this target creates."""
+        mine = json.loads(record)
+        if self.lease_token != mine["token"]:
+            try:
+                data, tag = self.source.read_tagged(WRITER_NAME)
+                current = _lease_of(data)
+            except FileNotFoundError:
+                tag, current = "", None
+            epoch = max(int(mine["epoch"]), int(current["epoch"]) + 1 if current else 0)
+            ours = json.dumps({**mine, "epoch": epoch}).encode()
+            # A lost race (another publisher put its lease between the read and this write) is
+            # caught by the check below: the loser is the one fenced.
+            if tag:
+                self.source.replace(WRITER_NAME, ours, tag)
+            else:
+                self.source.create(WRITER_NAME, ours)
+            self.lease_token, self.lease_epoch = str(mine["token"]), epoch
+        self.check_lease(what)
+
+    def check_lease(self, what: str) -> None:
+        """SupersededPublisherError unless the bucket's lease is still this publisher's (a
+        target that never took one, a publisher that writes nothing, is not checked)."""
+        if self.lease_token is None:
+            return
+        try:
+            current = _lease_of(self.source.read(WRITER_NAME))
+        except FileNotFoundError:
+            current = None
+        if current is not None and current.get("token") == self.lease_token:
+            return
+        holder = f"pid {current.get('pid')} on {current.get('host') or '?'}" if current else "the lease object is gone or unreadable"
+        raise SupersededPublisherError(str(self.url), self.lease_epoch, int(current["epoch"]) if current else None, holder, what)
+
+    # --- the run file's seed record ---------------------------------------------------------
+
+    def sync_seed_record(self) -> None:
+        """The staging copy's run file gained the seed record (written at v1, before v1's
+        index): the bucket's run file gets it too, before v1's index is created there, replaced
+        only if unchanged since read. Another run's file, or another seed record, is a conflict."""
+        local = os.path.join(self.staging_dir, RUN_NAME)
+        try:
+            with open(local, "rb") as f:
+                ours = f.read()
+        except FileNotFoundError:
+            return
+        for _ in range(3):
+            theirs, tag = self.source.read_tagged(RUN_NAME)
+            if theirs == ours:
+                return
+            a, b = _json_of(ours), _json_of(theirs)
+            if a.get("run_id") != b.get("run_id") or "seed" in a and "seed" in b and a["seed"] != b["seed"]:
+                raise PublishError(
+                    f"{self.url}/{RUN_NAME} is not this staging copy's run file (run {b.get('run_id')} in the bucket, "
+                    f"{a.get('run_id')} here, or another seed record): another publisher of this prefix? Use another "
+                    f"prefix, or another staging dir ({STAGING_ENV})"
+                )
+            if "seed" not in a or "seed" in b:
+                return  # nothing to add (the bucket's records it already, or there is none yet)
+            if self.source.replace(RUN_NAME, ours, tag):
+                log.info("%s/%s: the seed record uploaded", self.url, RUN_NAME)
+                return
+        raise PublishError(f"{self.url}/{RUN_NAME} kept changing while its seed record was uploaded; retry the publish")
+
     # --- after each commit ----------------------------------------------------------------
 
     def upload_committed(self) -> None:
         """Every version (and anchor) committed in the staging dir and not yet in the bucket,
         oldest first, each anchor before its version."""
         names = [n for n in os.listdir(self.staging_dir) if _DIR_RE.match(n) and n not in self.uploaded]
+        if names:
+            self.sync_seed_record()
 
         def order(n: str) -> tuple[int, int]:
             m = _DIR_RE.match(n)
@@ -209,6 +283,7 @@ class BucketTarget:
         index["weight_map"] = {t: keys[f] for t, f in index["weight_map"].items()}
         _rename_file_digests(index, keys)
         ours = json.dumps(index, indent=1).encode()
+        self.check_lease(f"creating {index_key}")  # a publisher superseded on another host stops here
         if not self.source.create(index_key, ours):
             self._check_ours(name, index_key, ours)
         named = {f"{name}/{k}" for k in keys.values()} | {index_key}
@@ -288,6 +363,22 @@ def _rename_file_digests(index: dict, keys: dict[str, str]) -> None:
     files = index.get("file_digests")
     if isinstance(files, dict):
         index["file_digests"] = {keys.get(f, f): d for f, d in files.items()}
+
+
+WRITER_NAME = "weightsync-writer.json"  # the writer lease's name (publisher.lease), beside the run file
+
+
+def _json_of(data: bytes) -> dict:
+    try:
+        obj = json.loads(data)
+    except ValueError:
+        return {}
+    return obj if isinstance(obj, dict) else {}
+
+
+def _lease_of(data: bytes) -> "dict | None":
+    obj = _json_of(data)
+    return obj if "token" in obj and isinstance(obj.get("epoch"), int) else None
 
 
 def _run_id_of(data: bytes) -> str | None:

@@ -9,7 +9,10 @@ whether it holds a directory or a bucket:
   readers (a directory: it already is; a bucket: shards uploaded, then the index created only
   if absent);
 - ``mirror_pruned()``: after pruning ``dir``, remove the same versions where readers look
-  (a bucket: index first, then its shards).
+  (a bucket: index first, then its shards);
+- ``hold_lease(record, what)``: the writer lease (``publisher.lease``, taken in ``dir``) where
+  every other publisher of the run sees it too (a directory: ``dir`` is that place; a bucket:
+  its lease object, put once and checked before every index it creates).
 
 ``open_destination`` refuses, before anything is written, what cannot be published into (an
 HTTP(S) source is read-only).
@@ -39,6 +42,8 @@ class Destination(Protocol):
 
     def mirror_pruned(self) -> None: ...
 
+    def hold_lease(self, record: bytes, what: str) -> None: ...
+
 
 class DirectoryDestination:
     """A directory readers read directly: a commit in it is the publication."""
@@ -54,6 +59,9 @@ class DirectoryDestination:
 
     def mirror_pruned(self) -> None:
         pass
+
+    def hold_lease(self, record: bytes, what: str) -> None:
+        pass  # the lease file is in this dir already, where every publisher of it looks
 
 
 def write_run_identity(directory: str, atomic: bool) -> None:

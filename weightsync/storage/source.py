@@ -175,6 +175,32 @@ class BucketSource:
         except Exception as e:
             raise typed_error(e, self.url, f"PUT {key} (If-None-Match: *)") from e
 
+    def read_tagged(self, key: str) -> tuple[bytes, str]:
+        """A small object whole, and its ETag (what ``replace`` is conditioned on)."""
+        import obstore
+
+        try:
+            res = obstore.get(self.store, key)
+            return bytes(res.bytes()), str(res.meta.get("e_tag") or "")
+        except FileNotFoundError:
+            raise
+        except Exception as e:
+            raise typed_error(e, self.url, f"GET {key}") from e
+
+    def replace(self, key: str, data: bytes, tag: str) -> bool:
+        """A small object replaced only if its ETag is still ``tag`` (``If-Match``); False when
+        another writer changed it since it was read."""
+        import obstore
+        from obstore.exceptions import PreconditionError
+
+        try:
+            obstore.put(self.store, key, data, mode={"e_tag": tag})  # type: ignore[typeddict-item]
+            return True
+        except (PreconditionError, FileNotFoundError):
+            return False
+        except Exception as e:
+            raise typed_error(e, self.url, f"PUT {key} (If-Match: {tag})") from e
+
     def delete(self, keys: Iterable[str]) -> None:
         import obstore
 
