@@ -39,6 +39,8 @@ def main() -> int:
     ap.add_argument("--modes", default="direct,cache,swarm")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--timeout-s", type=float, default=300)
+    ap.add_argument("--fault", default=None, choices=["torn_cache", "bad_peer", "half_killed", "throttled_source"],
+                    help="cause one of issue 29's faults in every run (benchmarks/fleet/run.py)")
     ap.add_argument("--append", action="store_true", help="append the table to benchmarks/RESULTS.md")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
@@ -59,7 +61,7 @@ def main() -> int:
     for h in [int(x) for x in a.hosts.split(",")]:
         caches = a.caches or max(1, h // 4)
         rep = run_fleet(h, caches, a.model_mb, a.changed, a.host_mbit, a.src_mbit, a.modes.split(","), a.repeats,
-                        timeout_s=a.timeout_s, log=(lambda s: print(s, file=sys.stderr, flush=True)))
+                        timeout_s=a.timeout_s, log=(lambda s: print(s, file=sys.stderr, flush=True)), fault=a.fault)
         reports.append(rep)
     table = render(reports, a.repeats)
     print(json.dumps(reports) if a.json else table)

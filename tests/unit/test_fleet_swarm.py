@@ -22,12 +22,18 @@ from weightsync.errors import InvalidRequestError, SwarmConfigError, SwarmUnavai
 from weightsync.format.file_digests import FileDigest, digest_file
 from weightsync.storage.mirror import Mirror
 from weightsync.storage.source import ObjectInfo
-from weightsync.storage.swarm import TORRENT_NAME, SwarmConfig, SwarmOutcome, _deliver, _files, _real_files, recent_outcomes
+from weightsync.storage.swarm import TORRENT_NAME, SwarmConfig, SwarmOutcome, _deliver, _files, _real_files, recent_outcomes, stop_swarms
 
 lt = pytest.importorskip("libtorrent", reason="the swarm's optional package (weightsync[swarm]); setup_env.sh installs it")
 
 SIZES = {"embed": ("float32", (256, 64)), "layers.0.w": ("float32", (128, 128)), "norm": ("float32", (64,))}
 INDEX = "model.safetensors.index.json"
+
+
+@pytest.fixture(autouse=True)
+def _leave_the_swarm():
+    yield
+    stop_swarms()  # each test's sessions stop seeding: bounded, and no test sees another's
 
 
 def _free_port() -> int:
