@@ -457,3 +457,21 @@ def test_the_seed_record_reaches_the_bucket_before_v1_and_a_new_hosts_staging_co
 
     assert read_seed_record(other.source_dir) is not None and other.source_dir != pub.source_dir
     bucket_run.assert_pulls(1)
+
+
+def test_a_pull_from_a_bucket_fingerprints_the_seed_dir_once(bucket_run, monkeypatch):
+    # On tmpfs the fingerprint reads every byte of the seed: neither the fetch's planning (no
+    # marker yet) nor the refresh hook computes it again.
+    from weightsync.puller import identity
+
+    pub = bucket_run.publisher()
+    bucket_run.publish_versions(pub, 2, full_at={1})
+    calls = []
+    real = identity._fingerprint
+    monkeypatch.setattr(identity, "_fingerprint", lambda d: calls.append(d) or real(d))
+    local = bucket_run.fresh_local()
+    bucket_run.assert_pulls(1, local)
+    assert len(calls) == 1, calls
+    calls.clear()
+    bucket_run.assert_pulls(2, local)
+    assert len(calls) == 1, calls

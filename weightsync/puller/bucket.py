@@ -24,7 +24,7 @@ from ..hooks import load_callable
 from ..storage.mirror import Mirror, mirror_dir
 from ..storage.source import BucketSource
 from ..storage.url import parse_bucket_url
-from .identity import Origin, source_origin
+from .identity import NO_SEED, Origin, source_origin
 from .lock import acquire_host_lock
 from .plan import check_target_version, plan_pull
 from .seed import HAND_OVER
@@ -70,6 +70,10 @@ def pull_from_bucket(
         state = read_applied_state(state_path(local_checkpoint_dir))
         if state is not None and state.seed:
             return Origin(os.path.realpath(root), read_run_id(run_path(root)), state.seed)
+        if state is None:
+            # No marker: the plan seeds whatever the seed's fingerprint is (it is compared with a
+            # marker's only), so it is not computed here as well as by the pull.
+            return Origin(os.path.realpath(root), read_run_id(run_path(root)), NO_SEED)
         return source_origin(root, seed_dir)
 
     def plan_keys(target: int) -> tuple[set[str], str]:

@@ -56,11 +56,12 @@ from ..format.layout import (
     format_version,
     index_path,
     list_versions,
+    run_path,
     sync_dir,
     verified_path,
     version_dir,
 )
-from ..format.manifest import check_anchor, checkpoint_weight_files, is_committed, read_version_index
+from ..format.manifest import check_anchor, checkpoint_weight_files, is_committed, read_run_id, read_version_index
 from ..format.safetensors_io import local_tensor_table
 from ..fsio import is_pid_alive, write_bytes
 from ..hooks import load_callable
@@ -370,7 +371,9 @@ def pull(
             hook(source_dir, target_version)
             hook_ran = True
             check_source_dir(source_dir)  # after the refresh: what it shows is what counts
-            origin = source_origin(source_dir, seed_dir)  # the refresh may have shown the run file
+            # The refresh may have shown the run file; the seed dir is the engine's own, not what
+            # the hook refreshes, so its fingerprint (all of a tmpfs seed's bytes hashed) stands.
+            origin = Origin(origin.source_dir, read_run_id(run_path(source_dir)), origin.seed)
         try:
             with _local_faults(local_checkpoint_dir):
                 result, pending = _pull_locked(
