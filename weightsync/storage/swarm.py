@@ -356,6 +356,7 @@ def fetch_into_mirror(swarm: Swarm, mirror: "Mirror", objs: "list[ObjectInfo]", 
     # A piece counts as complete once its hash passed, which can be before libtorrent's disk
     # thread wrote it to the file: a complete file is read only after a flush asked for then.
     flushing: dict[tuple, tuple] = {}  # pending key -> (flush count to wait past, asked at)
+    last_kick = 0.0
     while pending:
         now = time.monotonic()
         swarm._drain_alerts()
@@ -376,6 +377,14 @@ def fetch_into_mirror(swarm: Swarm, mirror: "Mirror", objs: "list[ObjectInfo]", 
                     _deliver(os.path.join(save, _files(ti).file_path(i)), mirror, o, digests[o.key], digest_file, out)
         if got != last_bytes:
             last_bytes, last_change = got, now
+        elif now - last_change > 1.5 and now - last_kick > 1.5:
+            # A source that answered 503 (throttled) is put aside by libtorrent for a while; with
+            # no byte coming, ask it again now rather than wait for the stall and read it directly.
+            last_kick = now
+            for h, _ti, _w, _save in jobs:
+                for u in h.url_seeds():
+                    h.remove_url_seed(u)
+                    h.add_url_seed(u)
         if not pending:
             break
         if now - t0 > budget_s:
