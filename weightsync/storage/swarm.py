@@ -193,7 +193,8 @@ class Swarm:
             "unchoke_slots_limit": -1, "connections_limit": 500, "allow_multiple_connections_per_ip": True,
             "tick_interval": 100, "request_timeout": 5, "peer_connect_timeout": 3, "urlseed_wait_retry": 2,
             # The web seed (the source) asked for a few pieces at a time, not 16 MiB runs: hosts then
-            # take different pieces from it and trade the rest, so it sends about one copy, not H.
+            # take different pieces from it and trade the rest (16 hosts here: 3-4 copies from the
+            # source instead of 4 and a slower fleet; every host reading it sends 16).
             "urlseed_max_request_bytes": 256 << 10,
             "max_out_request_queue": 1500, "max_allowed_in_request_queue": 2000,
             "send_buffer_watermark": 4 << 20, "send_buffer_low_watermark": 1 << 20,
