@@ -26,7 +26,7 @@ import os
 import shutil
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Callable, Literal, Mapping
+from typing import Callable, Mapping
 
 import msgspec
 import numpy as np
@@ -72,6 +72,7 @@ from ..storage.url import is_bucket_url
 from .encode import PreparedTensor, PreparedVersion, Encoder
 from .encoding_choice import AUTO, Cost, EncodingChoice, EncodingChooser, EncodingSample, check_candidates, merge_samples
 from .guard import LAYOUT_CHANGE_KEY, PublishGuard
+from .kind_rule import Kind, KindRule
 from .prune import Retention
 from .records import SeedRecord, encode_run_file_with_seed
 from .snapshot import RawTensor, Snapshot, as_raw, read_checkpoint_tensors
@@ -79,7 +80,6 @@ from .snapshot import RawTensor, Snapshot, as_raw, read_checkpoint_tensors
 log = logging.getLogger(__name__)
 
 DEFAULT_ENCODING = "sparse-v1"  # ours; "xor" and "overwrite" stay available for upstream readers
-Kind = Literal["delta", "full"]
 
 
 def _host_errors_typed(method):
@@ -497,11 +497,7 @@ class Publisher:
         self.rank = rank
         self.world_size = world_size
         self.template_dir = template_dir
-        self.full_every = int(full_every)
-        self.fallback_fraction = float(knobs.FALLBACK_FRACTION.get() if fallback_fraction is None else fallback_fraction)
-        self.full_above_changed_fraction = float(
-            knobs.FULL_ABOVE_CHANGED_FRACTION.get() if full_above_changed_fraction is None else full_above_changed_fraction
-        )
+        self.kinds = KindRule(full_every, fallback_fraction, full_above_changed_fraction)  # when a version is full
         self.keep_versions = int(knobs.KEEP_VERSIONS.get() if keep_versions is None else keep_versions)
         self.prune = prune
         self.post_write_hook = load_callable(post_write_hook, what="post-write hook", error=PublishError)
@@ -529,6 +525,11 @@ class Publisher:
         # writes the run identity into a fresh dir) at its first write, not here: a publish
         # that is refused leaves the source dir as it was.
         self.guard = PublishGuard(source_dir, checksum, world_size, self._pool, atomic_rename)
+
+    # The kind rule's settings, as the publisher was given them.
+    full_every = property(lambda self: self.kinds.full_every)
+    fallback_fraction = property(lambda self: self.kinds.fallback_fraction)
+    full_above_changed_fraction = property(lambda self: self.kinds.full_above_changed_fraction)
 
     @property
     def version(self) -> int:
@@ -1026,26 +1027,12 @@ class Publisher:
         return self.chooser
 
     def _full_by_schedule(self, version: int) -> bool:
-        return self.full_every > 0 and version % self.full_every == 0
+        return self.kinds.full_by_schedule(version)
 
     def _kind_by_rule(
         self, version: int, delta_nbytes: int, full_nbytes: int, changed_elements: int | None, total_elements: int | None
     ) -> tuple[Kind, str]:
-        if self._full_by_schedule(version):
-            return "full", f"every {self.full_every} versions"
-        if full_nbytes and delta_nbytes > self.fallback_fraction * full_nbytes:
-            return "full", (
-                f"delta would be {delta_nbytes / full_nbytes:.0%} of the full size "
-                f"(threshold {self.fallback_fraction:.0%})"
-            )
-        if changed_elements is not None and total_elements:
-            changed = changed_elements / total_elements
-            if changed > self.full_above_changed_fraction:
-                return "full", (
-                    f"{changed:.0%} of the elements changed "
-                    f"(threshold {self.full_above_changed_fraction:.0%}); a full version is cheaper to pull"
-                )
-        return "delta", f"delta is {delta_nbytes / max(full_nbytes, 1):.2%} of the full size"
+        return self.kinds.decide(version, delta_nbytes, full_nbytes, changed_elements, total_elements)
 
     def _scan_once(self) -> None:
         """A restarted publisher reads the source dir once: what retention must know, and the
