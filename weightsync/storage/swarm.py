@@ -36,7 +36,7 @@ import re
 import shutil
 import threading
 import time
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from ..errors import SwarmConfigError, SwarmUnavailableError
 from ..knobs import Knob
@@ -200,7 +200,7 @@ class Swarm:
             "send_buffer_watermark": 4 << 20, "send_buffer_low_watermark": 1 << 20,
             "alert_mask": lt.alert_category.error | lt.alert_category.status | lt.alert_category.peer | lt.alert_category.storage,
         })
-        self.torrents: dict[str, object] = {}  # version dir name -> handle
+        self.torrents: dict[str, Any] = {}  # version dir name -> libtorrent torrent_handle
         self.lock = threading.Lock()
         self.hash_failures = 0
         self.flushes: dict[str, int] = {}  # v2 info hash -> cache_flushed alerts seen
