@@ -475,3 +475,26 @@ def test_a_pull_from_a_bucket_fingerprints_the_seed_dir_once(bucket_run, monkeyp
     calls.clear()
     bucket_run.assert_pulls(2, local)
     assert len(calls) == 1, calls
+
+
+def test_the_run_file_gaining_its_seed_record_keeps_the_mirror_but_a_new_run_clears_it(bucket_run, caplog):
+    import logging
+
+    pub = bucket_run.publisher()
+    local = bucket_run.fresh_local()
+    bucket_run.assert_pulls(0, local)  # the mirror keeps the run file as created, without a seed record
+    bucket_run.publish_versions(pub, 1)  # v1 a delta: the seed record is added to the bucket's run file
+    with caplog.at_level(logging.INFO, logger="weightsync.storage.mirror"):
+        bucket_run.assert_pulls(1, local)
+    assert "clearing the mirror" not in caplog.text
+    BucketSource(bucket_run.url).delete(["weightsync-run.json"])
+    BucketSource(bucket_run.url).create("weightsync-run.json", b'{"run_id": "another", "created_unix_s": 1}')
+    caplog.clear()
+    from weightsync import pull
+
+    with caplog.at_level(logging.INFO, logger="weightsync.storage.mirror"):
+        try:
+            pull(local, bucket_run.seed, bucket_run.url, 1)
+        except errors.WeightSyncError:
+            pass  # whatever the pull makes of the new run, the mirror of the old one is gone
+    assert "clearing the mirror" in caplog.text

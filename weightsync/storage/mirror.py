@@ -56,6 +56,15 @@ _DIR_RE = re.compile(r"^(weight_v|anchor_v)(\d{6,})$")
 PREFETCH: "ContextVar[Callable | None]" = ContextVar("weightsync_mirror_prefetch", default=None)
 
 
+def _run_id_of(data: bytes) -> "str | None":
+    try:
+        obj = json.loads(data)
+    except ValueError:
+        return None
+    run = obj.get("run_id") if isinstance(obj, dict) else None
+    return run if isinstance(run, str) else None
+
+
 def mirror_dir(local_checkpoint_dir: str, url: BucketURL) -> str:
     digest = hashlib.sha256(str(url).encode()).hexdigest()[:16]
     return os.path.join(sync_dir(local_checkpoint_dir), "sources", digest)
@@ -104,8 +113,9 @@ class Mirror:
                 old = f.read()
         if data == old:
             return
-        if old is not None:
+        if old is not None and (data is None or _run_id_of(data) is None or _run_id_of(data) != _run_id_of(old)):
             # Another run now publishes under this URL: nothing mirrored from the old one counts.
+            # (The same run's file changes once, when the publisher adds the seed record at v1.)
             log.info("%s: the run file changed; clearing the mirror %s", self.source.name, self.root)
             self._clear_versions()
         if data is None:
