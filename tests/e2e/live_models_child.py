@@ -434,7 +434,7 @@ CASES = {
 
 PUBLISHED_CLASSES = {  # architecture -> sglang module
     "Qwen2ForCausalLM": "qwen2", "Qwen3MoeForCausalLM": "qwen3_moe", "Glm4MoeForCausalLM": "glm4_moe",
-    "DeepseekV3ForCausalLM": "deepseek_v2",
+    "DeepseekV3ForCausalLM": "deepseek_v2", "Glm4MoeLiteForCausalLM": "glm4_moe_lite",
 }
 
 
