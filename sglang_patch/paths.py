@@ -2,9 +2,14 @@
 
 The operator names allowed roots with ``--pull-weights-allowed-roots DIR[,DIR...]``. A request's
 ``local_checkpoint_dir`` (written) and ``source_dir`` (read) must both lie inside one of them.
-A root may also be a bucket prefix (``s3://bucket/prefix``, ``gs://``, ``az://``): a ``source_dir``
-URL must then lie below it, segment by segment as paths do; the endpoint and credentials come
-from the server's environment only, never from a request.
+A root may also be a bucket prefix (``s3://bucket/prefix``, ``gs://``, ``az://``) or an HTTP(S)
+prefix (``http://host[:port]/path``, a static server or a caching tier in front of the trainer's
+dir): a ``source_dir`` URL must then lie below it, segment by segment as paths do. An HTTP root
+matches on scheme, host and port exactly (``http://cache:8080`` allows neither
+``http://cache:8081`` nor ``https://cache:8080`` nor ``http://cache2:8080``). A URL with user
+info, a query or a fragment is refused (400): the bucket's endpoint and credentials, and an HTTP
+source's origin behind a cache (``WEIGHTSYNC_HTTP_ORIGIN``), come from the server's environment
+only, never from a request.
 
 Invariants (each refusal raises before anything is touched):
 - No allowed roots configured means every request is refused (403): an endpoint that writes to
@@ -27,6 +32,7 @@ from dataclasses import dataclass
 from typing import Iterable, Sequence
 
 from weightsync.errors import InvalidRequestError, PathNotAllowedError
+from weightsync.storage.http import HttpURL, is_http_url, parse_http_url
 from weightsync.storage.url import is_bucket_url, parse_bucket_url, url_within
 
 ALLOWED_ROOTS_FLAG = "--pull-weights-allowed-roots"
@@ -66,6 +72,12 @@ def parse_allowed_roots(value: str | Iterable[str] | None) -> tuple[str, ...]:
             if url not in roots:
                 roots.append(url)
             continue
+        if is_http_url(item):
+            # An HTTP(S) prefix: source URLs on the same scheme, host and port, below its path.
+            url = str(parse_http_url(item, what=f"{ALLOWED_ROOTS_FLAG} entry"))
+            if url not in roots:
+                roots.append(url)
+            continue
         if not os.path.isabs(item):
             raise ValueError(f"{ALLOWED_ROOTS_FLAG}: {item!r} is not an absolute path")
         if ".." in _components(item):
@@ -99,16 +111,20 @@ def check_request_paths(
         PathNotAllowedError (403): no roots configured; a ``..`` component; outside every root as
             written or after resolving symlinks.
     """
-    path_roots = [r for r in allowed_roots if not is_bucket_url(r)]
+    path_roots = [r for r in allowed_roots if not _is_url(r)]
     local = _check_one("local_checkpoint_dir", local_checkpoint_dir, path_roots)
     if is_bucket_url(source_dir):
-        return CheckedPaths(local_checkpoint_dir=local, source_dir=_check_source_url(source_dir, allowed_roots))
-    source = _check_one("source_dir", source_dir, path_roots)
-    if _overlaps(local, source):
-        raise InvalidRequestError(
-            f"local_checkpoint_dir {shown(local)} and source_dir {shown(source)} overlap; the local "
-            "checkpoint must be a separate host-local directory, not inside the published versions"
-        )
+        source = _check_source_url(source_dir, allowed_roots)
+    elif is_http_url(source_dir):
+        source = _check_source_http_url(source_dir, allowed_roots)
+    else:
+        source = _check_one("source_dir", source_dir, path_roots)
+        if _overlaps(local, source):
+            raise InvalidRequestError(
+                f"local_checkpoint_dir {shown(local)} and source_dir {shown(source)} overlap; the local "
+                "checkpoint must be a separate host-local directory, not inside the published versions"
+            )
+    # The seed is checked whatever the source is: a URL source still writes the local dir.
     if seed_dir:
         seed = os.path.realpath(seed_dir)
         if _overlaps(local, seed):
@@ -164,6 +180,34 @@ def _check_source_url(value: str, allowed_roots: Sequence[str]) -> str:
             f"source_dir is a bucket URL and no URL root is allowed (add s3://bucket/prefix to {ALLOWED_ROOTS_FLAG})",
         )
     return url
+
+
+def _check_source_http_url(value: str, allowed_roots: Sequence[str]) -> str:
+    """An HTTP(S) source: parsed strictly (no user info, query or fragment: the origin behind a
+    cache comes from the server's environment only, 400 otherwise) and below an allowed HTTP root
+    on the same scheme, host and port (403)."""
+    url = parse_http_url(cut_path(value) if len(value) > 2048 else value)
+    http_roots = [parse_http_url(r) for r in allowed_roots if is_http_url(r)]
+    if not any(http_url_within(url, root) for root in http_roots):
+        raise PathNotAllowedError(
+            cut_path(value), list(allowed_roots),
+            "source_dir is an HTTP URL below no allowed HTTP root (scheme, host and port must match)"
+            if http_roots else
+            f"source_dir is an HTTP URL and no HTTP root is allowed (add http://host:port/prefix to {ALLOWED_ROOTS_FLAG})",
+        )
+    return str(url)
+
+
+def http_url_within(url: HttpURL, root: HttpURL) -> bool:
+    """True when ``url`` is ``root`` or below it: the same scheme and host[:port] (a host name's
+    case aside), then path segment by segment (``/runs`` does not contain ``/runs2``)."""
+    if url.scheme != root.scheme or url.netloc.lower() != root.netloc.lower():
+        return False
+    return not root.path or url.path == root.path or url.path.startswith(root.path + "/")
+
+
+def _is_url(value: str) -> bool:
+    return is_bucket_url(value) or is_http_url(value)
 
 
 def _check_os_limits(label: str, value: str) -> None:
