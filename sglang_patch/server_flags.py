@@ -22,6 +22,14 @@ underscore attributes when pickled to scheduler processes (its ``__reduce__`` ca
 same options. For ``sglang.Engine(...)`` (no command line) the environment variables
 ``SGLANG_CUSTOM_PULL_WEIGHTS_PRE_READ_HOOK``, ``SGLANG_PULL_WEIGHTS_ALLOWED_ROOTS`` and
 ``SGLANG_PULL_WEIGHTS_TIMEOUT_S`` give the same settings; a flag wins over its variable.
+
+The fleet's BitTorrent swarm (docs/FLEET.md) has no flag on purpose: its settings are the host's,
+not the engine's (``WEIGHTSYNC_SWARM_PEERS``, ``WEIGHTSYNC_SWARM_LISTEN``,
+``WEIGHTSYNC_SWARM_TRACKER``, like ``WEIGHTSYNC_HTTP_ORIGIN``), set in the server's environment,
+which every pull helper inherits (``sglang_patch.pull.process``), so the core's ``pull()`` reads
+them on each host as a trainer-side pull does. ``check_swarm_environment`` checks them at start:
+a setting that cannot be used stops the server; a swarm named on a host without libtorrent is
+logged at start and each HTTP pull replies ``swarm_unavailable`` (400) naming the extra.
 """
 
 from __future__ import annotations
@@ -166,6 +174,27 @@ def attach_options(server_args: Any, namespace: argparse.Namespace) -> None:
     fraction = fraction if fraction is not None else os.environ.get(LIVE_MAX_FRACTION_ENV)
     timeout = timeout if timeout is not None else os.environ.get(TIMEOUT_ENV)
     setattr(server_args, OPTIONS_ATTR, options_from_values(hook, roots, fraction, timeout))
+    check_swarm_environment()
+
+
+def check_swarm_environment() -> bool:
+    """Whether this host's environment names a fleet swarm for its pulls.
+
+    Raises ``ValueError`` (``SwarmConfigError``) for a peer, listen or tracker setting that cannot
+    be used: an operator error, caught at start rather than at the first pull. A swarm named
+    without libtorrent installed is only logged: the pulls then reply ``swarm_unavailable``.
+    """
+    from weightsync.errors import SwarmUnavailableError
+    from weightsync.storage.swarm import SwarmConfig, check_swarm_available
+
+    config = SwarmConfig.from_env()
+    if config is None:
+        return False
+    try:
+        check_swarm_available()
+    except SwarmUnavailableError as exc:
+        log.warning("pull_weights: %s Every pull from an HTTP source will be refused until then.", exc)
+    return True
 
 
 def options_of(server_args: Any) -> PullWeightsOptions:

@@ -937,6 +937,8 @@ class SwarmUnavailableError(InvalidRequestError, ImportError):
     """The BitTorrent swarm (``weightsync[swarm]``, docs/FLEET.md) was asked for, but its optional
     package, libtorrent, is not installed. Raised before anything is written."""
 
+    error_type = "swarm_unavailable"  # an engine's reply names it (sglang 0.5.16's venv has no libtorrent)
+
     def __init__(self, what: str, cause: str = ""):
         self.what = what
         self.package = "libtorrent"

@@ -217,6 +217,9 @@ class _Helper:
 
 
 def _helper_env() -> dict[str, str]:
+    # The server's whole environment: the host's source and fleet settings (WEIGHTSYNC_HTTP_ORIGIN,
+    # WEIGHTSYNC_SWARM_PEERS / _LISTEN / _TRACKER, bucket endpoint and credentials) reach the core's
+    # pull() here, never through a request.
     env = dict(os.environ)
     # The helper must import this very package, wherever the scheduler found it: a source tree
     # goes first on its path; an installed package is found anyway (and site-packages must not
