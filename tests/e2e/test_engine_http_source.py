@@ -1,0 +1,120 @@
+"""A real sglang CPU engine pulls from an HTTP(S) source through ``POST /pull_weights`` and serves
+it (issue 29).
+
+Two static servers on loopback over the same published run (``benchmarks.fleet.origin``): the
+"cache" the request names, and the origin the server's environment names
+(``WEIGHTSYNC_HTTP_ORIGIN``, the only place it comes from). One sglang server (TP=1) whose
+``--pull-weights-allowed-roots`` names the cache's HTTP prefix. The trainer side publishes with the
+core's ``Publisher`` into the served dir; the engine pulls a chain into a host-local dir, which
+must hold exactly the trainer's tensors, then reloads it and generates what transformers
+generates from the same weights.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from testbed.tiny_qwen3 import SERVER_COMPUTE_ARGS
+
+pytestmark = pytest.mark.slow
+
+INDEX = "model.safetensors.index.json"
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory, tiny_model_dir, server_factory):
+    from benchmarks.fleet.origin import OriginServer
+    from testbed.tiny_qwen3 import read_state_dict, to_raw_tensors
+    from weightsync import Publisher
+
+    root = tmp_path_factory.mktemp("http_pull")
+    www = root / "www"
+    origin = OriginServer(str(www), ("127.0.0.1", 0))
+    cache = OriginServer(str(www), ("127.0.0.1", 0))  # stands for the caching tier: same bytes, another port
+    for s in (origin, cache):
+        s.start_in_thread()
+
+    class Env:
+        pass
+
+    e = Env()
+    e.origin, e.cache, e.model = origin, cache, tiny_model_dir
+    e.local = str(root / "local")
+    e.url = f"{cache.base_url}/runs/run"
+    e.expected = {0: read_state_dict(tiny_model_dir)}
+    e.publisher = Publisher(str(www / "runs" / "run"), encoding="sparse-v1", template_dir=tiny_model_dir)
+    e.publisher.seed_snapshot(to_raw_tensors(e.expected[0]), version=0)
+    try:
+        e.server = server_factory(
+            tiny_model_dir,
+            extra_args=[*SERVER_COMPUTE_ARGS, "--pull-weights-allowed-roots", f"{root / 'local'},{cache.base_url}/runs"],
+            env={"WEIGHTSYNC_HTTP_ORIGIN": origin.base_url},
+        )
+        yield e
+    finally:
+        e.publisher.close()
+        for s in (origin, cache):
+            s.shutdown()
+            s.server_close()
+
+
+def publish(env, version, **kw):
+    from testbed.tiny_qwen3 import perturb_state_dict, to_raw_tensors
+
+    tensors = perturb_state_dict(env.expected[version - 1], version, fraction=0.05, seed=0)
+    env.publisher.publish(version, to_raw_tensors(tensors), **kw)
+    env.expected[version] = tensors
+
+
+def pull(env, version, source=None):
+    return env.server.post(
+        "/pull_weights",
+        {"local_checkpoint_dir": env.local, "source_dir": source or env.url, "target_version": version},
+    )
+
+
+def test_an_engine_pulls_a_chain_over_http_to_the_trainers_tensors_and_serves_it(env):
+    from testbed.feed import assert_checkpoint_equals
+    from testbed.tiny_qwen3 import assert_server_greedy_equals
+
+    publish(env, 1, full=True)
+    publish(env, 2)
+    resp = pull(env, 2)
+    assert resp.status_code == 200, resp.text
+    assert_checkpoint_equals(env.local, env.expected[2])
+    # the commit point came from the environment's origin; the payload through the named "cache"
+    assert any(p.endswith(INDEX) for _, p, _ in env.origin.served)
+    assert not any(p.endswith(INDEX) for _, p, _ in env.cache.served)
+    assert env.cache.bytes_served(".safetensors") > 0
+    v0 = assert_server_greedy_equals(env.server.generate_ids, env.model)
+    resp = env.server.post("/update_weights_from_disk", {"model_path": env.local})
+    assert resp.status_code == 200, resp.text
+    v2 = assert_server_greedy_equals(env.server.generate_ids, env.local)
+    assert any(v2[p] != v0[p] for p in v2), "v2 generates exactly what v0 did"
+    publish(env, 3)
+    resp = pull(env, 3)
+    body = resp.json()
+    assert resp.status_code == 200, body
+    assert body["hosts"][0]["action"] == "chain"  # one delta fetched onto the local v2
+    assert_checkpoint_equals(env.local, env.expected[3])
+
+
+def test_a_version_not_served_yet_is_not_ready(env):
+    resp = pull(env, 9)
+    assert resp.status_code == 404, resp.text
+    assert resp.json()["error_type"] == "source_not_ready"
+
+
+def test_the_same_run_on_another_port_or_host_name_is_forbidden(env):
+    for source in (f"{env.origin.base_url}/runs/run", env.url.replace("127.0.0.1", "localhost")):
+        resp = pull(env, 1, source=source)
+        assert resp.status_code == 403, resp.text
+
+
+def test_a_request_cannot_name_an_origin_or_credentials(env):
+    for source in (f"{env.url}?origin={env.origin.base_url}", env.url.replace("http://", "http://u:p@")):
+        resp = pull(env, 1, source=source)
+        assert resp.status_code == 400, resp.text
+        assert resp.json()["error_type"] == "bad_request"
