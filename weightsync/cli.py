@@ -429,15 +429,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _refuse_a_bucket_where_unsupported(args) -> None:
-    """``publish`` and ``pull`` take a bucket URL (docs/BUCKETS.md); the commands that read a
-    source dir's files directly do not yet, and say so instead of calling the URL missing."""
-    from .storage.url import is_bucket_url
-
-    if args.func in (cmd_inspect, cmd_verify, cmd_prune) and is_bucket_url(getattr(args, "source_dir", None)):
-        raise errors.InvalidRequestError(
-            f"{args.source_dir} is a bucket: this command reads a source dir's files directly and does not take a "
-            "bucket URL yet (publish and pull do). Run it on a local copy of the prefix (same layout)."
-        )
+    """Every command takes a bucket URL (docs/BUCKETS.md); an HTTP(S) source is for pull only,
+    and the others say so instead of calling the URL missing."""
     source_dir = getattr(args, "source_dir", None)
     if args.func is not cmd_pull and isinstance(source_dir, str) and source_dir.startswith(("http://", "https://")):
         raise errors.InvalidRequestError(

@@ -1,4 +1,9 @@
-"""Describe published versions and verify a local checkpoint against them (for the CLI)."""
+"""Describe published versions and verify a local checkpoint against them (for the CLI).
+
+A source dir may be a bucket URL: each function then runs on a read-only local view of the
+bucket (``storage.view.BucketView``) holding what it reads: the indexes, the shard headers its
+digests and tables come from, and the whole shards whose payloads it reads.
+"""
 
 from __future__ import annotations
 
@@ -20,9 +25,23 @@ from .errors import (
     WeightSyncError,
 )
 from .format.checksum import digest
-from .format.layout import list_anchors, list_versions
+from .format.layout import list_anchors, list_versions, version_dir_name
 from .format.manifest import VersionIndex, check_anchor, checkpoint_weight_files, read_version_index
 from .format.safetensors_io import DTYPE_NBYTES, TensorEntry, local_tensor_table, read_header, read_range
+from .storage.url import is_bucket_url
+
+
+def _bucket_view(url: str, headers_upto: "int | None" = None):
+    """A loaded view of the bucket ``url`` (a context manager: removed on exit)."""
+    from .storage.view import BucketView
+
+    view = BucketView(url)
+    try:
+        view.load(headers_upto)
+    except BaseException:
+        view.close()
+        raise
+    return view
 
 
 class TensorSummary(msgspec.Struct):
@@ -97,6 +116,11 @@ def describe_version(
 ) -> VersionSummary:
     """One version's summary; with ``density``, each codec counts the changes of its payloads
     (``codecs.DensityCodec``), helped by a reference checkpoint for element widths."""
+    if is_bucket_url(source_dir):
+        with _bucket_view(source_dir, version if (details or density) else None) as view:
+            if density:  # the payloads are read: the version's shards whole
+                view.fetch_dir(os.path.join(view.root, version_dir_name(version)))
+            return describe_version(view.root, version, details=details, density=density, seed_dir=seed_dir)
     try:
         index = read_version_index(source_dir, version)
     except WeightSyncError as e:
@@ -141,6 +165,9 @@ def describe_version(
 def describe_source(source_dir: str) -> list[VersionSummary]:
     from .puller.pull import check_source_dir
 
+    if is_bucket_url(source_dir):
+        with _bucket_view(source_dir) as view:
+            return describe_source(view.root)
     check_source_dir(source_dir)  # a wrong path is an error, never an empty table
     return [describe_version(source_dir, v) for v in list_versions(source_dir)]
 
@@ -152,6 +179,9 @@ def check_version_there(source_dir: str, version: int) -> None:
 
     if isinstance(version, bool) or not isinstance(version, int) or version < 1:
         raise InvalidRequestError(f"version must be an integer >= 1 (version 0 is the seed dir, never published), got {version!r}")
+    if is_bucket_url(source_dir):
+        with _bucket_view(source_dir) as view:
+            return check_version_there(view.root, version)
     check_source_dir(source_dir)
     try:
         _read_target_index(source_dir, version)
@@ -230,6 +260,14 @@ def verify_local(
     tensor's bytes, never its dtype or shape. A local file that cannot be read (a header cut
     short or damaged) is a local fault (``LocalFileDamagedError``), not the artifact's. A
     version that is not there is told as a pull tells it (a wrong dir, pruned, not yet)."""
+    if is_bucket_url(source_dir):
+        if version > 0:
+            check_version_there(source_dir, version)
+        with _bucket_view(source_dir, version) as view:  # the chain's digests live in headers
+            _, base_dir = expected_digests(view.root, version, seed_dir)
+            if base_dir is not None and base_dir != seed_dir:  # an upstream full version: its bytes are hashed
+                view.fetch_dir(base_dir)
+            return verify_local(local_checkpoint_dir, view.root, version, seed_dir, progress)
     if version > 0:
         check_version_there(source_dir, version)
     local = _local_table(local_checkpoint_dir)

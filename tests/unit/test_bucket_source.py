@@ -207,7 +207,7 @@ def test_a_seed_dir_changed_since_the_marker_still_pulls_the_published_bytes(buc
     assert result.action in ("seed", "seed+chain")
 
 
-def test_the_command_line_pulls_from_a_bucket_and_refuses_one_where_it_cannot_yet(bucket_run, capsys):
+def test_the_command_line_pulls_from_a_bucket_and_inspects_it(bucket_run, capsys):
     from weightsync.cli import main
 
     pub = bucket_run.publisher()
@@ -219,8 +219,8 @@ def test_the_command_line_pulls_from_a_bucket_and_refuses_one_where_it_cannot_ye
 
     assert_checkpoint_is(local, bucket_run.expected[2])
     capsys.readouterr()
-    assert main(["inspect", bucket_run.url, "--json"]) == 2
-    assert "does not take a bucket URL yet" in capsys.readouterr().out
+    assert main(["inspect", bucket_run.url, "--json"]) == 0
+    assert [s["version"] for s in json.loads(capsys.readouterr().out)] == [1, 2]
 
 
 def test_two_publishers_racing_for_one_version_exactly_one_commits_and_its_bytes_are_served(bucket_run, monkeypatch, fast_tmp_path):

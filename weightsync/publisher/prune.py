@@ -227,11 +227,39 @@ class PruneReport(NamedTuple):
 
 def prune_source(source_dir: str, keep: int = 0, *, dry_run: bool = False) -> PruneReport:
     """``prune_versions``, also naming the versions it skipped because their index was unreadable
-    (damaged, mid-restore, nested too deeply): they, and their side anchors, are kept."""
+    (damaged, mid-restore, nested too deeply): they, and their side anchors, are kept. A bucket
+    URL: ``prune_bucket``."""
+    from ..storage.url import is_bucket_url
+
+    if is_bucket_url(source_dir):
+        return prune_bucket(source_dir, keep, dry_run=dry_run)
     retention = Retention(source_dir, keep)
     retention.load()
     pruned = retention.doomed()[0] if dry_run else retention.prune()
     return PruneReport(pruned, dict(retention.unreadable))
+
+
+def prune_bucket(url: str, keep: int = 0, *, dry_run: bool = False) -> PruneReport:
+    """``prune_source`` on a bucket: the same ``Retention`` judges a read-only local view of it
+    (every index and side file whole, shards as placeholders: the rules read no shard), and what
+    it dooms is deleted in the bucket in the order ``Retention.prune`` deletes: versions, then
+    side anchors, each dir's index first (it stops being published), then its other keys in bulk."""
+    from ..format.layout import anchor_dir_name, version_dir_name
+    from ..storage.view import BucketView
+
+    with BucketView(url) as view:
+        view.load()
+        retention = Retention(view.root, keep)
+        retention.load()
+        versions, anchors = retention.doomed()
+        if not dry_run:
+            for v in versions:
+                view.delete_dir(version_dir_name(v))
+                log.info("pruned %s/%s", url, version_dir_name(v))
+            for a in anchors:
+                view.delete_dir(anchor_dir_name(a))
+                log.info("pruned %s/%s", url, anchor_dir_name(a))
+        return PruneReport(versions, dict(retention.unreadable))
 
 
 def prune_versions(source_dir: str, keep: int = 0, *, dry_run: bool = False) -> list[int]:

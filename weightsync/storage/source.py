@@ -163,6 +163,17 @@ class BucketSource:
         except Exception as e:
             raise typed_error(e, self.url, f"GET {key}") from e
 
+    def read_range(self, key: str, start: int, end: int) -> bytes:
+        """Bytes ``[start, end)`` of an object (fewer if it is shorter): a shard's header."""
+        import obstore
+
+        try:
+            return bytes(obstore.get_range(self.store, key, start=start, end=end))
+        except FileNotFoundError:
+            raise
+        except Exception as e:
+            raise typed_error(e, self.url, f"GET {key} bytes {start}-{end}") from e
+
     def create(self, key: str, data: bytes) -> bool:
         import obstore
         from obstore.exceptions import AlreadyExistsError, PreconditionError
