@@ -1,7 +1,8 @@
 """The trainer's converter as a hook, on real Megatron ranks (gloo): TP=1 x PP=2, a tiny tied Qwen3.
 
 One run of two ranks (one per pipeline stage, each a source rank) does, in order:
-- the builtin mapping as the hook, and a stateful converter that holds a layer's ``o_proj`` back
+- the builtin mapping as the hook, a converter that cannot run on meta tensors (planned from one real
+  gather instead), and a stateful converter that holds a layer's ``o_proj`` back
   until its ``linear_qkv`` arrives (as slime's MLA converter pairs ``q_a_proj`` with ``kv_a_proj``) and
   names stage 1's tied output layer ``lm_head.weight`` (as miles' converters do, tied or not): both give
   the checkpoint's bytes (the weights are the checkpoint's);
@@ -120,7 +121,7 @@ def _read_one(path: Path) -> dict:
     return load_file(str(path)) if path.exists() else {}
 
 
-@pytest.mark.parametrize("label", ["builtin", "pairing", "after_faults"])
+@pytest.mark.parametrize("label", ["builtin", "pairing", "after_faults", "no_meta"])
 def test_a_converter_hook_publishes_every_checkpoint_tensor_once_with_its_bytes(run, tied_hf, label):
     out, _ = run
     gathered, reference = _gathered(out, label), _read(tied_hf)
@@ -270,6 +271,13 @@ def _worker(rank: int, cfg: dict) -> None:
     _save(probe.gather(), out / f"builtin-rank{rank}.safetensors")
     pairing = FaultyConverter(builtin, rank, pairing=True)
     _save(HFWeightGatherer([model], cfg["hf_dir"], converter=pairing).gather(), out / f"pairing-rank{rank}.safetensors")
+
+    def no_meta(name, t):  # as a converter with a GPU quantizing kernel: it cannot run on meta tensors
+        if t.is_meta:
+            raise NotImplementedError("no meta kernel")
+        return builtin(name, t)
+
+    _save(HFWeightGatherer([model], cfg["hf_dir"], converter=no_meta).gather(), out / f"no_meta-rank{rank}.safetensors")
 
     conv = FaultyConverter(builtin, rank)
     gatherer = HFWeightGatherer([model], cfg["hf_dir"], converter=conv)
