@@ -23,6 +23,39 @@ pytestmark = pytest.mark.slow
 INDEX = "model.safetensors.index.json"
 
 
+def _server_has_libtorrent() -> bool:
+    import subprocess
+
+    from testbed.sglang_cpu import server_python
+
+    return subprocess.run([server_python(), "-c", "import libtorrent"], capture_output=True).returncode == 0
+
+
+def test_a_swarm_named_on_an_engine_host_without_libtorrent_replies_swarm_unavailable(tmp_path_factory, tiny_model_dir,
+                                                                                      server_factory):
+    # sglang 0.5.16's venv has no libtorrent (WEIGHTSYNC_SGLANG_PYTHON=.venv-sglang0516/bin/python);
+    # first in the module, its server stopped before the shared one starts (one server at a time).
+    if _server_has_libtorrent():
+        pytest.skip("the server's interpreter has libtorrent (run with WEIGHTSYNC_SGLANG_PYTHON=.venv-sglang0516/bin/python)")
+    root = tmp_path_factory.mktemp("http_swarm")
+    url_root = "http://127.0.0.1:9/runs"  # never read: the refusal comes before any request
+    server = server_factory(
+        tiny_model_dir,
+        extra_args=[*SERVER_COMPUTE_ARGS, "--pull-weights-allowed-roots", f"{root},{url_root}"],
+        env={"WEIGHTSYNC_SWARM_PEERS": "127.0.0.1:6881,127.0.0.1:6882"},
+    )
+    try:
+        resp = server.post("/pull_weights", {"local_checkpoint_dir": str(root / "local"),
+                                             "source_dir": f"{url_root}/run", "target_version": 1})
+        assert resp.status_code == 400, resp.text
+        body = resp.json()
+        assert body["error_type"] == "swarm_unavailable", body
+        assert "weightsync[swarm]" in resp.text
+        assert not (root / "local").exists()
+    finally:
+        server.stop()
+
+
 @pytest.fixture(scope="module")
 def env(tmp_path_factory, tiny_model_dir, server_factory):
     from benchmarks.fleet.origin import OriginServer
