@@ -33,12 +33,18 @@ JSON_MEDIA_TYPE = "application/json"
 
 TargetVersion = Annotated[int, msgspec.Meta(ge=0, le=MAX_TARGET_VERSION)]
 
-EXPECTED = '{"local_checkpoint_dir": str, "source_dir": str, "target_version": int}'
+EXPECTED = ('{"local_checkpoint_dir": str, "source_dir": str (a dir, s3://bucket/prefix or http(s)://host[:port]/path), '
+            '"target_version": int}')
 LIVE_EXPECTED = '{"local_checkpoint_dir": str, "target_version": int, "flush_cache": bool (optional)}'
 
 
 class PullRequestBody(msgspec.Struct, frozen=True):
-    """What a caller sends: bring ``local_checkpoint_dir`` to ``target_version`` from ``source_dir``."""
+    """What a caller sends: bring ``local_checkpoint_dir`` to ``target_version`` from ``source_dir``.
+
+    ``source_dir`` is a string here whatever it names (a dir, a bucket URL, an HTTP(S) URL): which
+    it is, and whether it is allowed, is ``sglang_patch.paths``' decision against the operator's
+    roots; an HTTP source's origin and cache settings are never fields of the body.
+    """
 
     local_checkpoint_dir: str
     source_dir: str

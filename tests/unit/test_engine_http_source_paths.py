@@ -105,3 +105,12 @@ def test_a_url_source_still_refuses_a_local_dir_over_the_engines_own_model(tmp_p
 def test_a_bad_http_root_fails_at_start(bad):
     with pytest.raises(ValueError):
         parse_allowed_roots(bad)
+
+
+def test_a_request_body_cannot_carry_an_origin_or_cache_setting():
+    from sglang_patch.pull.request import PullRequestBody, parse_pull_body
+
+    body = parse_pull_body(b'{"local_checkpoint_dir": "/data/local", "source_dir": "http://cache:8080/runs/r1", '
+                           b'"target_version": 1, "origin": "http://10.0.0.1", "WEIGHTSYNC_HTTP_ORIGIN": "http://10.0.0.1"}')
+    assert body.source_dir == "http://cache:8080/runs/r1"
+    assert set(PullRequestBody.__struct_fields__) == {"local_checkpoint_dir", "source_dir", "target_version"}
