@@ -132,6 +132,22 @@ install_swarm_deps() {
   pip_install "$VENV" libtorrent==2.1.1
 }
 install_swarm_deps
+# miles' own Megatron->HF converters, the independent oracle of the family tests
+# (tests/e2e/megatron/family_support.py reads them by file path; miles' package itself needs a GPU
+# sglang and is never imported): the miles-rl wheel unpacked into .venv/miles-rl, once.
+fetch_miles_converters() {
+  local dir="$VENV/miles-rl"
+  if [ -d "$dir/miles/backends/megatron_utils/megatron_to_hf" ] || [ ! -x "$VENV/bin/python" ]; then return 0; fi
+  echo "[setup] miles-rl 0.0.2's converters (the family tests' cross-check) into $dir"
+  local tmp
+  tmp=$(mktemp -d)
+  "$VENV/bin/python" -m pip download --quiet --disable-pip-version-check --no-deps miles-rl==0.0.2 -d "$tmp" \
+    2> >(grep -v "is ignored: it is neither a file nor a directory" >&2)
+  "$VENV/bin/python" -m zipfile -e "$tmp"/miles_rl-0.0.2-py3-none-any.whl "$dir.partial"
+  mv "$dir.partial" "$dir"
+  rm -rf "$tmp"
+}
+fetch_miles_converters
 if [ "${SKIP_SGLANG0516:-0}" != 1 ]; then
   build_sglang0516_venv
   install_bucket_deps "$VENV_0516" obstore==0.12.1

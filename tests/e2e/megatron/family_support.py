@@ -205,7 +205,9 @@ def miles_converter(family: str, args):
 
     import pytest
 
-    root = os.environ.get(MILES_ENV)
+    # setup_env.sh unpacks the wheel into .venv/miles-rl; the variable points elsewhere
+    default = Path(__file__).resolve().parents[3] / ".venv" / "miles-rl"
+    root = os.environ.get(MILES_ENV) or (str(default) if default.is_dir() else None)
     if not root:
         pytest.skip(f"{MILES_ENV} is not set (an unpacked miles-rl wheel)")
     path = Path(root) / "miles" / "backends" / "megatron_utils" / "megatron_to_hf" / f"{family}.py"
