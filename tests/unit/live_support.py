@@ -109,6 +109,65 @@ def serve_from_local(local: str, model_dir: str, live_reason: str):
     return state, model
 
 
+class CacheFlushUpdater:
+    """The scheduler's weight updater, as far as a commit uses it (the cache flush)."""
+
+    def flush_cache_after_weight_update(self, request):
+        return None
+
+
+def pull_local_v1(served) -> None:
+    """The local dir at v1 (from the seed again: deltas only go forward)."""
+    served.pull(served.local, served.model_dir, served.feed.source_dir, 0)
+    served.pull(served.local, served.model_dir, served.feed.source_dir, 1)
+
+
+def stage_v2(state, served) -> None:
+    """Stage v2 on ``state``, its scheduler loop driven by another thread meanwhile."""
+    import threading
+
+    from sglang_patch.live.mapping.stage import stage_job
+
+    stop = threading.Event()
+
+    def scheduler_loop():
+        while not stop.is_set():
+            state.loop.run_slice()
+
+    loop = threading.Thread(target=scheduler_loop, name="scheduler-loop", daemon=True)
+    loop.start()
+    try:
+        while not state.loop.is_driven:
+            pass
+        state.stage_after_pull(served.local, served.feed.source_dir, 2, stage_job)
+    finally:
+        stop.set()
+        loop.join(timeout=30)
+
+
+def staged_state_serving_v1(served):
+    """A proven rank serving v1 with v2 pulled and staged (its loop driven by another thread).
+    ``served`` is ``tiny_chain_pulled_at_v1``'s. -> (state, model)"""
+    import os
+
+    from sglang_patch.live.identity import LiveVersion
+    from sglang_patch.live.mapping.coordinate_map import CheckpointReader
+    from weightsync.puller.positions import held_version
+
+    pull_local_v1(served)
+    state, model = serve_from_local(served.local, served.model_dir, "reload (test)")
+    state.proof.prove(CheckpointReader(served.local), state.live, checkpoint_dir=served.local)
+    assert state.cmap.proven
+    served.pull(served.local, served.model_dir, served.feed.source_dir, 2)
+    held = held_version(served.local)
+    state.weights.live = LiveVersion(1, os.path.realpath(served.feed.source_dir), "test: serving v1", held.run, held.seed)
+    state.scheduler.weight_updater = CacheFlushUpdater()
+    state.allowed_roots = (served.root,)
+    stage_v2(state, served)
+    assert state.weights.staged is not None, state.weights.stage_reason
+    return state, model
+
+
 def storage_of(t: torch.Tensor) -> int:
     return t.untyped_storage().data_ptr()
 

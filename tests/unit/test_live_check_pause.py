@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import builtins
 import os
-import threading
 from types import SimpleNamespace
 
 import pytest
@@ -21,66 +20,13 @@ import torch
 from sglang_patch.live import results as lr
 from sglang_patch.live import transaction as tx
 
-from live_support import serve_from_local, tiny_chain_pulled_at_v1
+from live_support import (
+    pull_local_v1, serve_from_local, stage_v2, staged_state_serving_v1, tiny_chain_pulled_at_v1)
 
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
     return tiny_chain_pulled_at_v1(tmp_path_factory.mktemp("live_check_pause"))
-
-
-class _Updater:
-    """The scheduler's weight updater, as far as a commit uses it (the cache flush)."""
-
-    def flush_cache_after_weight_update(self, request):
-        return None
-
-
-def _pull_v1(served):
-    """The local dir at v1 (from the seed again: deltas only go forward)."""
-    served.pull(served.local, served.model_dir, served.feed.source_dir, 0)
-    served.pull(served.local, served.model_dir, served.feed.source_dir, 1)
-
-
-def _staged_state(served):
-    """A proven rank serving v1 with v2 pulled and staged (its loop driven by another thread)."""
-    from sglang_patch.live.mapping.coordinate_map import CheckpointReader
-    from sglang_patch.live.identity import LiveVersion
-    from weightsync.puller.positions import held_version
-
-    _pull_v1(served)
-    state, model = serve_from_local(served.local, served.model_dir, "reload (test)")
-    state.proof.prove(CheckpointReader(served.local), state.live, checkpoint_dir=served.local)
-    assert state.cmap.proven
-    served.pull(served.local, served.model_dir, served.feed.source_dir, 2)
-    held = held_version(served.local)
-    state.weights.live = LiveVersion(1, os.path.realpath(served.feed.source_dir), "test: serving v1", held.run, held.seed)
-    state.scheduler.weight_updater = _Updater()
-    state.allowed_roots = (served.root,)
-    _stage(state, served)
-    assert state.weights.staged is not None, state.weights.stage_reason
-    return state, model
-
-
-def _stage(state, served):
-    """Stage v2 on ``state``, its scheduler loop driven by another thread meanwhile."""
-    from sglang_patch.live.mapping.stage import stage_job
-
-    stop = threading.Event()
-
-    def scheduler_loop():
-        while not stop.is_set():
-            state.loop.run_slice()
-
-    loop = threading.Thread(target=scheduler_loop, name="scheduler-loop", daemon=True)
-    loop.start()
-    try:
-        while not state.loop.is_driven:
-            pass
-        state.stage_after_pull(served.local, served.feed.source_dir, 2, stage_job)
-    finally:
-        stop.set()
-        loop.join(timeout=30)
 
 
 def _request(served, phase):
@@ -127,7 +73,7 @@ class _FileReads:
 
 
 def test_the_sample_is_read_at_staging_and_the_commit_reads_no_checkpoint_file(served, monkeypatch):
-    state, _ = _staged_state(served)
+    state, _ = staged_state_serving_v1(served)
     _vote_and_apply(state, served)
     with monkeypatch.context() as m:
         reads = _FileReads(m)
@@ -147,7 +93,7 @@ def test_the_sample_is_read_at_staging_and_the_commit_reads_no_checkpoint_file(s
 def test_a_write_that_did_not_land_fails_the_apply_the_rank_restores_and_the_reply_names_the_element(served):
     from live_support import assert_names_the_position, stage_one_position_twice
 
-    state, model = _staged_state(served)
+    state, model = staged_state_serving_v1(served)
     patch = max(state.weights.staged.patches, key=lambda p: int(p.index.numel()))
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     position, values = stage_one_position_twice(state.weights.staged, patch.param, first=int(patch.index.numel()) - 2)
@@ -165,7 +111,7 @@ def test_a_write_that_did_not_land_fails_the_apply_the_rank_restores_and_the_rep
 
 
 def test_the_check_at_commit_gathers_only_the_sample_and_no_written_element(served, monkeypatch):
-    state, _ = _staged_state(served)
+    state, _ = staged_state_serving_v1(served)
     _vote_and_apply(state, served)
     prepared = state.checker._prepared.sample
     assert prepared is not None, state.checker.prepare_reason
@@ -193,7 +139,7 @@ def test_a_check_that_raises_verifies_nothing_and_makes_the_engine_reload(served
     def broken(*args, **kwargs):
         raise RuntimeError("the check's own failure")
 
-    state, _ = _staged_state(served)
+    state, _ = staged_state_serving_v1(served)
     _vote_and_apply(state, served)
     monkeypatch.setattr(check, "check_update", broken)
     report = _commit(state, served)
@@ -211,7 +157,7 @@ def _nudge(param: torch.Tensor, position: int) -> None:
 
 
 def test_the_sampled_elements_already_at_the_target_are_verified_at_staging_and_the_pause_compares_the_rest(served):
-    state, _ = _staged_state(served)
+    state, _ = staged_state_serving_v1(served)
     prepared = state.checker._prepared.sample
     assert prepared is not None, state.checker.prepare_reason
     written = {(p.param, int(i)) for p in state.weights.staged.patches for i in p.index.tolist()}
@@ -233,12 +179,12 @@ def test_a_wrong_element_where_the_update_writes_nothing_is_found_after_the_scat
     from sglang_patch.live import check as live_check
 
     monkeypatch.setenv(live_check.SAMPLE_ENV, "100000000,100000")  # every element of every tensor
-    state, model = _staged_state(served)
+    state, model = staged_state_serving_v1(served)
     written = {(p.param, int(i)) for p in state.weights.staged.patches for i in p.index.tolist()}
     param = state.weights.staged.patches[0].param
     position = next(i for i in range(dict(model.named_parameters())[param].numel()) if (param, i) not in written)
     _nudge(dict(model.named_parameters())[param], position)
-    _stage(state, served)  # staged again over the wrong element
+    stage_v2(state, served)  # staged again over the wrong element
     prepared = state.checker._prepared.sample
     assert (param, position) in {(s.param, int(i)) for s in prepared.params for i in s.index.tolist()}
     _vote_and_apply(state, served)
@@ -248,7 +194,7 @@ def test_a_wrong_element_where_the_update_writes_nothing_is_found_after_the_scat
 
 
 def test_a_wrong_sampled_element_the_update_wrote_makes_the_engine_reload(served):
-    state, model = _staged_state(served)
+    state, model = staged_state_serving_v1(served)
     _vote_and_apply(state, served)
     prepared = state.checker._prepared.sample
     assert prepared is not None and prepared.elements > 0, state.checker.prepare_reason
@@ -262,7 +208,7 @@ def test_a_wrong_sampled_element_the_update_wrote_makes_the_engine_reload(served
 
 
 def test_a_sample_prepared_for_another_staging_is_not_used_and_the_pause_reads_its_own(served):
-    state, _ = _staged_state(served)
+    state, _ = staged_state_serving_v1(served)
     _vote_and_apply(state, served)
     state.checker._prepared.patches = list(state._voted.patches)  # prepared for another staging of the same version
     report = _commit(state, served)
@@ -273,7 +219,7 @@ def test_a_sample_prepared_for_another_staging_is_not_used_and_the_pause_reads_i
 def test_reloads_reuse_the_checkpoint_headers_until_a_file_of_the_checkpoint_changes(served):
     from sglang_patch.live.mapping.coordinate_map import CheckpointReader
 
-    _pull_v1(served)
+    pull_local_v1(served)
     state, _ = serve_from_local(served.local, served.model_dir, "reload (test)")
     state.proof.prove(CheckpointReader(served.local), state.live, checkpoint_dir=served.local)
     for _ in range(3):
@@ -309,7 +255,7 @@ def test_writes_into_a_storage_the_engine_no_longer_reads_are_found_by_the_check
     """The check at commit compares each patched parameter's storage now with the view the
     scatter wrote (and read back): had the engine swapped a parameter's storage after the apply,
     the checked writes would sit in a storage it no longer reads."""
-    state, model = _staged_state(served)
+    state, model = staged_state_serving_v1(served)
     patch = max(state.weights.staged.patches, key=lambda p: int(p.index.numel()))
     param = dict(model.named_parameters())[patch.param]
     _vote_and_apply(state, served)
@@ -352,7 +298,7 @@ def test_under_random_faults_the_check_split_at_staging_finds_what_a_full_compar
     rounds = int(os.environ.get(ROUNDS_ENV, "4"))
     for seed in range(rounds):
         rng = random.Random(1900 + seed)
-        state, model = _staged_state(served)
+        state, model = staged_state_serving_v1(served)
         params = dict(model.named_parameters())
         written = {p.param: p.index.tolist() for p in state.weights.staged.patches}
         unwritten = {name: sorted(set(range(params[name].numel())) - set(written.get(name, ())))
@@ -363,7 +309,7 @@ def test_under_random_faults_the_check_split_at_staging_finds_what_a_full_compar
             position = rng.choice(written[name] if name in written and rng.random() < 0.5 else unwritten[name])
             _nudge(params[name], position)
             faults.append(("before staging", name, position))
-        _stage(state, served)  # staged again over them
+        stage_v2(state, served)  # staged again over them
         assert state.weights.staged is not None, state.weights.stage_reason
         _vote_and_apply(state, served)
         for _ in range(rng.randint(0, 2)):  # written elements wrong after the scatter

@@ -12,8 +12,6 @@ The e2e tests on a real server: ``tests/e2e/test_live_other_writers.py``.
 from __future__ import annotations
 
 import asyncio
-import os
-import threading
 from types import SimpleNamespace
 
 import pytest
@@ -22,58 +20,12 @@ import torch
 from sglang_patch.live import results as lr
 from sglang_patch.live import transaction as tx
 
-from live_support import serve_from_local, tiny_chain_pulled_at_v1
+from live_support import staged_state_serving_v1, tiny_chain_pulled_at_v1
 
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
     return tiny_chain_pulled_at_v1(tmp_path_factory.mktemp("live_other_writers"))
-
-
-class _Updater:
-    def flush_cache_after_weight_update(self, request):
-        return None
-
-
-def _stage(state, served):
-    from sglang_patch.live.mapping.stage import stage_job
-
-    stop = threading.Event()
-
-    def scheduler_loop():
-        while not stop.is_set():
-            state.loop.run_slice()
-
-    loop = threading.Thread(target=scheduler_loop, name="scheduler-loop", daemon=True)
-    loop.start()
-    try:
-        while not state.loop.is_driven:
-            pass
-        state.stage_after_pull(served.local, served.feed.source_dir, 2, stage_job)
-    finally:
-        stop.set()
-        loop.join(timeout=30)
-
-
-def _staged_state(served):
-    """A proven rank serving v1 with v2 pulled and staged."""
-    from sglang_patch.live.identity import LiveVersion
-    from sglang_patch.live.mapping.coordinate_map import CheckpointReader
-    from weightsync.puller.positions import held_version
-
-    served.pull(served.local, served.model_dir, served.feed.source_dir, 0)
-    served.pull(served.local, served.model_dir, served.feed.source_dir, 1)
-    state, model = serve_from_local(served.local, served.model_dir, "reload (test)")
-    state.proof.prove(CheckpointReader(served.local), state.live, checkpoint_dir=served.local)
-    assert state.cmap.proven
-    served.pull(served.local, served.model_dir, served.feed.source_dir, 2)
-    held = held_version(served.local)
-    state.weights.live = LiveVersion(1, os.path.realpath(served.feed.source_dir), "test: serving v1", held.run, held.seed)
-    state.scheduler.weight_updater = _Updater()
-    state.allowed_roots = (served.root,)
-    _stage(state, served)
-    assert state.weights.staged is not None, state.weights.stage_reason
-    return state, model
 
 
 def _phase(state, served, phase, txn="t1"):
@@ -112,7 +64,7 @@ def _a_reload_of_v1(state, model, served) -> dict:
 
 
 def test_a_reload_between_the_vote_and_the_apply_writes_nothing_and_the_rank_is_not_restored_so_every_rank_reloads(served):
-    state, model = _staged_state(served)
+    state, model = staged_state_serving_v1(served)
     assert _phase(state, served, tx.VOTE).live
     reloaded = _a_reload_of_v1(state, model, served)
     applied = _phase(state, served, tx.APPLY)
@@ -125,7 +77,7 @@ def test_a_reload_between_the_vote_and_the_apply_writes_nothing_and_the_rank_is_
 
 
 def test_reset_tensors_between_the_apply_and_the_commit_commits_nothing_and_the_check_fails_so_every_rank_reloads(served):
-    state, model = _staged_state(served)
+    state, model = staged_state_serving_v1(served)
     assert _phase(state, served, tx.VOTE).live
     assert _phase(state, served, tx.APPLY).success
     reset = _another_writer(state, model)
@@ -138,7 +90,7 @@ def test_reset_tensors_between_the_apply_and_the_commit_commits_nothing_and_the_
 
 
 def test_a_rollback_after_another_writer_writes_no_undo_log_over_its_bytes_and_says_not_restored(served):
-    state, model = _staged_state(served)
+    state, model = staged_state_serving_v1(served)
     assert _phase(state, served, tx.VOTE).live
     assert _phase(state, served, tx.APPLY).success
     reloaded = _a_reload_of_v1(state, model, served)
@@ -149,7 +101,7 @@ def test_a_rollback_after_another_writer_writes_no_undo_log_over_its_bytes_and_s
 
 
 def test_a_staging_that_overlapped_a_rolled_back_transaction_is_void_and_the_voted_update_stays_valid(served):
-    state, model = _staged_state(served)
+    state, model = staged_state_serving_v1(served)
     before = _snapshot(model)
     staged = state.weights.staged
     assert _phase(state, served, tx.VOTE).live
@@ -163,7 +115,7 @@ def test_a_staging_that_overlapped_a_rolled_back_transaction_is_void_and_the_vot
 
 
 def test_after_a_proven_rollback_the_same_staged_update_votes_live_again(served):
-    state, model = _staged_state(served)
+    state, model = staged_state_serving_v1(served)
     assert _phase(state, served, tx.VOTE).live
     assert _phase(state, served, tx.APPLY).success
     assert _phase(state, served, tx.ROLLBACK).rolled_back
