@@ -14,6 +14,7 @@ from miles_updater.torch_publish import TorchWeightSync
 from weightsync.storage.source import BucketSource
 
 from bucket_support import s3_env, s3_server_fixture  # noqa: F401 (fixtures)
+from trainer_support import assert_pulls_to
 
 s3 = s3_server_fixture()
 INDEX = "model.safetensors.index.json"
@@ -36,18 +37,6 @@ def _perturb(state: dict[str, torch.Tensor], k: int) -> dict[str, torch.Tensor]:
     return {n: (t.float() + 1e-2 * torch.randn(t.shape, generator=g)).to(t.dtype) for n, t in state.items()}
 
 
-def _assert_pulls_to(local, hf, source_dir, version, expected: dict) -> str:
-    from testbed.tiny_qwen3 import read_state_dict
-    from weightsync import pull
-
-    result = pull(str(local), hf, source_dir, version)
-    got = read_state_dict(local)
-    assert sorted(got) == sorted(expected)
-    for name, t in expected.items():
-        assert torch.equal(got[name].view(torch.uint8), t.contiguous().view(torch.uint8)), f"v{version} {name}"
-    return result.action
-
-
 def test_torch_weight_sync_publishes_to_a_bucket_url_and_engines_pull_the_published_bytes(hf, disk_url, tmp_path):
     from testbed.tiny_qwen3 import read_state_dict
 
@@ -58,7 +47,7 @@ def test_torch_weight_sync_publishes_to_a_bucket_url_and_engines_pull_the_publis
         state = _perturb(base, k)
         m = sync.publish(state)
         assert m.version == k
-        assert _assert_pulls_to(tmp_path / "local", hf, sync.source_dir, k, state) in ("seed+chain", "chain", "seed")
+        assert assert_pulls_to(tmp_path / "local", hf, sync.source_dir, k, state) in ("seed+chain", "chain", "seed")
     sync.close()
     assert f"run-r1/weight_v000002/{INDEX}" in BucketSource(disk_url).list()
 
@@ -78,7 +67,7 @@ def test_a_restarted_torch_sync_on_a_bucket_continues_the_numbering_and_prunes_o
     again.close()
     keys = BucketSource(disk_url).list()
     assert not [k for k in keys if k.startswith("run-a/")], "the older run is removed from the bucket"
-    assert _assert_pulls_to(tmp_path / "local", hf, again.source_dir, 3, state) == "seed"
+    assert assert_pulls_to(tmp_path / "local", hf, again.source_dir, 3, state) == "seed"
 
 
 def test_the_updaters_run_planning_on_a_bucket_removes_unpublished_leftovers_and_counts_published_versions(disk_url):

@@ -13,6 +13,8 @@ import torch
 from miles_updater.torch_publish import StateDictStager, TorchPublishError, TorchWeightSync
 from weightsync.errors import HostResourceError
 
+from trainer_support import assert_pulls_to
+
 
 @pytest.fixture(scope="module")
 def hf(tmp_path_factory):
@@ -39,18 +41,6 @@ def _step(model, k: int) -> None:
     opt.step()
 
 
-def _assert_pulls_to(local, hf, source_dir, version, expected: dict) -> str:
-    from testbed.tiny_qwen3 import read_state_dict
-    from weightsync import pull
-
-    result = pull(str(local), hf, source_dir, version)
-    got = read_state_dict(local)
-    assert sorted(got) == sorted(expected)
-    for name, t in expected.items():
-        assert torch.equal(got[name].view(torch.uint8), t.contiguous().view(torch.uint8)), f"v{version} {name}"
-    return result.action
-
-
 def test_each_publish_holds_exactly_the_models_bytes_in_the_checkpoint_dtype(hf, model, tmp_path):
     sync = TorchWeightSync(str(tmp_path / "shared"), hf)
     local = tmp_path / "local"
@@ -59,7 +49,7 @@ def test_each_publish_holds_exactly_the_models_bytes_in_the_checkpoint_dtype(hf,
         m = sync.publish(model)
         assert m.version == k and m.kind == "delta" and 0 < m.changed_elements < m.total_elements
         expected = {n: t.detach().to(torch.bfloat16) for n, t in model.state_dict().items()}
-        assert _assert_pulls_to(local, hf, sync.source_dir, k, expected) == ("seed+chain" if k == 1 else "chain")
+        assert assert_pulls_to(local, hf, sync.source_dir, k, expected) == ("seed+chain" if k == 1 else "chain")
     sync.close()
 
 
@@ -130,7 +120,7 @@ def test_cuda_model_is_compared_on_the_device(hf, model, tmp_path):
     m = sync.publish(model)
     assert 0 < m.d2h_nbytes < m.full_nbytes
     expected = {n: t.detach().to(torch.bfloat16).cpu() for n, t in model.state_dict().items()}
-    _assert_pulls_to(tmp_path / "local", hf, sync.source_dir, 2, expected)
+    assert_pulls_to(tmp_path / "local", hf, sync.source_dir, 2, expected)
     sync.close()
 
 
@@ -149,7 +139,7 @@ def test_a_failed_shard_write_is_retried_with_the_same_version(hf, model, tmp_pa
     m = sync.publish(model)
     assert m.version == 1 and m.publish_attempts == 2
     expected = {n: t.detach().to(torch.bfloat16) for n, t in model.state_dict().items()}
-    _assert_pulls_to(tmp_path / "local", hf, sync.source_dir, 1, expected)
+    assert_pulls_to(tmp_path / "local", hf, sync.source_dir, 1, expected)
     sync.close()
 
 
@@ -168,7 +158,7 @@ def test_a_restarted_trainer_continues_the_numbering_with_a_full_version(hf, mod
     m = fresh.publish(model)
     assert (m.version, m.kind) == (4, "full") and "an earlier run" in m.reason
     expected = {n: t.detach().to(torch.bfloat16) for n, t in model.state_dict().items()}
-    assert _assert_pulls_to(tmp_path / "local", hf, fresh.source_dir, 4, expected) == "seed"
+    assert assert_pulls_to(tmp_path / "local", hf, fresh.source_dir, 4, expected) == "seed"
 
 
 def _transposed(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -319,9 +309,9 @@ def test_after_every_index_write_of_a_version_failed_the_next_publish_finishes_i
     assert len(finished) == 1 and "finishing v2" in finished[0].reason
     assert [h.version for h in sync.history] == [1, 2, 3]
     local = tmp_path / "local"
-    assert _assert_pulls_to(local, hf, sync.source_dir, 1, at[1]) == "seed+chain"
-    assert _assert_pulls_to(local, hf, sync.source_dir, 2, at[2]) == "chain"  # the staged bytes, not step 3's or 4's
-    assert _assert_pulls_to(local, hf, sync.source_dir, 3, at[3]) == "chain"
+    assert assert_pulls_to(local, hf, sync.source_dir, 1, at[1]) == "seed+chain"
+    assert assert_pulls_to(local, hf, sync.source_dir, 2, at[2]) == "chain"  # the staged bytes, not step 3's or 4's
+    assert assert_pulls_to(local, hf, sync.source_dir, 3, at[3]) == "chain"
     sync.close()
 
 
@@ -354,7 +344,7 @@ def test_a_prune_failing_after_the_index_landed_counts_the_version_as_published(
     assert [h.version for h in sync.history] == [1, 2, 3]
     local = tmp_path / "local"
     for v in (1, 2, 3):
-        _assert_pulls_to(local, hf, sync.source_dir, v, at[v])
+        assert_pulls_to(local, hf, sync.source_dir, v, at[v])
     sync.close()
 
 
@@ -376,7 +366,7 @@ def test_a_publish_failing_before_any_shard_was_written_publishes_that_number_wi
     _step(model, 2)
     m = sync.publish(model)
     assert (m.version, m.kind) == (1, "delta")
-    _assert_pulls_to(tmp_path / "local", hf, sync.source_dir, 1, _bf16(model))
+    assert_pulls_to(tmp_path / "local", hf, sync.source_dir, 1, _bf16(model))
     sync.close()
 
 
