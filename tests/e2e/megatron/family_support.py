@@ -109,6 +109,113 @@ def transformers_logits(model_dir: str, ids):
         return model(torch.tensor(ids)).logits
 
 
+# the tiny MLA checkpoint both MLA families share (DeepSeek-V3 and GLM-4.7-Flash's lite MoE): q/kv LoRA, a
+# dense first layer, shared experts, sigmoid routing with a per-expert bias
+TINY_MLA_CONFIG = dict(
+    vocab_size=256, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=2,
+    num_attention_heads=4, num_key_value_heads=4, q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8,
+    qk_rope_head_dim=8, v_head_dim=8, n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2,
+    first_k_dense_replace=1, n_group=1, topk_group=1, routed_scaling_factor=1.0, norm_topk_prob=True,
+    rope_interleave=True, max_position_embeddings=128, tie_word_embeddings=False, initializer_range=0.3,
+)
+
+
+def write_tiny_checkpoint(model_cls, cfg, out: Path, seed: int, *, bumped=("norm.weight",),
+                          expert_bias: str | None = None) -> str:
+    """Save ``model_cls(cfg)`` (weights from ``seed``) as a bf16 checkpoint in ``out``. Norms start at 1 and
+    biases at 0, so the tensors whose names end in ``bumped`` get noise: every tensor has real bytes. The
+    router's ``expert_bias`` tensor, when named, gets fresh fp32 values, as the MoE families' checkpoints keep it."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    torch.manual_seed(seed)
+    model_cls(cfg).save_pretrained(str(out))
+    path = out / "model.safetensors"
+    tensors = {n: t.to(torch.bfloat16) for n, t in load_file(str(path)).items()}
+    g = torch.Generator().manual_seed(seed + 1)
+    for n in tensors:
+        if n.endswith(tuple(bumped)):
+            tensors[n] = (tensors[n].float() + torch.randn(tensors[n].shape, generator=g) * 0.3).to(torch.bfloat16)
+    if expert_bias is not None:
+        tensors[expert_bias] = torch.randn(cfg.n_routed_experts, generator=g) * 0.1
+    save_file(tensors, str(path), metadata={"format": "pt"})
+    return str(out)
+
+
+def pull_published(seed: str, seen: list[dict], local: Path) -> Path:
+    """Pull v1 into ``local`` and put the seed's config and tokenizer beside the weights: a model
+    transformers and sglang can load."""
+    import shutil
+
+    from weightsync import pull
+
+    assert pull(str(local), seed, seen[0]["source_dir"], seen[0]["version"]).applied_version == seen[0]["version"]
+    for f in Path(seed).iterdir():
+        if f.suffix != ".safetensors" and not (local / f.name).exists():  # config, tokenizer
+            shutil.copy(f, local / f.name)
+    return local
+
+
+def read_roundtrip(out: Path) -> dict:
+    """What the ranks gathered back from the unchanged seed, all ranks' files merged."""
+    from safetensors.torch import load_file
+
+    gathered = {}
+    for f in sorted(Path(out).glob("roundtrip-rank*.safetensors")):
+        gathered.update(load_file(str(f)))
+    return gathered
+
+
+def check_v1_and_list_moved(seed: str, out: Path, published: Path, converter) -> list[str]:
+    """Assert the published v1 equals ``converter`` on an independent gather of the ranks' raw parameters;
+    return the tensors v1 moved away from the seed."""
+    from miles_updater.gather import read_hf_specs
+
+    want = independent_gather(str(out), 2, converter, read_hf_specs(seed))
+    got = read_dir(published)
+    assert differing(got, want) == []
+    return differing(got, read_dir(seed))
+
+
+def assert_megatron_logits_equal_transformers(out: Path, published: Path, ids) -> None:
+    import torch
+
+    ref = transformers_logits(str(published), ids)
+    torch.testing.assert_close(torch.load(Path(out) / "logits.pt"), ref, atol=2e-3, rtol=2e-3)
+
+
+def load_in_sglangs_class(published: Path, model_class: str) -> dict:
+    """Build sglang's own ``model_class`` in process (``live_models_child.py``) on the published checkpoint and
+    assert it loads every tensor and a live patch equals a reload bit for bit; return the child's report for
+    the family's own checks (placements, derivations)."""
+    import subprocess
+
+    from testbed.sglang_cpu import cpu_server_env, find_free_port, server_python
+
+    child = HERE.parent / "live_models_child.py"
+    done = subprocess.run([server_python(), str(child), str(find_free_port()), f"published={published}"],
+                          capture_output=True, text=True, timeout=600, env=cpu_server_env(), cwd=str(REPO))
+    assert done.returncode == 0, done.stderr[-4000:]
+    out = next(iter(json.loads(done.stdout.strip().splitlines()[-1]).values()))
+    assert "error" not in out, out.get("traceback", out)
+    assert out["class"] == model_class and out["scope"] is None
+    assert out["unused_tensors"] == [] and out["proven"] and not out["reload_only_tensors"], out
+    assert out["written"] == out["changed"] > 0 and out["differ_from_reload"] == []
+    return out
+
+
+def assert_miles_converter_equals_published(family: str, args, seed: str, out: Path, seen: list[dict],
+                                            local: Path) -> None:
+    """miles' own ``family`` converter (skipped without ``MILES_RL_DIR``) on an independent gather of the
+    trainer's weights gives the bytes v1 holds, pulled into ``local``."""
+    from miles_updater.gather import read_hf_specs
+    from weightsync import pull
+
+    want = independent_gather(str(out), 2, miles_converter(family, args), read_hf_specs(seed))
+    pull(str(local), seed, seen[0]["source_dir"], seen[0]["version"])
+    assert differing(read_dir(local), want) == []
+
+
 # --- the rank process ---------------------------------------------------------------------------
 
 

@@ -13,8 +13,6 @@ not TP-split: ETP=1) on gloo publishes through the builtin converter.
 
 from __future__ import annotations
 
-import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -22,15 +20,15 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from family_support import (  # noqa: E402
-    differing, independent_gather, miles_converter, read_dir, run_family, transformers_logits)
+    assert_megatron_logits_equal_transformers, assert_miles_converter_equals_published,
+    check_v1_and_list_moved, differing, load_in_sglangs_class, pull_published, read_dir, read_roundtrip, run_family,
+    write_tiny_checkpoint)
 
 pytestmark = pytest.mark.slow
 BIAS = "model.layers.1.mlp.gate.e_score_correction_bias"
 
 
 def make_tiny_glm4_moe(out: Path) -> str:
-    import torch
-    from safetensors.torch import load_file, save_file
     from transformers import Glm4MoeConfig, Glm4MoeForCausalLM
 
     cfg = Glm4MoeConfig(
@@ -40,18 +38,9 @@ def make_tiny_glm4_moe(out: Path) -> str:
         norm_topk_prob=True, partial_rotary_factor=0.5, use_qk_norm=True, attention_bias=True,
         max_position_embeddings=128, tie_word_embeddings=False, initializer_range=0.3, num_nextn_predict_layers=0,
     )
-    torch.manual_seed(13)
-    model = Glm4MoeForCausalLM(cfg)
-    model.save_pretrained(str(out))
-    path = out / "model.safetensors"
-    tensors = {n: t.to(torch.bfloat16) for n, t in load_file(str(path)).items()}
-    g = torch.Generator().manual_seed(14)
-    for n in tensors:  # norms start at 1, biases at 0: give every tensor real bytes
-        if n.endswith(("norm.weight", "_proj.bias")):
-            tensors[n] = (tensors[n].float() + torch.randn(tensors[n].shape, generator=g) * 0.3).to(torch.bfloat16)
-    tensors[BIAS] = torch.randn(4, generator=g) * 0.1  # fp32, as GLM-4.5's checkpoints keep it
-    save_file(tensors, str(path), metadata={"format": "pt"})
-    return str(out)
+    # norms start at 1, biases at 0; the router's bias in fp32, as GLM-4.5's checkpoints keep it
+    return write_tiny_checkpoint(Glm4MoeForCausalLM, cfg, out, 13, bumped=("norm.weight", "_proj.bias"),
+                                 expert_bias=BIAS)
 
 
 @pytest.fixture(scope="module")
@@ -65,66 +54,35 @@ def family(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def published(family, tmp_path_factory):
-    import shutil
-
-    from weightsync import pull
-
     seed, _, seen = family
-    local = tmp_path_factory.mktemp("glm4_moe_local") / "ckpt"
-    assert pull(str(local), seed, seen[0]["source_dir"], seen[0]["version"]).applied_version == seen[0]["version"]
-    for f in Path(seed).iterdir():
-        if f.suffix != ".safetensors" and not (local / f.name).exists():  # config, tokenizer
-            shutil.copy(f, local / f.name)
-    return local
+    return pull_published(seed, seen, tmp_path_factory.mktemp("glm4_moe_local") / "ckpt")
 
 
 def test_glm4_moe_at_tp2_ep2_gathers_the_unchanged_weights_and_expert_bias_back_to_the_seeds_bytes(family):
-    from safetensors.torch import load_file
-
     seed, out, _ = family
-    gathered = {}
-    for f in sorted(out.glob("roundtrip-rank*.safetensors")):
-        gathered.update(load_file(str(f)))
+    gathered = read_roundtrip(out)
     assert differing(gathered, read_dir(seed)) == []
     assert gathered[BIAS].dtype.is_floating_point and str(gathered[BIAS].dtype) == "torch.float32"
 
 
 def test_glm4_moe_v1_equals_the_converter_on_an_independent_gather_and_pulls_bit_exact(family, published):
     from miles_updater.converters import BuiltinConverter
-    from miles_updater.gather import read_hf_specs
     from miles_updater.hf_mapping import AttentionLayout
 
-    seed, out, seen = family
+    seed, out, _ = family
     conv = BuiltinConverter(AttentionLayout(4, 2, 16), tied_embeddings=False, model_type="glm4_moe")
-    want = independent_gather(str(out), 2, conv, read_hf_specs(seed))
-    got = read_dir(published)
-    assert differing(got, want) == []
-    moved = differing(got, read_dir(seed))
+    moved = check_v1_and_list_moved(seed, out, published, conv)
     assert BIAS in moved and "model.layers.1.mlp.shared_experts.gate_proj.weight" in moved
 
 
 def test_megatrons_glm4_moe_logits_equal_transformers_on_the_published_checkpoint(family, published):
-    import torch
-
     _, out, seen = family
-    ref = transformers_logits(str(published), seen[0]["ids"])
-    torch.testing.assert_close(torch.load(out / "logits.pt"), ref, atol=2e-3, rtol=2e-3)
+    assert_megatron_logits_equal_transformers(out, published, seen[0]["ids"])
 
 
 def test_sglangs_glm4_moe_class_loads_every_published_tensor_and_patches_live_equal_to_a_reload(published):
-    from testbed.sglang_cpu import cpu_server_env, find_free_port, server_python
-
-    child = Path(__file__).resolve().parents[1] / "live_models_child.py"
-    done = subprocess.run([server_python(), str(child), str(find_free_port()), f"published={published}"],
-                          capture_output=True, text=True, timeout=600, env=cpu_server_env(),
-                          cwd=str(Path(__file__).resolve().parents[3]))
-    assert done.returncode == 0, done.stderr[-4000:]
-    out = next(iter(json.loads(done.stdout.strip().splitlines()[-1]).values()))
-    assert "error" not in out, out.get("traceback", out)
-    assert out["class"] == "Glm4MoeForCausalLM" and out["scope"] is None
-    assert out["unused_tensors"] == [] and out["proven"] and not out["reload_only_tensors"], out
+    out = load_in_sglangs_class(published, "Glm4MoeForCausalLM")
     assert BIAS in out["placements"]
-    assert out["written"] == out["changed"] > 0 and out["differ_from_reload"] == []
 
 
 def test_miles_own_glm4moe_converter_on_an_independent_gather_equals_what_we_published(family, tmp_path):
@@ -132,12 +90,6 @@ def test_miles_own_glm4moe_converter_on_an_independent_gather_equals_what_we_pub
     trainer weights gives the bytes v1 holds."""
     from types import SimpleNamespace
 
-    from miles_updater.gather import read_hf_specs
-    from weightsync import pull
-
     seed, out, seen = family
-    conv = miles_converter("glm4moe", SimpleNamespace(hidden_size=64, num_attention_heads=4, num_query_groups=2, kv_channels=16, num_layers=2))
-    want = independent_gather(str(out), 2, conv, read_hf_specs(seed))
-    local = tmp_path / "local"
-    pull(str(local), seed, seen[0]["source_dir"], seen[0]["version"])
-    assert differing(read_dir(local), want) == []
+    assert_miles_converter_equals_published("glm4moe", SimpleNamespace(hidden_size=64, num_attention_heads=4, num_query_groups=2, kv_channels=16, num_layers=2),
+                                            seed, out, seen, tmp_path / "local")

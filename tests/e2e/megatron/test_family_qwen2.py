@@ -22,7 +22,8 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from family_support import (  # noqa: E402
-    differing, independent_gather, miles_converter, read_dir, run_family, transformers_logits)
+    assert_megatron_logits_equal_transformers, assert_miles_converter_equals_published, check_v1_and_list_moved,
+    differing, pull_published, read_dir, read_roundtrip, run_family)
 
 pytestmark = pytest.mark.slow
 ADMIN_KEY = "family-admin-key"
@@ -62,49 +63,25 @@ def family(tmp_path_factory):
 
 def test_qwen2_at_tp2_gathers_the_unchanged_weights_back_to_the_seeds_bytes(family):
     seed, out, _ = family
-    assert differing(read_dir_glob(out, "roundtrip-rank*.safetensors"), read_dir(seed)) == []
-
-
-def read_dir_glob(out: Path, pattern: str) -> dict:
-    from safetensors.torch import load_file
-
-    merged = {}
-    for f in sorted(out.glob(pattern)):
-        merged.update(load_file(str(f)))
-    return merged
+    assert differing(read_roundtrip(out), read_dir(seed)) == []
 
 
 def test_qwen2_v1_equals_the_converter_on_an_independent_gather_and_pulls_bit_exact(family, tmp_path):
     from miles_updater.converters import BuiltinConverter
-    from miles_updater.gather import read_hf_specs
     from miles_updater.hf_mapping import AttentionLayout
     from weightsync import pull
 
     seed, out, seen = family
     local = tmp_path / "local"
     assert pull(str(local), seed, seen[0]["source_dir"], seen[0]["version"]).applied_version == 1
-    specs = read_hf_specs(seed)
     conv = BuiltinConverter(AttentionLayout(4, 2, 16), tied_embeddings=True, model_type="qwen2")
-    want = independent_gather(str(out), 2, conv, specs)
-    assert differing(read_dir(local), want) == []
-    assert differing(read_dir(local), read_dir(seed)) != []  # the step moved the weights
+    assert check_v1_and_list_moved(seed, out, local, conv) != []  # the step moved the weights
 
 
 def test_megatrons_qwen2_logits_equal_transformers_on_the_published_checkpoint(family, tmp_path):
-    import shutil
-
-    import torch
-
-    from weightsync import pull
-
     seed, out, seen = family
-    local = tmp_path / "local"
-    pull(str(local), seed, seen[0]["source_dir"], seen[0]["version"])
-    for f in Path(seed).iterdir():  # config and tokenizer beside the pulled weights
-        if f.suffix != ".safetensors" and not (local / f.name).exists():  # config, tokenizer
-            shutil.copy(f, local / f.name)
-    ref = transformers_logits(str(local), seen[0]["ids"])
-    torch.testing.assert_close(torch.load(out / "logits.pt"), ref, atol=2e-3, rtol=2e-3)
+    local = pull_published(seed, seen, tmp_path / "local")
+    assert_megatron_logits_equal_transformers(out, local, seen[0]["ids"])
 
 
 def test_an_sglang_server_applies_the_qwen2_version_live_serves_it_as_transformers_and_equals_a_reload(
@@ -140,13 +117,7 @@ def test_miles_own_qwen2_converter_on_an_independent_gather_equals_what_we_publi
     trainer weights gives the bytes v1 holds."""
     from types import SimpleNamespace
 
-    from miles_updater.gather import read_hf_specs
-    from weightsync import pull
-
     seed, out, seen = family
-    conv = miles_converter("qwen2", SimpleNamespace(hidden_size=64, num_attention_heads=4, num_query_groups=2, kv_channels=16, num_layers=2))
     # miles maps a tied model's output layer to lm_head.weight too; at PP=1 Megatron has none
-    want = independent_gather(str(out), 2, conv, read_hf_specs(seed))
-    local = tmp_path / "local"
-    pull(str(local), seed, seen[0]["source_dir"], seen[0]["version"])
-    assert differing(read_dir(local), want) == []
+    assert_miles_converter_equals_published("qwen2", SimpleNamespace(hidden_size=64, num_attention_heads=4, num_query_groups=2, kv_channels=16, num_layers=2),
+                                            seed, out, seen, tmp_path / "local")

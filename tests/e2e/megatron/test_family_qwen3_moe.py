@@ -12,8 +12,6 @@ end on this CPU: real Megatron at TP=2 with EP=2 (ETP=1) on gloo.
 
 from __future__ import annotations
 
-import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -21,15 +19,14 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from family_support import (  # noqa: E402
-    differing, independent_gather, miles_converter, read_dir, run_family, transformers_logits)
+    assert_megatron_logits_equal_transformers, assert_miles_converter_equals_published, check_v1_and_list_moved,
+    differing, load_in_sglangs_class, pull_published, read_dir, read_roundtrip, run_family, write_tiny_checkpoint)
 
 pytestmark = pytest.mark.slow
 CONVERTER = "qwen3moe_converter.make_converter"
 
 
 def make_tiny_qwen3_moe(out: Path) -> str:
-    import torch
-    from safetensors.torch import load_file, save_file
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     cfg = Qwen3MoeConfig(vocab_size=256, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
@@ -37,16 +34,7 @@ def make_tiny_qwen3_moe(out: Path) -> str:
                          num_experts=4, num_experts_per_tok=2, norm_topk_prob=True, decoder_sparse_step=1,
                          mlp_only_layers=[], tie_word_embeddings=False, initializer_range=0.3,
                          max_position_embeddings=128)
-    torch.manual_seed(19)
-    Qwen3MoeForCausalLM(cfg).save_pretrained(str(out))
-    path = out / "model.safetensors"
-    tensors = {n: t.to(torch.bfloat16) for n, t in load_file(str(path)).items()}
-    g = torch.Generator().manual_seed(20)
-    for n in tensors:  # norms start at 1: give every tensor real bytes
-        if n.endswith("norm.weight"):
-            tensors[n] = (tensors[n].float() + torch.randn(tensors[n].shape, generator=g) * 0.3).to(torch.bfloat16)
-    save_file(tensors, str(path), metadata={"format": "pt"})
-    return str(out)
+    return write_tiny_checkpoint(Qwen3MoeForCausalLM, cfg, out, 19)
 
 
 @pytest.fixture(scope="module")
@@ -60,66 +48,34 @@ def family(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def published(family, tmp_path_factory):
-    import shutil
-
-    from weightsync import pull
-
     seed, _, seen = family
-    local = tmp_path_factory.mktemp("qwen3_moe_local") / "ckpt"
-    assert pull(str(local), seed, seen[0]["source_dir"], seen[0]["version"]).applied_version == seen[0]["version"]
-    for f in Path(seed).iterdir():
-        if f.suffix != ".safetensors" and not (local / f.name).exists():  # config, tokenizer
-            shutil.copy(f, local / f.name)
-    return local
+    return pull_published(seed, seen, tmp_path_factory.mktemp("qwen3_moe_local") / "ckpt")
 
 
 def test_qwen3_moe_through_a_users_converter_gathers_the_unchanged_weights_back_to_the_seeds_bytes(family):
-    from safetensors.torch import load_file
-
     seed, out, seen = family
     assert seen[0]["converter"] == "Qwen3MoeConverter"
-    gathered = {}
-    for f in sorted(out.glob("roundtrip-rank*.safetensors")):
-        gathered.update(load_file(str(f)))
-    assert differing(gathered, read_dir(seed)) == []
+    assert differing(read_roundtrip(out), read_dir(seed)) == []
 
 
 def test_qwen3_moe_v1_equals_the_users_converter_on_an_independent_gather_and_pulls_bit_exact(family, published):
     from types import SimpleNamespace
 
-    from miles_updater.gather import read_hf_specs
     from qwen3moe_converter import make_converter
 
-    seed, out, seen = family
+    seed, out, _ = family
     conv = make_converter(SimpleNamespace(num_attention_heads=4, num_query_groups=2, kv_channels=16))
-    want = independent_gather(str(out), 2, conv, read_hf_specs(seed))
-    got = read_dir(published)
-    assert differing(got, want) == []
-    moved = differing(got, read_dir(seed))
+    moved = check_v1_and_list_moved(seed, out, published, conv)
     assert {"model.layers.1.mlp.gate.weight", "model.layers.1.mlp.experts.3.up_proj.weight"} <= set(moved)
 
 
 def test_megatrons_qwen3_moe_logits_equal_transformers_on_the_published_checkpoint(family, published):
-    import torch
-
     _, out, seen = family
-    ref = transformers_logits(str(published), seen[0]["ids"])
-    torch.testing.assert_close(torch.load(out / "logits.pt"), ref, atol=2e-3, rtol=2e-3)
+    assert_megatron_logits_equal_transformers(out, published, seen[0]["ids"])
 
 
 def test_sglangs_qwen3_moe_class_loads_every_published_tensor_and_patches_live_equal_to_a_reload(published):
-    from testbed.sglang_cpu import cpu_server_env, find_free_port, server_python
-
-    child = Path(__file__).resolve().parents[1] / "live_models_child.py"
-    done = subprocess.run([server_python(), str(child), str(find_free_port()), f"published={published}"],
-                          capture_output=True, text=True, timeout=600, env=cpu_server_env(),
-                          cwd=str(Path(__file__).resolve().parents[3]))
-    assert done.returncode == 0, done.stderr[-4000:]
-    out = next(iter(json.loads(done.stdout.strip().splitlines()[-1]).values()))
-    assert "error" not in out, out.get("traceback", out)
-    assert out["class"] == "Qwen3MoeForCausalLM" and out["scope"] is None
-    assert out["unused_tensors"] == [] and out["proven"] and not out["reload_only_tensors"], out
-    assert out["written"] == out["changed"] > 0 and out["differ_from_reload"] == []
+    load_in_sglangs_class(published, "Qwen3MoeForCausalLM")
 
 
 def test_miles_own_qwen3moe_converter_on_an_independent_gather_equals_what_we_published(family, tmp_path):
@@ -127,12 +83,6 @@ def test_miles_own_qwen3moe_converter_on_an_independent_gather_equals_what_we_pu
     trainer weights gives the bytes v1 holds."""
     from types import SimpleNamespace
 
-    from miles_updater.gather import read_hf_specs
-    from weightsync import pull
-
     seed, out, seen = family
-    conv = miles_converter("qwen3moe", SimpleNamespace(hidden_size=64, num_attention_heads=4, num_query_groups=2, kv_channels=16, num_layers=2))
-    want = independent_gather(str(out), 2, conv, read_hf_specs(seed))
-    local = tmp_path / "local"
-    pull(str(local), seed, seen[0]["source_dir"], seen[0]["version"])
-    assert differing(read_dir(local), want) == []
+    assert_miles_converter_equals_published("qwen3moe", SimpleNamespace(hidden_size=64, num_attention_heads=4, num_query_groups=2, kv_channels=16, num_layers=2),
+                                            seed, out, seen, tmp_path / "local")
