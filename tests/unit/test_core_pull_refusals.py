@@ -60,6 +60,16 @@ class World:
             pub.publish(v, self.t[v], full=v in full_at)
         pub.close()
 
+    def publish_with_side_anchors(self, last: int, **pub_kw) -> list[int]:
+        """Versions 1..``last`` from the seed, a side anchor every third delta; -> the anchors' versions."""
+        pub = Publisher(self.source, encoding="xor", workers=1, anchor_max_deltas=3, **pub_kw)
+        pub.seed_snapshot(self.t[0])
+        for v in range(1, last + 1):
+            self.t.append(mutate(self.t[-1], self.rng, 0.05))
+            pub.publish(v, self.t[v])
+        pub.close()
+        return sorted(int(n[len("anchor_v"):]) for n in os.listdir(self.source) if n.startswith("anchor_v"))
+
     def pull(self, target: int, **kw):
         return pull(self.local, self.seed, self.source, target, **kw)
 
@@ -173,13 +183,7 @@ def test_a_full_version_whose_header_says_another_dtype_of_the_same_width_is_ref
 
 def test_a_side_anchor_whose_header_changed_is_passed_over_and_the_pull_is_exact(fast_tmp_path):
     w = World(str(fast_tmp_path))
-    pub = Publisher(w.source, encoding="xor", workers=1, anchor_max_deltas=3)
-    pub.seed_snapshot(w.t[0])
-    for v in range(1, 8):
-        w.t.append(mutate(w.t[-1], w.rng, 0.05))
-        pub.publish(v, w.t[v])
-    pub.close()
-    anchors = sorted(int(n[len("anchor_v"):]) for n in os.listdir(w.source) if n.startswith("anchor_v"))
+    anchors = w.publish_with_side_anchors(7)
     assert anchors, "the publisher wrote side anchors"
     a = anchors[-1]
     adir = os.path.join(w.source, f"anchor_v{a:06d}")
@@ -540,12 +544,7 @@ def test_an_anchor_pruned_while_a_first_pull_plans_is_not_ready_not_unusable(fas
     from weightsync.publisher.prune import _delete
 
     w = World(str(fast_tmp_path), {"a": ("float32", (64, 64)), "b": ("float32", (64,))})
-    pub = Publisher(w.source, encoding="xor", workers=1, anchor_max_deltas=3, keep_versions=2)
-    pub.seed_snapshot(w.t[0])
-    for v in range(1, 10):
-        w.t.append(mutate(w.t[-1], w.rng, 0.05))
-        pub.publish(v, w.t[v])
-    pub.close()
+    w.publish_with_side_anchors(9, keep_versions=2)
     assert os.path.isdir(anchor_dir(w.source, 6)) and not os.path.isdir(version_dir(w.source, 5))
     real = plan.check_anchor
 
@@ -578,13 +577,7 @@ def test_verify_of_a_pruned_version_or_a_wrong_source_dir_says_so(world):
 
 def test_a_side_anchor_whose_index_nests_too_deeply_is_passed_over(fast_tmp_path):
     w = World(str(fast_tmp_path))
-    pub = Publisher(w.source, encoding="xor", workers=1, anchor_max_deltas=3, keep_versions=0)
-    pub.seed_snapshot(w.t[0])
-    for v in range(1, 8):
-        w.t.append(mutate(w.t[-1], w.rng, 0.05))
-        pub.publish(v, w.t[v])
-    pub.close()
-    anchors = sorted(int(n[len("anchor_v"):]) for n in os.listdir(w.source) if n.startswith("anchor_v"))
+    anchors = w.publish_with_side_anchors(7, keep_versions=0)
     a = anchors[-1]
     with open(os.path.join(w.source, f"anchor_v{a:06d}", INDEX), "w") as f:
         f.write('{"metadata": ' + "[" * 200_000 + "]" * 200_000 + "}")
