@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 
 import pytest
 
@@ -23,6 +23,8 @@ from miles_updater.engines import (
     SGLangEngineClient,
     ThreadEngineGroup,
 )
+
+from http_support import answer_json, serve_on_loopback
 
 CALLS: list = []  # (engine, path, body, time) across engines, in arrival order
 
@@ -45,9 +47,9 @@ class EngineDouble:
 
             def do_GET(self):
                 if self.path == "/model_info":
-                    self._answer(200, {"model_path": "/local/ckpt", "weight_version": outer.weight_version})
+                    answer_json(self, 200, {"model_path": "/local/ckpt", "weight_version": outer.weight_version})
                 else:
-                    self._answer(404, {"detail": "Not Found"})
+                    answer_json(self, 404, {"detail": "Not Found"})
 
             def do_POST(self):
                 n = int(self.headers.get("Content-Length") or 0)
@@ -66,20 +68,9 @@ class EngineDouble:
                     reply = outer.default_reply(path, body)
                 if status == 200 and path in ("/update_weights_from_pulled", "/update_weights_from_disk"):
                     outer.weight_version = str(body.get("target_version", body.get("weight_version")))
-                self._answer(status, reply)
+                answer_json(self, status, reply)
 
-            def _answer(self, status, reply):
-                data = json.dumps(reply).encode()
-                self.send_response(status)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.thread = threading.Thread(target=self.server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
-        self.thread.start()
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self.server, self.thread, self.url = serve_on_loopback(Handler)
 
     @staticmethod
     def default_reply(path: str, body: dict) -> dict:

@@ -21,12 +21,12 @@ from __future__ import annotations
 import json
 import os
 import sys
-import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 
 import pytest
+from http_support import answer_json, serve_on_loopback
 from megatron_support import free_port, move_weights, run_gloo_ranks
 
 PULL_S, ENGINE_S, NOT_READY_S = 3.0, 0.8, 1.5  # part A's timeout flags
@@ -119,25 +119,15 @@ class SlowEngine:
                 t = time.monotonic()
                 outer.calls.append("GET /model_info")
                 outer.wait_out(t, "engine")
-                self.answer(200, {"weight_version": outer.weight_version})
+                answer_json(self, 200, {"weight_version": outer.weight_version})
 
             def do_POST(self):
                 t = time.monotonic()
                 body = json.loads(self.rfile.read(int(self.headers.get("Content-Length") or 0)) or b"null") or {}
                 status, reply = outer.handle(self.path, body, t)
-                self.answer(status, reply)
+                answer_json(self, status, reply)
 
-            def answer(self, status, reply):
-                data = json.dumps(reply).encode()
-                self.send_response(status)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        threading.Thread(target=self.server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self.server, _, self.url = serve_on_loopback(Handler)
 
     def wait_out(self, t0: float, kind: str) -> None:
         if self.slow:
