@@ -9,10 +9,11 @@ code cannot hide itself.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import struct
-from typing import Iterable, Mapping
+from typing import Iterable, Iterator, Mapping
 
 import numpy as np
 from safetensors import safe_open
@@ -177,3 +178,17 @@ def assert_checkpoint_is(directory: str, expected: Mapping[str, bytes]) -> None:
     actual = read_checkpoint_bytes(directory)
     bad = diff_names(actual, expected)
     assert not bad, f"{directory}: tensors differ from the expected version: {bad[:10]}"
+
+
+@contextlib.contextmanager
+def serving(www: str) -> Iterator:
+    """A static HTTP server over ``www`` on a loopback port (``benchmarks.fleet.origin``), stopped on exit."""
+    from benchmarks.fleet.origin import OriginServer
+
+    server = OriginServer(www, ("127.0.0.1", 0))
+    server.start_in_thread()
+    try:
+        yield server
+    finally:
+        server.shutdown()
+        server.server_close()

@@ -19,7 +19,7 @@ import pytest
 
 from benchmarks.fleet.nginx import NginxCache, nginx_binary
 from benchmarks.fleet.origin import OriginServer
-from core_support import assert_checkpoint_is, mutate, random_tensors, tensor_bytes, write_hf_checkpoint
+from core_support import assert_checkpoint_is, mutate, random_tensors, serving, tensor_bytes, write_hf_checkpoint
 from weightsync import Publisher, pull
 from weightsync.errors import HttpSourceURLError, PayloadFileMismatchError, VersionMissingError
 from weightsync.format.file_digests import FILE_DIGESTS_KEY, digest_file
@@ -74,13 +74,8 @@ def served(fast_tmp_path, rng):
 
 @pytest.fixture
 def origin(served):
-    server = OriginServer(served.www, ("127.0.0.1", 0))
-    server.start_in_thread()
-    try:
+    with serving(served.www) as server:
         yield server
-    finally:
-        server.shutdown()
-        server.server_close()
 
 
 @pytest.fixture
@@ -361,9 +356,7 @@ def test_an_origin_throttling_past_the_deadline_is_a_retryable_typed_error_and_n
 
 def test_a_fresh_host_seeds_from_a_side_anchor_served_over_http(fast_tmp_path, rng):
     served = Served(str(fast_tmp_path), rng, anchor_fraction=0, anchor_max_deltas=2)
-    server = OriginServer(served.www, ("127.0.0.1", 0))
-    server.start_in_thread()
-    try:
+    with serving(served.www) as server:
         served.publish(5)
         anchors = sorted(n for n in os.listdir(served.run) if n.startswith("anchor_v"))
         assert anchors, "the publisher wrote no side anchor"
@@ -373,9 +366,6 @@ def test_a_fresh_host_seeds_from_a_side_anchor_served_over_http(fast_tmp_path, r
         assert_checkpoint_is(local, served.expected[5])
         newest = anchors[-1]
         assert [p for m, p, n in server.served if m == "GET" and f"/{newest}/" in p and p.endswith(".safetensors")]
-    finally:
-        server.shutdown()
-        server.server_close()
 
 
 def test_a_local_file_cut_short_under_its_marker_reseeds_through_the_full_walk_bit_exact(served, origin):

@@ -15,8 +15,7 @@ import sys
 import numpy as np
 import pytest
 
-from benchmarks.fleet.origin import OriginServer
-from core_support import assert_checkpoint_is, mutate, random_tensors, tensor_bytes, write_hf_checkpoint
+from core_support import assert_checkpoint_is, mutate, random_tensors, serving, tensor_bytes, write_hf_checkpoint
 from weightsync import Publisher, pull
 from weightsync.errors import InvalidRequestError, SwarmConfigError, SwarmUnavailableError
 from weightsync.format.file_digests import FileDigest, digest_file
@@ -62,13 +61,8 @@ def published(fast_tmp_path, monkeypatch):
 
 @pytest.fixture
 def origin(published):
-    server = OriginServer(published[0], ("127.0.0.1", 0))
-    server.start_in_thread()
-    try:
+    with serving(published[0]) as server:
         yield server
-    finally:
-        server.shutdown()
-        server.server_close()
 
 
 def test_a_version_published_with_the_torrent_knob_carries_a_private_v2_only_torrent_of_its_payload_files(published):
