@@ -3,7 +3,8 @@
 Role: start the test module itself once per rank as a child process (the module's ``__main__``
 runs the rank's work and writes ``<out_dir>/rank<r>.json``), wait for every rank, fail the test
 with the tail of each rank's log when any rank failed, and hand back what each rank recorded; in
-the rank, a deterministic stand-in for an optimizer step.
+the rank, a deterministic stand-in for an optimizer step; in the parent, the tiny tied checkpoint
+and byte-exact reads of what was published.
 """
 
 from __future__ import annotations
@@ -47,3 +48,33 @@ def move_weights(model, step: int) -> None:
             flat = p.view(-1)
             idx = torch.randperm(flat.numel(), generator=g)[: max(1, flat.numel() // 100)]
             flat[idx] += torch.randn(idx.numel(), generator=g) * 0.05
+
+
+def make_tied_tiny_qwen3(d: Path) -> str:
+    """A tiny Qwen3 with tied input/output embeddings (no lm_head.weight in the checkpoint), in ``d``."""
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from testbed.tiny_qwen3 import TINY_QWEN3_CONFIG
+
+    torch.manual_seed(5)
+    cfg = Qwen3Config(**{**TINY_QWEN3_CONFIG, "tie_word_embeddings": True}, initializer_range=0.3)
+    Qwen3ForCausalLM(cfg).to(torch.bfloat16).save_pretrained(str(d), max_shard_size="200KB")
+    return str(d)
+
+
+def read_dir(path) -> dict:
+    """Every tensor of the safetensors files in ``path``."""
+    from safetensors.torch import load_file
+
+    merged = {}
+    for f in sorted(Path(path).glob("*.safetensors")):
+        merged.update(load_file(str(f)))
+    return merged
+
+
+def bytes_equal(a, b) -> bool:
+    import torch
+
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(
+        a.contiguous().view(-1).view(torch.uint8), b.contiguous().view(-1).view(torch.uint8))

@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from megatron_support import free_port, run_gloo_ranks  # noqa: E402
+from megatron_support import bytes_equal, free_port, make_tied_tiny_qwen3, read_dir, run_gloo_ranks  # noqa: E402
 
 FP8_NAME = "model.layers.0.mlp.down_proj.weight"
 VISION = "model.visual.proj.weight"
@@ -42,16 +42,7 @@ FAULTS = {  # mode -> what every rank's error must name
 
 @pytest.fixture(scope="module")
 def tied_hf(tmp_path_factory):
-    import torch
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
-    from testbed.tiny_qwen3 import TINY_QWEN3_CONFIG
-
-    d = tmp_path_factory.mktemp("hf_tied") / "ckpt"
-    torch.manual_seed(5)
-    cfg = Qwen3Config(**{**TINY_QWEN3_CONFIG, "tie_word_embeddings": True}, initializer_range=0.3)
-    Qwen3ForCausalLM(cfg).to(torch.bfloat16).save_pretrained(str(d), max_shard_size="200KB")
-    return str(d)
+    return make_tied_tiny_qwen3(tmp_path_factory.mktemp("hf_tied") / "ckpt")
 
 
 def quantize_e4m3(t):
@@ -90,22 +81,6 @@ def run(tied_hf, fp8_hf, tmp_path_factory):
     return out, seen
 
 
-def _read(path) -> dict:
-    from safetensors.torch import load_file
-
-    merged = {}
-    for f in sorted(Path(path).glob("*.safetensors")):
-        merged.update(load_file(str(f)))
-    return merged
-
-
-def _bytes_equal(a, b) -> bool:
-    import torch
-
-    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(
-        a.contiguous().view(-1).view(torch.uint8), b.contiguous().view(-1).view(torch.uint8))
-
-
 def _gathered(out: Path, label: str) -> dict:
     merged = {}
     for r in range(2):
@@ -124,9 +99,9 @@ def _read_one(path: Path) -> dict:
 @pytest.mark.parametrize("label", ["builtin", "pairing", "after_faults", "no_meta"])
 def test_a_converter_hook_publishes_every_checkpoint_tensor_once_with_its_bytes(run, tied_hf, label):
     out, _ = run
-    gathered, reference = _gathered(out, label), _read(tied_hf)
+    gathered, reference = _gathered(out, label), read_dir(tied_hf)
     assert sorted(gathered) == sorted(reference)
-    assert [n for n in reference if not _bytes_equal(gathered[n], reference[n])] == []
+    assert [n for n in reference if not bytes_equal(gathered[n], reference[n])] == []
     # the tied output layer of stage 1 maps to the embedding: published once, by stage 0
     assert "model.embed_tokens.weight" in _read_one(out / f"{label}-rank0.safetensors")
 
@@ -167,23 +142,23 @@ def test_fp8_tensors_arrive_in_the_checkpoints_dtype_and_static_tensors_keep_the
     assert seen[1]["fp8_bf16_error"] == s["fp8_bf16_error"]
     local = tmp_path / "engine"
     assert pull(str(local), fp8_hf, s["source_dir"], s["version"]).applied_version == s["version"]
-    pulled, seed = _read(local), _read(fp8_hf)
+    pulled, seed = read_dir(local), read_dir(fp8_hf)
     assert sorted(pulled) == sorted(seed)
     assert pulled[FP8_NAME].dtype == torch.float8_e4m3fn
     # the converter's output on an independent copy of the trainer's weights (stage 0 saved them)
     params = torch.load(out / "params-rank0.pt")
     q, scale = quantize_e4m3(params["decoder.layers.0.mlp.linear_fc2.weight"])
-    assert _bytes_equal(pulled[FP8_NAME], q) and _bytes_equal(pulled[FP8_NAME + "_scale_inv"], scale)
-    assert not _bytes_equal(pulled[FP8_NAME], seed[FP8_NAME])  # the step moved it
-    assert _bytes_equal(pulled[VISION], seed[VISION])
+    assert bytes_equal(pulled[FP8_NAME], q) and bytes_equal(pulled[FP8_NAME + "_scale_inv"], scale)
+    assert not bytes_equal(pulled[FP8_NAME], seed[FP8_NAME])  # the step moved it
+    assert bytes_equal(pulled[VISION], seed[VISION])
     assert s["static"] == [VISION] and seen[1]["static"] == []
     # v2, a delta after a sparse step: the F8 tensor's changed bytes travel the delta codec as bytes
     local2 = tmp_path / "engine2"
     assert pull(str(local2), fp8_hf, s["source_dir"], s["version2"]).applied_version == s["version2"]
-    pulled2 = _read(local2)
+    pulled2 = read_dir(local2)
     q2, scale2 = quantize_e4m3(torch.load(out / "params2-rank0.pt")["decoder.layers.0.mlp.linear_fc2.weight"])
-    assert _bytes_equal(pulled2[FP8_NAME], q2) and _bytes_equal(pulled2[FP8_NAME + "_scale_inv"], scale2)
-    assert not _bytes_equal(pulled2[FP8_NAME], pulled[FP8_NAME]) and _bytes_equal(pulled2[VISION], seed[VISION])
+    assert bytes_equal(pulled2[FP8_NAME], q2) and bytes_equal(pulled2[FP8_NAME + "_scale_inv"], scale2)
+    assert not bytes_equal(pulled2[FP8_NAME], pulled[FP8_NAME]) and bytes_equal(pulled2[VISION], seed[VISION])
     assert s["kind2"] == "delta", s["kind2"]
 
 

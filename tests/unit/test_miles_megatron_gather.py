@@ -18,6 +18,8 @@ from pathlib import Path
 
 import pytest
 
+from megatron_support import make_tied_tiny_qwen3
+
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -129,16 +131,7 @@ def test_tp2_megatron_logits_match_transformers_on_the_gathered_weights(tiny_hf,
 @pytest.fixture(scope="module")
 def tied_hf(tmp_path_factory):
     """A tiny Qwen3 with tied input/output embeddings (no lm_head.weight in the checkpoint)."""
-    import torch
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
-    from testbed.tiny_qwen3 import TINY_QWEN3_CONFIG
-
-    d = tmp_path_factory.mktemp("hf_tied") / "ckpt"
-    torch.manual_seed(5)
-    cfg = Qwen3Config(**{**TINY_QWEN3_CONFIG, "tie_word_embeddings": True}, initializer_range=0.3)
-    Qwen3ForCausalLM(cfg).to(torch.bfloat16).save_pretrained(str(d), max_shard_size="200KB")
-    return str(d)
+    return make_tied_tiny_qwen3(tmp_path_factory.mktemp("hf_tied") / "ckpt")
 
 
 def test_tied_embeddings_on_two_pp_stages_are_published_once(tied_hf, tmp_path):

@@ -22,7 +22,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[2]
 sys.path.insert(0, str(REPO / "tests" / "unit"))
-from megatron_support import free_port, move_weights, run_gloo_ranks  # noqa: E402
+from megatron_support import bytes_equal, free_port, move_weights, read_dir, run_gloo_ranks  # noqa: E402
 
 GATED_FC1 = re.compile(r"linear_fc1\.(weight|bias)$")
 LOCAL_EXPERT = re.compile(r"^(.*\.mlp\.experts\.)local_experts\.(\d+)\.(linear_fc[12])\.(weight|bias)$")
@@ -34,22 +34,6 @@ def run_family(hf_dir: str, out_dir: str, *, tp: int = 2, pp: int = 1, ep: int =
                converter=converter, logits=logits, world=tp * pp)
     seen, _ = run_gloo_ranks(__file__, cfg, ranks=tp * pp)
     return seen
-
-
-def read_dir(path) -> dict:
-    from safetensors.torch import load_file
-
-    merged = {}
-    for f in sorted(Path(path).glob("*.safetensors")):
-        merged.update(load_file(str(f)))
-    return merged
-
-
-def bytes_equal(a, b) -> bool:
-    import torch
-
-    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(
-        a.contiguous().view(-1).view(torch.uint8), b.contiguous().view(-1).view(torch.uint8))
 
 
 def differing(got: dict, want: dict) -> list[str]:
