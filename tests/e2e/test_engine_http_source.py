@@ -17,6 +17,8 @@ import os
 import pytest
 
 from testbed.tiny_qwen3 import SERVER_COMPUTE_ARGS
+from tests.e2e.engine_pull_support import (
+    assert_a_version_not_published_yet_is_not_ready, publish_and_pull_v2, pull, serve_v2_then_chain_v3)
 
 pytestmark = pytest.mark.slow
 
@@ -93,51 +95,17 @@ def env(tmp_path_factory, tiny_model_dir, server_factory):
             s.server_close()
 
 
-def publish(env, version, **kw):
-    from testbed.tiny_qwen3 import perturb_state_dict, to_raw_tensors
-
-    tensors = perturb_state_dict(env.expected[version - 1], version, fraction=0.05, seed=0)
-    env.publisher.publish(version, to_raw_tensors(tensors), **kw)
-    env.expected[version] = tensors
-
-
-def pull(env, version, source=None):
-    return env.server.post(
-        "/pull_weights",
-        {"local_checkpoint_dir": env.local, "source_dir": source or env.url, "target_version": version},
-    )
-
-
 def test_an_engine_pulls_a_chain_over_http_to_the_trainers_tensors_and_serves_it(env):
-    from testbed.feed import assert_checkpoint_equals
-    from testbed.tiny_qwen3 import assert_server_greedy_equals
-
-    publish(env, 1, full=True)
-    publish(env, 2)
-    resp = pull(env, 2)
-    assert resp.status_code == 200, resp.text
-    assert_checkpoint_equals(env.local, env.expected[2])
+    publish_and_pull_v2(env)
     # the commit point came from the environment's origin; the payload through the named "cache"
     assert any(p.endswith(INDEX) for _, p, _ in env.origin.served)
     assert not any(p.endswith(INDEX) for _, p, _ in env.cache.served)
     assert env.cache.bytes_served(".safetensors") > 0
-    v0 = assert_server_greedy_equals(env.server.generate_ids, env.model)
-    resp = env.server.post("/update_weights_from_disk", {"model_path": env.local})
-    assert resp.status_code == 200, resp.text
-    v2 = assert_server_greedy_equals(env.server.generate_ids, env.local)
-    assert any(v2[p] != v0[p] for p in v2), "v2 generates exactly what v0 did"
-    publish(env, 3)
-    resp = pull(env, 3)
-    body = resp.json()
-    assert resp.status_code == 200, body
-    assert body["hosts"][0]["action"] == "chain"  # one delta fetched onto the local v2
-    assert_checkpoint_equals(env.local, env.expected[3])
+    serve_v2_then_chain_v3(env)
 
 
 def test_a_version_not_served_yet_is_not_ready(env):
-    resp = pull(env, 9)
-    assert resp.status_code == 404, resp.text
-    assert resp.json()["error_type"] == "source_not_ready"
+    assert_a_version_not_published_yet_is_not_ready(env)
 
 
 def test_the_same_run_on_another_port_or_host_name_is_forbidden(env):
