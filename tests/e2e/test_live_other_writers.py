@@ -22,41 +22,25 @@ import pytest
 
 from testbed.tiny_qwen3 import SERVER_COMPUTE_ARGS, TIED_PADDED_VOCAB
 
-from tests.e2e.live_apply_support import serve_newest_then_pull_next, update_from_pulled
+from tests.e2e.live_apply_support import (
+    feed_env, make_model_and_allowed_root, pull_from_feed, serve_newest_then_pull_next, update_from_pulled)
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
 def env(tmp_path_factory, server_factory):
-    from testbed.feed import VersionFeed
-    from testbed.tiny_qwen3 import make_tiny_qwen3
-
-    root = tmp_path_factory.mktemp("live_writers")
-    model = make_tiny_qwen3(root / "model", **TIED_PADDED_VOCAB)
-    allowed = root / "allowed"
-    (allowed / "shared").mkdir(parents=True)
-    gate = root / "txn_gate"
-    gate.mkdir()
+    root, model, allowed, gate = make_model_and_allowed_root(tmp_path_factory, "live_writers", "txn_gate",
+                                                             **TIED_PADDED_VOCAB)
     server = server_factory(
         model, tp=2,
         extra_args=[*SERVER_COMPUTE_ARGS, "--pull-weights-allowed-roots", str(allowed)],
         env={"WEIGHTSYNC_TEST_TXN_GATE": str(gate)},
     )  # fmt: skip
-
-    class Env:
-        pass
-
-    e = Env()
-    e.server, e.model, e.gate, e.root = server, str(model), gate, root
-    e.local = str(allowed / "local")
-    e.feed = VersionFeed(model, allowed / "shared")
-    return e
+    return feed_env(server, str(model), allowed, gate=gate, root=root)
 
 
-def pull(env, version):
-    return env.server.post("/pull_weights", {"local_checkpoint_dir": env.local, "source_dir": env.feed.source_dir,
-                                             "target_version": version})
+pull = pull_from_feed
 
 
 def digests(env) -> dict:

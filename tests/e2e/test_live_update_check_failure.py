@@ -23,6 +23,8 @@ import pytest
 
 from testbed.tiny_qwen3 import SERVER_COMPUTE_ARGS
 
+from tests.e2e.live_apply_support import feed_env, make_model_and_allowed_root, pull_from_feed
+
 pytestmark = pytest.mark.slow
 
 MISSING = "model.layers.0.mlp.down_proj.weight"
@@ -30,28 +32,12 @@ MISSING = "model.layers.0.mlp.down_proj.weight"
 
 @pytest.fixture(scope="module")
 def env(tmp_path_factory, server_factory):
-    from testbed.feed import VersionFeed
-    from testbed.tiny_qwen3 import make_tiny_qwen3
-
-    root = tmp_path_factory.mktemp("check_failure")
-    model = make_tiny_qwen3(root / "model")
-    allowed = root / "allowed"
-    (allowed / "shared").mkdir(parents=True)
+    root, model, allowed = make_model_and_allowed_root(tmp_path_factory, "check_failure")
     server = server_factory(model, tp=1, extra_args=[*SERVER_COMPUTE_ARGS, "--pull-weights-allowed-roots", str(allowed)])
-
-    class Env:
-        pass
-
-    e = Env()
-    e.server, e.model, e.root = server, str(model), root
-    e.local = str(allowed / "local")
-    e.feed = VersionFeed(model, allowed / "shared")
-    return e
+    return feed_env(server, str(model), allowed, root=root)
 
 
-def pull(env, version):
-    return env.server.post("/pull_weights", {"local_checkpoint_dir": env.local, "source_dir": env.feed.source_dir,
-                                             "target_version": version})
+pull = pull_from_feed
 
 
 def update(env, version):
