@@ -17,6 +17,8 @@ import tempfile
 import pytest
 
 from testbed.tiny_qwen3 import SERVER_COMPUTE_ARGS
+from tests.e2e.engine_pull_support import (
+    assert_a_version_not_published_yet_is_not_ready, publish_and_pull_v2, pull, serve_v2_then_chain_v3)
 
 pytestmark = pytest.mark.slow
 
@@ -70,47 +72,13 @@ def env(tmp_path_factory, tiny_model_dir, server_factory, s3):
     e.publisher.close()
 
 
-def publish(env, version, **kw):
-    from testbed.tiny_qwen3 import perturb_state_dict, to_raw_tensors
-
-    tensors = perturb_state_dict(env.expected[version - 1], version, fraction=0.05, seed=0)
-    env.publisher.publish(version, to_raw_tensors(tensors), **kw)
-    env.expected[version] = tensors
-
-
-def pull(env, version, source=None):
-    return env.server.post(
-        "/pull_weights",
-        {"local_checkpoint_dir": env.local, "source_dir": source or env.url, "target_version": version},
-    )
-
-
 def test_an_engine_pulls_a_chain_from_the_bucket_to_the_trainers_tensors_and_serves_it(env):
-    from testbed.feed import assert_checkpoint_equals
-    from testbed.tiny_qwen3 import assert_server_greedy_equals
-
-    publish(env, 1, full=True)
-    publish(env, 2)
-    resp = pull(env, 2)
-    assert resp.status_code == 200, resp.text
-    assert_checkpoint_equals(env.local, env.expected[2])
-    v0 = assert_server_greedy_equals(env.server.generate_ids, env.model)
-    resp = env.server.post("/update_weights_from_disk", {"model_path": env.local})
-    assert resp.status_code == 200, resp.text
-    v2 = assert_server_greedy_equals(env.server.generate_ids, env.local)
-    assert any(v2[p] != v0[p] for p in v2), "v2 generates exactly what v0 did"
-    publish(env, 3)
-    resp = pull(env, 3)
-    body = resp.json()
-    assert resp.status_code == 200, body
-    assert body["hosts"][0]["action"] == "chain"  # one delta fetched onto the local v2
-    assert_checkpoint_equals(env.local, env.expected[3])
+    publish_and_pull_v2(env)
+    serve_v2_then_chain_v3(env)
 
 
 def test_a_version_not_in_the_bucket_yet_is_not_ready(env):
-    resp = pull(env, 9)
-    assert resp.status_code == 404, resp.text
-    assert resp.json()["error_type"] == "source_not_ready"
+    assert_a_version_not_published_yet_is_not_ready(env)
 
 
 def test_a_bucket_outside_the_allowed_url_roots_is_forbidden(env):
