@@ -112,7 +112,7 @@ def _publish_until_death(env: dict, url: str, seed: str, base: dict, base_versio
 
 
 def _publish_from_another_process(env: dict, url: str, seed: str, base: dict, base_version: int, v: int, new: dict) -> None:
-    """In a spawned process on the same staging copy: a restarted trainer."""
+    """In a spawned process (its staging copy named by ``env``): a restarted trainer."""
     os.environ.update(env)
     pub = _publisher(url, seed, base, base_version)
     pub.publish(v, new)
@@ -152,6 +152,7 @@ def test_a_bucket_source_under_random_publishes_restarts_pulls_and_damage_serves
             self.expected = {0: tensor_bytes(self.tensors[0])}
             self.hosts = [os.path.join(self.root, f"host{i}") for i in range(2)]
             self.applied: dict[int, int | None] = {0: None, 1: None}
+            self.stagings = 0
             self.damaged: dict[str, bytes] = {}  # key -> the original bytes
             self.src = BucketSource(self.url)
             self.pub: Publisher | None = self._publisher(0)
@@ -255,12 +256,13 @@ def test_a_bucket_source_under_random_publishes_restarts_pulls_and_damage_serves
             else:
                 _count(f"prune with an index {how}: pruned")
 
-        @rule(first_prepared=st.booleans(), density=st.sampled_from([0.01, 0.3]))
-        def a_second_publisher_of_the_run(self, first_prepared, density):
-            """A restarted trainer (another process, the same staging copy) commits the next
-            version while the first one is about to publish it (or has prepared it): the first
-            one's attempt fails loud and never lands; the second's version stands. (A second
-            host with an empty staging copy cannot continue a run yet: docs/BUCKETS.md.)"""
+        @rule(first_prepared=st.booleans(), other_host=st.booleans(), density=st.sampled_from([0.01, 0.3]))
+        def a_second_publisher_of_the_run(self, first_prepared, other_host, density):
+            """A restarted trainer (another process: on this host, the same staging copy; on
+            another host, an empty one, filled from the bucket) commits the next version while
+            the first one is about to publish it (or has prepared it): the first one's attempt
+            fails loud and never lands; the second's version stands, and the trainer goes on
+            from the second one's staging copy."""
             if self.damaged:
                 return
             if self.pub is None:
@@ -268,7 +270,14 @@ def test_a_bucket_source_under_random_publishes_restarts_pulls_and_damage_serves
             v = self.top + 1
             old, new = mutate(self.tensors[-1], rng, density), mutate(self.tensors[-1], rng, density)
             prepared = self.pub.prepare(v, old) if first_prepared else None
-            code = _spawn(_publish_from_another_process, self._env(), self.url, self.seed, self.tensors[self.top],
+            env = self._env()
+            # Another host sees the bucket only: the trainer's newest version must be there (one a
+            # dead publisher committed in its staging copy only is uploaded by a restart on its host).
+            other_host = other_host and (self.top == 0 or self.top in self._published())
+            if other_host:
+                self.stagings += 1
+                env["WEIGHTSYNC_BUCKET_STAGING_DIR"] = os.path.join(self.root, f"staging-host-{self.stagings}")
+            code = _spawn(_publish_from_another_process, env, self.url, self.seed, self.tensors[self.top],
                           self.top, v, new)  # fmt: skip
             assert code == 0, "the second publisher failed"
             landed = self.src.read(f"weight_v{v:06d}/{INDEX}")
@@ -283,7 +292,8 @@ def test_a_bucket_source_under_random_publishes_restarts_pulls_and_damage_serves
             self.expected[v] = tensor_bytes(new)
             self.pub.close()
             self.pub = None
-            _count("second publisher committed")
+            os.environ["WEIGHTSYNC_BUCKET_STAGING_DIR"] = env["WEIGHTSYNC_BUCKET_STAGING_DIR"]
+            _count(f"second publisher committed ({'another host' if other_host else 'this host'})")
 
         @rule()
         def a_host_joins(self):

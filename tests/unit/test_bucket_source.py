@@ -498,3 +498,24 @@ def test_the_run_file_gaining_its_seed_record_keeps_the_mirror_but_a_new_run_cle
         except errors.WeightSyncError:
             pass  # whatever the pull makes of the new run, the mirror of the old one is gone
     assert "clearing the mirror" in caplog.text
+
+
+def test_a_publisher_on_a_new_host_continues_the_run_from_the_bucket_and_fences_the_first(bucket_run, monkeypatch, fast_tmp_path):
+    from weightsync import Publisher
+    from weightsync.publisher.snapshot import as_raw
+
+    first = bucket_run.publisher()
+    bucket_run.publish_versions(first, 3, full_at={1})
+    # Another host: an empty staging copy. It is filled from the bucket, so the run goes on at v4.
+    monkeypatch.setenv("WEIGHTSYNC_BUCKET_STAGING_DIR", str(fast_tmp_path / "staging-host-b"))
+    second = Publisher(bucket_run.url, template_dir=bucket_run.seed, encoding="sparse-v1", workers=1)
+    second.seed_snapshot({n: as_raw(a) for n, a in bucket_run.tensors[3].items()}, version=3)
+    result = second.publish(4, bucket_run.next_tensors())
+    assert result.version == 4 and result.kind == "delta"
+    second.close()
+    for v in (3, 4):
+        bucket_run.assert_pulls(v)
+    with pytest.raises(errors.WeightSyncError):
+        first.publish(5, bucket_run.next_tensors())
+    assert "weight_v000005/" + INDEX not in keys(bucket_run.url)
+    first.close()

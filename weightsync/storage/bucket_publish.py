@@ -31,6 +31,7 @@ import json
 import logging
 import os
 import re
+import shutil
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 
@@ -130,6 +131,38 @@ class BucketTarget:
                     f"({STAGING_ENV}) or another prefix"
                 )
         write_bytes(local, theirs)
+
+    def fill_a_new_staging_copy(self) -> None:
+        """A staging copy with no version of its own (a trainer started on another host, or with
+        a fresh staging dir) gets the bucket's committed versions and anchors first, byte for
+        byte (the bucket's index names its content keys, which are valid shard names), so the
+        publisher continues the run: its version numbers, base checks and retention read the
+        staging copy. A staging copy that holds versions is left as it is."""
+        os.makedirs(self.staging_dir, exist_ok=True)
+        if any(_DIR_RE.match(n) for n in os.listdir(self.staging_dir)):
+            return
+        listing = self.source.list()
+        committed = sorted({k.split("/")[0] for k in listing if k.count("/") == 1 and k.endswith("/" + INDEX_NAME)
+                            and _DIR_RE.match(k.split("/")[0])})  # fmt: skip
+        for name in committed:
+            part = os.path.join(self.staging_dir, f".{name}.filling")
+            os.makedirs(part, exist_ok=True)
+            for k, o in sorted(listing.items()):
+                d, _, fname = k.partition("/")
+                if d != name or "/" in fname or fname == INDEX_NAME or fname.startswith("."):
+                    continue
+                self.source.fetch(o, os.path.join(part, fname))
+            # The index last, read after its files: a version pruned meanwhile is not taken.
+            try:
+                write_bytes(os.path.join(part, INDEX_NAME), self.source.read(f"{name}/{INDEX_NAME}"))
+            except FileNotFoundError:
+                shutil.rmtree(part, ignore_errors=True)
+                continue
+            os.replace(part, os.path.join(self.staging_dir, name))
+            self.uploaded.add(name)
+        if committed:
+            log.info("%s: a new staging copy %s filled with %d committed dir(s) from the bucket", self.url,
+                     self.staging_dir, len(committed))
 
     def adopt_run_identity(self, world_size: int, timeout_s: float = 120.0) -> None:
         """Another rank than 0: take the run file rank 0 creates (waiting for it a while)."""
@@ -398,6 +431,7 @@ def open_bucket_target(url: str, rank: int, world_size: int) -> BucketTarget:
     target.check_conditional_create()
     if rank == 0:
         target.sync_run_identity()
+        target.fill_a_new_staging_copy()
     else:
         target.adopt_run_identity(world_size)
     return target
