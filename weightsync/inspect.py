@@ -8,6 +8,7 @@ digests and tables come from, and the whole shards whose payloads it reads.
 from __future__ import annotations
 
 import os
+from contextlib import contextmanager
 from typing import Callable, cast
 
 import msgspec
@@ -31,17 +32,18 @@ from .format.safetensors_io import DTYPE_NBYTES, TensorEntry, local_tensor_table
 from .storage.url import is_bucket_url
 
 
+@contextmanager
 def _bucket_view(url: str, headers_upto: "int | None" = None):
-    """A loaded view of the bucket ``url`` (a context manager: removed on exit)."""
+    """A loaded view of the bucket ``url``, removed on exit; typed errors name the URL."""
     from .storage.view import BucketView
 
     view = BucketView(url)
     try:
         view.load(headers_upto)
-    except BaseException:
+        with view.errors_named():
+            yield view
+    finally:
         view.close()
-        raise
-    return view
 
 
 class TensorSummary(msgspec.Struct):

@@ -83,11 +83,12 @@ def test_inspect_of_one_bucket_version_lists_its_tensors_from_the_shard_headers_
     assert out["changed_elements"] == changed  # the payloads were read: exactly the changed elements
 
 
-def test_inspect_of_a_version_not_in_the_bucket_is_not_ready(bucket_run):
+def test_inspect_of_a_version_not_in_the_bucket_is_not_ready_and_names_the_url(bucket_run):
     pub = bucket_run.publisher()
     bucket_run.publish_versions(pub, 1, full_at={1})
     rc, out, _ = weightsync("inspect", bucket_run.url, "--version", "5")
     assert rc == 3 and out["success"] is False
+    assert f"{bucket_run.url}/weight_v000005" in out["message"] and "weightsync-view" not in out["message"]
 
 
 def test_verify_against_a_bucket_passes_a_pulled_checkpoint_and_names_a_damaged_tensor(bucket_run):
@@ -174,6 +175,7 @@ def test_prune_on_a_bucket_keeps_a_version_whose_index_is_unreadable_and_says_so
     rc, out, err = weightsync("prune", bucket_run.url, "--keep", "2")
     assert rc == 0, err
     assert victim not in out["pruned"] and str(victim) in out["unreadable"]
+    assert bucket_run.url in out["unreadable"][str(victim)]  # the bucket's key, not the view's temp path
     assert f"weight_v{victim:06d}" in dirs_in(bucket_run.url)
 
 

@@ -259,7 +259,7 @@ def prune_bucket(url: str, keep: int = 0, *, dry_run: bool = False) -> PruneRepo
             for a in anchors:
                 view.delete_dir(anchor_dir_name(a))
                 log.info("pruned %s/%s", url, anchor_dir_name(a))
-        return PruneReport(versions, dict(retention.unreadable))
+        return PruneReport(versions, {v: view.named(why) for v, why in retention.unreadable.items()})
 
 
 def prune_versions(source_dir: str, keep: int = 0, *, dry_run: bool = False) -> list[int]:

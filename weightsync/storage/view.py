@@ -24,8 +24,10 @@ import os
 import shutil
 import struct
 import tempfile
+from contextlib import contextmanager
 from typing import Iterable
 
+from ..errors import WeightSyncError
 from ..format.layout import INDEX_NAME
 from ..fsio import write_bytes
 from ..knobs import MAX_HEADER_NBYTES
@@ -53,6 +55,19 @@ class BucketView:
 
     def close(self) -> None:
         shutil.rmtree(self.root, ignore_errors=True)
+
+    def named(self, text: str) -> str:
+        """``text`` with the view's paths told as the bucket's URL (what the user named)."""
+        return text.replace(self.root, str(self.url))
+
+    @contextmanager
+    def errors_named(self):
+        """A typed error raised inside names the bucket's URL, not the view's temp dir."""
+        try:
+            yield self
+        except WeightSyncError as e:
+            e.args = tuple(self.named(a) if isinstance(a, str) else a for a in e.args)
+            raise
 
     def path(self, key: str) -> str:
         return os.path.join(self.root, *key.split("/"))
