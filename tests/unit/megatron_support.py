@@ -50,6 +50,23 @@ def move_weights(model, step: int) -> None:
             flat[idx] += torch.randn(idx.numel(), generator=g) * 0.05
 
 
+def full_vocab_logits(model, ids, tp: int):
+    """In a rank at PP=1: Megatron's logits for ``ids`` (one sequence), every TP rank's vocab shard gathered
+    (a collective: every TP rank calls it)."""
+    import torch
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    from miles_updater.megatron_cpu import causal_attention_mask
+
+    n = ids.shape[1]
+    with torch.no_grad():
+        logits = model(ids, torch.arange(n)[None], causal_attention_mask(n))
+    parts = [torch.empty_like(logits) for _ in range(tp)]
+    dist.all_gather(parts, logits.contiguous(), group=ps.get_tensor_model_parallel_group())
+    return torch.cat(parts, dim=-1)
+
+
 def make_tied_tiny_qwen3(d: Path) -> str:
     """A tiny Qwen3 with tied input/output embeddings (no lm_head.weight in the checkpoint), in ``d``."""
     import torch

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_support import make_tied_tiny_qwen3
+from megatron_support import full_vocab_logits, make_tied_tiny_qwen3
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -300,7 +300,7 @@ def _worker(rank: int, cfg: dict) -> None:
     from safetensors.torch import save_file
 
     from miles_updater.gather import GatherError, HFWeightGatherer, load_hf_checkpoint
-    from miles_updater.megatron_cpu import build_gpt_model, causal_attention_mask, init_distributed_cpu
+    from miles_updater.megatron_cpu import build_gpt_model, init_distributed_cpu
 
     init_distributed_cpu(rank, cfg["world"], cfg["port"], tp=cfg["tp"], pp=cfg["pp"], ep=cfg.get("ep", 1),
                          vpp=cfg.get("vpp"))
@@ -372,12 +372,9 @@ def _worker(rank: int, cfg: dict) -> None:
     if cfg["pp"] == 1 and not cfg.get("ep") and not cfg.get("mtp"):
         torch.manual_seed(0)
         ids = torch.randint(0, 1000, (1, 12))
-        with torch.no_grad():
-            logits = model(ids, torch.arange(12)[None], causal_attention_mask(12))
-        parts = [torch.empty_like(logits) for _ in range(cfg["tp"])]
-        dist.all_gather(parts, logits.contiguous(), group=ps.get_tensor_model_parallel_group())
+        logits = full_vocab_logits(model, ids, cfg["tp"])
         if rank == 0:
-            torch.save(torch.cat(parts, dim=-1), out / "logits.pt")
+            torch.save(logits, out / "logits.pt")
             (out / "ids.json").write_text(json.dumps(ids.tolist()))
     (out / f"rank{rank}.json").write_text(json.dumps(seen))
     dist.barrier()

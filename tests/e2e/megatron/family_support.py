@@ -22,7 +22,8 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[2]
 sys.path.insert(0, str(REPO / "tests" / "unit"))
-from megatron_support import bytes_equal, free_port, move_weights, read_dir, run_gloo_ranks  # noqa: E402
+from megatron_support import (  # noqa: E402
+    bytes_equal, free_port, full_vocab_logits, move_weights, read_dir, run_gloo_ranks)
 
 GATED_FC1 = re.compile(r"linear_fc1\.(weight|bias)$")
 LOCAL_EXPERT = re.compile(r"^(.*\.mlp\.experts\.)local_experts\.(\d+)\.(linear_fc[12])\.(weight|bias)$")
@@ -126,6 +127,28 @@ def write_tiny_checkpoint(model_cls, cfg, out: Path, seed: int, *, bumped=("norm
     return str(out)
 
 
+def family_fixtures(name: str, make_seed, **run_kw):
+    """-> the module fixtures ``family`` ((seed dir, the ranks' out dir, what each rank recorded): the seed
+    ``make_seed(dir)`` writes, published by ``run_family(**run_kw)``) and ``published`` (v1 pulled beside the
+    seed's config and tokenizer). Assign them to module names ``family, published``."""
+    import pytest
+
+    @pytest.fixture(scope="module")
+    def family(tmp_path_factory):
+        root = tmp_path_factory.mktemp(name)
+        seed = make_seed(root / "seed")
+        out = root / "run"
+        seen = run_family(seed, str(out), **run_kw)
+        return seed, out, seen
+
+    @pytest.fixture(scope="module")
+    def published(family, tmp_path_factory):
+        seed, _, seen = family
+        return pull_published(seed, seen, tmp_path_factory.mktemp(f"{name}_local") / "ckpt")
+
+    return family, published
+
+
 def pull_published(seed: str, seen: list[dict], local: Path) -> Path:
     """Pull v1 into ``local`` and put the seed's config and tokenizer beside the weights: a model
     transformers and sglang can load."""
@@ -148,6 +171,16 @@ def read_roundtrip(out: Path) -> dict:
     for f in sorted(Path(out).glob("roundtrip-rank*.safetensors")):
         gathered.update(load_file(str(f)))
     return gathered
+
+
+def assert_roundtrip_is_the_seed(family, fp32: str | None = None) -> None:
+    """The unchanged weights the ranks gathered back are the seed's bytes; ``fp32`` (a router's expert
+    bias) stays in fp32 as the checkpoint keeps it."""
+    seed, out, _ = family
+    gathered = read_roundtrip(out)
+    assert differing(gathered, read_dir(seed)) == []
+    if fp32 is not None:
+        assert gathered[fp32].dtype.is_floating_point and str(gathered[fp32].dtype) == "torch.float32"
 
 
 def check_v1_and_list_moved(seed: str, out: Path, published: Path, converter) -> list[str]:
@@ -229,7 +262,7 @@ def _worker(rank: int, cfg: dict) -> None:
 
     from miles_updater.args import DiskDeltaConfig
     from miles_updater.gather import ST_TO_TORCH, HFWeightGatherer, iter_params, load_hf_checkpoint
-    from miles_updater.megatron_cpu import build_gpt_model, causal_attention_mask, init_distributed_cpu
+    from miles_updater.megatron_cpu import build_gpt_model, init_distributed_cpu
     from miles_updater.updater import DiskDeltaWeightUpdater
 
     init_distributed_cpu(rank, cfg["world"], cfg["port"], tp=cfg["tp"], pp=cfg["pp"], ep=cfg["ep"], etp=cfg["etp"])
@@ -263,12 +296,9 @@ def _worker(rank: int, cfg: dict) -> None:
         torch.manual_seed(0)
         ids = torch.randint(0, 200, (1, 12))
         model.eval()  # Megatron's MoE refuses TP without sequence parallelism in training mode
-        with torch.no_grad():
-            logits = model(ids, torch.arange(12)[None], causal_attention_mask(12))
-        parts = [torch.empty_like(logits) for _ in range(cfg["tp"])]
-        dist.all_gather(parts, logits.contiguous(), group=ps.get_tensor_model_parallel_group())
+        logits = full_vocab_logits(model, ids, cfg["tp"])
         if rank == 0:
-            torch.save(torch.cat(parts, dim=-1), out / "logits.pt")
+            torch.save(logits, out / "logits.pt")
             seen["ids"] = ids.tolist()
     move_weights(model, 2)  # a sparse step: v2 is a delta an engine can apply live
     seen["version2"] = updater.update_weights(update_engines=False).version

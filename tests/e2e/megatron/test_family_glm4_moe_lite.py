@@ -19,7 +19,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from family_support import (  # noqa: E402
     TINY_MLA_CONFIG, assert_megatron_logits_equal_transformers, assert_miles_converter_equals_published,
-    check_v1_and_list_moved, differing, load_in_sglangs_class, pull_published, read_dir, read_roundtrip, run_family,
+    assert_roundtrip_is_the_seed, check_v1_and_list_moved, family_fixtures, load_in_sglangs_class,
     write_tiny_checkpoint)
 
 pytestmark = pytest.mark.slow
@@ -34,26 +34,11 @@ def make_tiny_glm4_moe_lite(out: Path) -> str:
                                  expert_bias=BIAS)
 
 
-@pytest.fixture(scope="module")
-def family(tmp_path_factory):
-    root = tmp_path_factory.mktemp("glm4_moe_lite")
-    seed = make_tiny_glm4_moe_lite(root / "seed")
-    out = root / "run"
-    seen = run_family(seed, str(out), tp=2, ep=2, etp=1)
-    return seed, out, seen
-
-
-@pytest.fixture(scope="module")
-def published(family, tmp_path_factory):
-    seed, _, seen = family
-    return pull_published(seed, seen, tmp_path_factory.mktemp("glm4_moe_lite_local") / "ckpt")
+family, published = family_fixtures("glm4_moe_lite", make_tiny_glm4_moe_lite, tp=2, ep=2, etp=1)
 
 
 def test_glm4_moe_lite_at_tp2_ep2_gathers_the_unchanged_weights_and_expert_bias_back_to_the_seeds_bytes(family):
-    seed, out, _ = family
-    gathered = read_roundtrip(out)
-    assert differing(gathered, read_dir(seed)) == []
-    assert gathered[BIAS].dtype.is_floating_point and str(gathered[BIAS].dtype) == "torch.float32"
+    assert_roundtrip_is_the_seed(family, fp32=BIAS)
 
 
 def test_glm4_moe_lite_v1_equals_the_converter_on_an_independent_gather_and_pulls_bit_exact(family, published):
@@ -85,5 +70,5 @@ def test_miles_deepseekv3_converter_which_miles_uses_for_glm4_moe_lite_equals_wh
     from types import SimpleNamespace
 
     seed, out, seen = family
-    assert_miles_converter_equals_published("deepseekv3", SimpleNamespace(hidden_size=64, num_attention_heads=4, num_query_groups=4, kv_channels=16, num_layers=2, q_lora_rank=16),
-                                            seed, out, seen, tmp_path / "local")
+    args = SimpleNamespace(hidden_size=64, num_attention_heads=4, num_query_groups=4, kv_channels=16, num_layers=2, q_lora_rank=16)
+    assert_miles_converter_equals_published("deepseekv3", args, seed, out, seen, tmp_path / "local")

@@ -22,8 +22,8 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from family_support import (  # noqa: E402
-    assert_megatron_logits_equal_transformers, assert_miles_converter_equals_published, check_v1_and_list_moved,
-    differing, pull_published, read_dir, read_roundtrip, run_family)
+    assert_megatron_logits_equal_transformers, assert_miles_converter_equals_published, assert_roundtrip_is_the_seed,
+    check_v1_and_list_moved, pull_published, run_family)
 
 pytestmark = pytest.mark.slow
 ADMIN_KEY = "family-admin-key"
@@ -62,8 +62,7 @@ def family(tmp_path_factory):
 
 
 def test_qwen2_at_tp2_gathers_the_unchanged_weights_back_to_the_seeds_bytes(family):
-    seed, out, _ = family
-    assert differing(read_roundtrip(out), read_dir(seed)) == []
+    assert_roundtrip_is_the_seed(family)
 
 
 def test_qwen2_v1_equals_the_converter_on_an_independent_gather_and_pulls_bit_exact(family, tmp_path):
@@ -119,5 +118,5 @@ def test_miles_own_qwen2_converter_on_an_independent_gather_equals_what_we_publi
 
     seed, out, seen = family
     # miles maps a tied model's output layer to lm_head.weight too; at PP=1 Megatron has none
-    assert_miles_converter_equals_published("qwen2", SimpleNamespace(hidden_size=64, num_attention_heads=4, num_query_groups=2, kv_channels=16, num_layers=2),
-                                            seed, out, seen, tmp_path / "local")
+    args = SimpleNamespace(hidden_size=64, num_attention_heads=4, num_query_groups=2, kv_channels=16, num_layers=2)
+    assert_miles_converter_equals_published("qwen2", args, seed, out, seen, tmp_path / "local")

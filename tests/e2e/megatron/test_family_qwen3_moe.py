@@ -19,8 +19,8 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from family_support import (  # noqa: E402
-    assert_megatron_logits_equal_transformers, assert_miles_converter_equals_published, check_v1_and_list_moved,
-    differing, load_in_sglangs_class, pull_published, read_dir, read_roundtrip, run_family, write_tiny_checkpoint)
+    assert_megatron_logits_equal_transformers, assert_miles_converter_equals_published, assert_roundtrip_is_the_seed,
+    check_v1_and_list_moved, family_fixtures, load_in_sglangs_class, write_tiny_checkpoint)
 
 pytestmark = pytest.mark.slow
 CONVERTER = "qwen3moe_converter.make_converter"
@@ -37,25 +37,13 @@ def make_tiny_qwen3_moe(out: Path) -> str:
     return write_tiny_checkpoint(Qwen3MoeForCausalLM, cfg, out, 19)
 
 
-@pytest.fixture(scope="module")
-def family(tmp_path_factory):
-    root = tmp_path_factory.mktemp("qwen3_moe")
-    seed = make_tiny_qwen3_moe(root / "seed")
-    out = root / "run"
-    seen = run_family(seed, str(out), tp=2, ep=2, etp=1, converter=CONVERTER)
-    return seed, out, seen
-
-
-@pytest.fixture(scope="module")
-def published(family, tmp_path_factory):
-    seed, _, seen = family
-    return pull_published(seed, seen, tmp_path_factory.mktemp("qwen3_moe_local") / "ckpt")
+family, published = family_fixtures("qwen3_moe", make_tiny_qwen3_moe, tp=2, ep=2, etp=1, converter=CONVERTER)
 
 
 def test_qwen3_moe_through_a_users_converter_gathers_the_unchanged_weights_back_to_the_seeds_bytes(family):
-    seed, out, seen = family
+    _, _, seen = family
     assert seen[0]["converter"] == "Qwen3MoeConverter"
-    assert differing(read_roundtrip(out), read_dir(seed)) == []
+    assert_roundtrip_is_the_seed(family)
 
 
 def test_qwen3_moe_v1_equals_the_users_converter_on_an_independent_gather_and_pulls_bit_exact(family, published):
@@ -84,5 +72,5 @@ def test_miles_own_qwen3moe_converter_on_an_independent_gather_equals_what_we_pu
     from types import SimpleNamespace
 
     seed, out, seen = family
-    assert_miles_converter_equals_published("qwen3moe", SimpleNamespace(hidden_size=64, num_attention_heads=4, num_query_groups=2, kv_channels=16, num_layers=2),
-                                            seed, out, seen, tmp_path / "local")
+    args = SimpleNamespace(hidden_size=64, num_attention_heads=4, num_query_groups=2, kv_channels=16, num_layers=2)
+    assert_miles_converter_equals_published("qwen3moe", args, seed, out, seen, tmp_path / "local")
