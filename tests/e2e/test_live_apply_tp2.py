@@ -20,6 +20,8 @@ import pytest
 
 from testbed.tiny_qwen3 import SERVER_COMPUTE_ARGS, TIED_PADDED_VOCAB
 
+from tests.e2e.live_apply_support import feed_env, make_model_and_allowed_root
+
 pytestmark = pytest.mark.slow
 
 ADMIN_KEY = "live-admin-key"
@@ -31,19 +33,8 @@ THRESHOLD = 0.2
 
 @pytest.fixture(scope="module")
 def env(tmp_path_factory, server_factory):
-    from testbed.feed import VersionFeed
-    from testbed.tiny_qwen3 import make_tiny_qwen3
-
-    root = tmp_path_factory.mktemp("live_tp2")
-    model = make_tiny_qwen3(root / "model", **TIED_PADDED_VOCAB)
-    allowed = root / "allowed"
-    (allowed / "shared").mkdir(parents=True)
-    faults = root / "faults"
-    faults.mkdir()
-    gate, reload_gate, txn_gate = root / "gate", root / "reload_gate", root / "txn_gate"
-    gate.mkdir()
-    reload_gate.mkdir()
-    txn_gate.mkdir()
+    root, model, allowed, faults, gate, reload_gate, txn_gate = make_model_and_allowed_root(
+        tmp_path_factory, "live_tp2", "faults", "gate", "reload_gate", "txn_gate", **TIED_PADDED_VOCAB)
     (gate / "release").touch()  # the pre-read hook passes through unless a test removes this
     server = server_factory(
         model,
@@ -59,15 +50,9 @@ def env(tmp_path_factory, server_factory):
              "TESTBED_PRE_READ_HOOK_GATE": str(gate), "WEIGHTSYNC_TEST_RELOAD_GATE": str(reload_gate),
              "WEIGHTSYNC_TEST_TXN_GATE": str(txn_gate)},
     )  # fmt: skip
-
-    class Env:
-        pass
-
-    e = Env()
-    e.server, e.model, e.faults, e.root, e.gate, e.reload_gate = server, model, faults, root, gate, reload_gate
-    e.allowed, e.txn_gate = allowed, txn_gate
-    e.local = str(allowed / "local")
-    e.feed = VersionFeed(model, allowed / "shared")
+    e = feed_env(server, model, allowed, faults=faults, root=root, gate=gate, reload_gate=reload_gate,
+                 txn_gate=txn_gate)
+    e.allowed = allowed
     e.others = sorted(n for n in e.feed.expected[0] if n != TRANSFORMED)
     return e
 
