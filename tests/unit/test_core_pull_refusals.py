@@ -393,6 +393,9 @@ def test_ctrl_c_during_pull_prints_one_line_on_local_and_exits_130(world):
         [WEIGHTSYNC, "pull", world.local, "--seed-dir", world.seed, "--source-dir", world.source, "--version", "2",
          "--hook", "interrupt_hook.hook"],
         capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": hooks},
+        # A shell starting this suite in the background leaves SIGINT ignored, and Python then never
+        # raises KeyboardInterrupt: give the child the disposition a terminal's Ctrl-C meets.
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     assert proc.returncode == 130, proc.stderr
     lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
