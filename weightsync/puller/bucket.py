@@ -13,20 +13,18 @@ from typing import Callable
 
 from ..errors import (
     CorruptArtifactError,
-    InvalidRequestError,
     LocalStateError,
     LockTimeoutError,
     VersionMissingError,
 )
-from ..format.layout import INDEX_NAME, run_path, state_path, version_dir_name
-from ..format.manifest import read_applied_state, read_run_id
-from ..hooks import load_callable
+from ..format.layout import INDEX_NAME, state_path, version_dir_name
+from ..format.manifest import read_applied_state
 from ..storage.mirror import Mirror, mirror_dir
 from ..storage.source import BucketSource
 from ..storage.url import parse_bucket_url
-from .identity import NO_SEED, Origin, source_origin
 from .lock import acquire_host_lock
-from .plan import check_target_version, plan_pull
+from .mirrored import check_mirrored_request, planning_origin
+from .mirrored import plan_keys as plan_mirrored_keys
 from .seed import HAND_OVER
 
 log = logging.getLogger(__name__)
@@ -49,11 +47,8 @@ def pull_from_bucket(
     created inside it). The pre-read hook gets the URL. ``fetch_progress(bytes_done,
     bytes_total)`` follows the fetch."""
     url = parse_bucket_url(source_url)
-    check_target_version(target_version)
-    if not isinstance(local_checkpoint_dir, str) or not local_checkpoint_dir:
-        raise InvalidRequestError(f"local_checkpoint_dir must be a non-empty path, got {local_checkpoint_dir!r}")
-    user_hook = load_callable(pre_read_hook, what="pre-read hook", error=InvalidRequestError)
-    check_local_dir(local_checkpoint_dir, bool(kwargs.get("force", False)))
+    user_hook = check_mirrored_request(local_checkpoint_dir, target_version, pre_read_hook, check_local_dir,
+                                       bool(kwargs.get("force", False)))
     source = BucketSource(url)
     if target_version > 0 and not os.path.isdir(local_checkpoint_dir):
         _check_published(source, target_version)  # a version not there yet leaves no trace (no dir, no lock)
@@ -62,29 +57,9 @@ def pull_from_bucket(
     mirror = Mirror(source, root, fetch_progress)
     mirror.sync_run_file()  # before the no-op check: a new run under the URL is seen
 
-    def planning_origin() -> Origin:
-        # The seed's fingerprint as the marker recorded it, when there is one: the pull computes
-        # the real one right after this hook (reading a tmpfs seed in full), so computing it here
-        # too would double that cost. Should the seed have changed since, the pull plans a
-        # reseed past what was fetched, fails typed, and the fallback below fetches everything.
-        state = read_applied_state(state_path(local_checkpoint_dir))
-        if state is not None and state.seed:
-            return Origin(os.path.realpath(root), read_run_id(run_path(root)), state.seed)
-        if state is None:
-            # No marker: the plan seeds whatever the seed's fingerprint is (it is compared with a
-            # marker's only), so it is not computed here as well as by the pull.
-            return Origin(os.path.realpath(root), read_run_id(run_path(root)), NO_SEED)
-        return source_origin(root, seed_dir)
-
     def plan_keys(target: int) -> tuple[set[str], str]:
-        plan, indexes = plan_pull(local_checkpoint_dir, seed_dir, root, target, origin=planning_origin())
-        keys: set[str] = set()
-        for v in plan.deltas:
-            keys |= {f"{version_dir_name(v)}/{f}" for f in set(indexes[v].weight_map.values())}
-        if plan.seed is not None and plan.seed.kind in ("full", "anchor"):
-            d = os.path.basename(plan.seed.path.rstrip(os.sep))
-            keys |= {f"{d}/{f}" for f in plan.seed.shard_files}
-        return keys, plan.reason
+        state = read_applied_state(state_path(local_checkpoint_dir))
+        return plan_mirrored_keys(local_checkpoint_dir, seed_dir, root, target, planning_origin(root, seed_dir, state))
 
     def hook(_mirror_root: str, version: int) -> None:
         if user_hook is not None:

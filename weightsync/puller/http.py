@@ -19,13 +19,12 @@ from ..errors import (
     VersionMissingError,
     WeightSyncError,
 )
-from ..format.layout import INDEX_NAME, run_path, state_path, version_dir_name
-from ..format.manifest import parse_version_number, read_applied_state, read_run_id
-from ..hooks import load_callable
+from ..format.layout import INDEX_NAME, state_path, version_dir_name
+from ..format.manifest import parse_version_number, read_applied_state
 from ..storage.http import NO_CACHE, HttpSource, parse_http_url
 from ..storage.mirror import Mirror, mirror_dir
-from .identity import NO_SEED, Origin, source_origin
-from .plan import check_target_version, plan_pull
+from .mirrored import check_mirrored_request, planning_origin
+from .mirrored import plan_keys as plan_mirrored_keys
 from .seed import HAND_OVER
 
 log = logging.getLogger(__name__)
@@ -49,11 +48,8 @@ def pull_from_http(
     origin) fails typed on an unfetched file, and is run once more with every version down to a
     full one or v1 fetched: the slower sound path."""
     url = parse_http_url(source_url)
-    check_target_version(target_version)
-    if not isinstance(local_checkpoint_dir, str) or not local_checkpoint_dir:
-        raise InvalidRequestError(f"local_checkpoint_dir must be a non-empty path, got {local_checkpoint_dir!r}")
-    user_hook = load_callable(pre_read_hook, what="pre-read hook", error=InvalidRequestError)
-    check_local_dir(local_checkpoint_dir, bool(kwargs.get("force", False)))
+    user_hook = check_mirrored_request(local_checkpoint_dir, target_version, pre_read_hook, check_local_dir,
+                                       bool(kwargs.get("force", False)))
     source = HttpSource(url)
 
     def check_published(version: int) -> None:
@@ -79,27 +75,9 @@ def pull_from_http(
         except WeightSyncError:
             source.floor = None
 
-    def planning_origin() -> Origin:
-        # As the bucket's pull does: the seed's fingerprint as the marker recorded it (the pull
-        # computes the real one right after this hook; a changed seed plans past what was
-        # fetched, fails typed, and the full walk below runs).
-        if state is not None and state.seed:
-            return Origin(os.path.realpath(root), read_run_id(run_path(root)), state.seed)
-        if state is None:
-            # No marker: the plan seeds whatever the seed's fingerprint is (it is compared with a
-            # marker's only), so it is not computed here as well as by the pull.
-            return Origin(os.path.realpath(root), read_run_id(run_path(root)), NO_SEED)
-        return source_origin(root, seed_dir)
-
     def plan_keys(target: int) -> tuple[set[str], str]:
-        plan, indexes = plan_pull(local_checkpoint_dir, seed_dir, root, target, origin=planning_origin())
-        keys: set[str] = set()
-        for v in plan.deltas:
-            keys |= {f"{version_dir_name(v)}/{f}" for f in set(indexes[v].weight_map.values())}
-        if plan.seed is not None and plan.seed.kind in ("full", "anchor"):
-            d = os.path.basename(plan.seed.path.rstrip(os.sep))
-            keys |= {f"{d}/{f}" for f in plan.seed.shard_files}
-        return keys, plan.reason
+        # The marker as read before the pull, as the bucket's pull prices its plan.
+        return plan_mirrored_keys(local_checkpoint_dir, seed_dir, root, target, planning_origin(root, seed_dir, state))
 
     def hook(_mirror_root: str, version: int) -> None:
         if user_hook is not None:
