@@ -55,3 +55,23 @@ def test_without_a_seed_record_a_wrong_seed_dir_is_still_a_corrupt_artifact(run)
         pull(os.path.join(run["root"], "local"), run["wrong"], run["source"], 1)
     assert not isinstance(info.value, errors.SeedDirMismatchError)
     assert pull(os.path.join(run["root"], "local-ok"), run["seed"], run["source"], 1).applied_version == 1
+
+
+def test_a_pull_from_another_model_of_the_same_layout_is_refused_before_any_weight_file_is_written(fast_tmp_path, rng):
+    # Every tensor differs (another initialisation of the same architecture): the run's smallest
+    # recorded seed tensors already say so, before the seed copy writes a weight file.
+    root = str(fast_tmp_path)
+    t0 = random_tensors(rng, SIZES)
+    seed, other, source = (os.path.join(root, n) for n in ("seed", "other", "src"))
+    write_hf_checkpoint(seed, t0)
+    write_hf_checkpoint(other, random_tensors(rng, SIZES))
+    pub = Publisher(source, workers=1)
+    pub.seed_snapshot(t0)
+    pub.publish(1, mutate(t0, rng, 0.05, list(SIZES)))
+    pub.close()
+    local = os.path.join(root, "local")
+    with pytest.raises(errors.SeedDirMismatchError, match=r"is not the model the run .* started from"):
+        pull(local, other, source, 1)
+    assert marker_version(local) is None
+    assert not [f for f in os.listdir(local) if f.endswith(".safetensors")]
+    assert pull(local, seed, source, 1).applied_version == 1

@@ -94,4 +94,27 @@ def seed_dir_differences(source_dir: str, seed_dir: str, names: "list[str] | Non
     return out
 
 
-__all__ = ["SeedRecord", "read_seed_record", "encode_run_file_with_seed", "seed_dir_differences"]
+def seed_dir_sample_differences(source_dir: str, seed_dir: str, k: int = 4) -> list[tuple[str, str, str]]:
+    """``seed_dir_differences`` of the ``k`` smallest tensors the run recorded: cheap enough to run
+    before every pull writes anything (a few norm vectors), and another model (or another seed of
+    the same architecture) differs in them. A seed dir that passes is still verified in full by
+    the pull; this only refuses the common mistake before the local checkpoint is touched."""
+    from .manifest import checkpoint_weight_files
+    from .safetensors_io import local_tensor_table
+
+    record = read_seed_record(source_dir)
+    if record is None or not record.digests:
+        return []
+    try:
+        table = local_tensor_table(seed_dir, checkpoint_weight_files(seed_dir))
+    except Exception:  # noqa: BLE001 - an unreadable seed dir is reported by the pull itself
+        return []
+    missing = [(n, record.digests[n], "missing") for n in sorted(record.digests) if n not in table]
+    if missing:
+        return missing
+    smallest = sorted(record.digests, key=lambda n: (table[n][1].nbytes, n))[:k]
+    return seed_dir_differences(source_dir, seed_dir, smallest)
+
+
+__all__ = ["SeedRecord", "read_seed_record", "encode_run_file_with_seed", "seed_dir_differences",
+           "seed_dir_sample_differences"]

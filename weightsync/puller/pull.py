@@ -608,6 +608,19 @@ def _pull_locked(
     return result, pending
 
 
+def _refuse_a_wrong_seed_dir(seed_dir: str, origin: Origin) -> None:
+    """Before a seed from the seed dir writes anything: the run's smallest recorded seed tensors
+    against the seed dir's (a few norm vectors, so every fresh seed can afford it). A run without
+    a seed record passes on; a seed dir that passes is still verified in full by the chain, and a
+    replay that fails after a fresh seed checks every recorded tensor (below)."""
+    from ..errors import SeedDirMismatchError
+    from ..format.seed_record import seed_dir_sample_differences
+
+    differ = seed_dir_sample_differences(origin.source_dir, seed_dir)
+    if differ:
+        raise SeedDirMismatchError(seed_dir, origin.source_dir, differ)
+
+
 def _raise_if_wrong_seed_dir(seed_dir: str, source_dir: str, cause: Exception) -> None:
     """A replay that still fails after a fresh seed: when the run records its seed's digests
     and the seed dir holds other bytes, the seed dir is wrong, not the published delta."""
@@ -678,6 +691,7 @@ def _seed(plan: PullPlan, local: str, seed_dir: str, origin: Origin, workers: in
     seed = plan.seed
     assert seed is not None
     if seed.kind == "seed_dir":
+        _refuse_a_wrong_seed_dir(seed_dir, origin)
         return seed_local_checkpoint(local, seed, seed_dir, origin)
     reference = None if seed.layout_change else read_seed_layout(seed_dir)
     if seed.kind == "full":
