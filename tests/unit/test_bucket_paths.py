@@ -55,3 +55,15 @@ def test_a_url_root_does_not_allow_local_paths_and_a_bad_url_root_fails_at_start
         check_request_paths(str(tmp_path / "local"), str(tmp_path / "src"), parse_allowed_roots("s3://wsync/runs"))
     with pytest.raises(ValueError):
         parse_allowed_roots("s3://wsync/../x")
+
+
+def test_a_credentials_refusal_with_no_credentials_in_the_environment_says_none_were_set(monkeypatch):
+    from weightsync.storage import client
+
+    for names in client._CREDENTIAL_VARIABLES.values():
+        for n in names:
+            monkeypatch.delenv(n, raising=False)
+    assert "AWS_ACCESS_KEY_ID" in client._no_credentials_named("s3")
+    assert "GOOGLE_APPLICATION_CREDENTIALS" in client._no_credentials_named("gs")
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "set")
+    assert client._no_credentials_named("s3") == ""  # then the store's own answer is what counts

@@ -127,12 +127,34 @@ def typed_error(e: BaseException, url: BucketURL, operation: str) -> WeightSyncE
     if isinstance(e, (ox.PermissionDeniedError, ox.UnauthenticatedError)) or (
         isinstance(e, ox.GenericError) and any(w in str(e) for w in _CREDENTIAL_WORDS)
     ):
-        return BucketCredentialsError(str(url), operation, _credential_detail(str(e)) or detail)
+        return BucketCredentialsError(str(url), operation,
+                                      _credential_detail(str(e)) or _no_credentials_named(url.scheme) or detail)
     if isinstance(e, ox.PreconditionError):
         return SourceChangedError(str(url), operation)
     if isinstance(e, FileNotFoundError):
         return SourceNotReadyError(f"{url}: {operation}: not there ({detail}); retry once it is published")
     return BucketUnavailableError(str(url), operation, detail)
+
+
+# The variables that name credentials for each scheme, directly or through a profile, a web
+# identity or a container endpoint; with none set the client's last resort is the cloud's
+# instance metadata, and its refusal (a metadata URL) would tell a user nothing.
+_CREDENTIAL_VARIABLES = {
+    "s3": ("AWS_ACCESS_KEY_ID", "AWS_PROFILE", "AWS_WEB_IDENTITY_TOKEN_FILE",
+           "AWS_CONTAINER_CREDENTIALS_RELATIVE_URI", "AWS_CONTAINER_CREDENTIALS_FULL_URI"),
+    "gs": ("GOOGLE_APPLICATION_CREDENTIALS", "GOOGLE_SERVICE_ACCOUNT", "GOOGLE_SERVICE_ACCOUNT_PATH",
+           "GOOGLE_SERVICE_ACCOUNT_KEY"),
+    "az": ("AZURE_STORAGE_ACCOUNT_KEY", "AZURE_STORAGE_ACCESS_KEY", "AZURE_STORAGE_SAS_KEY",
+           "AZURE_STORAGE_TOKEN", "AZURE_CLIENT_SECRET", "AZURE_FEDERATED_TOKEN_FILE"),
+}
+
+
+def _no_credentials_named(scheme: str) -> str:
+    names = _CREDENTIAL_VARIABLES.get(scheme, ())
+    if not names or any(os.environ.get(n) for n in names):
+        return ""
+    return (f"no credentials in the environment (none of {', '.join(names)} is set) and the instance "
+            "metadata service gave none")
 
 
 def _credential_detail(text: str) -> str:
