@@ -340,6 +340,18 @@ def test_a_bucket_source_under_random_publishes_restarts_pulls_and_damage_serves
         def pull_the_newest(self, host):
             self.pull_a_version(host, 0)
 
+        @rule()
+        def the_seed_dir_rewritten_with_its_own_bytes(self):
+            # New inodes, same bytes (a seed dir restored from a copy): the seed's fingerprint
+            # changes, so a host's next pull reseeds while the mirror's plan was priced with the
+            # marker's old fingerprint (the fast path that skips hashing the seed twice) and
+            # fetched only the chain above the marker: its fallback must fetch the rest.
+            for name in os.listdir(self.seed):
+                path = os.path.join(self.seed, name)
+                shutil.copyfile(path, path + ".tmp")
+                os.replace(path + ".tmp", path)
+            _count("seed dir rewritten")
+
         @rule(pick=st.integers(0, 10**6))
         def damage_a_shard(self, pick):
             if pick % 3:
