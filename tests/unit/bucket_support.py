@@ -101,3 +101,43 @@ class BucketRun:
 @pytest.fixture
 def bucket_run(s3_env, fast_tmp_path, rng) -> BucketRun:
     return BucketRun(str(fast_tmp_path), s3_env, rng)
+
+
+def upload_dir_state(source, root: str, known: "dict[str, str]") -> int:
+    """Make the bucket prefix of ``source`` (a ``BucketSource``) hold exactly the files under the
+    directory ``root``, under the same keys ('/'-separated): a file new or changed since the last
+    call is put, a key whose file is gone is deleted. A bucket copied from disk pulls the same
+    (docs/BUCKETS.md), so a test that damages a source dir in place gets the same damage in the
+    bucket. ``known`` (key -> digest of the bytes put) is kept by the caller between calls, so
+    unchanged files are not put again. Returns the number of objects put.
+
+    A symlink has no bucket equivalent: it is refused (ValueError) rather than uploaded as its
+    target's bytes, which would test something else than the case it was written for."""
+    import hashlib
+
+    import obstore
+
+    present: dict[str, str] = {}
+    put = 0
+    for dirpath, dirnames, filenames in os.walk(root):
+        for name in sorted(dirnames + filenames):
+            path = os.path.join(dirpath, name)
+            if os.path.islink(path):
+                raise ValueError(f"{path} is a symlink: a bucket has no symlinks; run this case on a directory only")
+        for name in sorted(filenames):
+            path = os.path.join(dirpath, name)
+            key = os.path.relpath(path, root).replace(os.sep, "/")
+            with open(path, "rb") as f:
+                data = f.read()
+            digest = hashlib.blake2b(data, digest_size=16).hexdigest()
+            present[key] = digest
+            if known.get(key) != digest:
+                obstore.put(source.store, key, data)
+                known[key] = digest
+                put += 1
+    gone = sorted(k for k in source.list() if k not in present)
+    if gone:
+        source.delete(gone)
+    for k in gone:
+        known.pop(k, None)
+    return put

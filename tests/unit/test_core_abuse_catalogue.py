@@ -4,6 +4,17 @@ Every test asserts the error type and the key words of its message, and what the
 behind locally: a load-time refusal leaves the local checkpoint and its marker untouched; an
 apply-time failure leaves no marker (so the next pull reseeds) or a marker naming exactly the
 bytes of its version.
+
+Each row that takes the ``world`` fixture runs twice: on the source dir (``[dir]``), and on a
+bucket (``[bucket]``: a real S3 server on loopback) holding the same files under the same keys,
+with the same assertions. The bucket world publishes and damages its source dir exactly as the
+directory world does; ``World.pull`` uploads the dir's state to the bucket (new and changed
+files put, removed ones deleted) just before each pull, so every row's damage reaches the bucket
+through that one place (a bucket copied from disk pulls the same: docs/BUCKETS.md). A row that
+cannot apply to a bucket is listed in ``NOT_ON_A_BUCKET`` with its reason; a bucket variant that
+fails for a product reason is listed in ``BUCKET_XFAIL`` (strict) until it is fixed; and
+``test_every_row_runs_on_a_bucket_or_says_why_not`` keeps a new row from skipping the bucket
+silently.
 """
 
 from __future__ import annotations
@@ -16,6 +27,7 @@ import struct
 import subprocess
 import sys
 import textwrap
+import uuid
 
 import numpy as np
 import pytest
@@ -35,6 +47,7 @@ from core_support import (
     tensor_bytes,
     write_hf_checkpoint,
 )
+from bucket_support import s3_env, s3_server_fixture, upload_dir_state  # noqa: F401 (fixtures)
 
 INDEX = "model.safetensors.index.json"
 SIZES = {"a": ("float32", (64,)), "b": ("int16", (8, 4)), "c": ("uint8", (1,))}
@@ -44,8 +57,11 @@ class World:
     """A seed dir, a source dir with v1 (xor delta) and v2 (overwrite delta), and a local
     checkpoint pulled to v2. ``expected[v]`` holds the exact bytes of every version."""
 
-    def __init__(self, root: str, rng: np.random.Generator):
+    def __init__(self, root: str, rng: np.random.Generator, bucket_url: "str | None" = None):
         self.root = root
+        # The bucket variant: pulls read this URL, which holds the source dir's files (see pull).
+        self.bucket_url = bucket_url
+        self._uploaded: dict[str, str] = {}
         self.seed, self.source, self.local = (os.path.join(root, n) for n in ("seed", "src", "local"))
         self.rng = rng
         t0 = random_tensors(rng, SIZES)
@@ -54,7 +70,7 @@ class World:
         self.expected = {0: tensor_bytes(t0)}
         self.publish(1, "xor", names=["a", "b"])
         self.publish(2, "overwrite", names=["a", "c"])
-        pull(self.local, self.seed, self.source, 2)
+        self.pull(2)
 
     def publish(self, version: int, encoding: str, names=None, full: bool = False, checksum: str = "xxh3-128"):
         prev = self.tensors[version - 1]
@@ -70,8 +86,18 @@ class World:
     def vdir(self, version: int) -> str:
         return os.path.join(self.source, f"weight_v{version:06d}")
 
+    def pull_source(self) -> str:
+        """What a pull reads: the source dir, or (bucket variant) the bucket URL, once the bucket
+        holds exactly what the source dir holds now (the row's damage included)."""
+        if self.bucket_url is None:
+            return self.source
+        from weightsync.storage.source import BucketSource
+
+        upload_dir_state(BucketSource(self.bucket_url), self.source, self._uploaded)
+        return self.bucket_url
+
     def pull(self, target: int, **kw):
-        return pull(self.local, self.seed, self.source, target, **kw)
+        return pull(self.local, self.seed, self.pull_source(), target, **kw)
 
     def assert_at(self, version: int) -> None:
         assert marker_version(self.local) == version
@@ -155,9 +181,109 @@ def delta_shard(
     return struct.pack("<Q", n) + raw + data
 
 
+s3 = s3_server_fixture()  # one server for the module, started by the first bucket variant
+
+# Rows that do not run on a bucket, and why (each reason one line). A key is a row's name (no
+# bucket variant is made), or its name and some of its parameters, "name[param=value]" (that
+# case's bucket variant is skipped, with the reason).
+NOT_ON_A_BUCKET = {
+    "test_indexless_dir_that_is_not_one_complete_model_safetensors_is_not_ready[shape=empty_dir]":
+        "a bucket has no empty dirs: an empty prefix is no version at all (VersionMissingError)",
+    "test_shard_symlink_resolving_outside_the_version_dir_is_refused":
+        "a bucket holds no symlinks",
+    "test_shard_gone_or_replaced_between_load_and_apply_is_not_ready_and_leaves_no_marker":
+        "the fault is the filesystem between load and apply; a bucket pull applies from its host-local mirror",
+    "test_publishing_over_an_existing_version_is_refused":
+        "the directory publisher's refusal; a bucket's is BucketConflictError (test_bucket_source.py)",
+    "test_overwrite_refuses_a_tensor_over_4_gib": "an encoder's refusal: no source, no pull",
+    "test_every_error_has_a_stable_type_status_and_stdlib_parent": "the error table: no source, no pull",
+    "test_path_not_allowed_names_the_path_and_the_roots": "an error's message: no source, no pull",
+    "test_local_tensor_mismatch_and_local_state_errors_say_what_to_do": "an error's message: no source, no pull",
+}
+
+# Bucket variants that fail for a product reason (the fix is the lead's: storage/mirror.py,
+# puller/bucket.py): strict, so a fix shows up as an XPASS to move the row off this list. Keys
+# as in NOT_ON_A_BUCKET.
+_NO_INDEXLESS = ("a bucket pull sees a version only through its index key (puller/bucket.py _check_published, "
+                 "Mirror._refresh): an index-less dir copied to a bucket is VersionMissingError, not IndexMissingError")
+BUCKET_XFAIL: dict[str, str] = {
+    "test_version_without_index_is_still_publishing": _NO_INDEXLESS,
+    "test_indexless_dir_that_is_not_one_complete_model_safetensors_is_not_ready": _NO_INDEXLESS,
+    "test_delta_shard_named_by_the_index_but_missing_is_not_ready":
+        "Mirror.prepare says '[keys] named by the plan are not in the bucket (pruned meanwhile?)', not which version's index names which missing shard",
+    "test_full_version_shard_named_by_the_index_but_missing_is_not_ready":
+        "Mirror.prepare says '[keys] named by the plan are not in the bucket (pruned meanwhile?)', not which full version names which missing shard",
+    "test_local_byte_corrupted_between_pulls_is_healed_by_one_reseed":
+        "the bytes heal, but through pull_from_bucket's second run_pull, whose PullResult says reseeded=False and 'no applied-version marker'",
+}
+
+
+def _listed(table: dict, item) -> "str | None":
+    """The reason ``table`` gives for this test item's case, if any: by its name, or by its name
+    and parameters ("name[p=v,q=w]")."""
+    name = item.originalname
+    params = getattr(getattr(item, "callspec", None), "params", {})
+    for key, reason in table.items():
+        row, _, rest = key.partition("[")
+        if row != name:
+            continue
+        wanted = [kv.split("=", 1) for kv in rest.rstrip("]").split(",") if kv]
+        if all(k in params and str(params[k]) == v for k, v in wanted):
+            return reason
+    return None
+
+
+def _takes_world(fn) -> bool:
+    import inspect
+
+    return "world" in inspect.signature(fn).parameters
+
+
+def pytest_generate_tests(metafunc):
+    """Every row that takes ``world`` gets a directory and a bucket variant, unless listed."""
+    if "world" not in metafunc.fixturenames:
+        return
+    kinds = ["dir"] if metafunc.function.__name__ in NOT_ON_A_BUCKET else ["dir", "bucket"]  # whole rows only
+    metafunc.parametrize("world", kinds, indirect=True)
+
+
 @pytest.fixture
-def world(fast_tmp_path, rng) -> World:
-    return World(str(fast_tmp_path), rng)
+def world(request, fast_tmp_path, rng) -> World:
+    url = None
+    if request.param == "bucket":
+        skip = _listed(NOT_ON_A_BUCKET, request.node)
+        if skip is not None:
+            pytest.skip(f"not on a bucket: {skip}")
+        xfail = _listed(BUCKET_XFAIL, request.node)
+        if xfail is not None:
+            request.applymarker(pytest.mark.xfail(strict=True, reason=xfail))
+        s3 = request.getfixturevalue("s3_env")
+        url = s3.url(f"abuse/{uuid.uuid4().hex[:12]}")
+    return World(str(fast_tmp_path), rng, bucket_url=url)
+
+
+def test_every_row_runs_on_a_bucket_or_says_why_not():
+    """A new row runs on a bucket unless it is listed with a reason: the lists cannot go stale."""
+    rows = {n: f for n, f in globals().items() if n.startswith("test_") and callable(f)}
+    rows.pop("test_every_row_runs_on_a_bucket_or_says_why_not")
+    on_bucket = {n for n, f in rows.items() if _takes_world(f) and n not in NOT_ON_A_BUCKET}
+    for table_name, table in (("NOT_ON_A_BUCKET", NOT_ON_A_BUCKET), ("BUCKET_XFAIL", BUCKET_XFAIL)):
+        for key, reason in table.items():
+            row, _, params = key.partition("[")
+            assert row in rows, f"{table_name} names {row}, which is not a row of this module"
+            assert reason.strip() and "\n" not in reason, f"{table_name}: {key}: give a one-line reason"
+            if params or table is BUCKET_XFAIL:
+                assert row in on_bucket, f"{table_name}: {key}: the row does not run on a bucket at all"
+            for kv in filter(None, params.rstrip("]").split(",")):
+                name = kv.partition("=")[0]
+                marks = getattr(rows[row], "pytestmark", [])
+                assert any(name in m.args[0].replace(" ", "").split(",") for m in marks if m.name == "parametrize"), (
+                    f"{table_name}: {key}: {row} has no parameter {name!r}"
+                )
+    for name in rows:
+        assert name in on_bucket or name in NOT_ON_A_BUCKET, (
+            f"{name} neither takes the world fixture (so runs on a bucket) nor is in NOT_ON_A_BUCKET with a reason"
+        )
 
 
 def good_delta(world: World, version: int = 3, encoding: str = "xor", name: str = "a") -> tuple[bytes, str]:
@@ -169,7 +295,7 @@ def good_delta(world: World, version: int = 3, encoding: str = "xor", name: str 
 
 
 def test_missing_version_dir_is_not_ready_and_leaves_local_state(world):
-    with pytest.raises(errors.VersionMissingError, match=r"version 5 is not published: .*weight_v000005 does not exist") as ei:
+    with pytest.raises(errors.VersionMissingError, match=r"version 5 is not published: .*weight_v000005(/model\.safetensors\.index\.json)? does not exist") as ei:
         world.pull(5)
     assert ei.value.retryable and ei.value.http_status == 404 and ei.value.error_type == "source_not_ready"
     world.assert_at(2)
@@ -681,10 +807,13 @@ def test_local_byte_corrupted_between_pulls_is_healed_by_one_reseed(world):
     from core_support import flip_local_byte
 
     world.publish(3, "overwrite", names=["a"])
-    flip_local_byte(world.local, "a", 255)  # a byte the v3 overwrite does not touch
+    # A byte the v3 overwrite does not touch (an overwritten one would be healed by the delta
+    # itself), found from the bytes rather than assumed: the tensors depend on the test's rng.
+    old, new = (np.frombuffer(world.expected[v]["a"], np.uint8) for v in (2, 3))
+    flip_local_byte(world.local, "a", int(np.flatnonzero(old == new)[-1]))
     result = world.pull(3)
-    assert result.reseeded
     world.assert_at(3)
+    assert result.reseeded
 
 
 @pytest.mark.parametrize(
@@ -739,11 +868,11 @@ def test_negative_or_non_integer_target_is_a_bad_request(world, target):
 
 def test_seed_dir_equal_to_the_local_checkpoint_dir_is_a_bad_request(world):
     with pytest.raises(errors.InvalidRequestError, match=r"seed dir .* is the local checkpoint dir itself"):
-        pull(world.local, world.local, world.source, 1)
+        pull(world.local, world.local, world.pull_source(), 1)
     link = os.path.join(world.root, "local-link")
     os.symlink(world.local, link)
     with pytest.raises(errors.InvalidRequestError, match=r"is the local checkpoint dir itself"):
-        pull(world.local, link, world.source, 1)
+        pull(world.local, link, world.pull_source(), 1)
     world.assert_at(2)
 
 
@@ -794,7 +923,7 @@ def test_blake3_without_its_package_names_the_install_hint(world):
         except errors.ChecksumUnavailableError as e:
             print("PUBLISH", type(e).__name__, e)
         try:
-            pull({world.local!r}, {world.seed!r}, {world.source!r}, 3)
+            pull({world.local!r}, {world.seed!r}, {world.pull_source()!r}, 3)
         except errors.ChecksumUnavailableError as e:
             print("PULL", type(e).__name__, e)
         """
