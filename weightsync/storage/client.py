@@ -4,7 +4,11 @@ and its errors mapped to the typed ones.
 Credentials, endpoint and region come only from the environment: ``AWS_ACCESS_KEY_ID``,
 ``AWS_SECRET_ACCESS_KEY``, ``AWS_SESSION_TOKEN``, ``AWS_REGION``, ``AWS_ENDPOINT_URL``,
 ``AWS_ALLOW_HTTP`` (a plain-HTTP endpoint such as a loopback test server), and the
-``GOOGLE_*``/``AZURE_*`` ones for ``gs://``/``az://``. The URL names only the bucket and prefix.
+``GOOGLE_*``/``AZURE_*`` ones for ``gs://``/``az://`` (``AZURE_STORAGE_ACCOUNT_NAME``,
+``AZURE_STORAGE_ACCOUNT_KEY``, ``AZURE_STORAGE_ENDPOINT``, ``AZURE_ALLOW_HTTP``; the emulator's
+``AZURE_STORAGE_USE_EMULATOR`` with ``AZURITE_BLOB_STORAGE_URL``; ``GOOGLE_SERVICE_ACCOUNT``,
+``GOOGLE_SERVICE_ACCOUNT_KEY``, ``GOOGLE_APPLICATION_CREDENTIALS``, ``GOOGLE_ALLOW_HTTP``). The
+URL names only the bucket and prefix.
 
 Timeouts: obstore's default 30 s *total* request timeout would abort large ranged GETs, so a
 request gets ``WEIGHTSYNC_BUCKET_REQUEST_TIMEOUT_S`` (ranges are sized to fit it), and the
@@ -64,9 +68,18 @@ _stores: dict[tuple, object] = {}
 _stores_lock = threading.Lock()
 
 
+# AZURITE_BLOB_STORAGE_URL: the client reads the emulator's endpoint from it directly.
+_ENV_PREFIXES = ("AWS_", "GOOGLE_", "AZURE_", "AZURITE_")
+
+# Plain HTTP per scheme: the client does not read these itself (its HTTP options come only from
+# the code), so a store whose endpoint is http:// (an emulator, a private gateway) needs one.
+# AWS_ALLOW_HTTP and ALLOW_HTTP keep applying to every scheme, as before.
+_ALLOW_HTTP_VARIABLES = {"s3": (), "gs": ("GOOGLE_ALLOW_HTTP",), "az": ("AZURE_ALLOW_HTTP",)}
+
+
 def _env_key() -> tuple:
     # A store caches its credentials: a changed environment (a rotated key) gets a new one.
-    return tuple(sorted((k, v) for k, v in os.environ.items() if k.startswith(("AWS_", "GOOGLE_", "AZURE_"))))
+    return tuple(sorted((k, v) for k, v in os.environ.items() if k.startswith(_ENV_PREFIXES)))
 
 
 def open_store(url: BucketURL):
@@ -83,7 +96,7 @@ def open_store(url: BucketURL):
                 "timeout": f"{int(REQUEST_TIMEOUT_S.get())}s",
                 "connect_timeout": "10s",
             }
-            if _truthy(os.environ.get("AWS_ALLOW_HTTP")) or _truthy(os.environ.get("ALLOW_HTTP")):
+            if any(_truthy(os.environ.get(n)) for n in ("AWS_ALLOW_HTTP", "ALLOW_HTTP", *_ALLOW_HTTP_VARIABLES.get(url.scheme, ()))):
                 client_options["allow_http"] = True
             retry = {
                 "max_retries": 10,
@@ -106,10 +119,24 @@ def open_store(url: BucketURL):
     return store
 
 
-_CREDENTIAL_WORDS = (
+def same_etag(a: str, b: str) -> bool:
+    """Whether two ETags of one object name the same version. Azure's LIST carries an ETag bare
+    (``0x8D...``) where its GET header quotes it (``"0x8D..."``); S3 quotes both. A weak marker
+    (``W/``) and the quotes are not part of the version's identity."""
+    def bare(t: str) -> str:
+        t = t.strip()
+        return (t[2:] if t.startswith("W/") else t).strip('"')
+
+    return bare(a) == bare(b)
+
+
+# S3's refusal codes, then Azure's (a wrong account key or SAS: AuthenticationFailed on Azure,
+# AuthorizationFailure on Azurite).
+_CREDENTIAL_CODES = (
     "InvalidAccessKeyId", "SignatureDoesNotMatch", "ExpiredToken", "AccessDenied", "InvalidToken",
-    "403 Forbidden", "401 Unauthorized", "credential",
+    "AuthenticationFailed", "AuthorizationFailure",
 )
+_CREDENTIAL_WORDS = _CREDENTIAL_CODES + ("403 Forbidden", "401 Unauthorized", "credential")
 
 # Worth asking again within the deadline (the server gone or busy, a short body).
 TRANSIENT = (BucketUnavailableError,)
@@ -144,8 +171,9 @@ _CREDENTIAL_VARIABLES = {
            "AWS_CONTAINER_CREDENTIALS_RELATIVE_URI", "AWS_CONTAINER_CREDENTIALS_FULL_URI"),
     "gs": ("GOOGLE_APPLICATION_CREDENTIALS", "GOOGLE_SERVICE_ACCOUNT", "GOOGLE_SERVICE_ACCOUNT_PATH",
            "GOOGLE_SERVICE_ACCOUNT_KEY"),
-    "az": ("AZURE_STORAGE_ACCOUNT_KEY", "AZURE_STORAGE_ACCESS_KEY", "AZURE_STORAGE_SAS_KEY",
-           "AZURE_STORAGE_TOKEN", "AZURE_CLIENT_SECRET", "AZURE_FEDERATED_TOKEN_FILE"),
+    "az": ("AZURE_STORAGE_ACCOUNT_KEY", "AZURE_STORAGE_ACCESS_KEY", "AZURE_STORAGE_MASTER_KEY",
+           "AZURE_STORAGE_SAS_KEY", "AZURE_STORAGE_SAS_TOKEN", "AZURE_STORAGE_TOKEN", "AZURE_CLIENT_SECRET",
+           "AZURE_FEDERATED_TOKEN_FILE", "AZURE_STORAGE_USE_EMULATOR"),
 }
 
 
@@ -158,7 +186,7 @@ def _no_credentials_named(scheme: str) -> str:
 
 
 def _credential_detail(text: str) -> str:
-    for code in ("InvalidAccessKeyId", "SignatureDoesNotMatch", "ExpiredToken", "AccessDenied", "InvalidToken"):
+    for code in _CREDENTIAL_CODES:
         if code in text:
             return f"{code} (the store's answer)"
     return ""

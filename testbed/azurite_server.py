@@ -1,0 +1,190 @@
+"""A real Azure Blob server on loopback for the tests: Microsoft's emulator, Azurite (its blob
+service only, ``azurite-blob``).
+
+Azurite is a Node package; ``scripts/setup_env.sh`` installs it into ``.venv/azurite`` (npm,
+project-local). The server binds 127.0.0.1 on a port chosen free at start, keeps its data under
+its own dir (so a restart finds the blobs again), has telemetry off, and checks Shared Key
+signatures: a client with another account key gets the real 403. The container is created at
+start (Azure has no implicit containers).
+
+    with AzuriteServer.start(tmp) as az:
+        env = az.env()              # AZURE_* variables for the client
+        url = az.url("run1")        # az://wsync/run1
+        az.kill(); az.restart()
+"""
+
+from __future__ import annotations
+
+import base64
+import email.utils
+import hashlib
+import hmac
+import http.client
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+# Azurite's built-in account and its documented key (public: every Azure SDK ships it for the
+# emulator). obstore's emulator mode (AZURE_STORAGE_USE_EMULATOR) assumes exactly these.
+ACCOUNT = "devstoreaccount1"
+ACCOUNT_KEY = "Eby8vdM02xNOcqFlqUwJPLlmEtlCDXJ1OUzFT50uSRZ6IFsuFq2UVErCz4I6tq/K1SZFPTOtr/KBHBeksoGMGw=="
+CONTAINER = "wsync"
+API_VERSION = "2021-08-06"
+
+
+def azurite_binary() -> str | None:
+    """``azurite-blob`` from the project-local npm prefix (``.venv/azurite``), ``$WEIGHTSYNC_AZURITE``,
+    or PATH."""
+    explicit = os.environ.get("WEIGHTSYNC_AZURITE")
+    if explicit and os.access(explicit, os.X_OK):
+        return explicit
+    venv = os.path.dirname(os.path.dirname(sys.executable))
+    here = os.path.join(venv, "azurite", "node_modules", ".bin", "azurite-blob")
+    if os.access(here, os.X_OK):
+        return here
+    return shutil.which("azurite-blob")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def shared_key_request(port: int, method: str, path: str, query: dict[str, str], key: str = ACCOUNT_KEY,
+                       timeout_s: float = 5.0) -> tuple[int, bytes]:
+    """One bodyless request signed with Shared Key, for what obstore has no call for (creating the
+    container). Path-style addressing: the canonical resource names the account twice, once as
+    the signer and once as the URL's first segment."""
+    date = email.utils.formatdate(usegmt=True)
+    headers = {"x-ms-date": date, "x-ms-version": API_VERSION}
+    canonical_headers = "".join(f"{k}:{v}\n" for k, v in sorted(headers.items()))
+    canonical_resource = f"/{ACCOUNT}{path}" + "".join(f"\n{k}:{v}" for k, v in sorted(query.items()))
+    # VERB, then 11 standard headers all empty here (a zero Content-Length is written as empty).
+    string_to_sign = f"{method}\n" + "\n" * 11 + canonical_headers + canonical_resource
+    mac = hmac.new(base64.b64decode(key), string_to_sign.encode(), hashlib.sha256).digest()
+    headers["Authorization"] = f"SharedKey {ACCOUNT}:{base64.b64encode(mac).decode()}"
+    headers["Content-Length"] = "0"
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout_s)
+    try:
+        qs = "&".join(f"{k}={v}" for k, v in query.items())
+        conn.request(method, path + (f"?{qs}" if qs else ""), body=b"", headers=headers)
+        resp = conn.getresponse()
+        return resp.status, resp.read()
+    finally:
+        conn.close()
+
+
+class AzuriteServer:
+    def __init__(self, root: str, binary: str):
+        self.root = root
+        self.binary = binary
+        self.data = os.path.join(root, "data")
+        self.log_path = os.path.join(root, "azurite.log")
+        os.makedirs(self.data, exist_ok=True)
+        self.port = _free_port()
+        self.proc: subprocess.Popen | None = None
+
+    @classmethod
+    def start(cls, root: str, timeout_s: float = 60.0) -> "AzuriteServer":
+        binary = azurite_binary()
+        if binary is None:
+            raise RuntimeError("no `azurite-blob`: run scripts/setup_env.sh (it installs azurite into .venv/azurite)")
+        server = cls(root, binary)
+        server.restart(timeout_s)
+        return server
+
+    @property
+    def endpoint(self) -> str:
+        """The account's blob endpoint, path-style (the emulator serves every account on one host)."""
+        return f"http://127.0.0.1:{self.port}/{ACCOUNT}"
+
+    def url(self, prefix: str) -> str:
+        return f"az://{CONTAINER}/{prefix.strip('/')}"
+
+    def env(self, **overrides: str) -> dict[str, str]:
+        """The variables a user of a real account sets (account, key, endpoint), plus plain HTTP:
+        the client signs as it does for Azure itself; only the endpoint differs."""
+        env = {
+            "AZURE_STORAGE_ACCOUNT_NAME": ACCOUNT,
+            "AZURE_STORAGE_ACCOUNT_KEY": ACCOUNT_KEY,
+            "AZURE_STORAGE_ENDPOINT": self.endpoint,
+            "AZURE_ALLOW_HTTP": "true",
+        }
+        env.update(overrides)
+        return env
+
+    def emulator_env(self, **overrides: str) -> dict[str, str]:
+        """obstore's emulator mode: the well-known account and key, the endpoint from
+        ``AZURITE_BLOB_STORAGE_URL`` (emulator mode ignores ``AZURE_STORAGE_ENDPOINT``)."""
+        env = {"AZURE_STORAGE_USE_EMULATOR": "true", "AZURITE_BLOB_STORAGE_URL": f"http://127.0.0.1:{self.port}"}
+        env.update(overrides)
+        return env
+
+    def restart(self, timeout_s: float = 60.0) -> None:
+        """Start (again, on the same port and data), wait until it answers, create the container."""
+        if self.proc is not None and self.proc.poll() is None:
+            raise RuntimeError("the server is running")
+        args = [
+            self.binary, "--blobHost", "127.0.0.1", "--blobPort", str(self.port), "--location", self.data,
+            "--disableTelemetry", "--silent",
+            # obstore may speak a newer API version than this Azurite knows; the calls it makes are old ones.
+            "--skipApiVersionCheck",
+        ]
+        log = open(self.log_path, "ab")
+        try:
+            self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, cwd=self.root,
+                                         start_new_session=True)
+        finally:
+            log.close()
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"azurite exited with {self.proc.returncode}; see {self.log_path}:\n{self.log_tail()}")
+            status = self._create_container()
+            if status in (201, 409):  # created, or there from before a restart
+                return
+            time.sleep(0.2)
+        self.stop()
+        raise RuntimeError(f"azurite did not answer within {timeout_s:.0f}s; see {self.log_path}:\n{self.log_tail()}")
+
+    def _create_container(self) -> int:
+        try:
+            status, _ = shared_key_request(self.port, "PUT", f"/{ACCOUNT}/{CONTAINER}", {"restype": "container"}, timeout_s=2)
+            return status
+        except OSError:
+            return 0
+
+    def log_tail(self, n: int = 4000) -> str:
+        try:
+            with open(self.log_path, "rb") as f:
+                return f.read()[-n:].decode(errors="replace")
+        except OSError:
+            return ""
+
+    def kill(self) -> None:
+        """SIGKILL the whole server (a crash)."""
+        if self.proc is not None and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(10)
+
+    def stop(self) -> None:
+        """SIGTERM, then SIGKILL after 10 s; by the server's own process group."""
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        os.killpg(self.proc.pid, signal.SIGTERM)
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(10)
+
+    def __enter__(self) -> "AzuriteServer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
