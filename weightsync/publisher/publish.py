@@ -43,16 +43,19 @@ from ..errors import (
     host_resource_error,
 )
 from ..format.checksum import DEFAULT_CHECKSUM, new_hasher, supported_checksums
-from ..format.file_digests import read_file_digests, with_file_digests
-from ..storage.swarm import check_publish_torrent, write_version_torrent
+from ..format.file_digests import FILE_DIGEST_ALGORITHM, FILE_DIGESTS_KEY, digest_file, read_file_digests, with_file_digests
+from ..storage.rank_reports import RankReportMismatchError, RankReports, rank_reports_wanted
+from ..storage.swarm import check_publish_torrent, torrent_wanted, write_version_torrent
 from ..format.layout import (
     INDEX_NAME,
     anchor_dir,
+    anchor_dir_name,
     delta_shard_name,
     full_shard_name,
     is_model_side_file,
     run_path,
     version_dir,
+    version_dir_name,
 )
 from ..format.manifest import (
     ANCHOR_COMMIT_KEY,
@@ -119,6 +122,13 @@ class ShardManifest(msgspec.Struct, frozen=True):
     digests: dict[str, str] | None = None  # a full version: this rank's tensors -> digest (checked by a seed)
     seed_digests: dict[str, str] | None = None  # v1's delta: this rank's seed tensors -> digest (the run records them)
     seed_layout: dict[str, tuple[str, tuple[int, ...]]] | None = None  # v1's delta: their dtype and shape
+    # Rank reports (ranks with staging copies of their own, storage.rank_reports): what rank 0's
+    # commit would read from this rank's files, which are not in rank 0's staging copy.
+    files: dict[str, tuple[int, str]] | None = None  # shard -> (bytes, xxh3-128 of its bytes)
+    anchor_files: dict[str, tuple[int, str]] | None = None
+    layout: dict[str, tuple[str, tuple[int, ...]]] | None = None  # a full version's tensors: dtype, shape (headers)
+    anchor_layout: dict[str, tuple[str, tuple[int, ...]]] | None = None
+    report_key: str = ""  # the bucket key of this rank's report of this attempt
 
 
 class PublishResult(msgspec.Struct):
@@ -147,6 +157,13 @@ class _Decision(msgspec.Struct, frozen=True):
     kind: str
     anchor: bool
     delta_nbytes: int
+
+
+class _Foreign(msgspec.Struct, frozen=True):
+    """Another rank's shards in one dir, known from its report (not in this staging copy)."""
+
+    files: dict[str, tuple[int, str]]  # shard -> (bytes, xxh3-128 file digest)
+    layout: dict[str, tuple[str, tuple[int, ...]]]  # tensor -> (dtype, shape), for full shards
 
 
 class _Staged(msgspec.Struct):
@@ -259,9 +276,11 @@ class Committer:
         self.checksum = checksum
         self.template_dir = template_dir
         self.atomic = atomic
+        self._foreign: dict[str, _Foreign] = {}  # the commit in progress: other ranks' shards, from their reports
 
     def commit(self, version: int, kind: Kind, manifests: list[ShardManifest], *,
-               fence: Callable[[str], None] | None = None, layout_change: str | None = None) -> tuple[str, int]:
+               fence: Callable[[str], None] | None = None, layout_change: str | None = None,
+               foreign: "dict[str, _Foreign] | None" = None) -> tuple[str, int]:
         """Write the anchor's index (when every rank wrote its part), then the version's. Returns
         (version dir, anchor bytes). The version's index is last: once it exists the version is
         published, and its anchor, if any, is complete and bound to it: both indexes name one
@@ -270,8 +289,11 @@ class Committer:
 
         ``fence(what)`` runs before every write into the source dir (the writer lease: a
         superseded publisher fails there); a complete index of ``version`` is never written over.
-        ``layout_change``: recorded in a full version's metadata (the caller allowed it)."""
+        ``layout_change``: recorded in a full version's metadata (the caller allowed it).
+        ``foreign``: dir name -> the other ranks' shards there, known from their reports (their
+        sizes, file digests and layouts are taken from there, never read from this dir)."""
         fence = fence or (lambda what: None)
+        self._foreign = foreign or {}
         fence(f"committing v{version}")
         vdir = version_dir(self.source_dir, version)
         self._refuse_committed(vdir, version)
@@ -295,7 +317,7 @@ class Committer:
         if anchor_map is not None:
             commit_id = anchor_commit_of(version, self.checksum, digests)
             index = build_anchor_index(version, anchor_map, sum(m.tensor_nbytes for m in manifests), commit_id,
-                                       self.checksum, digests, layout_of_shards(adir, anchor_map))
+                                       self.checksum, digests, self._layout(adir, anchor_map))
             fence(f"writing the side anchor index of v{version}")
             self._write_index(adir, index)
             anchor_nbytes = sum(m.anchor_nbytes for m in manifests)
@@ -312,7 +334,7 @@ class Committer:
             complete = set(full_digests) == set(weight_map)  # manifests not from write() may lack them
             index = build_full_index(version, weight_map, sum(m.tensor_nbytes for m in manifests),
                                      self.checksum if complete else None, full_digests if complete else None,
-                                     layout_of_shards(vdir, weight_map))  # binds the headers (a digest cannot)
+                                     self._layout(vdir, weight_map))  # binds the headers (a digest cannot)
             if layout_change is not None:
                 index = _with_metadata(index, {LAYOUT_CHANGE_KEY: layout_change})
         else:
@@ -358,10 +380,22 @@ class Committer:
             return named.pop()
         return "sparse-v1" if self.encoding == AUTO else self.encoding
 
+    def _layout(self, directory: str, weight_map: dict[str, str]) -> dict[str, tuple[str, tuple[int, ...]]]:
+        """tensor -> (dtype, shape) of the shards ``weight_map`` names: from the headers of this
+        dir's files, and from the reports for the other ranks' (``foreign``)."""
+        known = self._foreign.get(os.path.basename(directory))
+        if known is None:
+            return layout_of_shards(directory, weight_map)
+        local = {t: f for t, f in weight_map.items() if f not in known.files}
+        out = dict(layout_of_shards(directory, local)) if local else {}
+        out.update({t: known.layout[t] for t, f in weight_map.items() if f in known.files and t in known.layout})
+        return out
+
     def _write_index(self, directory: str, index: bytes) -> None:
         # The digest of each payload file (FORMAT.md "file_digests"): what a cache or a peer that
         # serves the files is checked against before a puller uses their bytes.
-        index = with_file_digests(directory, index)
+        known = self._foreign.get(os.path.basename(directory))
+        index = with_file_digests(directory, index) if known is None else _with_reported_file_digests(directory, index, known)
         # Opt-in (WEIGHTSYNC_PUBLISH_TORRENT=1): a BitTorrent v2 torrent of the payload files for
         # the fleet's swarm (storage.swarm), written before the index commits the version.
         write_version_torrent(directory, sorted(read_file_digests(json.loads(index))))
@@ -490,6 +524,15 @@ class Publisher:
         # index created only if absent). Everything below writes and commits in its ``dir``.
         self.destination = open_destination(source_dir, rank, world_size)
         self.bucket = self.destination if is_bucket_url(source_dir) else None  # its uploads, for tests and tools
+        # Ranks on several nodes, each with its own staging copy (storage.rank_reports): the
+        # other ranks upload their shards and report them; rank 0 commits from the reports.
+        self.reports: RankReports | None = None
+        if self.bucket is not None and world_size > 1 and rank_reports_wanted():
+            if torrent_wanted():
+                raise PublishError(
+                    "WEIGHTSYNC_PUBLISH_TORRENT=1 with WEIGHTSYNC_BUCKET_RANK_REPORTS=1: the torrent hashes every "
+                    "shard's bytes on rank 0, which does not hold the other ranks' shards; turn one of them off")
+            self.reports = RankReports(self.destination)
         source_dir = self.destination.dir
         self.source_dir = source_dir
         self.encoding = encoding
@@ -656,9 +699,16 @@ class Publisher:
         vdir = version_dir(self.source_dir, version)
         if is_committed(vdir):
             raise VersionAlreadyPublishedError(version, self.source_dir, " (its index landed: it cannot be discarded)")
+        if self.reports is not None and self.rank != 0:
+            if self.reports.committed_index(version) is not None:
+                raise VersionAlreadyPublishedError(version, self.reports.url, " (rank 0 committed it: it cannot be discarded)")
+            if staged.manifest is not None:
+                self.reports.delete_report(staged.manifest.report_key)  # never committed by a later attempt
         if self.rank == 0 and self.guard.lease is not None:
             # A superseded publisher must not delete the files a newer one is writing under the same number.
             self._hold_lease(f"discarding v{version}")
+            if self.reports is not None:
+                self.reports.delete_reports(version, self.destination.lease_token)  # type: ignore[attr-defined]
         adir = anchor_dir(self.source_dir, version)
         for index in (os.path.join(adir, INDEX_NAME), os.path.join(vdir, INDEX_NAME)):
             if os.path.lexists(index):  # an anchor's index lands before the version's: it goes first
@@ -816,6 +866,12 @@ class Publisher:
             self._stage(prepared, kind)
             if self._staged is not None:
                 self._staged.manifest = manifest
+        if self.reports is not None and self.rank != 0:
+            # After staging: a failed upload or report is redone by write() again with the same
+            # prepared object (the same files), like a failed shard write.
+            manifest = self._report(manifest)
+            if self._staged is not None:
+                self._staged.manifest = manifest
         return manifest
 
     @_host_errors_typed
@@ -839,6 +895,13 @@ class Publisher:
                 f"confirm(v{version}): this rank has not written v{version} (committed: v{self._committed}); "
                 "write it first, or retry the version from prepare()"
             )
+        own_copy = self.reports is not None and self.rank != 0
+        if own_copy and not is_committed(version_dir(self.source_dir, version)):
+            assert self.reports is not None
+            if not self.reports.adopt_committed(version):
+                raise PublishError(
+                    f"confirm(v{version}): {self.reports.url} has no index of v{version}, so rank 0's commit has not "
+                    f"landed; confirm after it succeeded, or retry v{version} on every rank")
         decision = self._decisions.pop(version, None)
         delta_nbytes = decision.delta_nbytes if decision is not None else staged.prepared.delta_nbytes
         self._scan_once()
@@ -846,6 +909,11 @@ class Publisher:
         self._committed, self._staged = version, None
         if staged.kind == "full":
             self._full_reason = None
+        if own_copy:
+            # This rank's own staging copy: nobody else prunes it (rank 0 prunes its own, and the bucket).
+            self.retention.record(version, staged.kind, is_committed(anchor_dir(self.source_dir, version)))
+            if self.prune:
+                self.retention.prune()
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
@@ -876,6 +944,9 @@ class Publisher:
                 self.confirm(version)
                 self.retention.record(version, staged.kind, is_committed(anchor_dir(self.source_dir, version)))
             return vdir, 0
+        foreign: dict[str, _Foreign] | None = None
+        if self.reports is not None and self.rank == 0:
+            manifests, foreign = self._gather_reports(version, kind, manifests)
         layout_change = None
         if kind == "full":
             if allow_layout_change:
@@ -883,11 +954,84 @@ class Publisher:
             else:
                 self._check_tensor_set(version, set(_merged(manifests, version, kind, lambda m: m.weight_map)))
         vdir, anchor_nbytes = self.committer.commit(version, kind, manifests, fence=self._hold_lease,
-                                                    layout_change=layout_change)
+                                                    layout_change=layout_change, foreign=foreign)
         if staged is not None and staged.version == version:
             self.confirm(version)
         self.retention.record(version, kind, anchor_nbytes > 0)
         return vdir, anchor_nbytes
+
+    def _report(self, manifest: ShardManifest) -> ShardManifest:
+        """A rank other than 0 with its own staging copy: upload this rank's shards of the
+        version and report them (``storage.rank_reports``); the manifest names the report."""
+        assert self.reports is not None
+        version = manifest.version
+        committed = self.reports.committed_index(version)
+        if committed is not None:
+            # Rank 0 committed it already (a retry whose earlier reply was lost): counted only
+            # when its index names exactly this rank's shards; nothing is written into it.
+            wmap = committed.get("weight_map") or {}
+            differ = sorted(n for n, f in manifest.weight_map.items() if wmap.get(n) != f)
+            if differ:
+                raise VersionConflictError(version, self.reports.url, (
+                    f" by another writer: its index maps tensors {differ[:5]} to other shards than the ones rank "
+                    f"{self.rank} wrote; nothing was uploaded into it"))
+            return manifest
+        vname, aname = version_dir_name(version), anchor_dir_name(version)
+
+        def files_of(dname: str, wmap: "dict[str, str] | None") -> dict[str, tuple[int, str]]:
+            out = {}
+            for f in sorted(set((wmap or {}).values())):
+                d = digest_file(os.path.join(self.source_dir, dname, f))
+                out[f] = (d.nbytes, d.digest)
+            return out
+
+        files, anchor_files = files_of(vname, manifest.weight_map), files_of(aname, manifest.anchor_weight_map)
+        layout = (layout_of_shards(os.path.join(self.source_dir, vname), manifest.weight_map)
+                  if manifest.kind == "full" else None)
+        anchor_layout = (layout_of_shards(os.path.join(self.source_dir, aname), manifest.anchor_weight_map)
+                         if manifest.anchor_weight_map else None)
+        manifest = msgspec.structs.replace(manifest, files=files, anchor_files=anchor_files or None, layout=layout,
+                                           anchor_layout=anchor_layout, report_key="")
+        key = self.reports.upload_and_report(version, self.rank, {vname: sorted(files), aname: sorted(anchor_files)},
+                                             msgspec.to_builtins(manifest))
+        return msgspec.structs.replace(manifest, report_key=key)
+
+    def _gather_reports(self, version: int, kind: Kind, manifests: list[ShardManifest]
+                        ) -> tuple[list[ShardManifest], dict[str, _Foreign]]:
+        """Rank 0 with rank reports: its own manifest and every other rank's, from their reports
+        in the bucket (a rank whose manifest the caller passed: exactly the report it names),
+        and what the commit takes from the reports instead of the other ranks' files."""
+        assert self.reports is not None
+        staged = self._staged
+        own = [m for m in manifests if m.rank == 0]
+        if not own and staged is not None and staged.version == version and staged.manifest is not None:
+            own = [staged.manifest]
+        if not own:
+            raise PublishError(f"commit(v{version}): rank 0 has not written v{version}; write it first (every rank)")
+        given = {m.rank: m for m in manifests if m.rank != 0}
+        want = {r: (given[r].report_key or None) if r in given else None for r in range(1, self.world_size)}
+        reports = self.reports.collect(version, want, self.destination.lease_token)  # type: ignore[attr-defined]
+        merged = list(own)
+        vname, aname = version_dir_name(version), anchor_dir_name(version)
+        out: dict[str, _Foreign] = {}
+        for r, report in sorted(reports.items()):
+            try:
+                m = msgspec.convert(report.manifest, ShardManifest)
+            except msgspec.ValidationError as e:
+                raise RankReportMismatchError(version, self.reports.url, r, f"holds no readable manifest ({e})") from None
+            g = given.get(r)
+            if g is not None and (m.kind, m.weight_map, m.anchor_weight_map) != (g.kind, g.weight_map, g.anchor_weight_map):
+                raise RankReportMismatchError(version, self.reports.url, r, (
+                    "names other shards than the manifest its write() returned in this attempt"))
+            if m.kind != kind or m.files is None or (m.anchor_weight_map is not None and m.anchor_files is None):
+                raise RankReportMismatchError(version, self.reports.url, r, (
+                    f"is for a {m.kind} version (this commit: {kind})" if m.kind != kind else "lacks its shards' digests"))
+            merged.append(m)
+            for dname, files, layout in ((vname, m.files, m.layout), (aname, m.anchor_files, m.anchor_layout)):
+                if files:
+                    prev = out.get(dname, _Foreign({}, {}))
+                    out[dname] = _Foreign({**prev.files, **files}, {**prev.layout, **(layout or {})})
+        return merged, out
 
     def _hold_lease(self, what: str) -> None:
         """The writer lease: taken in the dir on first use, then checked (``guard``); and held
@@ -1001,7 +1145,10 @@ class Publisher:
         staged = self._staged
         if staged is None or staged.version != version - 1:
             return
-        if is_committed(version_dir(self.source_dir, staged.version)):
+        landed = is_committed(version_dir(self.source_dir, staged.version))
+        if not landed and self.reports is not None and self.rank != 0:
+            landed = self.reports.adopt_committed(staged.version)  # rank 0 committed it in the bucket
+        if landed:
             self.confirm(staged.version)
             return
         raise PendingVersionError(staged.version, f"cannot prepare v{version}")
@@ -1054,6 +1201,22 @@ def _remove_orphan_anchor(adir: str, version: int) -> None:
         pass
     shutil.rmtree(adir, ignore_errors=True)
     fsync_dir(os.path.dirname(adir) or ".")
+
+
+def _with_reported_file_digests(directory: str, index: bytes, known: _Foreign) -> bytes:
+    """``with_file_digests``, the other ranks' files' entries taken from their reports (the
+    same entry, byte for byte, as hashing the file: nbytes and the xxh3-128 of its bytes)."""
+    obj = json.loads(index)
+    entries = {}
+    for name in sorted(set((obj.get("weight_map") or {}).values())):
+        if name in known.files:
+            nbytes, digest = known.files[name]
+        else:
+            d = digest_file(os.path.join(directory, name))
+            nbytes, digest = d.nbytes, d.digest
+        entries[name] = {"nbytes": nbytes, FILE_DIGEST_ALGORITHM: digest}
+    obj[FILE_DIGESTS_KEY] = entries
+    return json.dumps(obj, indent=1).encode()
 
 
 def _with_metadata(index: bytes, extra: dict[str, str]) -> bytes:

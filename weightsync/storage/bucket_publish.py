@@ -132,12 +132,16 @@ class BucketTarget:
                 )
         write_bytes(local, theirs)
 
-    def fill_a_new_staging_copy(self) -> None:
+    def fill_a_new_staging_copy(self, only_rank: int | None = None) -> None:
         """A staging copy with no version of its own (a trainer started on another host, or with
         a fresh staging dir) gets the bucket's committed versions and anchors first, byte for
         byte (the bucket's index names its content keys, which are valid shard names), so the
         publisher continues the run: its version numbers, base checks and retention read the
-        staging copy. A staging copy that holds versions is left as it is."""
+        staging copy. A staging copy that holds versions is left as it is.
+
+        ``only_rank`` (rank reports: a rank with a staging copy of its own): of the shards, only
+        that rank's (their names carry the rank); the indexes all. A rank's checks read only
+        its own tensors' records, so the other ranks' bytes are not fetched."""
         os.makedirs(self.staging_dir, exist_ok=True)
         if any(_DIR_RE.match(n) for n in os.listdir(self.staging_dir)):
             return
@@ -150,6 +154,8 @@ class BucketTarget:
             for k, o in sorted(listing.items()):
                 d, _, fname = k.partition("/")
                 if d != name or "/" in fname or fname == INDEX_NAME or fname.startswith("."):
+                    continue
+                if only_rank is not None and is_weight_file(fname) and f"-r{only_rank:05d}-" not in fname:
                     continue
                 self.source.fetch(o, os.path.join(part, fname))
             # The index last, read after its files: a version pruned meanwhile is not taken.
@@ -300,6 +306,15 @@ class BucketTarget:
         uploads: list[tuple[str, str]] = []
         for fname in sorted(set(index.get("weight_map", {}).values())):
             path = os.path.join(local, fname)
+            if not os.path.exists(path) and _CONTENT_NAMED.search(fname):
+                # Another rank's shard (rank reports: each rank uploads its own, and rank 0's
+                # commit checked its key and size in the bucket); never in this staging copy.
+                if f"{name}/{fname}" not in there:
+                    raise PublishError(
+                        f"{self.url}/{name}: {fname} is neither in the staging copy {local} nor in the bucket; "
+                        "the rank that wrote it must upload it (retry the version on every rank)")
+                keys[fname] = fname
+                continue
             key = f"{name}/{content_key(fname, path)}"
             keys[fname] = key.split("/", 1)[1]
             if key in there and there[key].size == os.path.getsize(path):
@@ -426,7 +441,9 @@ def open_bucket_target(url: str, rank: int, world_size: int) -> BucketTarget:
     """What ``Publisher(url)`` does first for a bucket URL: refuse a store without conditional
     create, then settle the run identity (rank 0; the other ranks wait until it is there).
     Several ranks share one staging dir (give each the same ``WEIGHTSYNC_BUCKET_STAGING_DIR``: a
-    node-local dir when they share a node, else a shared one): rank 0 commits and uploads from it."""
+    node-local dir when they share a node, else a shared one): rank 0 commits and uploads from it.
+    Ranks on several nodes without a shared dir: ``WEIGHTSYNC_BUCKET_RANK_REPORTS=1`` on every
+    rank (``storage.rank_reports``); each other rank's staging copy then holds its own shards."""
     target = BucketTarget(url)
     target.check_conditional_create()
     if rank == 0:
@@ -434,4 +451,8 @@ def open_bucket_target(url: str, rank: int, world_size: int) -> BucketTarget:
         target.fill_a_new_staging_copy()
     else:
         target.adopt_run_identity(world_size)
+        from .rank_reports import rank_reports_wanted
+
+        if world_size > 1 and rank_reports_wanted():
+            target.fill_a_new_staging_copy(only_rank=rank)  # its own staging copy (storage.rank_reports)
     return target

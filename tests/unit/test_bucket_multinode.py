@@ -1,0 +1,209 @@
+"""Ranks on several nodes publish one version to one bucket, each with a staging copy of its own
+(``WEIGHTSYNC_BUCKET_RANK_REPORTS=1``, storage.rank_reports), against a real S3 server on
+loopback. Each rank is a separate process with its own ``WEIGHTSYNC_BUCKET_STAGING_DIR``; the
+test is the caller that carries the manifests between them (the barrier of the protocol)."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+
+import msgspec
+import pytest
+
+from core_support import mutate
+from weightsync.storage.source import BucketSource
+
+from bucket_support import bucket_run, s3_env, s3_server_fixture  # noqa: F401 (fixtures)
+
+s3 = s3_server_fixture()
+INDEX = "model.safetensors.index.json"
+
+
+def _rank_main(conn, url: str, rank: int, world: int, staging: str, template: str, seed: dict, seed_version: int,
+               env: dict) -> None:
+    """One rank on its own "node": its own staging dir; commands from the test over ``conn``."""
+    os.environ.update(env)
+    os.environ["WEIGHTSYNC_BUCKET_STAGING_DIR"] = staging
+    os.environ["WEIGHTSYNC_BUCKET_RANK_REPORTS"] = "1"
+    from weightsync import Publisher
+    from weightsync.publisher.publish import ShardManifest
+
+    try:
+        pub = Publisher(url, rank=rank, world_size=world, workers=1, template_dir=template)
+        pub.seed_snapshot(seed, seed_version)
+        conn.send(("ok", pub.source_dir))
+    except Exception as e:  # reported to the test, which fails on it
+        conn.send(("error", (type(e).__name__, str(e), None)))
+        return
+    while True:
+        cmd, args = conn.recv()
+        try:
+            out = None
+            if cmd == "write":
+                v, kind, tensors = args
+                prepared = pub.prepare(v, tensors, kind="full" if kind == "full" else None)
+                out = msgspec.to_builtins(pub.write(prepared, kind))
+            elif cmd == "commit":
+                v, kind, manifests = args
+                pub.commit(v, kind, [msgspec.convert(m, ShardManifest) for m in manifests])
+            elif cmd == "confirm":
+                pub.confirm(args)
+            elif cmd == "exit":
+                pub.close()
+                conn.send(("ok", None))
+                return
+            conn.send(("ok", out))
+        except Exception as e:
+            conn.send(("error", (type(e).__name__, str(e), getattr(e, "ranks", None))))
+
+
+class Rank:
+    """A rank process; ``call`` returns its answer or raises RankFailed with its typed error."""
+
+    def __init__(self, run, rank: int, staging: str, owners: dict, seed_version: int = 0, env: "dict | None" = None):
+        ctx = multiprocessing.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.owners, self.rank = owners, rank
+        seed = {n: a for n, a in run.tensors[seed_version].items() if owners[n] == rank}
+        self.proc = ctx.Process(target=_rank_main, args=(child, run.url, rank, 2, staging, run.seed, seed, seed_version,
+                                                         dict(env or {})), daemon=True)
+        self.proc.start()
+        self.staging = self._answer()
+
+    def _answer(self, timeout: float = 120.0):
+        assert self.conn.poll(timeout), f"rank {self.rank} did not answer within {timeout:.0f}s"
+        status, value = self.conn.recv()
+        if status == "error":
+            raise RankFailed(*value)
+        return value
+
+    def call(self, cmd: str, *args):
+        self.conn.send((cmd, args if len(args) != 1 else args[0]))
+        return self._answer()
+
+    def write(self, v: int, kind: str, tensors: dict) -> dict:
+        return self.call("write", v, kind, {n: a for n, a in tensors.items() if self.owners[n] == self.rank})
+
+    def stop(self) -> None:
+        if self.proc.is_alive():
+            try:
+                self.call("exit")
+            except Exception:
+                pass
+        self.proc.join(30)
+        if self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join(10)
+
+
+class RankFailed(Exception):
+    def __init__(self, type_name: str, message: str, ranks):
+        super().__init__(f"{type_name}: {message}")
+        self.type_name, self.message, self.ranks = type_name, message, ranks
+
+
+@pytest.fixture
+def nodes(bucket_run, fast_tmp_path):
+    """Start ranks on "nodes" (a staging dir each); every process is stopped at the end."""
+    started: list[Rank] = []
+    owners = {n: i % 2 for i, n in enumerate(sorted(bucket_run.tensors[0]))}
+
+    def start(rank: int, seed_version: int = 0, env: "dict | None" = None) -> Rank:
+        r = Rank(bucket_run, rank, str(fast_tmp_path / f"node{rank}"), owners, seed_version, env)
+        started.append(r)
+        return r
+
+    yield start
+    for r in started:
+        r.stop()
+
+
+def _index(url: str, v: int) -> "dict | None":
+    try:
+        return json.loads(BucketSource(url).read(f"weight_v{v:06d}/{INDEX}"))
+    except FileNotFoundError:
+        return None
+
+
+def _shards_in(staging: str) -> set[str]:
+    return {f for _, _, files in os.walk(staging) for f in files if f.endswith(".safetensors")}
+
+
+def test_two_ranks_on_two_nodes_publish_a_full_then_deltas_that_a_fresh_host_pulls_exactly(bucket_run, nodes):
+    r0, r1 = nodes(0), nodes(1)
+    assert r0.staging != r1.staging
+    for v, kind in ((1, "full"), (2, "delta"), (3, "delta")):
+        new = bucket_run.next_tensors()
+        m1 = r1.write(v, kind, new)  # rank 1 first: at v1 no lease is in the bucket yet
+        m0 = r0.write(v, kind, new)
+        assert m1["report_key"] and not m0["report_key"]
+        # v3: rank 0 is not given rank 1's manifest and finds its report under its own lease.
+        r0.call("commit", v, kind, [m0, m1] if v < 3 else [m0])
+        r1.call("confirm", v)
+        index = _index(bucket_run.url, v)
+        assert index is not None
+        assert {f.split("-")[1] for f in index["weight_map"].values()} == {"r00000", "r00001"}
+        assert not BucketSource(bucket_run.url).list(f"weight_v{v:06d}/.ranks/")  # the reports went with the commit
+    for v in (1, 2, 3):
+        bucket_run.assert_pulls(v)  # each version on a fresh host: exactly the published tensors
+    local = bucket_run.fresh_local()
+    bucket_run.assert_pulls(1, local)
+    assert bucket_run.assert_pulls(3, local).action == "chain"  # the deltas apply on v1's bytes
+    # Rank 0 committed without ever holding rank 1's bytes (their sizes, digests and layouts came
+    # from the reports), and rank 1's copy holds only its own shards plus the committed indexes.
+    assert all("-r00001-" not in f for f in _shards_in(r0.staging))
+    assert all("-r00000-" not in f for f in _shards_in(r1.staging))
+    assert os.path.exists(os.path.join(r1.staging, "weight_v000003", INDEX))
+
+
+def test_a_rank_that_never_reports_makes_rank_0_fail_naming_it_and_no_index_is_written(bucket_run, nodes):
+    r0 = nodes(0, env={"WEIGHTSYNC_BUCKET_RANK_REPORT_WAIT_S": "1"})
+    new = bucket_run.next_tensors()
+    m0 = r0.write(1, "full", new)
+    with pytest.raises(RankFailed) as e:
+        r0.call("commit", 1, "full", [m0])
+    assert e.value.type_name == "RankReportMissingError" and e.value.ranks == [1]
+    assert "rank(s) [1]" in e.value.message
+    assert _index(bucket_run.url, 1) is None
+    assert not os.path.exists(os.path.join(r0.staging, "weight_v000001", INDEX))
+    # The rank comes, writes and reports: the same commit, retried, lands with every rank's tensors.
+    r1 = nodes(1)
+    m1 = r1.write(1, "full", new)
+    r0.call("commit", 1, "full", [m0, m1])
+    r1.call("confirm", 1)
+    bucket_run.assert_pulls(1)
+
+
+def test_a_report_left_by_a_failed_earlier_attempt_with_other_bytes_is_never_committed(bucket_run, nodes):
+    r0, r1 = nodes(0), nodes(1)
+    v1 = bucket_run.next_tensors()
+    m = [r.write(1, "full", v1) for r in (r0, r1)]
+    r0.call("commit", 1, "full", m)
+    r1.call("confirm", 1)
+    # Attempt 1 at v2: both ranks write and rank 1 reports bytes A; rank 0 dies before its commit.
+    other = mutate(bucket_run.tensors[1], bucket_run.rng, 0.05)
+    stale = r1.write(2, "delta", other)
+    r0.write(2, "delta", other)
+    r0.stop(), r1.stop()
+    assert stale["report_key"] in BucketSource(bucket_run.url).list("weight_v000002/.ranks/")
+    # Attempt 2, new processes on the same nodes, with other bytes B. Rank 0 (a new writer lease)
+    # given only its own manifest does not take attempt 1's report of rank 1.
+    fast = {"WEIGHTSYNC_BUCKET_RANK_REPORT_WAIT_S": "1"}
+    r0, r1 = nodes(0, seed_version=1, env=fast), nodes(1, seed_version=1)
+    v2 = bucket_run.next_tensors()
+    m0 = r0.write(2, "delta", v2)
+    with pytest.raises(RankFailed) as e:
+        r0.call("commit", 2, "delta", [m0])
+    assert e.value.type_name == "RankReportMissingError" and e.value.ranks == [1]
+    assert _index(bucket_run.url, 2) is None
+    m1 = r1.write(2, "delta", v2)
+    r0.call("commit", 2, "delta", [m0])  # now rank 1's report of this attempt is under rank 0's lease
+    r1.call("confirm", 2)
+    index = _index(bucket_run.url, 2)
+    assert index is not None
+    assert set(stale["weight_map"].values()).isdisjoint(index["weight_map"].values())
+    assert set(m1["weight_map"].values()) <= set(index["weight_map"].values())
+    bucket_run.assert_pulls(2)  # exactly B
+    bucket_run.assert_pulls(1)
