@@ -52,6 +52,40 @@ from bucket_support import s3_env, s3_server_fixture, upload_dir_state  # noqa: 
 INDEX = "model.safetensors.index.json"
 SIZES = {"a": ("float32", (64,)), "b": ("int16", (8, 4)), "c": ("uint8", (1,))}
 
+# Rows that do not run on a bucket, and why (each reason one line). A key is a row's name (no
+# bucket variant is made), or its name and some of its parameters, "name[param=value]" (that
+# case's bucket variant is skipped, with the reason).
+NOT_ON_A_BUCKET = {
+    "test_indexless_dir_that_is_not_one_complete_model_safetensors_is_not_ready[shape=empty_dir]":
+        "a bucket has no empty dirs: an empty prefix is no version at all (VersionMissingError)",
+    "test_shard_symlink_resolving_outside_the_version_dir_is_refused":
+        "a bucket holds no symlinks",
+    "test_shard_gone_or_replaced_between_load_and_apply_is_not_ready_and_leaves_no_marker":
+        "the fault is the filesystem between load and apply; a bucket pull applies from its host-local mirror",
+    "test_publishing_over_an_existing_version_is_refused":
+        "the directory publisher's refusal; a bucket's is BucketConflictError (test_bucket_source.py)",
+    "test_overwrite_refuses_a_tensor_over_4_gib": "an encoder's refusal: no source, no pull",
+    "test_every_error_has_a_stable_type_status_and_stdlib_parent": "the error table: no source, no pull",
+    "test_path_not_allowed_names_the_path_and_the_roots": "an error's message: no source, no pull",
+    "test_local_tensor_mismatch_and_local_state_errors_say_what_to_do": "an error's message: no source, no pull",
+}
+
+# Bucket variants that fail for a product reason (the fix is the lead's: storage/mirror.py,
+# puller/bucket.py): strict, so a fix shows up as an XPASS to move the row off this list. Keys
+# as in NOT_ON_A_BUCKET.
+_NO_INDEXLESS = ("a bucket pull sees a version only through its index key (puller/bucket.py _check_published, "
+                 "Mirror._refresh): an index-less dir copied to a bucket is VersionMissingError, not IndexMissingError")
+BUCKET_XFAIL: dict[str, str] = {
+    "test_version_without_index_is_still_publishing": _NO_INDEXLESS,
+    "test_indexless_dir_that_is_not_one_complete_model_safetensors_is_not_ready": _NO_INDEXLESS,
+    "test_delta_shard_named_by_the_index_but_missing_is_not_ready":
+        "Mirror.prepare says '[keys] named by the plan are not in the bucket (pruned meanwhile?)', not which version's index names which missing shard",
+    "test_full_version_shard_named_by_the_index_but_missing_is_not_ready":
+        "Mirror.prepare says '[keys] named by the plan are not in the bucket (pruned meanwhile?)', not which full version names which missing shard",
+    "test_local_byte_corrupted_between_pulls_is_healed_by_one_reseed":
+        "the bytes heal, but through pull_from_bucket's second run_pull, whose PullResult says reseeded=False and 'no applied-version marker'",
+}
+
 
 class World:
     """A seed dir, a source dir with v1 (xor delta) and v2 (overwrite delta), and a local
@@ -182,41 +216,6 @@ def delta_shard(
 
 
 s3 = s3_server_fixture()  # one server for the module, started by the first bucket variant
-
-# Rows that do not run on a bucket, and why (each reason one line). A key is a row's name (no
-# bucket variant is made), or its name and some of its parameters, "name[param=value]" (that
-# case's bucket variant is skipped, with the reason).
-NOT_ON_A_BUCKET = {
-    "test_indexless_dir_that_is_not_one_complete_model_safetensors_is_not_ready[shape=empty_dir]":
-        "a bucket has no empty dirs: an empty prefix is no version at all (VersionMissingError)",
-    "test_shard_symlink_resolving_outside_the_version_dir_is_refused":
-        "a bucket holds no symlinks",
-    "test_shard_gone_or_replaced_between_load_and_apply_is_not_ready_and_leaves_no_marker":
-        "the fault is the filesystem between load and apply; a bucket pull applies from its host-local mirror",
-    "test_publishing_over_an_existing_version_is_refused":
-        "the directory publisher's refusal; a bucket's is BucketConflictError (test_bucket_source.py)",
-    "test_overwrite_refuses_a_tensor_over_4_gib": "an encoder's refusal: no source, no pull",
-    "test_every_error_has_a_stable_type_status_and_stdlib_parent": "the error table: no source, no pull",
-    "test_path_not_allowed_names_the_path_and_the_roots": "an error's message: no source, no pull",
-    "test_local_tensor_mismatch_and_local_state_errors_say_what_to_do": "an error's message: no source, no pull",
-}
-
-# Bucket variants that fail for a product reason (the fix is the lead's: storage/mirror.py,
-# puller/bucket.py): strict, so a fix shows up as an XPASS to move the row off this list. Keys
-# as in NOT_ON_A_BUCKET.
-_NO_INDEXLESS = ("a bucket pull sees a version only through its index key (puller/bucket.py _check_published, "
-                 "Mirror._refresh): an index-less dir copied to a bucket is VersionMissingError, not IndexMissingError")
-BUCKET_XFAIL: dict[str, str] = {
-    "test_version_without_index_is_still_publishing": _NO_INDEXLESS,
-    "test_indexless_dir_that_is_not_one_complete_model_safetensors_is_not_ready": _NO_INDEXLESS,
-    "test_delta_shard_named_by_the_index_but_missing_is_not_ready":
-        "Mirror.prepare says '[keys] named by the plan are not in the bucket (pruned meanwhile?)', not which version's index names which missing shard",
-    "test_full_version_shard_named_by_the_index_but_missing_is_not_ready":
-        "Mirror.prepare says '[keys] named by the plan are not in the bucket (pruned meanwhile?)', not which full version names which missing shard",
-    "test_local_byte_corrupted_between_pulls_is_healed_by_one_reseed":
-        "the bytes heal, but through pull_from_bucket's second run_pull, whose PullResult says reseeded=False and 'no applied-version marker'",
-}
-
 
 def _listed(table: dict, item) -> "str | None":
     """The reason ``table`` gives for this test item's case, if any: by its name, or by its name
@@ -351,6 +350,21 @@ def test_pruned_version_in_the_chain_breaks_it(world):
     world.assert_at(2)
 
 
+def test_version_whose_index_a_pruner_removed_first_is_not_ready_for_a_fresh_host(world):
+    """Pruning deletes a version's index before its shards (docs/BUCKETS.md): between the two, a
+    fresh host's chain through that version is not ready; a host already past it pulls on."""
+    world.publish(3, "xor", names=["b"])
+    os.unlink(os.path.join(world.vdir(1), INDEX))  # its shard is still there
+    fresh = os.path.join(world.root, "fresh")
+    with pytest.raises(errors.SourceNotReadyError, match=r"version 1\b.*(not at|no model.safetensors.index.json)") as ei:
+        pull(fresh, world.seed, world.pull_source(), 3)
+    assert ei.value.retryable
+    assert marker_version(fresh) is None
+    world.assert_at(2)
+    assert world.pull(3).action == "chain"  # the local state at v2 needs only v3
+    world.assert_at(3)
+
+
 def test_delta_shard_named_by_the_index_but_missing_is_not_ready(world):
     world.publish(3, "xor", names=["a"])
     shard = shard_path(world.vdir(3))
@@ -380,6 +394,8 @@ def test_full_version_shard_named_by_the_index_but_missing_is_not_ready(world):
         (b"[1, 2]", r"index is not a JSON object"),
         (b'{"metadata": {}, "weight_map": ["a"]}', r"weight_map must be an object"),
         (b'{"metadata": "v3", "weight_map": {}}', r"metadata must be an object"),
+        (b'{"weight_map": 3}', r"weight_map must be an object"),
+        (b'{"metadata": {}}', r"weight_map must be an object"),
     ],
 )
 def test_index_that_is_not_a_json_object_of_the_right_shape_is_malformed(world, content, words):
