@@ -228,6 +228,15 @@ class BucketTarget:
             self.lease_token, self.lease_epoch = str(mine["token"]), epoch
         self.check_lease(what)
 
+    def current_lease_token(self) -> str | None:
+        """The token of the writer lease in the bucket now (None: none yet): the scope under
+        which a rank other than 0 reports its shards (``storage.rank_reports``)."""
+        try:
+            lease = _lease_of(self.source.read(WRITER_NAME))
+        except FileNotFoundError:
+            return None
+        return str(lease["token"]) if lease else None
+
     def check_lease(self, what: str) -> None:
         """SupersededPublisherError unless the bucket's lease is still this publisher's (a
         target that never took one, a publisher that writes nothing, is not checked)."""

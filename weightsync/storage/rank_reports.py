@@ -131,13 +131,7 @@ class RankReports:
         return key
 
     def lease_scope(self) -> str:
-        from .bucket_publish import WRITER_NAME, _lease_of
-
-        try:
-            lease = _lease_of(self.source.read(WRITER_NAME))
-        except FileNotFoundError:
-            lease = None
-        return str(lease["token"]) if lease else NO_SCOPE
+        return self.target.current_lease_token() or NO_SCOPE
 
     def delete_report(self, key: str) -> None:
         if key:
