@@ -167,7 +167,9 @@ class AzuriteServer:
             return ""
 
     def kill(self) -> None:
-        """SIGKILL the whole server (a crash)."""
+        """SIGKILL the whole server. Not a durable crash as for ``weed mini``: Azurite saves its
+        blob metadata on an interval, so blobs written in the last seconds are gone after
+        ``restart`` (``stop`` saves them)."""
         if self.proc is not None and self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait(10)
