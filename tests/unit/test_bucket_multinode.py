@@ -44,6 +44,7 @@ def _rank_main(conn, url: str, rank: int, world: int, staging: str, template: st
             if cmd == "write":
                 v, kind, tensors = args
                 prepared = pub.prepare(v, tensors, kind="full" if kind == "full" else None)
+                pub.choose_kind(v, 0, 1, requested=kind)  # the kind the test chose; a side anchor when one is due
                 out = msgspec.to_builtins(pub.write(prepared, kind))
             elif cmd == "commit":
                 v, kind, manifests = args
@@ -110,8 +111,8 @@ def nodes(bucket_run, fast_tmp_path):
     started: list[Rank] = []
     owners = {n: i % 2 for i, n in enumerate(sorted(bucket_run.tensors[0]))}
 
-    def start(rank: int, seed_version: int = 0, env: "dict | None" = None) -> Rank:
-        r = Rank(bucket_run, rank, str(fast_tmp_path / f"node{rank}"), owners, seed_version, env)
+    def start(rank: int, seed_version: int = 0, env: "dict | None" = None, node: str = "") -> Rank:
+        r = Rank(bucket_run, rank, str(fast_tmp_path / (node or f"node{rank}")), owners, seed_version, env)
         started.append(r)
         return r
 
@@ -132,7 +133,8 @@ def _shards_in(staging: str) -> set[str]:
 
 
 def test_two_ranks_on_two_nodes_publish_a_full_then_deltas_that_a_fresh_host_pulls_exactly(bucket_run, nodes):
-    r0, r1 = nodes(0), nodes(1)
+    anchors = {"WEIGHTSYNC_ANCHOR_MAX_DELTAS": "2"}  # v3, the second delta after v1, gets a side anchor
+    r0, r1 = nodes(0, env=anchors), nodes(1, env=anchors)
     assert r0.staging != r1.staging
     for v, kind in ((1, "full"), (2, "delta"), (3, "delta")):
         new = bucket_run.next_tensors()
@@ -156,6 +158,19 @@ def test_two_ranks_on_two_nodes_publish_a_full_then_deltas_that_a_fresh_host_pul
     assert all("-r00001-" not in f for f in _shards_in(r0.staging))
     assert all("-r00000-" not in f for f in _shards_in(r1.staging))
     assert os.path.exists(os.path.join(r1.staging, "weight_v000003", INDEX))
+    anchor = json.loads(BucketSource(bucket_run.url).read(f"anchor_v000003/{INDEX}"))
+    assert {f.split("-")[1] for f in anchor["weight_map"].values()} == {"r00000", "r00001"}
+    # Rank 1 restarts on a new node (an empty staging dir): its copy is filled with the indexes
+    # and its own shards only, and v4 goes on from there.
+    r1.stop()
+    r1 = nodes(1, seed_version=3, node="node1-new")
+    assert _shards_in(r1.staging) and all("-r00001-" in f for f in _shards_in(r1.staging))
+    new = bucket_run.next_tensors()
+    m1, m0 = r1.write(4, "delta", new), r0.write(4, "delta", new)
+    r0.call("commit", 4, "delta", [m0, m1])
+    r1.call("confirm", 4)
+    bucket_run.assert_pulls(4)
+    assert bucket_run.assert_pulls(4, local).action == "chain"
 
 
 def test_a_rank_that_never_reports_makes_rank_0_fail_naming_it_and_no_index_is_written(bucket_run, nodes):
