@@ -37,8 +37,10 @@ from .client import (
     TRANSIENT,
     Deadline,
     open_store,
+    same_etag,
     typed_error,
 )
+from .signed_get import SignedRanges
 from .url import BucketURL, parse_bucket_url
 
 Progress = Callable[[int, int], None]
@@ -138,6 +140,7 @@ class BucketSource:
         self.url = url if isinstance(url, BucketURL) else parse_bucket_url(url)
         self.name = str(self.url)
         self.store = open_store(self.url)
+        self._signed: "SignedRanges | None | bool" = False  # decided at the first fetch
 
     # --- small objects ------------------------------------------------------------------
 
@@ -217,10 +220,19 @@ class BucketSource:
 
         keys = list(keys)
         for i in range(0, len(keys), 1000):  # DeleteObjects takes at most 1,000 keys
+            batch = keys[i:i + 1000]
             try:
-                obstore.delete(self.store, keys[i:i + 1000])
+                obstore.delete(self.store, batch)
             except FileNotFoundError:
-                pass
+                # Azure's bulk delete stops at the first key already gone (S3's ignores it): the
+                # rest of the batch one by one, so no key is left behind.
+                for key in batch:
+                    try:
+                        obstore.delete(self.store, key)
+                    except FileNotFoundError:
+                        pass
+                    except Exception as e:
+                        raise typed_error(e, self.url, f"DELETE {key}") from e
             except Exception as e:
                 raise typed_error(e, self.url, f"DELETE {len(keys)} key(s)") from e
 
@@ -249,6 +261,8 @@ class BucketSource:
         ``BucketUnavailableError``; a changed object raises ``SourceChangedError``. Returns only
         once every byte of every range was written: never over partial bytes."""
         deadline = deadline or Deadline.from_knob()
+        if self._signed is False:
+            self._signed = SignedRanges.for_store(self.store, self.url)
         rng = int(FETCH_RANGE_NBYTES.get())
         ranges = [(s, min(s + rng, obj.size)) for s in range(0, obj.size, rng)]
         done_lock = threading.Lock()
@@ -289,9 +303,14 @@ class BucketSource:
             if obj.tag:
                 opts["if_match"] = obj.tag
             try:
+                if self._signed:
+                    pos, why = self._signed.read_range(obj.key, obj.size, obj.tag, pos, end, fd, wrote, deadline)
+                    if pos >= end:
+                        return
+                    raise _Retry(why)
                 res = obstore.get(self.store, obj.key, options=opts)  # type: ignore[arg-type]
                 tag = res.meta.get("e_tag")
-                if obj.tag and tag and tag != obj.tag:
+                if obj.tag and tag and not same_etag(tag, obj.tag):
                     raise SourceChangedError(self.name, obj.key, f" (ETag {tag}, planned {obj.tag})")
                 if res.meta.get("size") is not None and int(res.meta["size"]) != obj.size:
                     raise SourceChangedError(self.name, obj.key, f" (now {res.meta['size']} bytes, listed {obj.size})")
@@ -307,6 +326,10 @@ class BucketSource:
                 if pos >= end:
                     return
                 why = f"a short body: the range {r[0]}-{end} stopped at {pos}"
+            except _Retry as again:
+                why = str(again)
+            except SourceNotReadyError:  # the signed path's typed answer (changed, gone): as it is
+                raise
             except PreconditionError:
                 raise SourceChangedError(self.name, obj.key) from None
             except FileNotFoundError:
@@ -323,6 +346,10 @@ class BucketSource:
                 raise BucketUnavailableError(self.name, f"GET {obj.key}", f"{why}; gave up after {deadline.limit_s:.0f}s")
             time.sleep(min(backoff, max(0.0, deadline.left())))
             backoff = min(backoff * 2, 5.0)
+
+
+class _Retry(Exception):
+    """A range that stopped short or failed transiently: asked again from where it stopped."""
 
 
 def open_source(root: str) -> "Source":
