@@ -76,6 +76,7 @@ from .encode import PreparedTensor, PreparedVersion, Encoder
 from .encoding_choice import AUTO, Cost, EncodingChoice, EncodingChooser, EncodingSample, check_candidates, merge_samples
 from .guard import LAYOUT_CHANGE_KEY, PublishGuard
 from .kind_rule import Kind, KindRule
+from .pending import PendingVersion, Staged, remove_version_files
 from .prune import Retention
 from .records import SeedRecord, encode_run_file_with_seed
 from .snapshot import RawTensor, Snapshot, as_raw, read_checkpoint_tensors
@@ -166,13 +167,7 @@ class _Foreign(msgspec.Struct, frozen=True):
     layout: dict[str, tuple[str, tuple[int, ...]]]  # tensor -> (dtype, shape), for full shards
 
 
-class _Staged(msgspec.Struct):
-    """A version this rank wrote whose commit is not confirmed yet: what a retry reuses."""
-
-    version: int
-    kind: str
-    prepared: PreparedVersion  # its tensors' ``new`` are the snapshot's own buffers
-    manifest: "ShardManifest | None" = None  # what write() wrote (a landed index must name exactly these shards)
+_Staged = Staged  # the pending version's record (publisher.pending)
 
 
 # --- units ------------------------------------------------------------------------------------
@@ -559,7 +554,7 @@ class Publisher:
         )
         self.retention = Retention(source_dir, self.keep_versions)
         self._committed = 0  # the newest version this rank knows is committed
-        self._staged: _Staged | None = None
+        self.pending = PendingVersion(self.snapshot)  # the version written but not confirmed yet
         self._decisions: dict[int, _Decision] = {}
         self._landed: PublishResult | None = None  # the last version publish() committed (what a retry returns)
         self._full_reason: str | None = None  # set: the next version must be full (after discard_pending)
@@ -568,6 +563,14 @@ class Publisher:
         # writes the run identity into a fresh dir) at its first write, not here: a publish
         # that is refused leaves the source dir as it was.
         self.guard = PublishGuard(source_dir, checksum, world_size, self._pool, atomic_rename)
+
+    @property
+    def _staged(self) -> Staged | None:
+        return self.pending.staged
+
+    @_staged.setter
+    def _staged(self, staged: Staged | None) -> None:
+        self.pending.staged = staged
 
     # The kind rule's settings, as the publisher was given them.
     full_every = property(lambda self: self.kinds.full_every)
@@ -635,7 +638,7 @@ class Publisher:
         staged = self._staged
         if staged is not None and staged.version == version and is_committed(vdir):
             # Its index landed, but the write of it reported a failure: count it, never rewrite it.
-            self._check_same_bytes(staged, tensors)
+            self.pending.check_same_bytes(tensors)
             return self._recognise_landed(staged)
         if (staged is None or staged.version != version) and version >= 1 and is_committed(vdir):
             return self._already_published(version, tensors)
@@ -663,7 +666,7 @@ class Publisher:
     @property
     def pending_version(self) -> int | None:
         """The version this rank wrote whose commit is not confirmed (None: nothing pending)."""
-        return self._staged.version if self._staged is not None else None
+        return self.pending.version
 
     @_host_errors_typed
     def finish_pending(self) -> PublishResult | None:
@@ -709,13 +712,7 @@ class Publisher:
             self._hold_lease(f"discarding v{version}")
             if self.reports is not None:
                 self.reports.delete_reports(version, self.destination.lease_token)  # type: ignore[attr-defined]
-        adir = anchor_dir(self.source_dir, version)
-        for index in (os.path.join(adir, INDEX_NAME), os.path.join(vdir, INDEX_NAME)):
-            if os.path.lexists(index):  # an anchor's index lands before the version's: it goes first
-                os.unlink(index)
-        shutil.rmtree(adir, ignore_errors=True)
-        shutil.rmtree(vdir, ignore_errors=True)
-        fsync_dir(self.source_dir)
+        remove_version_files(self.source_dir, version)
         self._staged = None
         self._decisions.pop(version, None)
         self._full_reason = (
@@ -743,7 +740,7 @@ class Publisher:
         self._settle(version)
         staged = self._staged
         if staged is not None and staged.version == version:
-            self._check_same_bytes(staged, tensors)
+            self.pending.check_same_bytes(tensors)
             return staged.prepared
         encode = kind != "full" and not self._full_by_schedule(version) and self._full_reason is None
         if version <= self._committed and is_committed(version_dir(self.source_dir, version)):
@@ -822,10 +819,7 @@ class Publisher:
         staged = self._staged
         retry = staged is not None and staged.version == prepared.version
         if retry and staged is not None and prepared is not staged.prepared:
-            differ = self.snapshot.differing_bytes([(t.name, t.new) for t in prepared.tensors])
-            if differ:
-                raise self._other_bytes_error(staged.version, differ)
-            prepared = staged.prepared
+            prepared = self.pending.same_prepared(prepared)
         if not retry and prepared.version != self._committed + 1:
             raise PublishError(f"v{prepared.version} does not follow the committed v{self._committed}; prepare it again")
         vdir = version_dir(self.source_dir, prepared.version)
@@ -1080,7 +1074,7 @@ class Publisher:
             self.retention.prune()
             self.destination.mirror_pruned()
 
-    def _recognise_landed(self, staged: _Staged) -> PublishResult:
+    def _recognise_landed(self, staged: Staged) -> PublishResult:
         """The staged version's index is in the source dir: count it published (one rank)."""
         vdir = version_dir(self.source_dir, staged.version)
         self._commit_index(staged.version, staged.kind, [])  # type: ignore[arg-type]
@@ -1116,29 +1110,9 @@ class Publisher:
 
     def _stage(self, prepared: PreparedVersion, kind: str) -> None:
         """Take the written bytes into the snapshot and keep what a retry reuses."""
-        entries = self.snapshot.entries
-        changed: list[tuple[str, np.ndarray, str | None]]
-        if prepared.encoded:
-            changed = [(t.name, t.new, t.digest) for t in prepared.tensors if t.payload is not None]
-        else:  # not compared: any passed tensor may have changed, and no digest was computed
-            changed = [(t.name, t.new, None) for t in prepared.tensors if t.new is not entries[t.name].buf]
-        self.snapshot.advance(prepared.version, changed)
+        self.pending.stage(prepared, kind)
         self.guard.base_checked = prepared.version  # its own bytes from here: nothing to check again
-        own = [msgspec.structs.replace(t, new=entries[t.name].buf) for t in prepared.tensors]
-        self._staged = _Staged(prepared.version, kind, msgspec.structs.replace(prepared, tensors=own))
 
-    def _check_same_bytes(self, staged: _Staged, tensors: Mapping[str, "RawTensor | np.ndarray"]) -> None:
-        jobs = self.snapshot.jobs(tensors)
-        differ = self.snapshot.differing_bytes([(j.name, j.new) for j in jobs])
-        if differ:
-            raise self._other_bytes_error(staged.version, differ)
-
-    @staticmethod
-    def _other_bytes_error(version: int, differ: list[str]) -> PublishError:
-        return PendingVersionError(version, (
-            f"v{version} was already written by this rank with other bytes for tensors {differ[:5]}; "
-            f"a retry of v{version} must pass the same bytes (its index has not landed, so nothing is lost)"
-        ))
 
     def _settle(self, version: int) -> None:
         """Before preparing ``version``: confirm a written predecessor whose index has landed."""
