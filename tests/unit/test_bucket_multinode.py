@@ -51,6 +51,8 @@ def _rank_main(conn, url: str, rank: int, world: int, staging: str, template: st
                 pub.commit(v, kind, [msgspec.convert(m, ShardManifest) for m in manifests])
             elif cmd == "confirm":
                 pub.confirm(args)
+            elif cmd == "discard":
+                out = pub.discard_pending()
             elif cmd == "exit":
                 pub.close()
                 conn.send(("ok", None))
@@ -222,3 +224,24 @@ def test_a_report_left_by_a_failed_earlier_attempt_with_other_bytes_is_never_com
     assert set(m1["weight_map"].values()) <= set(index["weight_map"].values())
     bucket_run.assert_pulls(2)  # exactly B
     bucket_run.assert_pulls(1)
+
+
+def test_a_version_discarded_on_every_rank_leaves_no_report_that_its_next_attempt_could_commit(bucket_run, nodes):
+    r0, r1 = nodes(0), nodes(1)
+    v1 = bucket_run.next_tensors()
+    m = [r.write(1, "full", v1) for r in (r0, r1)]
+    r0.call("commit", 1, "full", m)
+    r1.call("confirm", 1)
+    other = mutate(v1, bucket_run.rng, 0.05)
+    stale = r1.write(2, "delta", other)
+    r0.write(2, "delta", other)
+    assert r1.call("discard") == 2 and r0.call("discard") == 2
+    assert not BucketSource(bucket_run.url).list("weight_v000002/.ranks/")
+    # The same writer lease, other bytes (full: the discard says so); rank 0 not given rank 1's
+    # manifest finds exactly one report of rank 1, this attempt's.
+    v2 = bucket_run.next_tensors()
+    m1, m0 = r1.write(2, "full", v2), r0.write(2, "full", v2)
+    assert m1["report_key"] != stale["report_key"]
+    r0.call("commit", 2, "full", [m0])
+    r1.call("confirm", 2)
+    bucket_run.assert_pulls(2)
