@@ -96,6 +96,10 @@ def run_round(kind: str, target: str, seed: str, work: str, v1, v2, server) -> d
         r = pub.publish(2, raw2)
     out["publish v2 (delta)"] = (m.wall, m.cpu, m.server_cpu, r.wire_nbytes)
     pub.close()
+    if server is not None:
+        with Meter(server) as m:
+            nbytes = serve_only(target, "weight_v000001/")
+        out["the server alone: v1's shards to curl"] = (m.wall, m.cpu, m.server_cpu, nbytes)
     local = os.path.join(work, f"local-{kind}-{uuid.uuid4().hex[:6]}")
     with Meter(server) as m:
         r = pull(local, seed, target, 1)
@@ -105,6 +109,37 @@ def run_round(kind: str, target: str, seed: str, work: str, v1, v2, server) -> d
     out["pull v2 (chain)"] = (m.wall, m.cpu, m.server_cpu, r.source_nbytes)
     shutil.rmtree(local, ignore_errors=True)
     return out
+
+
+def serve_only(url: str, prefix: str) -> int:
+    """What the server alone takes to send a version's shards: the pull's ranged GETs (same range
+    size, same number in flight), each by a ``curl`` writing to /dev/null through a presigned URL,
+    so the client costs next to nothing. Its wall time is the floor a pull of these bytes from this
+    server, on this box, can reach. Returns the bytes sent."""
+    import datetime as _dt
+    import subprocess
+
+    import obstore
+
+    from weightsync.storage.client import FETCH_IN_FLIGHT, FETCH_RANGE_NBYTES
+    from weightsync.storage.source import BucketSource
+
+    src = BucketSource(url)
+    rng, in_flight = int(FETCH_RANGE_NBYTES.get()), int(FETCH_IN_FLIGHT.get())
+    jobs = []
+    for key, obj in sorted(src.list(prefix).items()):
+        if key.endswith(".safetensors"):
+            signed = obstore.sign(src.store, "GET", key, _dt.timedelta(seconds=600))
+            jobs += [(signed, a, min(a + rng, obj.size) - 1) for a in range(0, obj.size, rng)]
+    running: list = []
+    for signed, a, b in jobs:
+        while len(running) >= in_flight:
+            running.pop(0).wait()
+        running.append(subprocess.Popen(["curl", "-sf", "-o", "/dev/null", "-r", f"{a}-{b}", signed]))
+    for p in running:
+        if p.wait() != 0:
+            raise RuntimeError("curl failed against the server")
+    return sum(b - a + 1 for _, a, b in jobs)
 
 
 def main() -> None:
@@ -158,13 +193,16 @@ def report(args, rows, total: int) -> str:
         f"`benchmarks/bench_bucket.py --preset {args.preset} --rounds {args.rounds}`: a {total / 1e6:.0f} MB bf16 checkpoint, "
         f"a delta of {args.density:.0%} of the elements; SeaweedFS 4.48 `weed mini` on 127.0.0.1 sharing the box; "
         "uploads with an unsigned payload (the HTTPS default); medians. Throughput = bytes moved / wall; CPU = this process's CPU-s per GB (obstore's threads included); "
-        "server = weed's CPU-s per GB. Ratios: bucket against directory.",
+        "server = weed's CPU-s per GB. Ratios: bucket against directory. \"The server alone\": the seed pull's ranged GETs "
+        "by curl to /dev/null (next to no client work), against the directory's seed pull: the floor a bucket seed pull can reach here.",
         "",
         "| case | bytes | dir wall | bucket wall | throughput ratio | dir CPU s/GB | bucket CPU s/GB | CPU ratio | server CPU s/GB |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for case, by in rows.items():
-        d, b = by["dir"], by["bucket"]
+        d, b = by.get("dir"), by["bucket"]
+        if d is None:  # the server alone: no directory counterpart; compared with the directory's seed pull
+            d = rows["pull v1 (seed from full)"]["dir"]
         nbytes = med(b, 3) or med(d, 3)
         gb = max(nbytes, 1) / 1e9
         dw, bw = med(d, 0), med(b, 0)

@@ -31,6 +31,8 @@ from __future__ import annotations
 
 import os
 import struct
+import threading
+from typing import Callable
 
 import msgspec
 
@@ -66,6 +68,37 @@ def seed_fingerprint(seed_dir: str) -> str:
         return _fingerprint(seed_dir)
     except (OSError, ValueError, RecursionError):
         return NO_SEED
+
+
+def seed_fingerprint_started(seed_dir: str) -> "Callable[[], str] | None":
+    """The seed fingerprint as a call that waits for it. Where it hashes every byte (a seed on a
+    memory filesystem, ~0.3-0.5 s per 512 MiB) it runs in a thread, so a pull through a mirror
+    overlaps it with its fetch (inside the same host lock, as the pull's own reading of it would
+    be); elsewhere (samples: cheap) it is computed at once. What makes the seed dir unusable
+    (not a checkpoint, a file missing) is found before this returns (None), so a pull still
+    refuses such a seed before it writes anything; a read failing midway gives ``NO_SEED`` at the
+    wait."""
+    try:
+        files = checkpoint_weight_files(seed_dir)
+        paths = [checked_join(seed_dir, name, f"{seed_dir}/{INDEX_NAME}") for name in files]
+        whole = any(find_memory_filesystem(p) is not None for p in paths)
+        for p in paths:
+            os.stat(p)
+    except (OSError, ValueError, RecursionError):
+        return None
+    if not whole:
+        value = seed_fingerprint(seed_dir)
+        return (lambda: value) if value != NO_SEED else None
+    out: list[str] = []
+    worker = threading.Thread(target=lambda: out.append(seed_fingerprint(seed_dir)),
+                              name="weightsync-seed-fingerprint", daemon=True)
+    worker.start()
+
+    def wait() -> str:
+        worker.join()
+        return out[0] if out else NO_SEED
+
+    return wait
 
 
 def explain_seed_dir(seed_dir: str) -> str | None:
@@ -201,4 +234,4 @@ def mismatch(state: AppliedState, applied: int, origin: Origin) -> str | None:
     return None
 
 
-__all__ = ["Origin", "seed_fingerprint", "explain_seed_dir", "source_origin", "mismatch", "NO_SEED"]
+__all__ = ["Origin", "seed_fingerprint", "seed_fingerprint_started", "explain_seed_dir", "source_origin", "mismatch", "NO_SEED"]

@@ -57,11 +57,20 @@ from ..format.layout import (
     index_path,
     list_versions,
     run_path,
+    state_path,
     sync_dir,
     verified_path,
     version_dir,
 )
-from ..format.manifest import check_anchor, checkpoint_weight_files, is_committed, read_run_id, read_version_index
+from ..format.manifest import (
+    check_anchor,
+    checkpoint_weight_files,
+    is_committed,
+    parse_version_number,
+    read_applied_state,
+    read_run_id,
+    read_version_index,
+)
 from ..format.safetensors_io import local_tensor_table
 from ..fsio import is_pid_alive, write_bytes
 from ..hooks import load_callable
@@ -80,7 +89,7 @@ from .apply import (
     load_delta,
     local_table,
 )
-from .identity import NO_SEED, Origin, explain_seed_dir, source_origin
+from .identity import NO_SEED, Origin, explain_seed_dir, seed_fingerprint, seed_fingerprint_started
 from .lock import HeldLock, acquire_host_lock
 from .plan import PullPlan, SeedSource, check_target_version, files_nbytes, plan_pull, read_applied_version
 from .seed import invalidate_marker, seed_local_checkpoint, write_marker
@@ -330,15 +339,30 @@ def pull(
         if not os.path.isdir(local_checkpoint_dir):
             # A first pull of a version that is not there yet must leave no trace (no dir, no lock).
             _read_target_index(source_dir, target_version)
-    origin = source_origin(source_dir, seed_dir)
-    if origin.seed == NO_SEED:
+    # With a pre-read hook (a pull through a mirror: its fetch runs in the hook) a seed fingerprint
+    # that hashes every byte is computed while the hook runs; it is waited for only where it is
+    # read: a co-located pull's note, a marker that names the target, and after the hook.
+    seed_of = seed_fingerprint_started(seed_dir) if hook is not None and target_version > 0 else None
+    if seed_of is None:
+        fingerprint = seed_fingerprint(seed_dir)
+        seed_of = (lambda: fingerprint) if fingerprint != NO_SEED else None
+    if seed_of is None:
         raise SeedDirUnusableError(seed_dir, explain_seed_dir(seed_dir) or "it is not a readable checkpoint")
+    source_real = os.path.realpath(source_dir)
+
+    def origin_now(run: "str | None") -> Origin:
+        seed = seed_of()
+        if seed == NO_SEED:
+            raise SeedDirUnusableError(seed_dir, explain_seed_dir(seed_dir) or "it is not a readable checkpoint")
+        return Origin(source_real, run, seed)
+
+    run_id = read_run_id(run_path(source_dir))
     with _local_faults(local_checkpoint_dir):
         os.makedirs(local_checkpoint_dir, exist_ok=True)
     peer: list[int] = []
 
     def done_by_peer() -> bool:
-        pid = verified_by_peer(local_checkpoint_dir, target_version, origin.source_dir, origin) if target_version > 0 else None
+        pid = verified_by_peer(local_checkpoint_dir, target_version, source_real, origin_now(run_id)) if target_version > 0 else None
         if pid is not None:
             peer.append(pid)
         return pid is not None
@@ -358,7 +382,9 @@ def pull(
     handed_off = False
     try:
         _clear_verified(local_checkpoint_dir)  # a note left by a pull that died before its flush
-        applied, _ = read_applied_version(local_checkpoint_dir, origin)
+        applied = None
+        if _marker_may_name(local_checkpoint_dir, target_version):
+            applied, _ = read_applied_version(local_checkpoint_dir, origin_now(run_id))
         if applied == target_version:
             result = PullResult(target_version, "noop", f"no-op: already at v{target_version}", lock_wait_s=held.waited_s)
             result.seconds = time.perf_counter() - t0
@@ -373,7 +399,8 @@ def pull(
             check_source_dir(source_dir)  # after the refresh: what it shows is what counts
             # The refresh may have shown the run file; the seed dir is the engine's own, not what
             # the hook refreshes, so its fingerprint (all of a tmpfs seed's bytes hashed) stands.
-            origin = Origin(origin.source_dir, read_run_id(run_path(source_dir)), origin.seed)
+            run_id = read_run_id(run_path(source_dir))
+        origin = origin_now(run_id)
         try:
             with _local_faults(local_checkpoint_dir):
                 result, pending = _pull_locked(
@@ -405,6 +432,16 @@ def pull(
         " (after a reseed)" if result.reseeded else "",
     )
     return result
+
+
+def _marker_may_name(local_checkpoint_dir: str, target_version: int) -> bool:
+    """Whether the marker could make this pull a no-op (it names the target, or cannot be read
+    here: the full check then says why); when not, the no-op check needs no seed fingerprint."""
+    try:
+        state = read_applied_state(state_path(local_checkpoint_dir))
+        return state is not None and parse_version_number(state.version, "version", state_path(local_checkpoint_dir)) == target_version
+    except Exception:
+        return True
 
 
 def _swarm_config(swarm: "SwarmConfig | bool | None") -> "SwarmConfig | None":

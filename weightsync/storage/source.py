@@ -140,7 +140,8 @@ class BucketSource:
         self.url = url if isinstance(url, BucketURL) else parse_bucket_url(url)
         self.name = str(self.url)
         self.store = open_store(self.url)
-        self._signed: "SignedRanges | None | bool" = False  # decided at the first fetch
+        self._signed: "SignedRanges | None" = None
+        self._signed_decided = False  # at the first fetch: an unused source signs nothing
 
     # --- small objects ------------------------------------------------------------------
 
@@ -261,8 +262,9 @@ class BucketSource:
         ``BucketUnavailableError``; a changed object raises ``SourceChangedError``. Returns only
         once every byte of every range was written: never over partial bytes."""
         deadline = deadline or Deadline.from_knob()
-        if self._signed is False:
+        if not self._signed_decided:
             self._signed = SignedRanges.for_store(self.store, self.url)
+            self._signed_decided = True
         rng = int(FETCH_RANGE_NBYTES.get())
         ranges = [(s, min(s + rng, obj.size)) for s in range(0, obj.size, rng)]
         done_lock = threading.Lock()
@@ -303,7 +305,7 @@ class BucketSource:
             if obj.tag:
                 opts["if_match"] = obj.tag
             try:
-                if self._signed:
+                if self._signed is not None:
                     pos, why = self._signed.read_range(obj.key, obj.size, obj.tag, pos, end, fd, wrote, deadline)
                     if pos >= end:
                         return
