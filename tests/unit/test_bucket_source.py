@@ -521,3 +521,76 @@ def test_a_publisher_on_a_new_host_continues_the_run_from_the_bucket_and_fences_
         first.publish(5, bucket_run.next_tensors())
     assert "weight_v000005/" + INDEX not in keys(bucket_run.url)
     first.close()
+
+
+def test_an_error_from_a_bucket_pull_names_the_bucket_url_not_the_host_local_mirror(bucket_run):
+    pub = bucket_run.publisher()
+    bucket_run.publish_versions(pub, 2, full_at={1})
+    local = bucket_run.fresh_local()
+    bucket_run.assert_pulls(1, local)
+    src = BucketSource(bucket_run.url)
+    src.delete([f"weight_v000002/{INDEX}"])
+    src.create(f"weight_v000002/{INDEX}", b'{"metadata": "v2", "weight_map": {}}')  # complete, malformed
+    from weightsync import pull
+
+    with pytest.raises(errors.MalformedHeaderError, match="metadata must be an object") as ei:
+        pull(local, bucket_run.seed, bucket_run.url, 2)
+    # The type and its data stay; every path in it is the bucket's.
+    assert ei.value.path == f"{bucket_run.url}/weight_v000002/{INDEX}"
+    assert str(ei.value).startswith(f"{bucket_run.url}/weight_v000002/{INDEX}: malformed file")
+    assert ".weight_sync" not in str(ei.value) and ".weight_sync" not in ei.value.path
+    bucket_run.assert_pulls(1, local)  # a load-time refusal: nothing local changed
+
+
+def test_a_bucket_index_over_the_index_limit_is_refused_unread_as_the_directory_refuses_it(bucket_run, monkeypatch):
+    pub = bucket_run.publisher()
+    bucket_run.publish_versions(pub, 2, full_at={1})
+    src = BucketSource(bucket_run.url)
+    key = f"weight_v000002/{INDEX}"
+    raw = src.read(key)
+    padded = raw + b" " * (4 * len(raw))  # still a valid index, five times its size
+    src.delete([key])
+    src.create(key, padded)
+    limit = 2 * len(raw)
+    assert len(src.read(f"weight_v000001/{INDEX}")) < limit < len(padded)
+    monkeypatch.setenv("WEIGHTSYNC_MAX_INDEX_NBYTES", str(limit))
+    reads = []
+    real_read = BucketSource.read
+    monkeypatch.setattr(BucketSource, "read", lambda self, k: reads.append(k) or real_read(self, k))
+    local = bucket_run.fresh_local()
+    bucket_run.assert_pulls(1, local)
+    from weightsync import pull
+
+    with pytest.raises(errors.MalformedHeaderError, match=rf"index is {len(padded)} bytes, over the {limit}-byte limit") as ei:
+        pull(local, bucket_run.seed, bucket_run.url, 2)
+    assert ei.value.path == f"{bucket_run.url}/{key}"
+    assert key not in reads  # judged by its listed size: never downloaded
+    bucket_run.assert_pulls(1, local)
+    monkeypatch.setenv("WEIGHTSYNC_MAX_INDEX_NBYTES", str(2 * len(padded)))
+    bucket_run.assert_pulls(2, local)  # a raised limit: the next pull reads it
+
+
+def test_an_indexless_full_version_in_a_bucket_pulls_as_it_does_from_a_directory(bucket_run):
+    from safetensors.numpy import save_file
+
+    from weightsync import pull
+
+    pub = bucket_run.publisher()
+    bucket_run.publish_versions(pub, 1, full_at={1})
+    single = os.path.join(bucket_run.root, "single.safetensors")
+    save_file(bucket_run.next_tensors(), single)  # v2: one complete model.safetensors, no index
+    src = BucketSource(bucket_run.url)
+    src.put_file("weight_v000002/model.safetensors", single)
+    local = bucket_run.fresh_local()
+    bucket_run.assert_pulls(1, local)
+    result = bucket_run.assert_pulls(2, local)
+    assert result.action == "seed"
+    assert not os.path.exists(os.path.join(mirror_dir(local, parse_bucket_url(bucket_run.url)), "weight_v000002", INDEX))
+    # The mirror keeps its copy whole (the next pull's planner reads its header), never a placeholder.
+    kept = os.path.join(mirror_dir(local, parse_bucket_url(bucket_run.url)), "weight_v000002", "model.safetensors")
+    assert not is_placeholder(kept) and os.path.getsize(kept) == os.path.getsize(single)
+    # A version prefix with nothing under it is still "not published" and leaves no trace.
+    fresh = bucket_run.fresh_local()
+    with pytest.raises(errors.VersionMissingError, match=rf"{bucket_run.url}/weight_v000003/"):
+        pull(fresh, bucket_run.seed, bucket_run.url, 3)
+    assert not os.path.exists(fresh)

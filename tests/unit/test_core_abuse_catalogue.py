@@ -70,21 +70,10 @@ NOT_ON_A_BUCKET = {
     "test_local_tensor_mismatch_and_local_state_errors_say_what_to_do": "an error's message: no source, no pull",
 }
 
-# Bucket variants that fail for a product reason (the fix is the lead's: storage/mirror.py,
-# puller/bucket.py): strict, so a fix shows up as an XPASS to move the row off this list. Keys
-# as in NOT_ON_A_BUCKET.
-_NO_INDEXLESS = ("a bucket pull sees a version only through its index key (puller/bucket.py _check_published, "
-                 "Mirror._refresh): an index-less dir copied to a bucket is VersionMissingError, not IndexMissingError")
-BUCKET_XFAIL: dict[str, str] = {
-    "test_version_without_index_is_still_publishing": _NO_INDEXLESS,
-    "test_indexless_dir_that_is_not_one_complete_model_safetensors_is_not_ready": _NO_INDEXLESS,
-    "test_delta_shard_named_by_the_index_but_missing_is_not_ready":
-        "Mirror.prepare says '[keys] named by the plan are not in the bucket (pruned meanwhile?)', not which version's index names which missing shard",
-    "test_full_version_shard_named_by_the_index_but_missing_is_not_ready":
-        "Mirror.prepare says '[keys] named by the plan are not in the bucket (pruned meanwhile?)', not which full version names which missing shard",
-    "test_local_byte_corrupted_between_pulls_is_healed_by_one_reseed":
-        "the bytes heal, but through pull_from_bucket's second run_pull, whose PullResult says reseeded=False and 'no applied-version marker'",
-}
+# Bucket variants that fail for a product reason (storage/mirror.py, puller/bucket.py): strict, so
+# a fix shows up as an XPASS to move the row off this list. Keys as in NOT_ON_A_BUCKET. Empty:
+# every bucket variant passes.
+BUCKET_XFAIL: dict[str, str] = {}
 
 
 class World:

@@ -12,10 +12,12 @@ import threading
 from typing import Callable
 
 from ..errors import (
+    BucketUnavailableError,
     CorruptArtifactError,
     LocalStateError,
     LockTimeoutError,
     VersionMissingError,
+    WeightSyncError,
 )
 from ..format.layout import INDEX_NAME, state_path, version_dir_name
 from ..format.manifest import read_applied_state
@@ -23,7 +25,7 @@ from ..storage.mirror import Mirror, mirror_dir
 from ..storage.source import BucketSource
 from ..storage.url import parse_bucket_url
 from .lock import acquire_host_lock
-from .mirrored import check_mirrored_request, planning_origin
+from .mirrored import check_mirrored_request, name_the_source, planning_origin, tell_the_fallback
 from .mirrored import plan_keys as plan_mirrored_keys
 from .seed import HAND_OVER
 
@@ -76,13 +78,18 @@ def pull_from_bucket(
         except (CorruptArtifactError, LocalStateError) as first:
             # What reading a placeholder gives (a header that cannot be one); anything else (not
             # ready, a bad request, the lock, the store) is the pull's own answer.
-            if not mirror.has_placeholders():
-                raise
+            if not mirror.has_placeholders() or str(getattr(first, "path", "")).endswith(INDEX_NAME):
+                raise  # an index is never a placeholder (the mirror holds each whole, or one over the limit)
             # A fallback inside the pull (a replay, another anchor) planned past what was fetched.
+            first_said = str(name_the_source(first, root, str(url)))
             log.warning("pull v%d from %s: %s; fetching every shard up to v%d and pulling once more",
-                        target_version, url, first, target_version)
+                        target_version, url, first_said, target_version)
             mirror.materialize_all = True
             result = run_pull(local_checkpoint_dir, seed_dir, root, target_version, hook, **kwargs)
+            tell_the_fallback(result, first_said, "with every shard up to the target fetched")
+    except WeightSyncError as e:
+        name_the_source(e, root, str(url))
+        raise
     finally:
         HAND_OVER.reset(hand_over)
     result.hook_ran = result.hook_ran and user_hook is not None
@@ -119,12 +126,24 @@ def _empty_the_spool(local: str, mirror: Mirror, deferred: bool) -> None:
 
 
 def _check_published(source: BucketSource, version: int) -> None:
-    """The version's index is in the bucket (one GET), else "not ready"."""
-    key = f"{version_dir_name(version)}/{INDEX_NAME}"
+    """Something is under the version's prefix (one LIST, which reads no object: an index over
+    the index limit is refused by its listed size, not downloaded): its index, or an index-less
+    version, which the directory pull's rules judge on the mirror (a full version, or "still
+    publishing" naming what it found). Nothing there: "not ready"."""
+    d = version_dir_name(version)
+    key = f"{d}/{INDEX_NAME}"
     try:
-        source.read(key)
-    except FileNotFoundError:
-        raise VersionMissingError(version, f"{source.name}/{key}") from None
+        if source.list(d + "/"):
+            return
+    except BucketUnavailableError:
+        # A bucket not created yet answers a LIST with an error but a GET with "not found":
+        # the GET decides, and a store that is down fails it too.
+        try:
+            source.read(key)
+            return
+        except FileNotFoundError:
+            pass
+    raise VersionMissingError(version, f"{source.name}/{key}") from None
 
 
 __all__ = ["pull_from_bucket"]

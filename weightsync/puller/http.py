@@ -13,7 +13,9 @@ from typing import Callable
 from ..errors import (
     BucketCredentialsError,
     BucketUnavailableError,
+    CorruptArtifactError,
     InvalidRequestError,
+    LocalStateError,
     PayloadFileMismatchError,
     SourceNotReadyError,
     VersionMissingError,
@@ -23,7 +25,7 @@ from ..format.layout import INDEX_NAME, state_path, version_dir_name
 from ..format.manifest import parse_version_number, read_applied_state
 from ..storage.http import NO_CACHE, HttpSource, parse_http_url
 from ..storage.mirror import Mirror, mirror_dir
-from .mirrored import check_mirrored_request, planning_origin
+from .mirrored import check_mirrored_request, name_the_source, planning_origin, tell_the_fallback
 from .mirrored import plan_keys as plan_mirrored_keys
 from .seed import HAND_OVER
 
@@ -99,16 +101,21 @@ def pull_from_http(
                 raise
             if source.floor is None and not mirror.has_placeholders():
                 raise
+            first_said = str(name_the_source(first, root, str(url)))
             log.warning("pull v%d from %s: %s; listing every version down to a full one and pulling once more",
-                        target_version, url, first)
+                        target_version, url, first_said)
             source.floor = None
             mirror.materialize_all = True
             result = run_pull(local_checkpoint_dir, seed_dir, root, target_version, hook, **kwargs)
+            tell_the_fallback(result, first_said, "with every version down to a full one fetched",
+                              reseed=isinstance(first, (LocalStateError, CorruptArtifactError)))
+    except WeightSyncError as e:
+        name_the_source(e, root, str(url))
+        raise
     finally:
         HAND_OVER.reset(hand_over)
     result.hook_ran = result.hook_ran and user_hook is not None
     return result
-
 
 
 __all__ = ["pull_from_http"]

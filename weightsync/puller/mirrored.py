@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 from typing import Callable
 
-from ..errors import InvalidRequestError
+from ..errors import InvalidRequestError, SourceNotReadyError
 from ..format.layout import run_path, version_dir_name
 from ..format.manifest import read_run_id
 from ..hooks import load_callable
@@ -45,9 +45,69 @@ def plan_keys(local_checkpoint_dir: str, seed_dir: str, root: str, target: int, 
     shards), and the plan's reason."""
     plan, indexes = plan_pull(local_checkpoint_dir, seed_dir, root, target, origin=origin)
     keys: set[str] = set()
+    # The mirror holds a file (its bytes or a placeholder) for every object the source lists, and
+    # nothing else: a file the plan names that is not there is not in the source either. Said
+    # here, in the words the directory pull uses when it meets the same gap (puller.apply,
+    # puller.seed), before anything is fetched.
     for v in plan.deltas:
-        keys |= {f"{version_dir_name(v)}/{f}" for f in set(indexes[v].weight_map.values())}
+        index = indexes[v]
+        for f in sorted(set(index.weight_map.values())):
+            if not os.path.lexists(os.path.join(index.path, f)):
+                raise SourceNotReadyError(
+                    f"v{index.version}: the index names shard {f}, which is not in {index.path}. "
+                    "The source may not show it yet (a publish in flight, or a pruner); retry later."
+                )
+        keys |= {f"{version_dir_name(v)}/{f}" for f in set(index.weight_map.values())}
     if plan.seed is not None and plan.seed.kind in ("full", "anchor"):
         d = os.path.basename(plan.seed.path.rstrip(os.sep))
+        label = "side anchor" if plan.seed.kind == "anchor" else "full version"
+        for f in sorted(plan.seed.shard_files):
+            if not os.path.lexists(os.path.join(plan.seed.path, f)):
+                raise SourceNotReadyError(
+                    f"{label} v{plan.seed.version} names shard {f}, which is not in {plan.seed.path} yet"
+                )
         keys |= {f"{d}/{f}" for f in plan.seed.shard_files}
     return keys, plan.reason
+
+
+def name_the_source(error: BaseException, root: str, url: str) -> BaseException:
+    """``error`` (raised by the ordinary pull on the mirror ``root``) with every mention of the
+    mirror replaced by the source ``url``: an operator needs ``s3://.../weight_v000003``, not the
+    host-local ``.weight_sync/sources/<hash>/weight_v000003``. Rewritten in place, so its type,
+    its data attributes and its traceback stay; returned for ``raise``."""
+    roots = sorted({root.rstrip(os.sep), os.path.realpath(root)}, key=len, reverse=True)
+    url = url.rstrip("/")
+
+    def fix(value):
+        if isinstance(value, str):
+            for r in roots:
+                value = value.replace(r, url)
+            return value
+        if isinstance(value, (list, tuple)) and any(isinstance(v, str) for v in value):
+            return type(value)(fix(v) for v in value)
+        return value
+
+    try:
+        error.args = tuple(fix(a) for a in error.args)
+        for name, value in list(vars(error).items()):
+            fixed = fix(value)
+            if fixed is not value:
+                setattr(error, name, fixed)
+        if isinstance(error, OSError):  # slots, not in vars(); set only when there (str() changes)
+            for name in ("filename", "filename2"):
+                if isinstance(getattr(error, name), str):
+                    setattr(error, name, fix(getattr(error, name)))
+    except (AttributeError, TypeError):
+        pass  # an error that refuses a new attribute value keeps the mirror's path: still typed
+    return error
+
+
+def tell_the_fallback(result, first: str, how: str, reseed: bool = True) -> None:
+    """A pull through the mirror that failed once and succeeded on its second run (``how``: what
+    that run had more of). The first failure (a replay after a reseed reaching an unfetched
+    shard) cleared the marker, so the second run says "no applied-version marker"; what happened
+    is a reseed after that failure: ``reseeded`` says so when the second run seeded and the
+    first failure was one a reseed answers (``reseed``), and the reason names the failure."""
+    if reseed and "seed" in result.action:
+        result.reseeded = True
+    result.reason = f"{result.reason} (the first try, with only the planned files fetched, failed: {first}; the second, {how}, succeeded)"

@@ -35,8 +35,9 @@ from contextvars import ContextVar
 from typing import Callable
 
 from ..errors import SourceNotReadyError
-from ..format.layout import INDEX_NAME, RUN_NAME, is_weight_file, sync_dir
+from ..format.layout import INDEX_NAME, RUN_NAME, SINGLE_FILE_NAME, is_weight_file, sync_dir
 from ..fsio import write_bytes
+from ..knobs import MAX_INDEX_NBYTES
 from .client import OBJECTS_IN_FLIGHT, Deadline
 from .source import BucketSource, ObjectInfo
 from .url import BucketURL
@@ -78,6 +79,16 @@ def is_placeholder(path: str) -> bool:
         return False
 
 
+def _remove(path: str) -> None:
+    if os.path.isdir(path) and not os.path.islink(path):
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+
+
 def _write_placeholder(path: str, size: int) -> None:
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
@@ -98,6 +109,7 @@ class Mirror:
         self.fetched_nbytes = 0
         self.prefetched_nbytes = 0
         self.fetch_s = 0.0
+        self.whole: set[str] = set()  # keys _refresh fetched whole (index-less versions): never spooled
 
     # --- the run file (outside the lock: one GET, so a changed run is seen before the no-op check)
 
@@ -140,18 +152,31 @@ class Mirror:
         # A key whose file is a placeholder again (its dir was dropped and rebuilt by _refresh:
         # an HTTP source's walk lists only the versions above the local one) is not fetched.
         fetched = {k: t for k, t in fetched.items() if k in listing and listing[k].tag == t and os.path.exists(self._path(k))
-                   and not is_placeholder(self._path(k))}
+                   and not is_placeholder(self._path(k)) and k not in self.whole}
         if self.materialize_all:
             needed = {k for k, o in listing.items() if self._is_shard_of(k, committed)}
             why = f"every shard up to v{target} (the fallback after a pull reached an unfetched one)"
         else:
             needed, why = plan_keys()
-        missing = [listing[k] for k in sorted(needed) if k in listing and k not in fetched]
+        missing = [listing[k] for k in sorted(needed) if k in listing and k not in fetched and k not in self.whole]
         gone = sorted(k for k in needed if k not in listing)
+        for k in gone:
+            # The plan was made on this LIST's mirror, which holds only listed files (and
+            # ``plan_keys`` says in the directory's words when a plan names one it lacks): a key
+            # gets here only through a changed plan. Said as the directory says it while the index
+            # is there; "pruned meanwhile" when the index is gone too.
+            d, _, name = k.partition("/")
+            m = _DIR_RE.match(d)
+            if f"{d}/{INDEX_NAME}" in listing:
+                raise SourceNotReadyError(
+                    f"{f'v{int(m.group(2))}' if m else d}: the index names shard {name}, "
+                    f"which is not in {self.source.name}/{d}. The source may not show it yet (a publish in flight, "
+                    "or a pruner); retry later."
+                )
         if gone:
             raise SourceNotReadyError(
-                f"{self.source.name}: {gone[:3]} named by the plan are not in the bucket (pruned meanwhile?); "
-                "nothing local changed. Retry the pull."
+                f"{self.source.name}: {gone[:3]} named by the plan are not in the bucket, nor is their version's "
+                "index (pruned meanwhile?); nothing local changed. Retry the pull."
             )
         # Evict first: the disk holds at most what this pull reads.
         for k in sorted(set(fetched) - needed):
@@ -226,22 +251,57 @@ class Mirror:
 
     def _refresh(self, listing: dict[str, ObjectInfo], target: int) -> set[str]:
         """Indexes, side files and placeholders of every committed version and anchor up to the
-        target; dirs of versions no longer committed are removed. Returns the committed dirs."""
+        target; dirs of versions no longer committed are removed, and so are files the LIST no
+        longer shows (the mirror holds what the source holds: a shard an index names but the
+        bucket lacks is then missing here too, and the pull says so in the directory's words).
+        Returns the mirrored dirs.
+
+        A version prefix without an index (FORMAT.md allows an index-less full version: one
+        complete ``model.safetensors``) is mirrored too, so the directory pull's own rules judge
+        it (a full version, or "still publishing" naming what it found): a lone
+        ``model.safetensors`` is fetched whole, as those rules read its header and a seed reads
+        its bytes (a placeholder's header would read "not complete"); any other shape is judged
+        by its names alone, so placeholders do."""
         committed = {k.split("/")[0] for k in listing if k.count("/") == 1 and k.endswith("/" + INDEX_NAME) and _DIR_RE.match(k.split("/")[0])}
+        indexless = {k.split("/")[0] for k in listing if k.count("/") == 1 and k.startswith("weight_v")
+                     and _DIR_RE.match(k.split("/")[0])} - committed
+        present = committed | indexless
         for name in os.listdir(self.root):
-            if _DIR_RE.match(name) and name not in committed:
+            if _DIR_RE.match(name) and name not in present:
                 shutil.rmtree(os.path.join(self.root, name), ignore_errors=True)
-        wanted = {d for d in committed if int(_DIR_RE.match(d).group(2)) <= target}  # type: ignore[union-attr]
+        wanted = {d for d in present if int(_DIR_RE.match(d).group(2)) <= target}  # type: ignore[union-attr]
+        whole: set[str] = set()
+        for d in wanted & indexless:
+            weights = sorted(k for k in listing if k.startswith(d + "/") and k.count("/") == 1 and k.endswith(".safetensors"))
+            if weights == [f"{d}/{SINGLE_FILE_NAME}"]:
+                whole.add(weights[0])
+        self.whole = whole
         tags = self._load_tags()
+        limit = int(MAX_INDEX_NBYTES.get())
+        for d in wanted:
+            dpath = os.path.join(self.root, d)
+            if os.path.isdir(dpath):
+                for name in os.listdir(dpath):
+                    if f"{d}/{name}" not in listing:
+                        _remove(os.path.join(dpath, name))
         for k, o in sorted(listing.items()):
             d, _, name = k.partition("/")
             if d not in wanted or "/" in name or not name or name.startswith("."):
                 continue
             path = self._path(k)
-            if os.path.exists(path) and tags.get(k) == o.tag:
+            if os.path.exists(path) and tags.get(k) == o.tag and not (k in whole and is_placeholder(path)):
                 continue
             os.makedirs(os.path.dirname(path), exist_ok=True)
-            if name == INDEX_NAME or not is_weight_file(name):
+            if name == INDEX_NAME and o.size > limit:
+                # Not downloaded: a placeholder of its listed size, which the directory pull's
+                # own size check refuses (MalformedHeaderError, "over the ...-byte limit") when
+                # the plan reads it. No tag kept: a raised limit lets the next pull fetch it.
+                _write_placeholder(path, o.size)
+                tags.pop(k, None)
+                continue
+            if k in whole:
+                self._fetch_whole(o)
+            elif name == INDEX_NAME or not is_weight_file(name):
                 try:
                     write_bytes(path, self.source.read(k))  # small: an index, a config, a tokenizer
                 except FileNotFoundError:
@@ -251,6 +311,22 @@ class Mirror:
             tags[k] = o.tag
         self._save_tags({k: t for k, t in tags.items() if k in listing})
         return wanted
+
+    def _fetch_whole(self, o: ObjectInfo) -> None:
+        """An index-less version's ``model.safetensors`` in full (checked for its ETag and
+        length), kept outside the spool: the next pull's planner reads its header again."""
+        path = self._path(o.key)
+        tmp = path + ".fetching"
+        log.info("%s: fetching %s whole (%d bytes): an index-less version", self.source.name, o.key, o.size)
+        t = time.perf_counter()
+        try:
+            self.source.fetch(o, tmp, None, Deadline.from_knob())
+            os.replace(tmp, path)
+        except BaseException:
+            _remove(tmp)
+            raise
+        self.fetch_s += time.perf_counter() - t
+        self.fetched_nbytes += o.size
 
     @staticmethod
     def _is_shard_of(key: str, dirs: set[str]) -> bool:
