@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 
 import pytest
 
@@ -248,3 +249,86 @@ def test_every_version_pruning_keeps_stays_pullable_by_a_fresh_host(fast_tmp_pat
         pull(local, seed, src, v)
         assert_checkpoint_is(local, tensor_bytes(tensors[v]))
     assert kept == [3, 4, 5], "v1 and v2 are below every kept version's anchor point and must go"
+
+
+def _two_ranks_publish(source: str, t: list, owners: dict, versions: range, **kw) -> None:
+    """Ranks 0 and 1 publish ``versions`` as deltas into one shared dir (the protocol of
+    ``Publisher``: prepare, choose_kind on the totals, write, commit on rank 0, confirm)."""
+    pubs = [Publisher(source, rank=r, world_size=2, workers=1, **kw) for r in (0, 1)]
+    for r, pub in enumerate(pubs):
+        pub.seed_snapshot({n: a for n, a in t[versions[0] - 1].items() if owners[n] == r}, version=versions[0] - 1)
+    for v in versions:
+        prepared = [pub.prepare(v, {n: a for n, a in t[v].items() if owners[n] == r}) for r, pub in enumerate(pubs)]
+        for pub in pubs:
+            pub.choose_kind(v, 0, 1, requested="delta")
+        manifests = [pub.write(p, "delta") for pub, p in zip(pubs, prepared)]
+        pubs[0].commit(v, "delta", manifests)
+        pubs[1].confirm(v)
+    for pub in pubs:
+        pub.close()
+
+
+def test_a_restarted_rank_whose_copy_lacks_the_other_ranks_shards_takes_the_same_anchor_decision(fast_tmp_path, rng):
+    """With a staging copy per node (WEIGHTSYNC_BUCKET_RANK_REPORTS=1) a rank's copy holds every
+    index but only its own shards. A restarted publisher sizes the deltas since the last anchor
+    point from the indexes' file_digests, so each rank's copy gives the same budget, and the
+    ranks agree on whether the next version gets a side anchor (sized from disk, rank 1 saw
+    about half the bytes and would have said no)."""
+    root = str(fast_tmp_path)
+    seed, complete = os.path.join(root, "seed"), os.path.join(root, "node0")
+    t = [random_tensors(rng, SIZES)]
+    write_hf_checkpoint(seed, t[0])
+    for _ in range(3):
+        t.append(mutate(t[-1], rng, 0.3))
+    owners = {n: i % 2 for i, n in enumerate(sorted(SIZES))}
+    _two_ranks_publish(complete, t, owners, range(1, 4), anchor_fraction=0, anchor_max_deltas=0)
+    # Rank 1's node: the same indexes, its own shards only (shard names carry the rank).
+    own = os.path.join(root, "node1")
+    shutil.copytree(complete, own)
+    removed = []
+    for dirpath, _, files in os.walk(own):
+        for f in files:
+            if "-r00000-" in f and f.endswith(".safetensors"):
+                os.unlink(os.path.join(dirpath, f))
+                removed.append(f)
+    assert removed and not list_anchors(complete)
+    on_disk = 0
+    for v in (1, 2, 3):
+        vdir = os.path.join(complete, f"weight_v{v:06d}")
+        with open(os.path.join(vdir, INDEX)) as f:
+            on_disk += sum(os.path.getsize(os.path.join(vdir, n)) for n in set(json.load(f)["weight_map"].values()))
+    budgets = {}
+    for name, where in (("complete", complete), ("own", own)):
+        retention = prune_mod.Retention(where, 0)
+        retention.load(upto=3)
+        budgets[name] = retention.since_anchor(3)
+    assert budgets["complete"] == budgets["own"] == (on_disk, 3)
+    # The decision itself, on restarted publishers: a side anchor is due once the deltas since the
+    # last anchor point exceed 90% of the full size; the full size given here makes it due.
+    decisions = []
+    for rank, where in ((0, complete), (1, own)):
+        pub = Publisher(where, rank=rank, world_size=2, workers=1, anchor_fraction=0.9, anchor_max_deltas=0)
+        pub.seed_snapshot({n: a for n, a in t[3].items() if owners[n] == rank}, version=3)
+        _, reason = pub.choose_kind(4, 0, on_disk, requested="delta")
+        decisions.append(reason)
+        pub.close()
+    assert decisions[0] == decisions[1] and "side anchor: deltas since the last anchor reach" in decisions[0]
+
+
+def test_a_restarted_publisher_sizes_a_version_whose_index_records_no_file_sizes_from_its_files(fast_tmp_path, rng):
+    """An index without file_digests (an upstream writer's, an older publisher's): the anchor
+    budget after a restart counts its files' sizes on disk, as before indexes recorded them."""
+    r = Run(str(fast_tmp_path), rng, anchor_fraction=0, anchor_max_deltas=0)
+    r.publish(3)
+    assert all(res.kind == "delta" for res in r.results.values())
+    r.pub.close()
+    for v in (1, 2):
+        ipath = os.path.join(r.source, f"weight_v{v:06d}", INDEX)
+        with open(ipath) as f:
+            obj = json.load(f)
+        del obj["file_digests"]
+        with open(ipath, "w") as f:
+            json.dump(obj, f)
+    retention = prune_mod.Retention(r.source, 0)
+    retention.load(upto=3)
+    assert retention.since_anchor(3) == (sum(r.shard_nbytes(v) for v in (1, 2, 3)), 3)

@@ -23,6 +23,7 @@ this record itself (a restarted one scans the source dir once), so a commit read
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shutil
@@ -30,8 +31,9 @@ from collections import deque
 from typing import NamedTuple
 
 from ..errors import WeightSyncError
+from ..format.file_digests import FileDigest, read_file_digests
 from ..format.layout import anchor_dir, index_path, list_anchors, list_versions, version_dir
-from ..format.manifest import check_anchor, is_committed, read_version_index
+from ..format.manifest import VersionIndex, check_anchor, is_committed, read_version_index
 from ..fsio import fsync_dir
 
 log = logging.getLogger(__name__)
@@ -105,11 +107,7 @@ class Retention:
                 except WeightSyncError:
                     continue
                 count += 1
-                for fname in set(idx.weight_map.values()):
-                    try:
-                        nbytes += os.path.getsize(os.path.join(idx.path, fname))
-                    except OSError:
-                        pass
+                nbytes += _version_nbytes(idx)
         return nbytes, count
 
     def record(self, version: int, kind: str, anchor: bool) -> None:
@@ -193,6 +191,36 @@ class Retention:
         if gone:
             fsync_dir(self.source_dir)
         return gone
+
+
+def _version_nbytes(idx: VersionIndex) -> int:
+    """The bytes of a version's payload files, as its index's ``file_digests`` records them; a
+    file it records no size for is sized on disk (an upstream writer's or an older publisher's
+    index). Not from disk first: with a staging copy per node (``storage.rank_reports``) a rank's
+    copy holds only its own shards, and ranks that sized from disk would disagree on whether a
+    side anchor is due after a restart."""
+    recorded = _recorded_file_digests(idx.path)
+    total = 0
+    for fname in set(idx.weight_map.values()):
+        if fname in recorded:
+            total += recorded[fname].nbytes
+            continue
+        try:
+            total += os.path.getsize(os.path.join(idx.path, fname))
+        except OSError:
+            pass  # neither recorded nor here: it adds nothing (as before the index recorded sizes)
+    return total
+
+
+def _recorded_file_digests(directory: str) -> dict[str, FileDigest]:
+    """The index's well-formed ``file_digests`` entries; none when it has no such key, or when the
+    index cannot be read again (gone meanwhile: the version was pruned, its bytes count no more)."""
+    try:
+        with open(index_path(directory), "rb") as f:
+            obj = json.loads(f.read())
+    except (OSError, ValueError, RecursionError):
+        return {}
+    return read_file_digests(obj)
 
 
 def _delete(directory: str) -> None:
