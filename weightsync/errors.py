@@ -961,3 +961,51 @@ class SwarmConfigError(InvalidRequestError):
 
 
 __all__ += ["SwarmUnavailableError", "SwarmConfigError"]
+
+
+# --- publishing from several nodes into one bucket (WEIGHTSYNC_BUCKET_RANK_REPORTS=1) -----------
+
+
+class RankReportMissingError(PublishError):
+    """Rank 0's commit waited for the reports of some ranks and they did not come. Nothing was
+    committed; the same commit retried once those ranks reported lands (``retryable``)."""
+
+    error_type = "rank_report_missing"
+    retryable = True
+
+    def __init__(self, version: int, url: str, ranks: Iterable[int], waited_s: float, detail: str = ""):
+        self.version = version
+        self.url = url
+        self.ranks = list(ranks)
+        self.waited_s = waited_s
+        self.detail = detail
+        # The names below are storage.rank_reports' knobs and layout (spelled out: this module
+        # imports nothing of the package, so every module can import it).
+        super().__init__(
+            f"v{version}: no report from rank(s) {self.ranks} in {url} after {waited_s:.0f}s (expected one per rank "
+            f"under weight_v{version:06d}/.ranks/ naming its uploaded shards{detail}); nothing was "
+            "committed. Each rank other than 0 reports at the end of its write() (with "
+            "WEIGHTSYNC_BUCKET_RANK_REPORTS=1 on every rank): find why that rank did not write, then retry the version "
+            "on every rank (or wait longer: WEIGHTSYNC_BUCKET_RANK_REPORT_WAIT_S)"
+        )
+
+
+class RankReportMismatchError(PublishError):
+    """A rank's report cannot be this attempt's (two under one lease, damaged, for another
+    version or rank, or naming a shard the bucket lacks): rank 0 never commits it."""
+
+    error_type = "rank_report_mismatch"
+
+    def __init__(self, version: int, url: str, rank: int, what: str):
+        self.version = version
+        self.url = url
+        self.rank = rank
+        self.what = what
+        super().__init__(
+            f"v{version}: the report of rank {rank} in {url} {what}; nothing was committed. Retry the version on every "
+            "rank with the same bytes, passing commit() the manifests every rank's write() returned in this attempt "
+            "(or discard_pending() on every rank first, which removes the reports)"
+        )
+
+
+__all__ += ["RankReportMissingError", "RankReportMismatchError"]

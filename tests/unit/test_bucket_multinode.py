@@ -13,6 +13,8 @@ import msgspec
 import pytest
 
 from core_support import mutate
+from weightsync import cli, errors
+from weightsync.storage import rank_reports
 from weightsync.storage.source import BucketSource
 
 from bucket_support import bucket_run, s3_env, s3_server_fixture  # noqa: F401 (fixtures)
@@ -59,7 +61,7 @@ def _rank_main(conn, url: str, rank: int, world: int, staging: str, template: st
                 return
             conn.send(("ok", out))
         except Exception as e:
-            conn.send(("error", (type(e).__name__, str(e), getattr(e, "ranks", None))))
+            conn.send(("error", (type(e).__name__, str(e), getattr(e, "ranks", None), getattr(e, "error_type", None))))
 
 
 class Rank:
@@ -102,9 +104,9 @@ class Rank:
 
 
 class RankFailed(Exception):
-    def __init__(self, type_name: str, message: str, ranks):
+    def __init__(self, type_name: str, message: str, ranks, error_type: "str | None" = None):
         super().__init__(f"{type_name}: {message}")
-        self.type_name, self.message, self.ranks = type_name, message, ranks
+        self.type_name, self.message, self.ranks, self.error_type = type_name, message, ranks, error_type
 
 
 @pytest.fixture
@@ -182,6 +184,7 @@ def test_a_rank_that_never_reports_makes_rank_0_fail_naming_it_and_no_index_is_w
     with pytest.raises(RankFailed) as e:
         r0.call("commit", 1, "full", [m0])
     assert e.value.type_name == "RankReportMissingError" and e.value.ranks == [1]
+    assert e.value.error_type == "rank_report_missing"  # its own stable type (weightsync.errors)
     assert "rank(s) [1]" in e.value.message
     assert _index(bucket_run.url, 1) is None
     assert not os.path.exists(os.path.join(r0.staging, "weight_v000001", INDEX))
@@ -245,3 +248,34 @@ def test_a_version_discarded_on_every_rank_leaves_no_report_that_its_next_attemp
     r0.call("commit", 2, "full", [m0])
     r1.call("confirm", 2)
     bucket_run.assert_pulls(2)
+
+
+@pytest.mark.parametrize("make, error_type, retryable", [
+    (lambda: errors.RankReportMissingError(3, "s3://b/run", [1, 2], 120.0, "; a detail"), "rank_report_missing", True),
+    (lambda: errors.RankReportMismatchError(3, "s3://b/run", 1, "is for v2 rank 1"), "rank_report_mismatch", False),
+])
+def test_a_rank_report_error_is_a_typed_publish_error_with_its_own_type_and_the_publish_exit_code(
+        make, error_type, retryable, monkeypatch, capsys):
+    """Both live in weightsync.errors with the other typed errors (storage.rank_reports names
+    them too). The command line cannot publish with several ranks, so a command stands in to
+    raise one: what is checked is the shape every command's error takes (exit code, JSON)."""
+    e = make()
+    assert type(e) is getattr(rank_reports, type(e).__name__)
+    assert isinstance(e, errors.PublishError) and isinstance(e, ValueError)
+    assert e.error_type == error_type and errors.error_types()[error_type] == 400 and e.retryable is retryable
+    assert e.version == 3 and e.url == "s3://b/run"
+    if isinstance(e, errors.RankReportMissingError):
+        assert e.ranks == [1, 2] and e.waited_s == 120.0
+        # The message spells out the knobs and the reports' prefix: the same names storage.rank_reports uses.
+        for name in (rank_reports.RANK_REPORTS.env, rank_reports.REPORT_WAIT_S.env, rank_reports.reports_prefix(3)):
+            assert name in str(e)
+    else:
+        assert e.rank == 1 and "the report of rank 1 in s3://b/run is for v2 rank 1; nothing was committed" in str(e)
+
+    def fail(args):
+        raise make()
+
+    monkeypatch.setattr(cli, "cmd_version", fail)
+    assert cli.main(["--json", "version"]) == 2  # as every PublishError: fix the call (or retry), not the source
+    out = json.loads(capsys.readouterr().out)
+    assert out == {"success": False, "error_type": error_type, "message": str(e)}

@@ -32,7 +32,8 @@ import time
 import msgspec
 import xxhash
 
-from ..errors import PublishError
+# The errors live with every other typed error; named here too, for callers that import them from here.
+from ..errors import RankReportMismatchError, RankReportMissingError
 from ..format.layout import INDEX_NAME, RUN_NAME, anchor_dir_name, version_dir_name
 from ..fsio import fsync_dir, write_bytes
 from ..knobs import Knob
@@ -59,32 +60,6 @@ class RankReport(msgspec.Struct, frozen=True):
     scope: str  # the bucket's writer lease token when the rank reported (NO_SCOPE: none yet)
     shards: dict[str, int]  # bucket key -> bytes: every shard the rank uploaded for the version
     manifest: dict  # the publisher's manifest of the rank (opaque here)
-
-
-class RankReportMissingError(PublishError):
-    """Rank 0's commit waited for the reports of some ranks and they did not come."""
-
-    def __init__(self, version: int, url: str, ranks: list[int], waited_s: float, detail: str = ""):
-        self.version, self.url, self.ranks = version, url, list(ranks)
-        super().__init__(
-            f"v{version}: no report from rank(s) {self.ranks} in {url} after {waited_s:.0f}s (expected one per rank "
-            f"under {version_dir_name(version)}/{REPORTS_DIR}/ naming its uploaded shards{detail}); nothing was "
-            "committed. Each rank other than 0 reports at the end of its write() (with "
-            f"{RANK_REPORTS.env}=1 on every rank): find why that rank did not write, then retry the version on every "
-            f"rank (or wait longer: {REPORT_WAIT_S.env})"
-        )
-
-
-class RankReportMismatchError(PublishError):
-    """A rank's report cannot be this attempt's: rank 0 never commits it."""
-
-    def __init__(self, version: int, url: str, rank: int, what: str):
-        self.version, self.url, self.rank = version, url, rank
-        super().__init__(
-            f"v{version}: the report of rank {rank} in {url} {what}; nothing was committed. Retry the version on every "
-            "rank with the same bytes, passing commit() the manifests every rank's write() returned in this attempt "
-            "(or discard_pending() on every rank first, which removes the reports)"
-        )
 
 
 def reports_prefix(version: int) -> str:
