@@ -10,6 +10,7 @@ start (Azure has no implicit containers).
     with AzuriteServer.start(tmp) as az:
         env = az.env()              # AZURE_* variables for the client
         url = az.url("run1")        # az://wsync/run1
+        az.settle()                 # written so far: saved (a kill loses the last seconds')
         az.kill(); az.restart()
 """
 
@@ -34,6 +35,15 @@ ACCOUNT = "devstoreaccount1"
 ACCOUNT_KEY = "Eby8vdM02xNOcqFlqUwJPLlmEtlCDXJ1OUzFT50uSRZ6IFsuFq2UVErCz4I6tq/K1SZFPTOtr/KBHBeksoGMGw=="
 CONTAINER = "wsync"
 API_VERSION = "2021-08-06"
+
+# Azure's answer to a throttled request (503, its code in the body and in x-ms-error-code), as
+# (reason, body, headers) for testbed.s3_server.ThrottlingProxy's ``answer``.
+SERVER_BUSY = (
+    "Server Busy",
+    b'<?xml version="1.0" encoding="utf-8"?><Error><Code>ServerBusy</Code><Message>The server is currently '
+    b"unable to receive requests. Please retry your request.</Message></Error>",
+    {"Content-Type": "application/xml", "x-ms-error-code": "ServerBusy"},
+)
 
 
 def azurite_binary() -> str | None:
@@ -102,6 +112,11 @@ class AzuriteServer:
     def endpoint(self) -> str:
         """The account's blob endpoint, path-style (the emulator serves every account on one host)."""
         return f"http://127.0.0.1:{self.port}/{ACCOUNT}"
+
+    def endpoint_at(self, port: int) -> str:
+        """The account's endpoint on another loopback port (a proxy in front of this server): the
+        Shared Key signature names the account and path, not the host, so it stays valid."""
+        return f"http://127.0.0.1:{port}/{ACCOUNT}"
 
     def url(self, prefix: str) -> str:
         return f"az://{CONTAINER}/{prefix.strip('/')}"
@@ -173,6 +188,13 @@ class AzuriteServer:
         if self.proc is not None and self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait(10)
+
+    def settle(self, timeout_s: float = 60.0) -> None:
+        """Stop gracefully and start again on the same port and data: what was written so far is
+        saved (Azurite saves its metadata on close, else only every 5 s), so a ``kill`` after
+        this loses nothing written before it."""
+        self.stop()
+        self.restart(timeout_s)
 
     def stop(self) -> None:
         """SIGTERM, then SIGKILL after 10 s; by the server's own process group."""

@@ -194,13 +194,25 @@ class ThrottlingProxy:
     """A loopback TCP proxy in front of the S3 server that answers ``503 SlowDown`` to the first
     ``refuse`` ranged GETs, and passes everything else through, one request per connection:
     what a throttled store does. Signatures stay valid: the client signs
-    for the proxy's host, and the server checks the Host header it receives."""
+    for the proxy's host, and the server checks the Host header it receives. In front of
+    another store (Azurite) ``answer`` gives that store's 503 (Azure's ``ServerBusy``)."""
 
-    def __init__(self, upstream_port: int, refuse: int):
+    # S3's answer to a throttled request (the default); another store passes its own.
+    S3_SLOWDOWN = (
+        "Slow Down",
+        b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>SlowDown</Code><Message>Please reduce your request rate.</Message></Error>',
+        {"Content-Type": "application/xml"},
+    )
+
+    def __init__(self, upstream_port: int, refuse: int,
+                 answer: "tuple[str, bytes, dict[str, str]] | None" = None):
+        """``answer``: (reason phrase, body, headers) of the 503, e.g. Azure's ``ServerBusy``
+        (its code also in ``x-ms-error-code``); S3's ``SlowDown`` when not given."""
         import threading
 
         self.upstream_port = upstream_port
         self.refuse = refuse
+        self.answer = answer or self.S3_SLOWDOWN
         self.refused = 0
         self._lock = threading.Lock()
         self._sock = socket.socket()
@@ -244,8 +256,9 @@ class ThrottlingProxy:
                 if throttle:
                     self.refused += 1
             if throttle:
-                body = b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>SlowDown</Code><Message>Please reduce your request rate.</Message></Error>'
-                conn.sendall(b"HTTP/1.1 503 Slow Down\r\nContent-Type: application/xml\r\nContent-Length: "
+                reason, body, headers = self.answer
+                extra = "".join(f"{k}: {v}\r\n" for k, v in headers.items()).encode()
+                conn.sendall(b"HTTP/1.1 503 " + reason.encode() + b"\r\n" + extra + b"Content-Length: "
                              + str(len(body)).encode() + b"\r\nConnection: close\r\n\r\n" + body)
                 conn.close()
                 return
