@@ -225,15 +225,23 @@ class BucketSource:
             try:
                 obstore.delete(self.store, batch)
             except FileNotFoundError:
-                # Azure's bulk delete stops at the first key already gone (S3's ignores it): the
-                # rest of the batch one by one, so no key is left behind.
-                for key in batch:
-                    try:
-                        obstore.delete(self.store, key)
-                    except FileNotFoundError:
-                        pass
-                    except Exception as e:
-                        raise typed_error(e, self.url, f"DELETE {key}") from e
+                # Azure's bulk delete stops at a key already gone (S3's ignores it): the batch's
+                # keys still there, found by one LIST, are deleted again; one by one if that races.
+                there = set(self.list(os.path.commonprefix(batch).rsplit("/", 1)[0] if "/" in os.path.commonprefix(batch) else ""))
+                left = [k for k in batch if k in there]
+                try:
+                    if left:
+                        obstore.delete(self.store, left)
+                except FileNotFoundError:
+                    for key in left:
+                        try:
+                            obstore.delete(self.store, key)
+                        except FileNotFoundError:
+                            pass
+                        except Exception as e:
+                            raise typed_error(e, self.url, f"DELETE {key}") from e
+                except Exception as e:
+                    raise typed_error(e, self.url, f"DELETE {len(left)} key(s)") from e
             except Exception as e:
                 raise typed_error(e, self.url, f"DELETE {len(keys)} key(s)") from e
 

@@ -1,0 +1,147 @@
+"""The fast fetch of an S3 pull (presigned ranged GETs read by ``http.client``,
+``storage/signed_get.py``) against the slow one (obstore's stream) as the oracle, on the real S3
+server: random object sizes, range sizes and ranges in flight, with a fault caused for real at a
+random point of the fetch: the object replaced or deleted mid-read, 503 SlowDown answers, bodies
+cut short by a proxy. The contract both paths keep: exactly the planned object's bytes, or a typed
+"changed / gone, retry" error; never other bytes, never a short file reported whole. Where the
+outcome does not depend on timing (no fault, throttling, cut bodies) both give the bytes."""
+
+from __future__ import annotations
+
+import os
+import uuid
+
+import numpy as np
+import obstore
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from testbed.cutting_proxy import CuttingProxy
+from testbed.s3_server import ThrottlingProxy
+from weightsync import errors
+from weightsync.storage.source import BucketSource
+
+from bucket_support import s3_env, s3_server_fixture  # noqa: F401 (fixtures)
+
+s3 = s3_server_fixture()
+
+FAULTS = ("none", "replace", "delete", "throttle", "cut")
+EXAMPLES = 300 if os.environ.get("WEIGHTSYNC_HYPOTHESIS_PROFILE") == "thorough" else 12
+
+
+class Outcome:
+    def __init__(self, data: "bytes | None", error: "BaseException | None"):
+        self.data = data
+        self.error = error
+
+
+def fetch_once(s3, url: str, key: str, original: bytes, path: str, fault: str, at: float, n: int, tmp: str,
+               monkeypatch) -> Outcome:
+    monkeypatch.setenv("WEIGHTSYNC_BUCKET_SIGNED_GET", "1" if path == "signed" else "0")
+    obstore.put(BucketSource(url).store, key, original)  # the planned object, fresh for each path
+    proxy = None
+    if fault == "throttle":
+        proxy = ThrottlingProxy(s3.s3, refuse=n)
+    elif fault == "cut":
+        proxy = CuttingProxy(s3.s3, cut=n, after=400 + int(at * 4000))
+    try:
+        if proxy is not None:
+            monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.endpoint)
+        src = BucketSource(url)
+        obj = src.list()[key]
+        fired: list[bool] = []
+
+        def progress(done: int, total: int) -> None:
+            if fired or done < at * total:
+                return
+            fired.append(True)
+            if fault == "replace":
+                obstore.put(_direct_store(s3, url), key, original[::-1] + b"x")
+            elif fault == "delete":
+                obstore.delete(_direct_store(s3, url), key)
+
+        dst = os.path.join(tmp, f"{path}-{uuid.uuid4().hex[:6]}")
+        try:
+            src.fetch(obj, dst, progress)
+        except errors.WeightSyncError as e:
+            return Outcome(None, e)
+        assert (src._signed is not None) == (path == "signed"), "the path under test was not the one taken"
+        with open(dst, "rb") as f:
+            return Outcome(f.read(), None)
+    finally:
+        if proxy is not None:
+            proxy.close()
+            monkeypatch.setenv("AWS_ENDPOINT_URL", s3.endpoint)
+
+
+def _direct_store(s3, url: str):
+    """A store that talks to the server itself, not through the proxy (the fault's writer)."""
+    saved = os.environ.get("AWS_ENDPOINT_URL")
+    os.environ["AWS_ENDPOINT_URL"] = s3.endpoint
+    try:
+        return BucketSource(url).store
+    finally:
+        if saved is not None:
+            os.environ["AWS_ENDPOINT_URL"] = saved
+
+
+@pytest.fixture
+def env(s3_env, monkeypatch, fast_tmp_path):
+    monkeypatch.setenv("WEIGHTSYNC_BUCKET_DEADLINE_S", "30")
+    return s3_env
+
+
+@settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck))
+@given(
+    size=st.integers(0, 3 << 20),
+    range_nbytes=st.sampled_from([4 << 10, 64 << 10, 1 << 20, 4 << 20]),
+    in_flight=st.integers(1, 4),
+    fault=st.sampled_from(FAULTS),
+    at=st.floats(0.0, 0.9),
+    n=st.integers(1, 4),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_the_signed_fetch_gives_what_the_stream_gives_under_random_faults(
+    env, monkeypatch, fast_tmp_path, size, range_nbytes, in_flight, fault, at, n, seed
+):
+    monkeypatch.setenv("WEIGHTSYNC_BUCKET_RANGE_NBYTES", str(range_nbytes))
+    monkeypatch.setenv("WEIGHTSYNC_BUCKET_IN_FLIGHT", str(in_flight))
+    url = env.url(f"fetch-model/{uuid.uuid4().hex[:8]}")
+    key = "weight_v000001/model.safetensors"
+    original = np.random.default_rng(seed).integers(0, 256, size, dtype=np.uint8).tobytes()
+    got = {path: fetch_once(env, url, key, original, path, fault, at, n, str(fast_tmp_path), monkeypatch)
+           for path in ("stream", "signed")}
+    for path, out in got.items():
+        if out.error is None:
+            assert out.data == original, f"{path}: other bytes than the planned object's, reported whole"
+        else:
+            assert fault in ("replace", "delete"), f"{path}: {fault} must not fail: {out.error!r}"
+            assert isinstance(out.error, errors.SourceNotReadyError) and out.error.retryable, repr(out.error)
+            if fault == "replace":
+                assert isinstance(out.error, errors.SourceChangedError), repr(out.error)
+    if fault in ("none", "throttle", "cut"):
+        assert got["signed"].data == got["stream"].data == original
+
+
+def test_an_s3_fetch_takes_the_signed_path_unless_it_is_turned_off_or_a_proxy_is_set(env, monkeypatch, fast_tmp_path):
+    url = env.url(f"fetch-model/{uuid.uuid4().hex[:8]}")
+    key = "weight_v000001/model.safetensors"
+    data = os.urandom(10_000)
+
+    def path_taken() -> bool:
+        src = BucketSource(url)
+        obstore.put(src.store, key, data)
+        dst = str(fast_tmp_path / uuid.uuid4().hex)
+        src.fetch(src.list()[key], dst)
+        with open(dst, "rb") as f:
+            assert f.read() == data
+        return src._signed is not None
+
+    assert path_taken()
+    monkeypatch.setenv("WEIGHTSYNC_BUCKET_SIGNED_GET", "0")
+    assert not path_taken()
+    monkeypatch.setenv("WEIGHTSYNC_BUCKET_SIGNED_GET", "1")
+    monkeypatch.setenv("HTTP_PROXY", "http://127.0.0.1:9")  # http.client would not go through it: obstore does
+    monkeypatch.setenv("NO_PROXY", "")
+    assert not path_taken()
