@@ -36,6 +36,7 @@ EXIT_CODES = [
     (errors.LocalStateError, 5),
     (errors.CorruptArtifactError, 4),
     (errors.InvalidRequestError, 2),
+    (errors.RankReportMissingError, 3),  # another rank has not reported yet: the same commit succeeds once it does
     (errors.PublishError, 2),
     (errors.BucketUnavailableError, 3),  # the store did not answer within the deadline: retry later
     (errors.WeightSyncError, 2),

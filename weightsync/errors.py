@@ -698,8 +698,17 @@ class BucketUnavailableError(WeightSyncError, ConnectionError):
         self.detail = detail
         super().__init__(
             f"the store for {url} did not complete {operation}: {detail}. Retried within the deadline; "
-            "nothing partial was kept. Retry later (is the endpoint up? AWS_ENDPOINT_URL?)."
+            f"nothing partial was kept. Retry later (is the endpoint up? {_endpoint_variable(url)}?)."
         )
+
+
+def _endpoint_variable(url: str) -> str:
+    """The environment variable that names the endpoint for a URL's store."""
+    if url.startswith("az://"):
+        return "AZURE_STORAGE_ENDPOINT, or AZURITE_BLOB_STORAGE_URL for the emulator"
+    if url.startswith("gs://"):
+        return "the service account's gcs_base_url"
+    return "AWS_ENDPOINT_URL"
 
 
 class SourceChangedError(SourceNotReadyError):

@@ -67,3 +67,32 @@ def test_a_credentials_refusal_with_no_credentials_in_the_environment_says_none_
     assert "GOOGLE_APPLICATION_CREDENTIALS" in client._no_credentials_named("gs")
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", "set")
     assert client._no_credentials_named("s3") == ""  # then the store's own answer is what counts
+
+
+@pytest.mark.parametrize("url, variable", [
+    ("s3://b/run", "AWS_ENDPOINT_URL"), ("az://c/run", "AZURE_STORAGE_ENDPOINT"), ("gs://b/run", "gcs_base_url"),
+])
+def test_a_store_that_did_not_answer_names_the_endpoint_variable_of_its_own_store(url, variable):
+    from weightsync.errors import BucketUnavailableError
+
+    message = str(BucketUnavailableError(url, "GET x", "connection refused"))
+    assert variable in message
+    assert ("AWS_ENDPOINT_URL" in message) == url.startswith("s3://")
+
+
+def test_a_changed_request_or_retry_timeout_gets_a_new_client_and_the_same_environment_the_same(monkeypatch):
+    pytest.importorskip("obstore")
+    from weightsync.storage.client import open_store
+    from weightsync.storage.url import parse_bucket_url
+
+    for k, v in {"AWS_ENDPOINT_URL": "http://127.0.0.1:9", "AWS_ALLOW_HTTP": "true", "AWS_REGION": "us-east-1",
+                 "AWS_ACCESS_KEY_ID": "k", "AWS_SECRET_ACCESS_KEY": "s"}.items():
+        monkeypatch.setenv(k, v)
+    url = parse_bucket_url("s3://bucket/run")
+    first = open_store(url)
+    assert open_store(url) is first
+    monkeypatch.setenv("WEIGHTSYNC_BUCKET_RETRY_TIMEOUT_S", "1")
+    second = open_store(url)
+    assert second is not first
+    monkeypatch.setenv("WEIGHTSYNC_BUCKET_REQUEST_TIMEOUT_S", "7")
+    assert open_store(url) is not second

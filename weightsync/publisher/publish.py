@@ -37,6 +37,7 @@ from ..errors import (
     HostResourceError,
     PendingVersionError,
     PublishError,
+    RankReportMismatchError,
     UnsupportedFormatError,
     VersionAlreadyPublishedError,
     VersionConflictError,
@@ -44,7 +45,7 @@ from ..errors import (
 )
 from ..format.checksum import DEFAULT_CHECKSUM, new_hasher, supported_checksums
 from ..format.file_digests import FILE_DIGEST_ALGORITHM, FILE_DIGESTS_KEY, digest_file, read_file_digests, with_file_digests
-from ..storage.rank_reports import RankReportMismatchError, RankReports, rank_reports_wanted
+from ..storage.rank_reports import RankReports, rank_reports_wanted
 from ..storage.swarm import check_publish_torrent, torrent_wanted, write_version_torrent
 from ..format.layout import (
     INDEX_NAME,

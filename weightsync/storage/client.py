@@ -78,8 +78,10 @@ _ALLOW_HTTP_VARIABLES = {"s3": (), "gs": ("GOOGLE_ALLOW_HTTP",), "az": ("AZURE_A
 
 
 def _env_key() -> tuple:
-    # A store caches its credentials: a changed environment (a rotated key) gets a new one.
-    return tuple(sorted((k, v) for k, v in os.environ.items() if k.startswith(_ENV_PREFIXES)))
+    # A store caches its credentials and timeouts: a changed environment (a rotated key, another
+    # request or retry timeout) gets a new one.
+    knobs = (REQUEST_TIMEOUT_S.env, RETRY_TIMEOUT_S.env)
+    return tuple(sorted((k, v) for k, v in os.environ.items() if k.startswith(_ENV_PREFIXES) or k in knobs))
 
 
 def open_store(url: BucketURL):
