@@ -101,6 +101,8 @@ def pull_from_http(
                 raise
             if source.floor is None and not mirror.has_placeholders():
                 raise
+            if str(getattr(first, "path", "")).endswith(INDEX_NAME):
+                raise  # an index the mirror holds whole: listing or fetching more cannot change it
             first_said = str(name_the_source(first, root, str(url)))
             log.warning("pull v%d from %s: %s; listing every version down to a full one and pulling once more",
                         target_version, url, first_said)

@@ -13,6 +13,12 @@ ETag and length), and the shards of earlier pulls are turned back into placehold
 spool: bounded by what one pull reads). The pull then plans again, on the same files and local
 state under the same lock, so it reads what was fetched.
 
+A version prefix without an index is mirrored as it is, so the directory pull's own rules judge
+it: a lone ``model.safetensors`` (FORMAT.md's index-less full version) is fetched whole and kept
+outside the spool (its header decides whether it is complete, at every pull); any other shape
+("still publishing") gets placeholders. An index whose listed size is over the index limit is not
+downloaded: a placeholder of that size meets the directory pull's own size check.
+
 A placeholder is never taken for data: its first 8 bytes, read as a safetensors header length,
 exceed any header limit. Should a pull's own fallbacks (a reseed and replay after a failed
 verification, a side anchor that fails its check) reach a placeholder, the pull fails typed;
@@ -48,6 +54,7 @@ PLACEHOLDER_MAGIC = b"WSYNC-NOT-FETCHED\n"  # as a little-endian u64 header leng
 # Beside the mirror (not in it: the mirror holds only what a source dir holds): key -> ETag of
 # the shards whose bytes are in the mirror, and of every file the mirror has.
 _FETCHED_NAME = ".fetched.json"
+_WHOLE_NAME = ".whole.json"  # key -> ETag of the files _refresh keeps whole (index-less versions)
 _DIR_RE = re.compile(r"^(weight_v|anchor_v)(\d{6,})$")
 
 
@@ -277,6 +284,12 @@ class Mirror:
                 whole.add(weights[0])
         self.whole = whole
         tags = self._load_tags()
+        # A version that was index-less and is committed now (or a lone file joined by another):
+        # its file kept whole goes back to a placeholder, so the spool bounds it from now on.
+        for k in sorted(set(self._load_json(_WHOLE_NAME)) - whole):
+            if k in listing and listing[k].tag == tags.get(k) and os.path.exists(self._path(k)) and k.partition("/")[0] in wanted:
+                _write_placeholder(self._path(k), listing[k].size)
+        write_bytes(self.root + _WHOLE_NAME, json.dumps({k: listing[k].tag for k in sorted(whole)}).encode())
         limit = int(MAX_INDEX_NBYTES.get())
         for d in wanted:
             dpath = os.path.join(self.root, d)
