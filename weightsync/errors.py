@@ -666,6 +666,27 @@ class BucketURLError(InvalidRequestError):
         super().__init__(f"bucket URL {url!r} cannot be used: {detail}. Expected s3://bucket/prefix (or gs://, az://).")
 
 
+class BucketRefusedError(WeightSyncError, ConnectionError):
+    """The store answered a request with a refusal that no retry changes (400, 405, 411, 501 ...):
+    it does not support the request (an S3-compatible store without conditional writes or
+    multipart uploads, an emulator) or the endpoint is not the store meant. Not retried."""
+
+    error_type = "bucket_refused"
+    http_status = 502
+
+    def __init__(self, url: str, operation: str, status: int, detail: str):
+        self.url = url
+        self.operation = operation
+        self.status = status
+        self.detail = detail
+        super().__init__(
+            f"the store for {url} refused {operation} with HTTP {status}: {detail}. Not retried: the store "
+            "does not support this request or the endpoint is not the store meant; check the endpoint "
+            f"({_endpoint_variable(url)}) and that the store supports conditional writes and multipart uploads. "
+            "Nothing partial was kept."
+        )
+
+
 class BucketCredentialsError(WeightSyncError, PermissionError):
     """The store refused the credentials (wrong, expired, or not allowed on this bucket). They
     come from the environment only (AWS_* / GOOGLE_* / AZURE_* variables), never a request."""
@@ -757,7 +778,7 @@ class BucketConflictError(VersionAlreadyPublishedError):
 
 
 __all__ += [
-    "BucketClientMissingError", "BucketURLError", "BucketCredentialsError", "BucketUnavailableError",
+    "BucketClientMissingError", "BucketURLError", "BucketCredentialsError", "BucketUnavailableError", "BucketRefusedError",
     "SourceChangedError", "ConditionalWritesUnsupportedError", "BucketConflictError",
 ]
 

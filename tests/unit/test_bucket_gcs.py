@@ -141,8 +141,10 @@ def test_the_emulator_ignores_if_match_so_the_clients_own_etag_check_is_what_cat
 
 
 def test_a_publish_to_the_gcs_emulator_fails_typed_naming_the_refused_upload_and_writes_nothing(run):
-    with pytest.raises(errors.WeightSyncError) as e:
+    with pytest.raises(errors.BucketRefusedError) as e:
         run.publisher()  # the start probe's create-only PUT is the first write
     text = str(e.value)
     assert run.url in text and "400" in text and "invalid uploadType" in text
+    # A refusal no retry changes: not "unavailable, retry later", and the hint names GCS's endpoint.
+    assert e.value.status == 400 and not e.value.retryable and "gcs_base_url" in text and "AWS_" not in text
     assert BucketSource(run.url).list() == {}

@@ -19,6 +19,7 @@ after ``WEIGHTSYNC_BUCKET_RETRY_TIMEOUT_S``, below the operation's deadline.
 from __future__ import annotations
 
 import os
+import re
 import threading
 import time
 from datetime import timedelta
@@ -26,6 +27,7 @@ from datetime import timedelta
 from ..errors import (
     BucketClientMissingError,
     BucketCredentialsError,
+    BucketRefusedError,
     BucketUnavailableError,
     SourceChangedError,
     SourceNotReadyError,
@@ -162,7 +164,30 @@ def typed_error(e: BaseException, url: BucketURL, operation: str) -> WeightSyncE
         return SourceChangedError(str(url), operation)
     if isinstance(e, FileNotFoundError):
         return SourceNotReadyError(f"{url}: {operation}: not there ({detail}); retry once it is published")
+    status = _refusal_status(str(e))
+    if status is not None:
+        return BucketRefusedError(str(url), operation, status, _store_message(str(e)) or detail)
     return BucketUnavailableError(str(url), operation, detail)
+
+
+# A 4xx that no retry changes; 408 (timeout) and 429 (throttling) are worth asking again, and
+# 401/403/404/409/412 have their own meanings above.
+FINAL_4XX = {400, 405, 406, 411, 413, 414, 415, 416, 422, 431, 501}
+_STATUS_RE = re.compile(r"status code: (\d{3})")
+_MESSAGE_RE = re.compile(r"<Message>([^<]{1,300})</Message>|\"message\"\s*:\s*\"([^\"]{1,300})\"")
+
+
+def _refusal_status(text: str) -> "int | None":
+    m = _STATUS_RE.search(text)
+    if m is None:
+        return None
+    status = int(m.group(1))
+    return status if status in FINAL_4XX else None
+
+
+def _store_message(text: str) -> str:
+    m = _MESSAGE_RE.search(text)
+    return (m.group(1) or m.group(2)).strip() if m else ""
 
 
 # The variables that name credentials for each scheme, directly or through a profile, a web

@@ -29,9 +29,15 @@ from datetime import timedelta
 from typing import Callable
 from urllib.parse import urlsplit
 
-from ..errors import BucketCredentialsError, BucketUnavailableError, SourceChangedError, SourceNotReadyError
+from ..errors import (
+    BucketCredentialsError,
+    BucketRefusedError,
+    BucketUnavailableError,
+    SourceChangedError,
+    SourceNotReadyError,
+)
 from ..knobs import Knob
-from .client import REQUEST_TIMEOUT_S, Deadline, same_etag
+from .client import FINAL_4XX, REQUEST_TIMEOUT_S, Deadline, same_etag
 from .url import BucketURL
 
 SIGNED_GET = Knob("WEIGHTSYNC_BUCKET_SIGNED_GET", 1,
@@ -124,7 +130,7 @@ class SignedRanges:
             return pos, ""
         except BucketUnavailableError as e:
             return pos, e.detail
-        except (SourceChangedError, SourceNotReadyError, BucketCredentialsError):
+        except (SourceChangedError, SourceNotReadyError, BucketCredentialsError, BucketRefusedError):
             raise
         except (OSError, http.client.HTTPException, socket.timeout) as e:
             return pos, f"{type(e).__name__}: {e}"[:300]
@@ -163,6 +169,8 @@ class SignedRanges:
         if status == 200:
             # A server that ignores Range sends the whole object: never taken for the range.
             raise BucketUnavailableError(self.name, operation, "the store ignored the Range header (HTTP 200)")
+        if status in FINAL_4XX:
+            raise BucketRefusedError(self.name, operation, status, code or resp.reason)
         raise BucketUnavailableError(self.name, operation, f"HTTP {status} {code or resp.reason}".strip())
 
 
