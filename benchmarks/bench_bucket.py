@@ -100,6 +100,9 @@ def run_round(kind: str, target: str, seed: str, work: str, v1, v2, server) -> d
         with Meter(server) as m:
             nbytes = serve_only(target, "weight_v000001/")
         out["the server alone: v1's shards to curl"] = (m.wall, m.cpu, m.server_cpu, nbytes)
+        with Meter(server) as m:
+            nbytes = receive_only(target, "weight_v000001/")
+        out["the client's receive alone (bytes dropped)"] = (m.wall, m.cpu, m.server_cpu, nbytes)
     local = os.path.join(work, f"local-{kind}-{uuid.uuid4().hex[:6]}")
     with Meter(server) as m:
         r = pull(local, seed, target, 1)
@@ -140,6 +143,49 @@ def serve_only(url: str, prefix: str) -> int:
         if p.wait() != 0:
             raise RuntimeError("curl failed against the server")
     return sum(b - a + 1 for _, a, b in jobs)
+
+
+def receive_only(url: str, prefix: str) -> int:
+    """The client's part a pull cannot shed: the same ranged GETs, read by ``http.client`` into a
+    reused buffer as the pull reads them, the bytes dropped (no write, no check). Its CPU over the
+    directory's seed pull is the floor of the bucket's CPU ratio here: the directory pays one copy
+    into the page cache, the bucket that same write plus the receive. Returns the bytes read."""
+    import datetime as _dt
+    import http.client
+    from concurrent.futures import ThreadPoolExecutor
+    from urllib.parse import urlsplit
+
+    import obstore
+
+    from weightsync.storage.client import FETCH_IN_FLIGHT, FETCH_RANGE_NBYTES
+    from weightsync.storage.source import BucketSource
+
+    src = BucketSource(url)
+    rng, in_flight = int(FETCH_RANGE_NBYTES.get()), int(FETCH_IN_FLIGHT.get())
+    jobs = []
+    for key, obj in sorted(src.list(prefix).items()):
+        if key.endswith(".safetensors"):
+            signed = urlsplit(obstore.sign(src.store, "GET", key, _dt.timedelta(seconds=600)))
+            jobs += [(signed, a, min(a + rng, obj.size)) for a in range(0, obj.size, rng)]
+
+    def one(job) -> int:
+        signed, a, b = job
+        conn = http.client.HTTPConnection(signed.netloc, timeout=60)
+        try:
+            conn.request("GET", f"{signed.path}?{signed.query}", headers={"Range": f"bytes={a}-{b - 1}"})
+            resp = conn.getresponse()
+            buf, got = memoryview(bytearray(1 << 20)), 0
+            while got < b - a:
+                n = resp.readinto(buf[: min(len(buf), b - a - got)])
+                if not n:
+                    raise RuntimeError("a short body from the server")
+                got += n
+            return got
+        finally:
+            conn.close()
+
+    with ThreadPoolExecutor(in_flight) as pool:
+        return sum(pool.map(one, jobs))
 
 
 def main() -> None:
@@ -194,7 +240,9 @@ def report(args, rows, total: int) -> str:
         f"a delta of {args.density:.0%} of the elements; SeaweedFS 4.48 `weed mini` on 127.0.0.1 sharing the box; "
         "uploads with an unsigned payload (the HTTPS default); medians. Throughput = bytes moved / wall; CPU = this process's CPU-s per GB (obstore's threads included); "
         "server = weed's CPU-s per GB. Ratios: bucket against directory. \"The server alone\": the seed pull's ranged GETs "
-        "by curl to /dev/null (next to no client work), against the directory's seed pull: the floor a bucket seed pull can reach here.",
+        "by curl to /dev/null (next to no client work), against the directory's seed pull: the throughput floor a bucket seed pull "
+        "can reach here. \"The client's receive alone\": the same GETs read as the pull reads them, bytes dropped: the CPU a "
+        "bucket pull adds to the directory's at least (the CPU ratio's floor is 1 + that row's CPU / the directory's).",
         "",
         "| case | bytes | dir wall | bucket wall | throughput ratio | dir CPU s/GB | bucket CPU s/GB | CPU ratio | server CPU s/GB |",
         "|---|---|---|---|---|---|---|---|---|",
