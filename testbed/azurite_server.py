@@ -23,11 +23,9 @@ import hmac
 import http.client
 import os
 import shutil
-import signal
-import socket
-import subprocess
 import sys
-import time
+
+from .loopback import ServerProcess, free_ports
 
 # Azurite's built-in account and its documented key (public: every Azure SDK ships it for the
 # emulator). obstore's emulator mode (AZURE_STORAGE_USE_EMULATOR) assumes exactly these.
@@ -59,12 +57,6 @@ def azurite_binary() -> str | None:
     return shutil.which("azurite-blob")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def shared_key_request(port: int, method: str, path: str, query: dict[str, str], key: str = ACCOUNT_KEY,
                        timeout_s: float = 5.0) -> tuple[int, bytes]:
     """One bodyless request signed with Shared Key, for what obstore has no call for (creating the
@@ -89,24 +81,20 @@ def shared_key_request(port: int, method: str, path: str, query: dict[str, str],
         conn.close()
 
 
-class AzuriteServer:
+class AzuriteServer(ServerProcess):
+    NAME = "azurite"
+    MISSING = "no `azurite-blob`: run scripts/setup_env.sh (it installs azurite into .venv/azurite)"
+
     def __init__(self, root: str, binary: str):
-        self.root = root
+        super().__init__(root, os.path.join(root, "azurite.log"))
         self.binary = binary
         self.data = os.path.join(root, "data")
-        self.log_path = os.path.join(root, "azurite.log")
         os.makedirs(self.data, exist_ok=True)
-        self.port = _free_port()
-        self.proc: subprocess.Popen | None = None
+        self.port = free_ports(1)[0]
 
-    @classmethod
-    def start(cls, root: str, timeout_s: float = 60.0) -> "AzuriteServer":
-        binary = azurite_binary()
-        if binary is None:
-            raise RuntimeError("no `azurite-blob`: run scripts/setup_env.sh (it installs azurite into .venv/azurite)")
-        server = cls(root, binary)
-        server.restart(timeout_s)
-        return server
+    @staticmethod
+    def find_binary() -> str | None:
+        return azurite_binary()
 
     @property
     def endpoint(self) -> str:
@@ -140,32 +128,18 @@ class AzuriteServer:
         env.update(overrides)
         return env
 
-    def restart(self, timeout_s: float = 60.0) -> None:
-        """Start (again, on the same port and data), wait until it answers, create the container."""
-        if self.proc is not None and self.proc.poll() is None:
-            raise RuntimeError("the server is running")
-        args = [
+    def command(self) -> list[str]:
+        return [
             self.binary, "--blobHost", "127.0.0.1", "--blobPort", str(self.port), "--location", self.data,
             "--disableTelemetry", "--silent",
             # obstore may speak a newer API version than this Azurite knows; the calls it makes are old ones.
             "--skipApiVersionCheck",
         ]
-        log = open(self.log_path, "ab")
-        try:
-            self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, cwd=self.root,
-                                         start_new_session=True)
-        finally:
-            log.close()
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"azurite exited with {self.proc.returncode}; see {self.log_path}:\n{self.log_tail()}")
-            status = self._create_container()
-            if status in (201, 409):  # created, or there from before a restart
-                return
-            time.sleep(0.2)
-        self.stop()
-        raise RuntimeError(f"azurite did not answer within {timeout_s:.0f}s; see {self.log_path}:\n{self.log_tail()}")
+
+    def answers(self) -> bool:
+        # Up once the container exists (Azure has no implicit containers): created now, or there
+        # from before a restart.
+        return self._create_container() in (201, 409)
 
     def _create_container(self) -> int:
         try:
@@ -174,20 +148,11 @@ class AzuriteServer:
         except OSError:
             return 0
 
-    def log_tail(self, n: int = 4000) -> str:
-        try:
-            with open(self.log_path, "rb") as f:
-                return f.read()[-n:].decode(errors="replace")
-        except OSError:
-            return ""
-
     def kill(self) -> None:
         """SIGKILL the whole server. Not a durable crash as for ``weed mini``: Azurite saves its
         blob metadata on an interval, so blobs written in the last seconds are gone after
         ``restart`` (``stop`` saves them)."""
-        if self.proc is not None and self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(10)
+        super().kill()
 
     def settle(self, timeout_s: float = 60.0) -> None:
         """Stop gracefully and start again on the same port and data: what was written so far is
@@ -195,20 +160,3 @@ class AzuriteServer:
         this loses nothing written before it."""
         self.stop()
         self.restart(timeout_s)
-
-    def stop(self) -> None:
-        """SIGTERM, then SIGKILL after 10 s; by the server's own process group."""
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        os.killpg(self.proc.pid, signal.SIGTERM)
-        try:
-            self.proc.wait(10)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(10)
-
-    def __enter__(self) -> "AzuriteServer":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.stop()

