@@ -22,10 +22,9 @@ import hashlib
 import hmac
 import http.client
 import os
-import shutil
 import sys
 
-from .loopback import ServerProcess, free_ports
+from .loopback import ServerProcess, find_executable, free_ports
 
 # Azurite's built-in account and its documented key (public: every Azure SDK ships it for the
 # emulator). obstore's emulator mode (AZURE_STORAGE_USE_EMULATOR) assumes exactly these.
@@ -47,14 +46,9 @@ SERVER_BUSY = (
 def azurite_binary() -> str | None:
     """``azurite-blob`` from the project-local npm prefix (``.venv/azurite``), ``$WEIGHTSYNC_AZURITE``,
     or PATH."""
-    explicit = os.environ.get("WEIGHTSYNC_AZURITE")
-    if explicit and os.access(explicit, os.X_OK):
-        return explicit
     venv = os.path.dirname(os.path.dirname(sys.executable))
-    here = os.path.join(venv, "azurite", "node_modules", ".bin", "azurite-blob")
-    if os.access(here, os.X_OK):
-        return here
-    return shutil.which("azurite-blob")
+    return find_executable("azurite-blob", [os.path.join(venv, "azurite", "node_modules", ".bin", "azurite-blob")],
+                           env_var="WEIGHTSYNC_AZURITE")
 
 
 def shared_key_request(port: int, method: str, path: str, query: dict[str, str], key: str = ACCOUNT_KEY,
@@ -83,6 +77,8 @@ def shared_key_request(port: int, method: str, path: str, query: dict[str, str],
 
 class AzuriteServer(ServerProcess):
     NAME = "azurite"
+    URL_ROOT = f"az://{CONTAINER}"
+    find_binary = staticmethod(azurite_binary)
     MISSING = "no `azurite-blob`: run scripts/setup_env.sh (it installs azurite into .venv/azurite)"
 
     def __init__(self, root: str, binary: str):
@@ -91,10 +87,6 @@ class AzuriteServer(ServerProcess):
         self.data = os.path.join(root, "data")
         os.makedirs(self.data, exist_ok=True)
         self.port = free_ports(1)[0]
-
-    @staticmethod
-    def find_binary() -> str | None:
-        return azurite_binary()
 
     @property
     def endpoint(self) -> str:
@@ -105,9 +97,6 @@ class AzuriteServer(ServerProcess):
         """The account's endpoint on another loopback port (a proxy in front of this server): the
         Shared Key signature names the account and path, not the host, so it stays valid."""
         return f"http://127.0.0.1:{port}/{ACCOUNT}"
-
-    def url(self, prefix: str) -> str:
-        return f"az://{CONTAINER}/{prefix.strip('/')}"
 
     def env(self, **overrides: str) -> dict[str, str]:
         """The variables a user of a real account sets (account, key, endpoint), plus plain HTTP:

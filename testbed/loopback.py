@@ -1,6 +1,7 @@
 """What the testbed's real loopback servers and fault proxies share.
 
 - ``free_ports``: free 127.0.0.1 ports (and, for ``weed mini``, their gRPC twins);
+- ``find_executable``: a server's binary, from an explicit variable, the project's install or PATH;
 - ``ServerProcess``: a server binary run in its own session with a log file, waited for until it
   answers, killed (a crash) or stopped (SIGTERM, then SIGKILL) by its process group. A subclass
   (``s3_server.S3Server``, ``azurite_server.AzuriteServer``, ``gcs_server.GcsServer``) gives the
@@ -13,11 +14,22 @@
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import threading
 import time
+
+
+def find_executable(name: str, candidates: "list[str]", env_var: str | None = None) -> str | None:
+    """``$env_var`` where it names an executable, else the first executable of ``candidates`` (the
+    project-local installs), else ``name`` on PATH; None when none is there."""
+    explicit = os.environ.get(env_var) if env_var else None
+    for path in ([explicit] if explicit else []) + candidates:
+        if os.access(path, os.X_OK):
+            return path
+    return shutil.which(name)
 
 
 def free_ports(n: int, twin_offset: int | None = None) -> list[int]:
@@ -54,9 +66,10 @@ def free_ports(n: int, twin_offset: int | None = None) -> list[int]:
 
 class ServerProcess:
     """One server process of the testbed. A subclass sets ``NAME`` (in the errors), ``MISSING`` (the
-    error when its binary is not installed) and ``find_binary``, and gives ``command()``,
-    ``answers()`` and, where the server needs more than this process's environment,
-    ``server_env()``. Its ``__init__(root, binary)`` chooses the ports and calls this one's."""
+    error when its binary is not installed), ``URL_ROOT`` and ``find_binary``, and gives
+    ``command()``, ``answers()`` and, where the server needs more than this process's
+    environment, ``server_env()``. Its ``__init__(root, binary)`` chooses the ports and calls
+    this one's."""
 
     NAME = "server"
     MISSING = "the server's binary is not installed: run scripts/setup_env.sh"
@@ -64,6 +77,8 @@ class ServerProcess:
     WAITS_FOR = ""
     START_TIMEOUT_S = 60.0
     POLL_S = 0.2
+    # The store's URL for the client, up to the prefix: "s3://wsync", "az://wsync", "gs://wsync".
+    URL_ROOT = ""
 
     def __init__(self, root: str, log_path: str):
         self.root = root
@@ -83,6 +98,9 @@ class ServerProcess:
         server = cls(root, binary)
         server.restart(timeout_s)
         return server
+
+    def url(self, prefix: str) -> str:
+        return f"{self.URL_ROOT}/{prefix.strip('/')}"
 
     def command(self) -> list[str]:
         raise NotImplementedError
@@ -112,7 +130,8 @@ class ServerProcess:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"{self.NAME} exited with {self.proc.returncode}; see {self.log_path}:\n{self.log_tail()}")
+                raise RuntimeError(f"{self.NAME} exited with {self.proc.returncode}; "
+                                   f"see {self.log_path}:\n{self.log_tail()}")
             if self.answers():
                 return
             time.sleep(self.POLL_S)

