@@ -7,4 +7,8 @@ Modules:
   with this repo's sglang plugin installed and the CPU-test stand-ins on ``PYTHONPATH``.
 - ``testbed.live``: a server's per-rank ``/weights_digest`` records, waiting for the live-apply
   map's proof, and "same bytes in every parameter of every rank".
+- ``testbed.s3_server``, ``testbed.azurite_server``, ``testbed.gcs_server``: real object stores on
+  loopback (SeaweedFS, Azurite, fake-gcs-server) for the bucket tests and benchmark, on one base
+  (``testbed.loopback``: free ports, the process, and the fault proxies' accept loop);
+  ``ThrottlingProxy`` (503s) and ``testbed.cutting_proxy`` (bodies cut short) sit in front of one.
 """
