@@ -19,8 +19,8 @@ import pytest
 
 from benchmarks.fleet.nginx import NginxCache, nginx_binary
 from benchmarks.fleet.origin import OriginServer
-from core_support import assert_checkpoint_is, mutate, random_tensors, serving, tensor_bytes, write_hf_checkpoint
-from weightsync import Publisher, pull
+from core_support import assert_checkpoint_is, marker_version, mutate, random_tensors, serving, tensor_bytes, write_hf_checkpoint
+from weightsync import Publisher, errors, pull
 from weightsync.errors import HttpSourceURLError, PayloadFileMismatchError, VersionMissingError
 from weightsync.format.file_digests import FILE_DIGESTS_KEY, digest_file
 from weightsync.storage.http import ORIGIN_ENV, parse_http_url
@@ -379,3 +379,20 @@ def test_a_local_file_cut_short_under_its_marker_reseeds_through_the_full_walk_b
     r = pull(local, served.seed, url, 3)  # the walk stops at v2 first; the reseed needs v1 too
     assert r.applied_version == 3 and r.action == "seed+chain"
     assert_checkpoint_is(local, served.expected[3])
+
+
+def test_an_index_over_the_index_limit_on_the_origin_is_refused_by_its_length_and_nothing_changes(served, origin, monkeypatch):
+    served.publish(2)
+    url = f"{origin.base_url}/run"
+    local = served.local()
+    assert pull(local, served.seed, url, 1).applied_version == 1
+    size = os.path.getsize(os.path.join(served.run, "weight_v000002", INDEX))
+    monkeypatch.setenv("WEIGHTSYNC_MAX_INDEX_NBYTES", str(size - 1))
+    with pytest.raises(errors.MalformedHeaderError, match=f"{size} bytes, over the {size - 1}-byte limit") as e:
+        pull(local, served.seed, url, 2)
+    assert url in str(e.value)  # the origin's URL, not a host-local path
+    assert marker_version(local) == 1
+    assert_checkpoint_is(local, served.expected[1])
+    monkeypatch.setenv("WEIGHTSYNC_MAX_INDEX_NBYTES", str(size))
+    assert pull(local, served.seed, url, 2).applied_version == 2
+    assert_checkpoint_is(local, served.expected[2])

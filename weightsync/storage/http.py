@@ -52,13 +52,14 @@ from ..errors import (
     BucketUnavailableError,
     HttpSourceUnavailableError,
     HttpSourceURLError,
+    MalformedHeaderError,
     PayloadFileMismatchError,
     SourceChangedError,
     SourceNotReadyError,
 )
 from ..format.file_digests import FileDigest, read_file_digests
 from ..format.layout import INDEX_NAME, RUN_NAME, anchor_dir_name, version_dir_name
-from ..knobs import Knob
+from ..knobs import MAX_INDEX_NBYTES, Knob
 from .client import Deadline
 from .source import ObjectInfo
 
@@ -191,7 +192,7 @@ class HttpSource:
     def _list_dir(self, d: str, out: dict[str, ObjectInfo]) -> "dict | None":
         key = f"{d}/{INDEX_NAME}"
         try:
-            data = self._get(self.origin, key, NO_CACHE).body
+            data = self._get(self.origin, key, NO_CACHE, max_body=int(MAX_INDEX_NBYTES.get())).body
         except FileNotFoundError:
             return None
         self._indexes[key] = data
@@ -222,7 +223,7 @@ class HttpSource:
         """A small object (an index, the run file) from the origin, past any cache."""
         if key in self._indexes:
             return self._indexes[key]  # the bytes the listing planned from
-        return self._get(self.origin, key, NO_CACHE).body
+        return self._get(self.origin, key, NO_CACHE, max_body=int(MAX_INDEX_NBYTES.get())).body
 
     def fetch(self, obj: ObjectInfo, dst: str, progress: "Callable[[int, int], None] | None" = None,
               deadline: "Deadline | None" = None) -> int:
@@ -358,15 +359,17 @@ class HttpSource:
         return int(n) if n is not None and n.isdigit() else None
 
     def _get(self, base: HttpURL, key: str, headers: dict[str, str], *, method: str = "GET",
-             deadline: "Deadline | None" = None, ok: tuple[int, ...] = (200,)) -> _Answer:
+             deadline: "Deadline | None" = None, ok: tuple[int, ...] = (200,), max_body: "int | None" = None) -> _Answer:
         """One request, asked again on a transient failure until the deadline. 404/410:
-        ``FileNotFoundError``; another 4xx: ``HttpSourceUnavailableError`` at once."""
+        ``FileNotFoundError``; another 4xx: ``HttpSourceUnavailableError`` at once. A body over
+        ``max_body`` (an index past the index limit) is refused unread, as a directory refuses
+        such an index: ``MalformedHeaderError``."""
         deadline = deadline or Deadline.from_knob()
         path = base.path + "/" + quote(key)
         backoff = 0.1
         while True:
             try:
-                ans = self._request(base, method, path, headers)
+                ans = self._request(base, method, path, headers, max_body=max_body, name=key)
                 if ans.status in (404, 410):
                     raise FileNotFoundError(f"{base}/{key}")
                 if ans.status in ok:
@@ -381,7 +384,8 @@ class HttpSource:
             time.sleep(min(backoff, max(0.0, deadline.left())))
             backoff = min(backoff * 2, 2.0)
 
-    def _request(self, base: HttpURL, method: str, path: str, headers: dict[str, str]) -> _Answer:
+    def _request(self, base: HttpURL, method: str, path: str, headers: dict[str, str], *,
+                 max_body: "int | None" = None, name: str = "") -> _Answer:
         conns = self._local.__dict__.setdefault("conns", {})
         key = (base.scheme, base.netloc)
         conn = conns.get(key)
@@ -395,7 +399,16 @@ class HttpSource:
         try:
             conn.request(method, path, headers={"Accept-Encoding": "identity", **headers})
             resp = conn.getresponse()
-            body = resp.read() if method != "HEAD" else b""
+            if max_body is not None and method != "HEAD" and resp.status == 200:
+                length = resp.getheader("Content-Length")
+                body = resp.read(max_body + 1) if length is None or not length.isdigit() or int(length) <= max_body else b""
+                if len(body) > max_body or (length is not None and length.isdigit() and int(length) > max_body):
+                    conn.close()
+                    conns.pop(key, None)
+                    size = int(length) if length is not None and length.isdigit() else f"more than {max_body}"
+                    raise MalformedHeaderError(f"{base}/{name}", f"index is {size} bytes, over the {max_body}-byte limit")
+            else:
+                body = resp.read() if method != "HEAD" else b""
             out = _Answer(resp.status, {k.lower(): v for k, v in resp.getheaders()}, body)
             if resp.will_close:
                 conn.close()
