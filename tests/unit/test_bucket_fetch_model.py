@@ -145,3 +145,23 @@ def test_an_s3_fetch_takes_the_signed_path_unless_it_is_turned_off_or_a_proxy_is
     monkeypatch.setenv("HTTP_PROXY", "http://127.0.0.1:9")  # http.client would not go through it: obstore does
     monkeypatch.setenv("NO_PROXY", "")
     assert not path_taken()
+
+
+def test_a_presigned_url_is_reused_while_young_and_signed_again_once_half_its_lifetime_passed(env, monkeypatch):
+    import time as real_time
+
+    from weightsync.storage import signed_get
+    from weightsync.storage.signed_get import SignedRanges
+
+    src = BucketSource(env.url(f"fetch-model/{uuid.uuid4().hex[:8]}"))
+    reader = SignedRanges.for_store(src.store, src.url)
+    assert reader is not None
+    signed: list[str] = []
+    real_sign = obstore.sign
+    monkeypatch.setattr(obstore, "sign", lambda store, method, key, expires: signed.append(key) or real_sign(store, method, key, expires))
+    first = reader.signed_url("weight_v000001/a.safetensors", 600)
+    assert reader.signed_url("weight_v000001/a.safetensors", 600) == first and len(signed) == 1
+    later = real_time.monotonic() + 400  # past half of the 660 s lifetime
+    monkeypatch.setattr(signed_get, "_now", lambda: later)
+    reader.signed_url("weight_v000001/a.safetensors", 600)
+    assert signed == ["weight_v000001/a.safetensors"] * 2

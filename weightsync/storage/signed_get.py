@@ -24,6 +24,7 @@ import re
 import socket
 import ssl
 import threading
+import time
 import urllib.request
 from datetime import timedelta
 from typing import Callable
@@ -44,6 +45,8 @@ SIGNED_GET = Knob("WEIGHTSYNC_BUCKET_SIGNED_GET", 1,
                   "1: an S3 pull reads bulk ranges through presigned URLs with the standard library; 0: obstore's stream")
 BUFFER_NBYTES = 1 << 20  # per range in flight; measured: 256 KiB-4 MiB cost the same CPU, 1 MiB keeps it in cache
 
+_now = time.monotonic  # a name of its own: the test of re-signing moves this clock alone
+
 _CODE_RE = re.compile(rb"<Code>([A-Za-z]+)</Code>")
 _CONTENT_RANGE_RE = re.compile(r"^bytes (\d+)-(\d+)/(\d+|\*)$")
 
@@ -63,7 +66,7 @@ class SignedRanges:
         self.store = store
         self.url = url
         self.name = str(url)
-        self._signed: dict[str, str] = {}
+        self._signed: dict[str, tuple[str, float]] = {}  # key -> (URL, monotonic time it is re-signed after)
         self._lock = threading.Lock()
 
     @classmethod
@@ -83,15 +86,18 @@ class SignedRanges:
         return reader
 
     def signed_url(self, key: str, expires_s: float) -> str:
-        """One signature per key and fetch (its lifetime covers the fetch's deadline)."""
+        """One signature per key while it is young: its lifetime covers the fetch's deadline, and
+        it is signed again once half of that has passed (a source kept for a later fetch, a
+        session token rotated meanwhile)."""
         import obstore
 
+        lifetime = max(60, min(int(expires_s) + 60, 7 * 86400))
         with self._lock:
             got = self._signed.get(key)
-            if got is None:
-                got = obstore.sign(self.store, "GET", key, timedelta(seconds=max(60, min(int(expires_s) + 60, 7 * 86400))))
+            if got is None or _now() > got[1]:
+                got = (obstore.sign(self.store, "GET", key, timedelta(seconds=lifetime)), _now() + lifetime / 2)
                 self._signed[key] = got
-            return got
+            return got[0]
 
     def read_range(self, key: str, size: int, tag: str, pos: int, end: int, fd: int,
                    wrote: Callable[[int], None], deadline: Deadline) -> tuple[int, str]:
