@@ -290,6 +290,49 @@ def test_an_anchor_of_an_older_publisher_without_a_commit_id_is_not_used_and_the
     assert ei.value.anchor_version == 3 and "legacy" in ei.value.detail and ei.value.needed_version == 1
 
 
+def test_a_full_version_after_an_anchor_whose_layout_record_was_damaged_publishes_and_pulls(world):
+    """A byte of the anchor's index that changes its layout record (a shape digit) makes the
+    record and the shard headers disagree: the publisher takes no layout from it, so the next
+    full version, of the model's real layout, is not refused as a layout change (a hypothesis
+    run of the anchor-damage test found the refusal). The pull refuses the damaged anchor."""
+    world.publish_chain()
+    path = os.path.join(adir(world.source, 3), INDEX)
+    index = read_json(path)
+    name, (dtype, shape) = sorted(index["layout"].items())[0]
+    index["layout"][name] = [dtype, [shape[0] + 10, *shape[1:]]]
+    write_json(path, index)
+    for v in (1, 2):
+        _remove_like_prune(vdir(world.source, v))
+    local = world.local()
+    with pytest.raises(AnchorUnusableError):
+        pull(local, world.seed, world.source, 3)
+    pub = world.publisher(4)
+    world.t.append(mutate(world.t[4], world.rng, 0.05))
+    pub.publish(5, world.t[5], full=True)
+    pub.close()
+    world.pulls_exactly(local, 5)
+
+
+def test_an_anchor_index_damaged_into_what_reads_as_incomplete_json_is_damage_not_a_publish_in_flight(world):
+    """A changed byte can make a complete index read as a prefix of JSON (the metadata's closing
+    brace turned into a space leaves the outer object open at the end). An anchor's index is
+    committed before its version's, so while the version is committed naming the anchor's commit
+    id, that is damage: with the chain below pruned the pull blames the anchor, not "retry later"
+    (a hypothesis run of the anchor-damage test found ChainBrokenError here)."""
+    world.publish_chain()
+    path = os.path.join(adir(world.source, 3), INDEX)
+    with open(path, "rb") as f:
+        raw = f.read()
+    at = raw.index(b"}")  # the metadata object's closing brace
+    with open(path, "wb") as f:
+        f.write(raw[:at] + b" " + raw[at + 1:])
+    for v in (1, 2):
+        _remove_like_prune(vdir(world.source, v))
+    with pytest.raises(AnchorUnusableError) as ei:
+        pull(world.local(), world.seed, world.source, 4)
+    assert ei.value.anchor_version == 3 and "incomplete JSON" in ei.value.detail
+
+
 # --- point 5: a file pruned under a running pull ------------------------------------------------
 
 

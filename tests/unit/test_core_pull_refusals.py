@@ -222,7 +222,7 @@ def test_a_header_retyped_in_a_version_published_with_allow_layout_change_is_ref
         index = json.load(f)
     assert index["layout"]["c"] == ["I16", [4, 6]] and index["layout"]["a"] == ["F32", [32, 16]]
     retype_header(os.path.join(vdir, index["weight_map"]["a"]), "a")
-    with pytest.raises(errors.LayoutMismatchError, match=r"layout its index records: tensor a is I32\[32, 16\]"):
+    with pytest.raises(errors.LayoutMismatchError, match=r"the layout of its index's record: tensor a is I32\[32, 16\]"):
         world.pull(2)
 
 

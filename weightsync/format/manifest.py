@@ -21,6 +21,7 @@ from ..errors import (
     CorruptArtifactError,
     IndexMissingError,
     MalformedHeaderError,
+    SourceNotReadyError,
     UnsupportedFormatError,
     VersionMissingError,
 )
@@ -391,6 +392,17 @@ def check_anchor(source_dir: str, version: int, version_index: VersionIndex | No
     try:
         idx = read_anchor_index(source_dir, version)
     except IndexMissingError as e:
+        # An anchor's index is committed before its version's (FORMAT.md): one that reads as
+        # incomplete while its version is committed naming a commit id was complete once, and a
+        # byte of it changed since (a prefix of JSON and a damaged index can look alike).
+        if version_index is None:
+            try:
+                version_index = read_version_index(source_dir, version)
+            except (CorruptArtifactError, SourceNotReadyError):
+                return AnchorCheck("pending", str(e))
+        if version_index.anchor_commit is not None and os.path.exists(index_path(anchor_dir(source_dir, version))):
+            return AnchorCheck("damaged", "its index reads as incomplete JSON though its version, committed after it, "
+                                          f"names its commit {version_index.anchor_commit}")
         return AnchorCheck("pending", str(e))
     except CorruptArtifactError as e:
         return AnchorCheck("damaged", str(e))

@@ -136,8 +136,23 @@ def _stop_at_full(version, digests, blocked, idx, want_layout, reached) -> Recor
     for n, d in (idx.digests or {}).items():
         if n not in digests and n not in blocked:
             digests[n] = (idx.checksum_format or "xxh3-128", d)
-    layout = (getattr(idx, "layout", None) or _full_layout(idx)) if want_layout else None  # the index's record, else the headers
+    layout = _trusted_layout(idx) if want_layout else None
     return RecordedState(version, digests, frozenset(idx.weight_map), layout, reached)
+
+
+def _trusted_layout(idx) -> dict[str, tuple[str, tuple[int, ...]]] | None:
+    """The layout of a full version or anchor: its index's record where its shard headers say the
+    same, the headers where it records none. A record the headers contradict is damage (a byte of
+    the index or a header changed): neither side can be told right, so the layout is unknown and
+    a publish is not refused on its account (the pull refuses such a version or anchor itself)."""
+    headers = _full_layout(idx)
+    recorded = getattr(idx, "layout", None)
+    if not recorded:
+        return headers
+    recorded = {n: (d, tuple(s)) for n, (d, s) in recorded.items()}
+    if headers is not None and headers != recorded:
+        return None
+    return recorded
 
 
 def recorded_layout(source_dir: str, version: int) -> tuple[dict[str, tuple[str, tuple[int, ...]]] | None, str]:

@@ -38,6 +38,7 @@ from ..format.layout import (
     anchor_dir,
     anchor_dir_name,
     checked_join,
+    index_path,
     list_anchors,
     state_path,
     version_dir,
@@ -241,10 +242,11 @@ def plan_pull(
 
 
 def _anchor_still_there(source_dir: str, version: int) -> bool:
-    """Whether a passed-over anchor and its version are both still committed: one a prune
-    removed meanwhile (index first, then the files) is gone, not damaged, and the pull is
-    "not ready, retry" (the retry plans from what is kept, or names the version pruned)."""
-    return is_committed(anchor_dir(source_dir, version)) and is_committed(version_dir(source_dir, version))
+    """Whether a passed-over anchor still has its index file and its version is committed: one
+    a prune removed meanwhile (index first, then the files) is gone, not damaged, and the pull is
+    "not ready, retry" (the retry plans from what is kept, or names the version pruned). Its
+    index's presence, not its completeness: a damaged index can read as incomplete JSON."""
+    return os.path.exists(index_path(anchor_dir(source_dir, version))) and is_committed(version_dir(source_dir, version))
 
 
 def _cheapest_plan(

@@ -810,7 +810,7 @@ def check_layout(
     if recorded is not None:
         bad = diff_layouts(actual, recorded)
         if bad:
-            raise LayoutMismatchError(what, "the layout its index records", bad)
+            raise LayoutMismatchError(what, "its index's record", bad)
     if reference is not None:
         bad = diff_layouts(actual, reference)
         if bad:
