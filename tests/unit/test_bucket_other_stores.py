@@ -18,60 +18,39 @@ from __future__ import annotations
 import base64
 import json
 import os
-import shutil
-import tempfile
 
 import pytest
 
 from weightsync import Publisher, errors, pull
 from weightsync.storage.source import BucketSource
 
-from bucket_support import BucketRun
+from bucket_support import BucketRun, store_server, use_only_store
 from core_support import assert_checkpoint_is
 
 INDEX = "model.safetensors.index.json"
 
 
-def _start_azurite(root: str):
+def _azurite():
     from testbed.azurite_server import AzuriteServer, azurite_binary
 
-    if azurite_binary() is None:
-        return None, "azurite is not installed (scripts/setup_env.sh installs it into .venv/azurite)"
-    return AzuriteServer.start(root), ""
+    return ("azurite", azurite_binary() is not None, "scripts/setup_env.sh installs it into .venv/azurite",
+            AzuriteServer.start)
 
 
-# scheme -> how to start its server: (server or None, why not). One server per store per module.
-SERVERS = {"az": _start_azurite}
+# scheme -> (name, installed, install hint, start). One server per store per module.
+SERVERS = {"az": _azurite}
 
 
 @pytest.fixture(scope="module", params=sorted(SERVERS))
 def store(request):
-    root = tempfile.mkdtemp(prefix=f"ws-{request.param}-")
-    try:
-        server, why_not = SERVERS[request.param](root)
-        if server is None:
-            if os.environ.get("CI", "").lower() == "true":
-                pytest.fail(f"{request.param}: {why_not}; under CI every store's server must be installed")
-            pytest.skip(why_not)
-        try:
-            yield server
-        finally:
-            server.stop()
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
+    yield from store_server(*SERVERS[request.param]())
 
 
 @pytest.fixture
 def store_env(store, monkeypatch, fast_tmp_path):
     """The server's client variables in the environment (the only place credentials come from),
     no S3 variables (so nothing here can reach the S3 path by accident), a staging dir per test."""
-    for k in list(os.environ):
-        if k.startswith(("AWS_", "AZURE_", "AZURITE_", "GOOGLE_")):
-            monkeypatch.delenv(k)
-    for k, v in store.env().items():
-        monkeypatch.setenv(k, v)
-    monkeypatch.setenv("WEIGHTSYNC_BUCKET_STAGING_DIR", str(fast_tmp_path / "staging"))
-    monkeypatch.setenv("WEIGHTSYNC_BUCKET_RETRY_TIMEOUT_S", "5")
+    use_only_store(store, monkeypatch, fast_tmp_path)
     return store
 
 
