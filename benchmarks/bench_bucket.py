@@ -92,6 +92,10 @@ def run_round(kind: str, target: str, seed: str, work: str, v1, v2, server) -> d
     with Meter(server) as m:
         r = pub.publish(1, raw1, full=True)
     out["publish v1 (full)"] = (m.wall, m.cpu, m.server_cpu, r.wire_nbytes)
+    if server is not None:
+        with Meter(server) as m:
+            nbytes = store_only(target, os.path.join(seed, "model.safetensors"))
+        out["the server alone: a checkpoint's bytes from curl (one PUT)"] = (m.wall, m.cpu, m.server_cpu, nbytes)
     with Meter(server) as m:
         r = pub.publish(2, raw2)
     out["publish v2 (delta)"] = (m.wall, m.cpu, m.server_cpu, r.wire_nbytes)
@@ -112,6 +116,26 @@ def run_round(kind: str, target: str, seed: str, work: str, v1, v2, server) -> d
     out["pull v2 (chain)"] = (m.wall, m.cpu, m.server_cpu, r.source_nbytes)
     shutil.rmtree(local, ignore_errors=True)
     return out
+
+
+def store_only(url: str, path: str) -> int:
+    """What the server alone takes to store a checkpoint's bytes: one PUT of ``path`` by ``curl``
+    through a presigned URL (next to no client work), to a scratch key deleted after. Its wall
+    time is the floor a full publish of these bytes to this server, on this box, can reach."""
+    import datetime as _dt
+    import subprocess
+
+    import obstore
+
+    from weightsync.storage.source import BucketSource
+
+    src = BucketSource(url)
+    key = f"bench-floor/{uuid.uuid4().hex}"
+    signed = obstore.sign(src.store, "PUT", key, _dt.timedelta(seconds=600))
+    if subprocess.run(["curl", "-sf", "-o", "/dev/null", "-T", path, signed]).returncode != 0:
+        raise RuntimeError("curl failed to PUT to the server")
+    src.delete([key])
+    return os.path.getsize(path)
 
 
 def serve_only(url: str, prefix: str) -> int:
@@ -242,15 +266,15 @@ def report(args, rows, total: int) -> str:
         "server = weed's CPU-s per GB. Ratios: bucket against directory. \"The server alone\": the seed pull's ranged GETs "
         "by curl to /dev/null (next to no client work), against the directory's seed pull: the throughput floor a bucket seed pull "
         "can reach here. \"The client's receive alone\": the same GETs read as the pull reads them, bytes dropped: the CPU a "
-        "bucket pull adds to the directory's at least (the CPU ratio's floor is 1 + that row's CPU / the directory's).",
+        "bucket pull adds to the directory's at least. \"A checkpoint's bytes from curl (one PUT)\": the publish's floor likewise.",
         "",
         "| case | bytes | dir wall | bucket wall | throughput ratio | dir CPU s/GB | bucket CPU s/GB | CPU ratio | server CPU s/GB |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for case, by in rows.items():
         d, b = by.get("dir"), by["bucket"]
-        if d is None:  # the server alone: no directory counterpart; compared with the directory's seed pull
-            d = rows["pull v1 (seed from full)"]["dir"]
+        if d is None:  # the floors: no directory counterpart; compared with the directory's same step
+            d = rows["publish v1 (full)" if "PUT" in case else "pull v1 (seed from full)"]["dir"]
         nbytes = med(b, 3) or med(d, 3)
         gb = max(nbytes, 1) / 1e9
         dw, bw = med(d, 0), med(b, 0)
