@@ -35,6 +35,7 @@ bench: setup-main
 	$(PY) benchmarks/bench_sync.py
 	$(PY) benchmarks/bench_engine.py
 	$(PY) benchmarks/bench_read_back.py --append
+	$(PY) benchmarks/bench_bucket.py --rounds 3 --append
 
 # Time to fleet (issue 29, docs/FLEET.md): 8 and 16 hosts in network namespaces (root), direct
 # against the nginx caching tier; appends its table to benchmarks/RESULTS.md.
