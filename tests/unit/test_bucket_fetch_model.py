@@ -165,3 +165,83 @@ def test_a_presigned_url_is_reused_while_young_and_signed_again_once_half_its_li
     monkeypatch.setattr(signed_get, "_now", lambda: later)
     reader.signed_url("weight_v000001/a.safetensors", 600)
     assert signed == ["weight_v000001/a.safetensors"] * 2
+
+
+def _counting_connects(monkeypatch) -> list[int]:
+    import http.client
+
+    made: list[int] = []
+    real = http.client.HTTPConnection.connect
+
+    def connect(self):
+        made.append(1)
+        return real(self)
+
+    monkeypatch.setattr(http.client.HTTPConnection, "connect", connect)
+    return made
+
+
+def test_a_signed_fetch_keeps_one_connection_per_thread_and_closes_them_all_when_done(env, monkeypatch, fast_tmp_path):
+    from weightsync.storage import source as source_mod
+
+    monkeypatch.setenv("WEIGHTSYNC_BUCKET_RANGE_NBYTES", str(64 << 10))
+    monkeypatch.setenv("WEIGHTSYNC_BUCKET_IN_FLIGHT", "2")
+    made_sessions: list = []
+
+    class Recorded(source_mod.Connections):
+        def __init__(self):
+            super().__init__()
+            made_sessions.append(self)
+
+    monkeypatch.setattr(source_mod, "Connections", Recorded)
+    src = BucketSource(env.url(f"fetch-model/{uuid.uuid4().hex[:8]}"))
+    data = os.urandom(1 << 20)  # 16 ranges
+    obstore.put(src.store, "weight_v000001/model.safetensors", data)
+    obj = src.list()["weight_v000001/model.safetensors"]
+    made = _counting_connects(monkeypatch)
+    dst = str(fast_tmp_path / "dst")
+    src.fetch(obj, dst)
+    with open(dst, "rb") as f:
+        assert f.read() == data
+    assert src._signed is not None
+    assert 1 <= len(made) <= 2, f"{len(made)} connections for 16 ranges on 2 threads (one per range: no keep-alive)"
+    assert [s.open_count() for s in made_sessions] == [0], "a connection of the fetch left open"
+
+
+def test_a_kept_connection_the_server_closed_is_replaced_at_once_and_the_bytes_are_exact(env, monkeypatch, fast_tmp_path):
+    import socket
+
+    from weightsync.storage import source as source_mod
+
+    monkeypatch.setenv("WEIGHTSYNC_BUCKET_RANGE_NBYTES", str(64 << 10))
+    monkeypatch.setenv("WEIGHTSYNC_BUCKET_IN_FLIGHT", "1")
+    sessions: list = []
+
+    class Recorded(source_mod.Connections):
+        def __init__(self):
+            super().__init__()
+            sessions.append(self)
+
+    monkeypatch.setattr(source_mod, "Connections", Recorded)
+    src = BucketSource(env.url(f"fetch-model/{uuid.uuid4().hex[:8]}"))
+    data = os.urandom(1 << 20)  # 16 ranges, one at a time
+    obstore.put(src.store, "weight_v000001/model.safetensors", data)
+    obj = src.list()["weight_v000001/model.safetensors"]
+
+    def drop_kept_connections(done: int, total: int) -> None:
+        if done % (64 << 10) == 0 and done < total:  # a range just ended: its connection is kept
+            for conn in sessions[-1]._open:
+                if conn.sock is not None:
+                    conn.sock.shutdown(socket.SHUT_RDWR)  # what a server's idle timeout does
+
+    made = _counting_connects(monkeypatch)
+    slept: list[float] = []
+    real_sleep = source_mod.time.sleep
+    monkeypatch.setattr(source_mod.time, "sleep", lambda s: slept.append(s) or real_sleep(s))
+    dst = str(fast_tmp_path / "dst")
+    src.fetch(obj, dst, drop_kept_connections)
+    with open(dst, "rb") as f:
+        assert f.read() == data
+    # Every range after the first found its kept connection dead and opened a new one at once:
+    # none was given up and asked again after a backoff.
+    assert len(made) == 16 and slept == []

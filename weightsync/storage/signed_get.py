@@ -10,8 +10,8 @@ allows). Where it cannot sign (GCS, Azure, anonymous access), where a proxy is c
 endpoint (``http.client`` does not speak to proxies), or with ``WEIGHTSYNC_BUCKET_SIGNED_GET=0``,
 the fetch keeps obstore's stream.
 
-One request per range attempt on its own connection, closed after it: descriptors stay bounded
-by the ranges in flight. Every answer is checked as the stream's is: 206 with the planned
+One kept-alive connection per fetching thread and host, all closed when the fetch ends:
+descriptors stay bounded by the ranges in flight. Every answer is checked as the stream's is: 206 with the planned
 ``Content-Range`` and ETag, else a typed error; a body cut short returns where it stopped and
 the caller asks again from there.
 """
@@ -100,48 +100,50 @@ class SignedRanges:
             return got[0]
 
     def read_range(self, key: str, size: int, tag: str, pos: int, end: int, fd: int,
-                   wrote: Callable[[int], None], deadline: Deadline) -> tuple[int, str]:
+                   wrote: Callable[[int], None], deadline: Deadline, conns: "Connections") -> tuple[int, str]:
         """Bytes ``[pos, end)`` of ``key`` written at their offsets in ``fd``. Returns where the
         bytes written stop (``end`` when whole) and, when short, why: a body cut short or a transient
         failure (5xx, throttling, a connection refused or dropped, a timeout), for the caller to ask
         again from there. Raises typed errors for the rest: the object changed (412, another ETag,
         size or range), gone (404), credentials (401/403)."""
         parts = urlsplit(self.signed_url(key, deadline.limit_s))
-        timeout = max(1.0, min(float(REQUEST_TIMEOUT_S.get()), deadline.left()))
-        if parts.scheme == "https":
-            conn: http.client.HTTPConnection = http.client.HTTPSConnection(
-                parts.netloc, timeout=timeout, context=ssl.create_default_context())
-        else:
-            conn = http.client.HTTPConnection(parts.netloc, timeout=timeout)
         operation = f"GET {key} bytes {pos}-{end}"
-        try:
-            headers = {"Range": f"bytes={pos}-{end - 1}"}
-            if tag:
-                headers["If-Match"] = tag
-            conn.request("GET", f"{parts.path}?{parts.query}", headers=headers)
-            resp = conn.getresponse()
-            if resp.status != 206:
-                self._refuse(resp, key, size, pos, end, operation)
-            self._check_answer(resp, key, size, tag, pos, end)
-            buf = memoryview(bytearray(min(BUFFER_NBYTES, end - pos)))
-            while pos < end:
-                n = resp.readinto(buf[:min(len(buf), end - pos)])
-                if not n:
-                    return pos, f"a short body: the range stopped at {pos} of {end}"
-                done = 0
-                while done < n:
-                    done += os.pwrite(fd, buf[done:n], pos + done)
-                pos += n
-                wrote(n)
-            return pos, ""
-        except BucketUnavailableError as e:
-            return pos, e.detail
-        except (SourceChangedError, SourceNotReadyError, BucketCredentialsError, BucketRefusedError):
-            raise
-        except (OSError, http.client.HTTPException, socket.timeout) as e:
-            return pos, f"{type(e).__name__}: {e}"[:300]
-        finally:
-            conn.close()
+        for attempt in (0, 1):
+            conn, reused = conns.get(parts, deadline)
+            began, keep = pos, False
+            try:
+                headers = {"Range": f"bytes={pos}-{end - 1}"}
+                if tag:
+                    headers["If-Match"] = tag
+                conn.request("GET", f"{parts.path}?{parts.query}", headers=headers)
+                resp = conn.getresponse()
+                if resp.status != 206:
+                    self._refuse(resp, key, size, pos, end, operation)
+                self._check_answer(resp, key, size, tag, pos, end)
+                buf = memoryview(bytearray(min(BUFFER_NBYTES, end - pos)))
+                while pos < end:
+                    n = resp.readinto(buf[:min(len(buf), end - pos)])
+                    if not n:
+                        return pos, f"a short body: the range stopped at {pos} of {end}"
+                    done = 0
+                    while done < n:
+                        done += os.pwrite(fd, buf[done:n], pos + done)
+                    pos += n
+                    wrote(n)
+                keep = resp.isclosed() and not resp.will_close  # the whole body read: the connection can serve the next range
+                return pos, ""
+            except BucketUnavailableError as e:
+                return pos, e.detail
+            except (SourceChangedError, SourceNotReadyError, BucketCredentialsError, BucketRefusedError):
+                raise
+            except (OSError, http.client.HTTPException, socket.timeout) as e:
+                if reused and pos == began and attempt == 0:
+                    continue  # a kept connection the server had closed meanwhile: once more on a fresh one
+                return pos, f"{type(e).__name__}: {e}"[:300]
+            finally:
+                if not keep:
+                    conn.close()
+        return pos, "no answer on a fresh connection"
 
     def _check_answer(self, resp, key: str, size: int, tag: str, pos: int, end: int) -> None:
         got_tag = resp.getheader("ETag")
@@ -180,4 +182,46 @@ class SignedRanges:
         raise BucketUnavailableError(self.name, operation, f"HTTP {status} {code or resp.reason}".strip())
 
 
-__all__ = ["SignedRanges", "SIGNED_GET"]
+class Connections:
+    """The connections of one fetch: one kept alive per thread and host (a TLS handshake per
+    32 MiB range would cost a real store several percent), every one listed so ``close`` ends
+    them all when the fetch is done. Descriptors: at most the fetch's threads x hosts."""
+
+    def __init__(self) -> None:
+        self._local = threading.local()
+        self._open: list[http.client.HTTPConnection] = []
+        self._lock = threading.Lock()
+
+    def get(self, parts, deadline: Deadline) -> tuple[http.client.HTTPConnection, bool]:
+        """This thread's connection to ``parts``' host (made when there is none), and whether it
+        is open from an earlier range (the server may have closed it since)."""
+        timeout = max(1.0, min(float(REQUEST_TIMEOUT_S.get()), deadline.left()))
+        conns = self._local.__dict__.setdefault("conns", {})
+        conn = conns.get((parts.scheme, parts.netloc))
+        reused = conn is not None and conn.sock is not None
+        if conn is None:
+            if parts.scheme == "https":
+                conn = http.client.HTTPSConnection(parts.netloc, timeout=timeout, context=ssl.create_default_context())
+            else:
+                conn = http.client.HTTPConnection(parts.netloc, timeout=timeout)
+            conns[(parts.scheme, parts.netloc)] = conn
+            with self._lock:
+                self._open.append(conn)
+        conn.timeout = timeout  # a closed connection reconnects on its next request, with this
+        if conn.sock is not None:
+            conn.sock.settimeout(timeout)
+        return conn, reused
+
+    def close(self) -> None:
+        with self._lock:
+            conns, self._open = self._open, []
+        for conn in conns:
+            conn.close()
+
+    def open_count(self) -> int:
+        """Connections with a socket now (for the tests of the bound)."""
+        with self._lock:
+            return sum(1 for c in self._open if c.sock is not None)
+
+
+__all__ = ["SignedRanges", "Connections", "SIGNED_GET"]

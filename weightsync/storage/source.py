@@ -40,7 +40,7 @@ from .client import (
     same_etag,
     typed_error,
 )
-from .signed_get import SignedRanges
+from .signed_get import Connections, SignedRanges
 from .url import BucketURL, parse_bucket_url
 
 Progress = Callable[[int, int], None]
@@ -285,24 +285,27 @@ class BucketSource:
                     progress(done[0], obj.size)
 
         fd = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        conns = Connections()  # the signed path's kept-alive connections, closed when this object is done
         try:
             if obj.size:
                 os.ftruncate(fd, obj.size)
             workers = max(1, min(int(FETCH_IN_FLIGHT.get()), len(ranges)))
             if workers == 1:
                 for r in ranges:
-                    self._fetch_range(fd, obj, r, deadline, wrote)
+                    self._fetch_range(fd, obj, r, deadline, wrote, conns)
             else:
                 with ThreadPoolExecutor(workers, thread_name_prefix="weightsync-fetch") as pool:
-                    for f in [pool.submit(self._fetch_range, fd, obj, r, deadline, wrote) for r in ranges]:
+                    for f in [pool.submit(self._fetch_range, fd, obj, r, deadline, wrote, conns) for r in ranges]:
                         f.result()
         finally:
+            conns.close()
             os.close(fd)
         if done[0] != obj.size:  # cannot happen: every range returns only when complete
             raise BucketUnavailableError(self.name, f"GET {obj.key}", f"{done[0]} of {obj.size} bytes written")
         return obj.size
 
-    def _fetch_range(self, fd: int, obj: ObjectInfo, r: tuple[int, int], deadline: Deadline, wrote) -> None:
+    def _fetch_range(self, fd: int, obj: ObjectInfo, r: tuple[int, int], deadline: Deadline, wrote,
+                     conns: Connections) -> None:
         import obstore
         from obstore.exceptions import PreconditionError
 
@@ -314,7 +317,7 @@ class BucketSource:
                 opts["if_match"] = obj.tag
             try:
                 if self._signed is not None:
-                    pos, why = self._signed.read_range(obj.key, obj.size, obj.tag, pos, end, fd, wrote, deadline)
+                    pos, why = self._signed.read_range(obj.key, obj.size, obj.tag, pos, end, fd, wrote, deadline, conns)
                     if pos >= end:
                         return
                     raise _Retry(why)
