@@ -170,6 +170,14 @@ def typed_error(e: BaseException, url: BucketURL, operation: str) -> WeightSyncE
     return BucketUnavailableError(str(url), operation, detail)
 
 
+def object_gone(name: str, key: str) -> SourceNotReadyError:
+    """A planned object the store no longer has (a 404 mid-fetch)."""
+    return SourceNotReadyError(
+        f"{name}/{key} is gone (pruned while the pull was reading it?); nothing local changed. "
+        "Retry the pull: it plans from what is published now."
+    )
+
+
 # A 4xx that no retry changes; 408 (timeout) and 429 (throttling) are worth asking again, and
 # 401/403/404/409/412 have their own meanings above.
 FINAL_4XX = {400, 405, 406, 411, 413, 414, 415, 416, 422, 431, 501}

@@ -38,7 +38,7 @@ from ..errors import (
     SourceNotReadyError,
 )
 from ..knobs import Knob
-from .client import FINAL_4XX, REQUEST_TIMEOUT_S, Deadline, same_etag
+from .client import FINAL_4XX, REQUEST_TIMEOUT_S, Deadline, object_gone, same_etag
 from .url import BucketURL
 
 SIGNED_GET = Knob("WEIGHTSYNC_BUCKET_SIGNED_GET", 1,
@@ -166,10 +166,7 @@ class SignedRanges:
         if status == 412:
             raise SourceChangedError(self.name, key)
         if status == 404:
-            raise SourceNotReadyError(
-                f"{self.name}/{key} is gone (pruned while the pull was reading it?); nothing local changed. "
-                "Retry the pull: it plans from what is published now."
-            )
+            raise object_gone(self.name, key)
         if status in (401, 403):
             raise BucketCredentialsError(self.name, operation, f"{code or status} (the store's answer)")
         if status == 416:

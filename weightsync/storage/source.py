@@ -36,6 +36,7 @@ from .client import (
     PUT_CONCURRENCY,
     TRANSIENT,
     Deadline,
+    object_gone,
     open_store,
     same_etag,
     typed_error,
@@ -306,63 +307,59 @@ class BucketSource:
 
     def _fetch_range(self, fd: int, obj: ObjectInfo, r: tuple[int, int], deadline: Deadline, wrote,
                      conns: Connections) -> None:
-        import obstore
-        from obstore.exceptions import PreconditionError
-
+        """Range ``r`` of ``obj`` into ``fd``: asked again from where it stopped, with backoff,
+        until it is whole or the deadline passes. Each attempt (signed, or obstore's stream)
+        returns where its bytes stop and why, or raises a typed error no retry changes."""
         pos, end = r
         backoff = 0.1
-        while pos < end:
-            opts: dict = {"range": (pos, end)}
-            if obj.tag:
-                opts["if_match"] = obj.tag
-            try:
-                if self._signed is not None:
-                    pos, why = self._signed.read_range(obj.key, obj.size, obj.tag, pos, end, fd, wrote, deadline, conns)
-                    if pos >= end:
-                        return
-                    raise _Retry(why)
-                res = obstore.get(self.store, obj.key, options=opts)  # type: ignore[arg-type]
-                tag = res.meta.get("e_tag")
-                if obj.tag and tag and not same_etag(tag, obj.tag):
-                    raise SourceChangedError(self.name, obj.key, f" (ETag {tag}, planned {obj.tag})")
-                if res.meta.get("size") is not None and int(res.meta["size"]) != obj.size:
-                    raise SourceChangedError(self.name, obj.key, f" (now {res.meta['size']} bytes, listed {obj.size})")
-                for chunk in res.stream(min_chunk_size=CHUNK_NBYTES):
-                    view = memoryview(chunk)
-                    if len(view) > end - pos:
-                        raise SourceChangedError(self.name, obj.key, f" (a body longer than the range {r[0]}-{end})")
-                    off = 0
-                    while off < len(view):
-                        off += os.pwrite(fd, view[off:], pos + off)
-                    pos += len(view)
-                    wrote(len(view))
-                if pos >= end:
-                    return
-                why = f"a short body: the range {r[0]}-{end} stopped at {pos}"
-            except _Retry as again:
-                why = str(again)
-            except SourceNotReadyError:  # the signed path's typed answer (changed, gone): as it is
-                raise
-            except PreconditionError:
-                raise SourceChangedError(self.name, obj.key) from None
-            except FileNotFoundError:
-                raise SourceNotReadyError(
-                    f"{self.name}/{obj.key} is gone (pruned while the pull was reading it?); nothing local changed. "
-                    "Retry the pull: it plans from what is published now."
-                ) from None
-            except Exception as e:
-                typed = typed_error(e, self.url, f"GET {obj.key} bytes {pos}-{end}")
-                if not isinstance(typed, TRANSIENT):
-                    raise typed from e
-                why = str(e).splitlines()[0][:300]
+        while True:
+            if self._signed is not None:
+                pos, why = self._signed.read_range(obj.key, obj.size, obj.tag, pos, end, fd, wrote, deadline, conns)
+            else:
+                pos, why = self._stream_range(fd, obj, pos, end, wrote)
+            if pos >= end:
+                return
             if deadline.expired():
                 raise BucketUnavailableError(self.name, f"GET {obj.key}", f"{why}; gave up after {deadline.limit_s:.0f}s")
             time.sleep(min(backoff, max(0.0, deadline.left())))
             backoff = min(backoff * 2, 5.0)
 
+    def _stream_range(self, fd: int, obj: ObjectInfo, pos: int, end: int, wrote) -> tuple[int, str]:
+        """One attempt at bytes ``[pos, end)`` through obstore's stream: (where they stop, why)."""
+        import obstore
+        from obstore.exceptions import PreconditionError
 
-class _Retry(Exception):
-    """A range that stopped short or failed transiently: asked again from where it stopped."""
+        opts: dict = {"range": (pos, end)}
+        if obj.tag:
+            opts["if_match"] = obj.tag
+        try:
+            res = obstore.get(self.store, obj.key, options=opts)  # type: ignore[arg-type]
+            tag = res.meta.get("e_tag")
+            if obj.tag and tag and not same_etag(tag, obj.tag):
+                raise SourceChangedError(self.name, obj.key, f" (ETag {tag}, planned {obj.tag})")
+            if res.meta.get("size") is not None and int(res.meta["size"]) != obj.size:
+                raise SourceChangedError(self.name, obj.key, f" (now {res.meta['size']} bytes, listed {obj.size})")
+            for chunk in res.stream(min_chunk_size=CHUNK_NBYTES):
+                view = memoryview(chunk)
+                if len(view) > end - pos:
+                    raise SourceChangedError(self.name, obj.key, f" (a body longer than the range ending at {end})")
+                off = 0
+                while off < len(view):
+                    off += os.pwrite(fd, view[off:], pos + off)
+                pos += len(view)
+                wrote(len(view))
+            return pos, "" if pos >= end else f"a short body: the range stopped at {pos} of {end}"
+        except SourceNotReadyError:  # our own typed answer (changed): as it is
+            raise
+        except PreconditionError:
+            raise SourceChangedError(self.name, obj.key) from None
+        except FileNotFoundError:
+            raise object_gone(self.name, obj.key) from None
+        except Exception as e:
+            typed = typed_error(e, self.url, f"GET {obj.key} bytes {pos}-{end}")
+            if not isinstance(typed, TRANSIENT):
+                raise typed from e
+            return pos, str(e).splitlines()[0][:300]
 
 
 def open_source(root: str) -> "Source":
