@@ -342,18 +342,23 @@ def pull(
     # With a pre-read hook (a pull through a mirror: its fetch runs in the hook) a seed fingerprint
     # that hashes every byte is computed while the hook runs; it is waited for only where it is
     # read: a co-located pull's note, a marker that names the target, and after the hook.
-    seed_of = seed_fingerprint_started(seed_dir) if hook is not None and target_version > 0 else None
-    if seed_of is None:
+    if hook is not None and target_version > 0:
+        seed_of = seed_fingerprint_started(seed_dir)
+    else:
         fingerprint = seed_fingerprint(seed_dir)
-        seed_of = (lambda: fingerprint) if fingerprint != NO_SEED else None
+        seed_of = None if fingerprint == NO_SEED else (lambda: fingerprint)
+
+    def unusable_seed() -> SeedDirUnusableError:
+        return SeedDirUnusableError(seed_dir, explain_seed_dir(seed_dir) or "it is not a readable checkpoint")
+
     if seed_of is None:
-        raise SeedDirUnusableError(seed_dir, explain_seed_dir(seed_dir) or "it is not a readable checkpoint")
+        raise unusable_seed()
     source_real = os.path.realpath(source_dir)
 
     def origin_now(run: "str | None") -> Origin:
         seed = seed_of()
         if seed == NO_SEED:
-            raise SeedDirUnusableError(seed_dir, explain_seed_dir(seed_dir) or "it is not a readable checkpoint")
+            raise unusable_seed()
         return Origin(source_real, run, seed)
 
     run_id = read_run_id(run_path(source_dir))
@@ -440,7 +445,7 @@ def _marker_may_name(local_checkpoint_dir: str, target_version: int) -> bool:
     try:
         state = read_applied_state(state_path(local_checkpoint_dir))
         return state is not None and parse_version_number(state.version, "version", state_path(local_checkpoint_dir)) == target_version
-    except Exception:
+    except (WeightSyncError, OSError, ValueError):
         return True
 
 

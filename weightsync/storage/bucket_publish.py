@@ -329,7 +329,7 @@ class BucketTarget:
             if key in there and there[key].size == os.path.getsize(path):
                 continue  # the same bytes, uploaded by an earlier attempt
             uploads.append((key, path))
-        self._put_all(uploads)
+        self.put_all(uploads)
         for entry in sorted(os.listdir(local)):
             path = os.path.join(local, entry)
             if entry == INDEX_NAME or is_weight_file(entry) or entry.startswith(".") or not os.path.isfile(path):
@@ -352,7 +352,7 @@ class BucketTarget:
         self.uploaded.add(name)
         log.info("%s/%s committed (%d shard(s))", self.url, name, len(keys))
 
-    def _put_all(self, uploads: list[tuple[str, str]]) -> None:
+    def put_all(self, uploads: list[tuple[str, str]]) -> None:
         """Upload (key, path) pairs, WEIGHTSYNC_BUCKET_OBJECTS_IN_FLIGHT at once (each itself a
         multipart upload of a few parts in flight); all finish before the first error is raised."""
         workers = max(1, min(int(OBJECTS_IN_FLIGHT.get()), len(uploads)))
@@ -393,10 +393,11 @@ class BucketTarget:
         local = os.path.join(self.staging_dir, name)
         with open(os.path.join(local, INDEX_NAME), "rb") as f:
             index = json.loads(f.read())
-        index["weight_map"] = {
-            t: content_key(f, os.path.join(local, f)) for t, f in index.get("weight_map", {}).items()
-        }
-        _rename_file_digests(index, {f: content_key(f, os.path.join(local, f)) for f in index.get("file_digests", {})})
+        # One key per file (a file not named by its content is hashed to name it: once, not per tensor).
+        files = set(index.get("weight_map", {}).values()) | set(index.get("file_digests", {}))
+        keys = {f: content_key(f, os.path.join(local, f)) for f in files}
+        index["weight_map"] = {t: keys[f] for t, f in index.get("weight_map", {}).items()}
+        _rename_file_digests(index, keys)
         return json.dumps(index, indent=1).encode()
 
     # --- after pruning --------------------------------------------------------------------

@@ -98,7 +98,7 @@ class RankReports:
                 shards[key] = size
                 if key not in there or there[key].size != size:
                     uploads.append((key, path))
-        self.target._put_all(uploads)
+        self.target.put_all(uploads)
         scope = self.lease_scope()
         body = msgspec.json.encode(RankReport(version, rank, scope, shards, manifest))
         key = f"{reports_prefix(version)}{scope}/r{rank:05d}-{xxhash.xxh3_128(body).hexdigest()[:16]}.json"
