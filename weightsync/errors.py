@@ -17,6 +17,7 @@ answers). Messages say what happened, expected vs actual, and what to do.
 from __future__ import annotations
 
 import errno
+import os
 from typing import Iterable, Sequence
 
 __all__ = [
@@ -666,6 +667,32 @@ class BucketURLError(InvalidRequestError):
         super().__init__(f"bucket URL {url!r} cannot be used: {detail}. Expected s3://bucket/prefix (or gs://, az://).")
 
 
+class BucketConfigError(WeightSyncError, ValueError):
+    """The object-store client cannot be configured from the environment (an Azure URL with no
+    account named, a malformed endpoint): nothing was asked of any store, and retrying changes
+    nothing until the environment does."""
+
+    error_type = "bucket_config"
+    http_status = 400
+
+    def __init__(self, url: str, detail: str):
+        self.url = url
+        self.detail = detail
+        super().__init__(
+            f"the client for {url} cannot be configured from the environment: {detail}. Set the store's "
+            f"variables ({_store_variables(url)}; docs/BUCKETS.md) where the pull or publish runs. Nothing was written."
+        )
+
+
+def _store_variables(url: str) -> str:
+    """The environment variables that configure a URL's store."""
+    if url.startswith("az://"):
+        return "AZURE_STORAGE_ACCOUNT_NAME with AZURE_STORAGE_ACCOUNT_KEY or a SAS or client secret; AZURE_STORAGE_ENDPOINT"
+    if url.startswith("gs://"):
+        return "GOOGLE_APPLICATION_CREDENTIALS or GOOGLE_SERVICE_ACCOUNT (a key file)"
+    return "AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_REGION, AWS_ENDPOINT_URL"
+
+
 class BucketRefusedError(WeightSyncError, ConnectionError):
     """The store answered a request with a refusal that no retry changes (400, 405, 411, 501 ...):
     it does not support the request (an S3-compatible store without conditional writes or
@@ -778,7 +805,7 @@ class BucketConflictError(VersionAlreadyPublishedError):
 
 
 __all__ += [
-    "BucketClientMissingError", "BucketURLError", "BucketCredentialsError", "BucketUnavailableError", "BucketRefusedError",
+    "BucketClientMissingError", "BucketURLError", "BucketCredentialsError", "BucketUnavailableError", "BucketRefusedError", "BucketConfigError",
     "SourceChangedError", "ConditionalWritesUnsupportedError", "BucketConflictError",
 ]
 
@@ -1039,3 +1066,35 @@ class RankReportMismatchError(PublishError):
 
 
 __all__ += ["RankReportMissingError", "RankReportMismatchError"]
+
+
+def name_the_source(error: BaseException, root: str, url: str) -> BaseException:
+    """``error`` with every mention of the host-local dir ``root`` replaced by the source ``url``
+    it stands for (a pull's mirror of a bucket, a publisher's staging copy): an operator needs
+    ``s3://.../weight_v000003``, not ``.weight_sync/sources/<hash>/weight_v000003``. Rewritten in
+    place, so its type, its data attributes and its traceback stay; returned for ``raise``."""
+    roots = sorted({root.rstrip(os.sep), os.path.realpath(root)}, key=len, reverse=True)
+    url = url.rstrip("/")
+
+    def fix(value):
+        if isinstance(value, str):
+            for r in roots:
+                value = value.replace(r, url)
+            return value
+        if isinstance(value, (list, tuple)) and any(isinstance(v, str) for v in value):
+            return type(value)(fix(v) for v in value)
+        return value
+
+    try:
+        error.args = tuple(fix(a) for a in error.args)
+        for name, value in list(vars(error).items()):
+            fixed = fix(value)
+            if fixed is not value:
+                setattr(error, name, fixed)
+        if isinstance(error, OSError):  # slots, not in vars(); set only when there (str() changes)
+            for name in ("filename", "filename2"):
+                if isinstance(getattr(error, name), str):
+                    setattr(error, name, fix(getattr(error, name)))
+    except (AttributeError, TypeError):
+        pass  # an error that refuses a new attribute value keeps the mirror's path: still typed
+    return error

@@ -96,3 +96,17 @@ def test_a_changed_request_or_retry_timeout_gets_a_new_client_and_the_same_envir
     assert second is not first
     monkeypatch.setenv("WEIGHTSYNC_BUCKET_REQUEST_TIMEOUT_S", "7")
     assert open_store(url) is not second
+
+
+def test_an_azure_url_with_no_account_in_the_environment_is_a_config_error_naming_the_variables(monkeypatch, tmp_path):
+    pytest.importorskip("obstore")
+    from weightsync import pull
+
+    for k in list(__import__("os").environ):
+        if k.startswith(("AWS_", "AZURE_", "AZURITE_", "GOOGLE_")):
+            monkeypatch.delenv(k)
+    local = tmp_path / "local"
+    with pytest.raises(errors.BucketConfigError) as e:
+        pull(str(local), str(tmp_path / "seed"), "az://container/run1", 1)
+    assert not e.value.retryable and e.value.http_status == 400
+    assert "AZURE_STORAGE_ACCOUNT_NAME" in str(e.value) and not local.exists()

@@ -594,3 +594,28 @@ def test_an_indexless_full_version_in_a_bucket_pulls_as_it_does_from_a_directory
     with pytest.raises(errors.VersionMissingError, match=rf"{bucket_run.url}/weight_v000003/"):
         pull(fresh, bucket_run.seed, bucket_run.url, 3)
     assert not os.path.exists(fresh)
+
+
+def test_a_refused_publish_to_a_bucket_names_the_bucket_url_not_the_staging_copy(bucket_run):
+    pub = bucket_run.publisher()
+    bucket_run.publish_versions(pub, 1, full_at={1})
+    staging = pub.destination.dir
+    with pytest.raises(errors.VersionNumberError) as e:
+        pub.publish(5, bucket_run.next_tensors())
+    text = str(e.value)
+    assert bucket_run.url in text and staging not in text and "publish 2 next" in text
+    pub.close()
+
+
+def test_a_publisher_with_wrong_credentials_is_refused_at_its_first_write_naming_that_write(bucket_run, monkeypatch):
+    import obstore
+
+    obstore.put(BucketSource(bucket_run.url + "-other").store, "x", b"x")  # the bucket exists (weed makes it lazily)
+    secret = os.environ["AWS_SECRET_ACCESS_KEY"]
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "not-the-secret")
+    with pytest.raises(errors.BucketCredentialsError) as e:
+        bucket_run.publisher()
+    # The refused write itself (the start-up probe's create), not a clean-up after it.
+    assert e.value.operation.startswith("PUT") and "SignatureDoesNotMatch" in str(e.value), str(e.value)
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", secret)
+    assert BucketSource(bucket_run.url).list() == {}  # nothing was written

@@ -41,7 +41,9 @@ from ..errors import (
     UnsupportedFormatError,
     VersionAlreadyPublishedError,
     VersionConflictError,
+    WeightSyncError,
     host_resource_error,
+    name_the_source,
 )
 from ..format.checksum import DEFAULT_CHECKSUM, new_hasher, supported_checksums
 from ..format.file_digests import FILE_DIGEST_ALGORITHM, FILE_DIGESTS_KEY, digest_file, read_file_digests, with_file_digests
@@ -89,21 +91,27 @@ DEFAULT_ENCODING = "sparse-v1"  # ours; "xor" and "overwrite" stay available for
 
 def _host_errors_typed(method):
     """Out of disk (ENOSPC, EDQUOT), memory or descriptors while publishing: HostResourceError
-    (the README's exit code 7) instead of a bare OSError; the version stays retryable."""
+    (the README's exit code 7) instead of a bare OSError; the version stays retryable. A typed
+    error names the destination readers know (a bucket URL), not its host-local staging copy."""
     import functools
 
     @functools.wraps(method)
     def wrapper(self, *args, **kwargs):
         try:
-            return method(self, *args, **kwargs)
-        except (OSError, MemoryError) as e:
-            typed = host_resource_error(e)
-            if typed is None:
-                raise
-            raise HostResourceError(typed.resource, typed.errno_name, typed.detail, (
-                f"Free {typed.resource} on the publishing host (the source dir's filesystem for disk), then retry "
-                "the same publish: a version whose index did not land is finished with the same bytes "
-                "(Publisher.finish_pending()), and nothing published was touched.")) from e
+            try:
+                return method(self, *args, **kwargs)
+            except (OSError, MemoryError) as e:
+                typed = host_resource_error(e)
+                if typed is None:
+                    raise
+                raise HostResourceError(typed.resource, typed.errno_name, typed.detail, (
+                    f"Free {typed.resource} on the publishing host (the source dir's filesystem for disk), then retry "
+                    "the same publish: a version whose index did not land is finished with the same bytes "
+                    "(Publisher.finish_pending()), and nothing published was touched.")) from e
+        except WeightSyncError as e:
+            if self.destination.name != self.destination.dir:
+                name_the_source(e, self.destination.dir, self.destination.name)
+            raise
 
     return wrapper
 

@@ -18,6 +18,7 @@ from ..errors import (
     LockTimeoutError,
     VersionMissingError,
     WeightSyncError,
+    name_the_source,
 )
 from ..format.layout import INDEX_NAME, state_path, version_dir_name
 from ..format.manifest import read_applied_state
@@ -25,7 +26,7 @@ from ..storage.mirror import Mirror, mirror_dir
 from ..storage.source import BucketSource
 from ..storage.url import parse_bucket_url
 from .lock import acquire_host_lock
-from .mirrored import check_mirrored_request, name_the_source, planning_origin, tell_the_fallback
+from .mirrored import check_mirrored_request, planning_origin, tell_the_fallback
 from .mirrored import plan_keys as plan_mirrored_keys
 from .seed import HAND_OVER
 

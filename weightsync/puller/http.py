@@ -20,12 +20,13 @@ from ..errors import (
     SourceNotReadyError,
     VersionMissingError,
     WeightSyncError,
+    name_the_source,
 )
 from ..format.layout import INDEX_NAME, state_path, version_dir_name
 from ..format.manifest import parse_version_number, read_applied_state
 from ..storage.http import NO_CACHE, HttpSource, parse_http_url
 from ..storage.mirror import Mirror, mirror_dir
-from .mirrored import check_mirrored_request, name_the_source, planning_origin, tell_the_fallback
+from .mirrored import check_mirrored_request, planning_origin, tell_the_fallback
 from .mirrored import plan_keys as plan_mirrored_keys
 from .seed import HAND_OVER
 

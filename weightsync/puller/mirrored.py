@@ -70,38 +70,6 @@ def plan_keys(local_checkpoint_dir: str, seed_dir: str, root: str, target: int, 
     return keys, plan.reason
 
 
-def name_the_source(error: BaseException, root: str, url: str) -> BaseException:
-    """``error`` (raised by the ordinary pull on the mirror ``root``) with every mention of the
-    mirror replaced by the source ``url``: an operator needs ``s3://.../weight_v000003``, not the
-    host-local ``.weight_sync/sources/<hash>/weight_v000003``. Rewritten in place, so its type,
-    its data attributes and its traceback stay; returned for ``raise``."""
-    roots = sorted({root.rstrip(os.sep), os.path.realpath(root)}, key=len, reverse=True)
-    url = url.rstrip("/")
-
-    def fix(value):
-        if isinstance(value, str):
-            for r in roots:
-                value = value.replace(r, url)
-            return value
-        if isinstance(value, (list, tuple)) and any(isinstance(v, str) for v in value):
-            return type(value)(fix(v) for v in value)
-        return value
-
-    try:
-        error.args = tuple(fix(a) for a in error.args)
-        for name, value in list(vars(error).items()):
-            fixed = fix(value)
-            if fixed is not value:
-                setattr(error, name, fixed)
-        if isinstance(error, OSError):  # slots, not in vars(); set only when there (str() changes)
-            for name in ("filename", "filename2"):
-                if isinstance(getattr(error, name), str):
-                    setattr(error, name, fix(getattr(error, name)))
-    except (AttributeError, TypeError):
-        pass  # an error that refuses a new attribute value keeps the mirror's path: still typed
-    return error
-
-
 def tell_the_fallback(result, first: str, how: str, reseed: bool = True) -> None:
     """A pull through the mirror that failed once and succeeded on its second run (``how``: what
     that run had more of). The first failure (a replay after a reseed reaching an unfetched

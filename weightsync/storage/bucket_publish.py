@@ -94,11 +94,12 @@ class BucketTarget:
         """Create one probe key twice, create-only: the second must be refused, else the store
         does not honour ``If-None-Match: *`` and cannot carry the commit protocol."""
         key = f".weightsync-probe/{uuid.uuid4().hex}"
+        first = self.source.create(key, b"1")  # refused (credentials, a store that refuses): that error, as it is
         try:
-            first = self.source.create(key, b"1")
             second = self.source.create(key, b"2")
         finally:
-            self.source.delete([key])
+            if first:
+                self.source.delete([key])
         if not first or second:
             raise ConditionalWritesUnsupportedError(str(self.url))
 
@@ -192,6 +193,11 @@ class BucketTarget:
     def dir(self) -> str:
         """What the publisher writes and commits in: the host-local staging copy."""
         return self.staging_dir
+
+    @property
+    def name(self) -> str:
+        """What readers call it, and errors name: the bucket URL."""
+        return str(self.url)
 
     def write_run_identity(self, atomic: bool) -> None:
         # Settled when the target was opened (the bucket's, created only if absent); a staging

@@ -26,6 +26,7 @@ from datetime import timedelta
 
 from ..errors import (
     BucketClientMissingError,
+    BucketConfigError,
     BucketCredentialsError,
     BucketRefusedError,
     BucketUnavailableError,
@@ -117,8 +118,8 @@ def open_store(url: BucketURL):
                 config["unsigned_payload"] = _truthy(choice) if choice else not client_options.get("allow_http", False)
             try:
                 store = from_url(str(url), config=config or None, client_options=client_options, retry_config=retry)  # type: ignore[arg-type,call-overload]
-            except Exception as e:
-                raise BucketUnavailableError(str(url), "configuring the client", str(e).splitlines()[0]) from e
+            except Exception as e:  # made from the environment alone: nothing a retry changes
+                raise BucketConfigError(str(url), str(e).splitlines()[0]) from e
             _stores[key] = store
     return store
 

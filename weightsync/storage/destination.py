@@ -3,6 +3,7 @@ whether it holds a directory or a bucket:
 
 - ``dir``: the local directory the publisher writes into and commits in (the source dir itself,
   or a bucket's host-local staging copy, ``storage.bucket_publish``);
+- ``name``: what readers call it (the dir, or the bucket URL): errors name it, not ``dir``;
 - ``write_run_identity(atomic)``: the run file, created once (a bucket's was settled when it was
   opened: created only if absent in the bucket, and copied into the staging dir);
 - ``publish_committed()``: after each commit, make what was committed in ``dir`` visible to
@@ -36,6 +37,9 @@ class Destination(Protocol):
     @property
     def dir(self) -> str: ...
 
+    @property
+    def name(self) -> str: ...
+
     def write_run_identity(self, atomic: bool) -> None: ...
 
     def publish_committed(self) -> None: ...
@@ -50,6 +54,7 @@ class DirectoryDestination:
 
     def __init__(self, path: str):
         self.dir = path
+        self.name = path
 
     def write_run_identity(self, atomic: bool) -> None:
         write_run_identity(self.dir, atomic)
